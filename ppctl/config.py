@@ -1,0 +1,464 @@
+"""The typed configuration schema, its composition with Hydra, and validation.
+
+The schema is a tree of dataclasses registered in Hydra's ConfigStore: a misspelled
+key or a wrong type is refused while composing. ``validate`` then checks the rules
+that span several settings (world size, divisibility, schedule rules) and raises
+``ConfigError`` with one line naming the setting and the rule. All of this is pure:
+no process is started and no process group is touched.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from ppctl.parallel.layout import LayoutError, ParallelLayout, split_layers
+
+PACKAGE_CONF_DIR = Path(__file__).resolve().parent / "conf"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message is one line naming the setting and the rule."""
+
+
+@dataclass
+class ModelConfig:
+    """GPT shape. ``vocab_size`` is the tokenizer's; it is padded for TP (see ``padded_vocab_size``)."""
+
+    name: str = "gpt_tiny"
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_heads: int = 4
+    ffn_hidden_size: int = 256
+    vocab_size: int = 257
+    max_seq_length: int = 256
+    position_embedding: str = "learned"
+    tie_embeddings: bool = False
+    norm_epsilon: float = 1e-5
+    init_std: float = 0.02
+    make_vocab_size_divisible_by: int = 64
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel sizes; world size = tp * cp * dp * pp."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    dp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    order: str = "tp-cp-dp-pp"
+    pipeline_layout: Optional[str] = None
+
+
+@dataclass
+class ScheduleConfig:
+    """Which pipeline schedule runs the microbatches."""
+
+    name: str = "1f1b"
+
+
+@dataclass
+class DataConfig:
+    """Where samples come from: ``python_stdlib`` (embedded default), ``text_file`` or ``synthetic``."""
+
+    source: str = "python_stdlib"
+    path: Optional[str] = None
+    cache_dir: str = "data/cache"
+    tokenizer: str = "byte"
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW settings; ``clip_grad`` <= 0 disables clipping."""
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    distributed: bool = False
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop."""
+
+    max_steps: int = 60
+    global_batch_size: int = 8
+    micro_batch_size: int = 2
+    seq_length: int = 64
+    seed: int = 1234
+    out_dir: Optional[str] = None
+    precision: str = "fp32"
+    log_every: int = 5
+    tensorboard: bool = True
+    trace: bool = False
+
+
+@dataclass
+class LauncherConfig:
+    """How workers are started (torchrun)."""
+
+    nnodes: int = 1
+    nproc_per_node: Optional[int] = None
+    node_rank: int = 0
+    rdzv_endpoint: Optional[str] = None
+    rdzv_id: Optional[str] = None
+    backend: str = "auto"
+    threads_per_worker: Optional[int] = None
+    timeout_s: int = 120
+    inject_fault: Optional[str] = None
+
+
+@dataclass
+class PpctlConfig:
+    """The whole configuration tree."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+
+SCHEMA_GROUPS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "schedule": ScheduleConfig,
+    "data": DataConfig,
+    "optimizer": OptimizerConfig,
+}
+
+# ---------------------------------------------------------------------------
+# Composition
+# ---------------------------------------------------------------------------
+
+
+def _register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name="ppctl_schema", node=PpctlConfig)
+    for group, node in SCHEMA_GROUPS.items():
+        store.store(group=group, name=f"{group}_schema", node=node)
+
+
+def compose_config(
+    overrides: list[str] | None = None,
+    config_dir: str | os.PathLike | None = None,
+    config_name: str = "config",
+) -> PpctlConfig:
+    """Compose the Hydra config with ``overrides`` into a typed ``PpctlConfig``.
+
+    ``config_dir`` is a user's own config tree; ppctl's groups stay on the search path
+    behind it, so a user tree may hold only what it changes. Raises ``ConfigError``
+    with one line for unknown keys, bad types and missing files.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    _register_schema()
+    primary = Path(config_dir).resolve() if config_dir else PACKAGE_CONF_DIR
+    if not primary.is_dir():
+        raise ConfigError(f"--config-dir {config_dir}: no such directory")
+    extra = [f"hydra.searchpath=[file://{PACKAGE_CONF_DIR}]"] if config_dir else []
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(primary), version_base=None):
+            composed = compose(config_name=config_name, overrides=list(overrides or []) + extra)
+        composed = OmegaConf.merge(OmegaConf.structured(PpctlConfig), _without_hydra(composed))
+        return OmegaConf.to_object(composed)
+    except ConfigError:
+        raise
+    except Exception as error:  # Hydra and OmegaConf errors are many classes; report one line
+        raise ConfigError(_one_line(error)) from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _without_hydra(composed: Any) -> Any:
+    from omegaconf import OmegaConf, open_dict
+
+    with open_dict(composed):
+        composed.pop("hydra", None)
+    return OmegaConf.create(OmegaConf.to_container(composed, resolve=True))
+
+
+def _one_line(error: BaseException) -> str:
+    """Fold a Hydra/OmegaConf error (often several lines, often chained) into one line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0] if lines else type(error).__name__
+    if "Available options" in str(error):
+        options = [line for line in lines[1:] if not line.endswith(":") and "_schema" not in line]
+        options = options[: next((i for i, line in enumerate(options) if "=" in line), len(options))]
+        return f"{text.rstrip('.:')}; available: {', '.join(options)}"
+    cause = error.__cause__ or error.__context__
+    if cause is not None and str(cause).strip():
+        text = f"{text.rstrip('.')}: {str(cause).strip().splitlines()[0]}"
+    return text
+
+
+def to_yaml(config: PpctlConfig) -> str:
+    """The resolved config as YAML (saved as ``config.yaml`` in each run directory)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def load_config_file(path: str | os.PathLike) -> PpctlConfig:
+    """Read a resolved ``config.yaml`` back into a typed ``PpctlConfig``."""
+    from omegaconf import OmegaConf
+
+    loaded = OmegaConf.merge(OmegaConf.structured(PpctlConfig), OmegaConf.load(path))
+    return OmegaConf.to_object(loaded)
+
+
+# ---------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------
+
+POSITION_EMBEDDINGS = ("learned", "rope")
+PRECISIONS_READY = ("fp32", "fp64")
+PRECISIONS_LATER = ("bf16", "fp16")
+DATA_SOURCES = ("python_stdlib", "text_file", "synthetic")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class DerivedSizes:
+    """Numbers that follow from a valid config."""
+
+    world_size: int
+    num_microbatches: int
+    padded_vocab_size: int
+    nproc_per_node: int
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Round the vocabulary up to a multiple of ``divisible_by * tp`` (Megatron's padding)."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def layout_of(config: PpctlConfig) -> ParallelLayout:
+    """The ``ParallelLayout`` a config describes."""
+    parallel = config.parallel
+    try:
+        return ParallelLayout(
+            tp=parallel.tp, cp=parallel.cp, dp=parallel.dp, pp=parallel.pp, vpp=parallel.vpp, order=parallel.order
+        )
+    except LayoutError as error:
+        raise ConfigError(str(error)) from None
+
+
+def validate_layout(config: PpctlConfig) -> ParallelLayout:
+    """The rules a layout and its layer map need (all ``inspect-layout`` checks); returns the layout."""
+    for name in POSITIVE_FIELDS["parallel"] + ("num_layers",):
+        section = "model" if name == "num_layers" else "parallel"
+        value = getattr(getattr(config, section), name)
+        _require(value >= 1, f"{section}.{name}={value} must be a positive integer")
+    layout = layout_of(config)
+    _check_schedule_chunks(config)
+    try:
+        split_layers(config.model.num_layers, config.parallel.pp * chunks_per_rank(config),
+                     config.parallel.pipeline_layout)
+    except LayoutError as error:
+        raise ConfigError(str(error)) from None
+    return layout
+
+
+def validate(config: PpctlConfig) -> DerivedSizes:
+    """Check every cross-setting rule; return derived sizes or raise ``ConfigError`` (one line)."""
+    _check_positive(config)
+    layout = validate_layout(config)
+    _check_model(config)
+    _check_batch(config, layout)
+    _check_schedule(config)
+    _check_misc(config)
+    return DerivedSizes(
+        world_size=layout.world_size,
+        num_microbatches=num_microbatches(config),
+        padded_vocab_size=padded_vocab_size(
+            config.model.vocab_size, config.model.make_vocab_size_divisible_by, config.parallel.tp
+        ),
+        nproc_per_node=nproc_per_node(config),
+    )
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+POSITIVE_FIELDS = {
+    "model": ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size", "max_seq_length",
+              "make_vocab_size_divisible_by"),
+    "parallel": ("tp", "pp", "vpp", "dp", "cp"),
+    "trainer": ("max_steps", "global_batch_size", "micro_batch_size", "seq_length", "log_every"),
+    "launcher": ("nnodes", "timeout_s"),
+}
+
+
+def _check_positive(config: PpctlConfig) -> None:
+    for section, names in POSITIVE_FIELDS.items():
+        for name in names:
+            value = getattr(getattr(config, section), name)
+            _require(value >= 1, f"{section}.{name}={value} must be a positive integer")
+    for name in ("nproc_per_node", "threads_per_worker"):
+        value = getattr(config.launcher, name)
+        _require(value is None or value >= 1, f"launcher.{name}={value} must be a positive integer")
+    _require(config.optimizer.lr > 0, f"optimizer.lr={config.optimizer.lr} must be positive")
+    _require(config.optimizer.weight_decay >= 0, "optimizer.weight_decay must be >= 0")
+
+
+def _check_model(config: PpctlConfig) -> None:
+    model, parallel = config.model, config.parallel
+    _require(
+        model.hidden_size % model.num_heads == 0,
+        f"model.hidden_size={model.hidden_size} must be divisible by model.num_heads={model.num_heads}",
+    )
+    _require(
+        model.num_heads % parallel.tp == 0,
+        f"model.num_heads={model.num_heads} must be divisible by parallel.tp={parallel.tp}",
+    )
+    _require(
+        model.ffn_hidden_size % parallel.tp == 0,
+        f"model.ffn_hidden_size={model.ffn_hidden_size} must be divisible by parallel.tp={parallel.tp}",
+    )
+    _require(
+        model.position_embedding in POSITION_EMBEDDINGS,
+        f"model.position_embedding={model.position_embedding!r} must be one of {', '.join(POSITION_EMBEDDINGS)}",
+    )
+    if model.position_embedding == "rope":
+        _require((model.hidden_size // model.num_heads) % 2 == 0, "model.position_embedding=rope needs an even head dim")
+
+
+def _check_batch(config: PpctlConfig, layout: ParallelLayout) -> None:
+    trainer, parallel = config.trainer, config.parallel
+    per_step = trainer.micro_batch_size * parallel.dp
+    _require(
+        trainer.global_batch_size % per_step == 0,
+        f"trainer.global_batch_size={trainer.global_batch_size} must be divisible by "
+        f"trainer.micro_batch_size * parallel.dp = {per_step}",
+    )
+    _require(
+        trainer.seq_length <= config.model.max_seq_length,
+        f"trainer.seq_length={trainer.seq_length} must not exceed model.max_seq_length={config.model.max_seq_length}",
+    )
+    if parallel.cp > 1:
+        _require(
+            trainer.seq_length % (2 * parallel.cp) == 0,
+            f"trainer.seq_length={trainer.seq_length} must be divisible by 2 * parallel.cp = {2 * parallel.cp}",
+        )
+    if parallel.sequence_parallel:
+        _require(parallel.tp > 1, "parallel.sequence_parallel=true needs parallel.tp > 1")
+        _require(
+            trainer.seq_length % parallel.tp == 0,
+            f"trainer.seq_length={trainer.seq_length} must be divisible by parallel.tp={parallel.tp} "
+            "with sequence parallelism",
+        )
+    world = layout.world_size
+    _require(
+        config.launcher.nnodes * nproc_per_node(config) == world,
+        f"launcher.nproc_per_node * launcher.nnodes = {config.launcher.nnodes * nproc_per_node(config)} must equal "
+        f"the world size tp*cp*dp*pp = {world}",
+    )
+
+
+def schedule_spec(config: PpctlConfig):
+    """The registry entry of the configured schedule, or ``ConfigError`` naming the known ones."""
+    from ppctl.pipeline.schedules import SCHEDULE_SPECS
+
+    name = config.schedule.name
+    _require(name in SCHEDULE_SPECS, f"schedule.name={name!r} is unknown; choose one of {', '.join(SCHEDULE_SPECS)}")
+    return SCHEDULE_SPECS[name]
+
+
+def _check_schedule_chunks(config: PpctlConfig) -> None:
+    spec, vpp = schedule_spec(config), config.parallel.vpp
+    _require(
+        vpp == 1 or spec.multi_chunk,
+        f"parallel.vpp={vpp} needs a schedule with several chunks per rank (e.g. interleaved_1f1b); "
+        f"schedule {spec.name} uses one",
+    )
+
+
+def _check_schedule(config: PpctlConfig) -> None:
+    spec, parallel = schedule_spec(config), config.parallel
+    error = spec.microbatch_error(parallel.pp, parallel.vpp, num_microbatches(config))
+    _require(error is None, f"schedule {spec.name}: {error}")
+
+
+def check_runnable(config: PpctlConfig) -> None:
+    """Refuse what validates but cannot be trained yet (features of later issues), one line each."""
+    from ppctl.pipeline.schedules import SCHEDULE_SPECS
+
+    spec = SCHEDULE_SPECS[config.schedule.name]
+    _require(spec.implemented, f"schedule.name={config.schedule.name} is not implemented yet; "
+             f"available: {', '.join(n for n, s in SCHEDULE_SPECS.items() if s.implemented)}")
+    _require(config.parallel.cp == 1, "parallel.cp > 1 (context parallelism) is not implemented yet")
+    _require(not config.parallel.sequence_parallel, "parallel.sequence_parallel=true is not implemented yet")
+    _require(not config.optimizer.distributed, "optimizer.distributed=true is not implemented yet")
+    _require(
+        config.trainer.precision in PRECISIONS_READY,
+        f"trainer.precision={config.trainer.precision} is not implemented yet; use one of {', '.join(PRECISIONS_READY)}",
+    )
+
+
+def _check_misc(config: PpctlConfig) -> None:
+    precisions = PRECISIONS_READY + PRECISIONS_LATER
+    _require(
+        config.trainer.precision in precisions,
+        f"trainer.precision={config.trainer.precision!r} must be one of {', '.join(precisions)}",
+    )
+    _require(
+        config.data.source in DATA_SOURCES,
+        f"data.source={config.data.source!r} must be one of {', '.join(DATA_SOURCES)}",
+    )
+    if config.data.source == "text_file":
+        _require(bool(config.data.path), "data.source=text_file needs data.path")
+        _require(Path(config.data.path).is_file(), f"data.path={config.data.path}: no such file")
+    _require(
+        config.launcher.backend in BACKENDS,
+        f"launcher.backend={config.launcher.backend!r} must be one of {', '.join(BACKENDS)}",
+    )
+    fault = config.launcher.inject_fault
+    if fault:
+        rank, _, kind = fault.partition(":")
+        _require(rank.isdigit() and kind in ("raise", "kill"), "launcher.inject_fault must look like RANK:raise or RANK:kill")
+    if config.launcher.nnodes > 1:
+        _require(bool(config.launcher.rdzv_endpoint), "launcher.nnodes > 1 needs launcher.rdzv_endpoint (host:port)")
+    _require(
+        0 <= config.launcher.node_rank < config.launcher.nnodes,
+        f"launcher.node_rank={config.launcher.node_rank} must be in 0..launcher.nnodes-1",
+    )
+
+
+def chunks_per_rank(config: PpctlConfig) -> int:
+    """Model chunks each pipeline rank holds for the configured schedule."""
+    return config.parallel.vpp
+
+
+def num_microbatches(config: PpctlConfig) -> int:
+    """Microbatches per DP rank per step."""
+    trainer = config.trainer
+    return max(1, trainer.global_batch_size // (trainer.micro_batch_size * config.parallel.dp))
+
+
+def nproc_per_node(config: PpctlConfig) -> int:
+    """Workers per node (default: the world size split evenly over the nodes)."""
+    if config.launcher.nproc_per_node is not None:
+        return config.launcher.nproc_per_node
+    world = config.parallel.tp * config.parallel.cp * config.parallel.dp * config.parallel.pp
+    return max(1, world // config.launcher.nnodes)

@@ -1,0 +1,225 @@
+"""Datasets of token windows, the deterministic sample order, and microbatches.
+
+Everything here is pure (no ``torch.distributed``). A sample is a window of
+``seq_length + 1`` tokens; a microbatch's inputs are the window without its last
+token and its labels the window without its first. The samples of global batch
+``step`` depend on (seed, step) alone, so every parallel layout that shares the
+global batch size trains on the same data in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ppctl.data.prepare import prepare_tokens, read_sidecar
+from ppctl.data.tokenizer import build_tokenizer
+
+SYNTHETIC_NUM_SAMPLES = 1 << 16
+
+
+class WindowDataset(torch.utils.data.Dataset):
+    """Base of ppctl's datasets: ``len(self)`` windows of ``seq_length + 1`` token ids.
+
+    ``loss_mask(window)`` gives the per-label weights of one window;
+    ``loss_mask_all_ones`` promises that it is all ones, which lets callers count
+    loss tokens without reading any sample.
+    """
+
+    seq_length: int
+    loss_mask_all_ones: bool = True
+
+    def loss_mask(self, window: torch.Tensor) -> torch.Tensor:
+        """Return the float32 loss weights of the ``seq_length`` labels of ``window``."""
+        return torch.ones(self.seq_length, dtype=torch.float32)
+
+    def _check_index(self, index: int) -> int:
+        """Return ``index`` as an int, raising IndexError when it is out of range."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample index {index} out of range for a dataset of {len(self)} samples")
+        return int(index)
+
+
+class TokenWindowDataset(WindowDataset):
+    """Non-overlapping windows of ``seq_length + 1`` tokens over a prepared token file."""
+
+    def __init__(self, token_file: Path, seq_length: int):
+        if seq_length < 1:
+            raise ValueError(f"seq_length must be at least 1, got {seq_length}")
+        self.token_file = Path(token_file)
+        self.metadata = read_sidecar(self.token_file)
+        self.seq_length = seq_length
+        self.tokens = np.memmap(self.token_file, dtype=np.dtype(self.metadata["dtype"]), mode="r")
+        self.num_windows = self.tokens.size // (seq_length + 1)
+        if self.num_windows == 0:
+            raise ValueError(
+                f"token file {self.token_file} has {self.tokens.size} tokens, fewer than one window of "
+                f"seq_length+1={seq_length + 1}; use a shorter seq_length or a larger source"
+            )
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        """Return window ``index`` as an int64 tensor of ``seq_length + 1`` token ids."""
+        start = self._check_index(index) * (self.seq_length + 1)
+        window = np.array(self.tokens[start:start + self.seq_length + 1], dtype=np.int64)
+        return torch.from_numpy(window)
+
+
+class SyntheticDataset(WindowDataset):
+    """Uniformly random token windows; sample ``i`` is drawn from a generator seeded by (seed, i)."""
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int):
+        if num_samples < 1 or seq_length < 1 or vocab_size < 1 or seed < 0:
+            raise ValueError(
+                "synthetic dataset needs num_samples, seq_length, vocab_size >= 1 and seed >= 0, got "
+                f"num_samples={num_samples}, seq_length={seq_length}, vocab_size={vocab_size}, seed={seed}"
+            )
+        self.num_samples = num_samples
+        self.seq_length = seq_length
+        self.vocab_size = vocab_size
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        """Return the random window ``index``: the same ids for the same (seed, index)."""
+        generator = np.random.default_rng([self.seed, self._check_index(index)])
+        window = generator.integers(0, self.vocab_size, size=self.seq_length + 1, dtype=np.int64)
+        return torch.from_numpy(window)
+
+
+def build_dataset(
+    source: str, path: str | None, cache_dir: Path, seq_length: int, vocab_size: int, seed: int,
+    tokenizer_name: str = "byte",
+) -> TokenWindowDataset | SyntheticDataset:
+    """Return the dataset for ``source``: ``"synthetic"``, ``"python_stdlib"`` or ``"text_file"``.
+
+    Token-file sources are prepared (or reused) under ``cache_dir``; the model's
+    ``vocab_size`` must cover the tokenizer. ``seed`` only shapes synthetic data;
+    the sample order takes its own seed.
+    """
+    if source == "synthetic":
+        return SyntheticDataset(SYNTHETIC_NUM_SAMPLES, seq_length, vocab_size, seed)
+    tokenizer = build_tokenizer(tokenizer_name)
+    if vocab_size < tokenizer.vocab_size:
+        raise ValueError(
+            f"model vocab_size={vocab_size} is smaller than the {tokenizer.name!r} tokenizer's "
+            f"{tokenizer.vocab_size} ids; set vocab_size >= {tokenizer.vocab_size}"
+        )
+    token_file = prepare_tokens(source, path, Path(cache_dir), tokenizer_name)
+    return TokenWindowDataset(token_file, seq_length)
+
+
+def global_batch_sample_ids(seed: int, step: int, global_batch_size: int, num_samples: int) -> list[int]:
+    """Return the sample ids of global batch ``step``, a function of (seed, step) alone.
+
+    The sample stream is epoch after epoch, each epoch a permutation of all
+    ``num_samples`` samples seeded by (seed, epoch); batch ``step`` is positions
+    ``[step*gbs, (step+1)*gbs)`` of that stream, so a batch may straddle epochs.
+    """
+    if seed < 0 or step < 0 or global_batch_size < 1 or num_samples < 1:
+        raise ValueError(
+            "sample order needs seed >= 0, step >= 0, global_batch_size >= 1 and num_samples >= 1, got "
+            f"seed={seed}, step={step}, global_batch_size={global_batch_size}, num_samples={num_samples}"
+        )
+    positions = np.arange(step * global_batch_size, (step + 1) * global_batch_size, dtype=np.int64)
+    epochs = positions // num_samples
+    sample_ids = np.empty(global_batch_size, dtype=np.int64)
+    for epoch in np.unique(epochs):
+        in_epoch = epochs == epoch
+        permutation = np.random.default_rng([seed, int(epoch)]).permutation(num_samples)
+        sample_ids[in_epoch] = permutation[positions[in_epoch] % num_samples]
+    return sample_ids.tolist()
+
+
+@dataclass
+class Microbatch:
+    """One microbatch; a field is None on a rank that does not need it."""
+
+    tokens: torch.Tensor | None  # [mbs, seq] int64: window[:-1], the model's inputs
+    position_ids: torch.Tensor | None  # [mbs, seq] int64: 0..seq-1
+    labels: torch.Tensor | None  # [mbs, seq] int64: window[1:], the next tokens
+    loss_mask: torch.Tensor | None  # [mbs, seq] float32: weight of each label in the loss
+
+
+def microbatches_per_dp_rank(global_batch_size: int, micro_batch_size: int, dp_size: int) -> int:
+    """Return how many microbatches each DP rank runs per step, checking that the sizes divide."""
+    if global_batch_size < 1 or micro_batch_size < 1 or dp_size < 1:
+        raise ValueError(
+            f"global_batch_size, micro_batch_size and dp_size must be >= 1, got "
+            f"{global_batch_size}, {micro_batch_size}, {dp_size}"
+        )
+    if global_batch_size % (micro_batch_size * dp_size) != 0:
+        raise ValueError(
+            f"global_batch_size={global_batch_size} must be a multiple of micro_batch_size*dp_size="
+            f"{micro_batch_size}*{dp_size}={micro_batch_size * dp_size}"
+        )
+    return global_batch_size // (micro_batch_size * dp_size)
+
+
+def step_microbatches(
+    dataset: WindowDataset, seed: int, step: int, global_batch_size: int, micro_batch_size: int,
+    dp_rank: int, dp_size: int,
+) -> list[Microbatch]:
+    """Return DP rank ``dp_rank``'s microbatches of global batch ``step``, in order.
+
+    DP rank d takes the contiguous slice ``[d*gbs/dp, (d+1)*gbs/dp)`` of the
+    global batch and cuts it into microbatches of ``micro_batch_size`` samples.
+    """
+    num_microbatches = microbatches_per_dp_rank(global_batch_size, micro_batch_size, dp_size)
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank} out of range for dp_size={dp_size}")
+    samples_per_rank = global_batch_size // dp_size
+    sample_ids = global_batch_sample_ids(seed, step, global_batch_size, len(dataset))
+    rank_sample_ids = sample_ids[dp_rank * samples_per_rank:(dp_rank + 1) * samples_per_rank]
+    return [
+        build_microbatch(dataset, rank_sample_ids[index * micro_batch_size:(index + 1) * micro_batch_size])
+        for index in range(num_microbatches)
+    ]
+
+
+def build_microbatch(dataset: WindowDataset, sample_ids: list[int]) -> Microbatch:
+    """Return the microbatch made of ``dataset``'s windows ``sample_ids``, with all four fields."""
+    windows = torch.stack([dataset[sample_id] for sample_id in sample_ids])
+    seq_length = windows.shape[1] - 1
+    return Microbatch(
+        tokens=windows[:, :-1].contiguous(),
+        position_ids=torch.arange(seq_length, dtype=torch.int64).repeat(len(sample_ids), 1),
+        labels=windows[:, 1:].contiguous(),
+        loss_mask=torch.stack([dataset.loss_mask(window) for window in windows]),
+    )
+
+
+def global_loss_tokens(dataset: WindowDataset, seed: int, step: int, global_batch_size: int) -> float:
+    """Return the sum of the loss masks over all of global batch ``step`` (every DP rank's share).
+
+    Reads no sample when the dataset's masks are all ones: then it is gbs*seq.
+    """
+    if dataset.loss_mask_all_ones:
+        return float(global_batch_size * dataset.seq_length)
+    sample_ids = global_batch_sample_ids(seed, step, global_batch_size, len(dataset))
+    return float(sum(dataset.loss_mask(dataset[sample_id]).double().sum().item() for sample_id in sample_ids))
+
+
+def slice_for_context_parallel(tensor: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Return CP rank ``cp_rank``'s part of a ``[mbs, seq]`` tensor.
+
+    The sequence is cut into ``2*cp_size`` equal chunks; the rank keeps chunks
+    ``cp_rank`` and ``2*cp_size-1-cp_rank`` (in that order), which balances
+    causal-attention work across CP ranks. Identity for ``cp_size == 1``.
+    """
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank={cp_rank} out of range for cp_size={cp_size}")
+    if cp_size == 1:
+        return tensor
+    seq_length = tensor.shape[1]
+    if seq_length % (2 * cp_size) != 0:
+        raise ValueError(f"sequence length {seq_length} must be a multiple of 2*cp_size={2 * cp_size}")
+    chunks = tensor.chunk(2 * cp_size, dim=1)
+    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=1)

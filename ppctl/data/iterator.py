@@ -1,0 +1,143 @@
+"""Per-rank microbatches, read once per TP group and broadcast to the rest of it.
+
+Within a TP group only the source rank (TP rank 0) reads the dataset; it packs
+the fields its pipeline stage needs for the whole step into one int64 tensor and
+broadcasts it; the other TP ranks allocate that tensor from the known shapes and
+receive. The first stage needs tokens and position ids, the last stage labels
+and the loss mask, a single stage all four, and a middle stage nothing (no read,
+no broadcast).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ppctl.data.dataset import (
+    Microbatch, WindowDataset, global_loss_tokens, microbatches_per_dp_rank, step_microbatches,
+)
+
+INPUT_FIELDS = ("tokens", "position_ids")
+LABEL_FIELDS = ("labels", "loss_mask")
+ALL_FIELDS = INPUT_FIELDS + LABEL_FIELDS
+FLOAT32_FIELDS = ("loss_mask",)
+
+
+class PipelineDataIterator:
+    """Gives one rank the microbatches of each step for its DP rank and pipeline role.
+
+    ``tp_group`` is this rank's TP process group (None when tp=1),
+    ``tp_src_rank`` the global rank of TP rank 0 in it, ``is_tp_src`` whether
+    this rank is that source. ``needs_inputs``: this rank holds the first
+    pipeline stage; ``needs_labels``: it holds the last. Non-source ranks never
+    read ``dataset``.
+    """
+
+    def __init__(
+        self, dataset: WindowDataset, seed: int, global_batch_size: int, micro_batch_size: int,
+        seq_length: int, dp_rank: int, dp_size: int, tp_group: dist.ProcessGroup | None,
+        tp_src_rank: int, is_tp_src: bool, needs_inputs: bool, needs_labels: bool,
+    ):
+        if tp_group is None and not is_tp_src:
+            raise ValueError("a rank without a TP group (tp=1) must be its own TP source; got is_tp_src=False")
+        if dataset.seq_length != seq_length:
+            raise ValueError(f"iterator seq_length={seq_length} differs from the dataset's {dataset.seq_length}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} out of range for dp_size={dp_size}")
+        self.dataset = dataset
+        self.seed = seed
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.seq_length = seq_length
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.tp_group = tp_group
+        self.tp_src_rank = tp_src_rank
+        self.is_tp_src = is_tp_src
+        self.needs_inputs = needs_inputs
+        self.needs_labels = needs_labels
+        self.needed_fields = (INPUT_FIELDS if needs_inputs else ()) + (LABEL_FIELDS if needs_labels else ())
+        self.num_microbatches = microbatches_per_dp_rank(global_batch_size, micro_batch_size, dp_size)
+
+    def microbatches(self, step: int) -> list[Microbatch]:
+        """Return this rank's microbatches of ``step``; fields its stage does not need are None."""
+        if not self.needed_fields:
+            return [Microbatch(None, None, None, None) for _ in range(self.num_microbatches)]
+        if self.is_tp_src:
+            return self._read_and_send(step)
+        return self._receive()
+
+    def global_loss_tokens(self, step: int) -> float:
+        """Return the loss-mask sum over the whole global batch ``step`` (last-stage ranks only).
+
+        With all-ones masks this is computed locally; otherwise the TP source
+        reads it and broadcasts it, so every rank of the TP group must call this.
+        """
+        if not self.needs_labels:
+            raise RuntimeError("global_loss_tokens needs labels; this rank does not hold the last pipeline stage")
+        if self.dataset.loss_mask_all_ones:
+            return global_loss_tokens(self.dataset, self.seed, step, self.global_batch_size)
+        total = torch.zeros(1, dtype=torch.float64)
+        if self.is_tp_src:
+            total[0] = global_loss_tokens(self.dataset, self.seed, step, self.global_batch_size)
+        self._broadcast(total)
+        return float(total.item())
+
+    def _read_and_send(self, step: int) -> list[Microbatch]:
+        """Read this step's microbatches, broadcast the needed fields, keep only those."""
+        microbatches = step_microbatches(
+            self.dataset, self.seed, step, self.global_batch_size, self.micro_batch_size,
+            self.dp_rank, self.dp_size,
+        )
+        if self._tp_size() > 1:
+            self._broadcast(pack_fields(microbatches, self.needed_fields))
+        return [_keep_fields(microbatch, self.needed_fields) for microbatch in microbatches]
+
+    def _receive(self) -> list[Microbatch]:
+        """Receive this step's needed fields from the TP source into freshly allocated buffers."""
+        packed = torch.empty(
+            len(self.needed_fields), self.num_microbatches, self.micro_batch_size, self.seq_length,
+            dtype=torch.int64,
+        )
+        self._broadcast(packed)
+        return unpack_fields(packed, self.needed_fields)
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        """Broadcast ``tensor`` in place from the TP source to its TP group (no-op for tp=1)."""
+        if self._tp_size() > 1:
+            dist.broadcast(tensor, src=self.tp_src_rank, group=self.tp_group)
+
+    def _tp_size(self) -> int:
+        """Return the size of this rank's TP group (1 without one)."""
+        return 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
+
+
+def pack_fields(microbatches: list[Microbatch], field_names: tuple[str, ...]) -> torch.Tensor:
+    """Return the named fields of all microbatches as one int64 tensor ``[fields, mb, mbs, seq]``.
+
+    Float fields travel as the bit pattern of their float64 value, which is exact
+    for float32 data.
+    """
+    per_field = []
+    for name in field_names:
+        stacked = torch.stack([getattr(microbatch, name) for microbatch in microbatches])
+        per_field.append(stacked.to(torch.float64).view(torch.int64) if name in FLOAT32_FIELDS else stacked)
+    return torch.stack(per_field)
+
+
+def unpack_fields(packed: torch.Tensor, field_names: tuple[str, ...]) -> list[Microbatch]:
+    """Return the microbatches held in ``packed`` (see ``pack_fields``); other fields are None."""
+    fields = {}
+    for field_index, name in enumerate(field_names):
+        values = packed[field_index]
+        fields[name] = values.view(torch.float64).to(torch.float32) if name in FLOAT32_FIELDS else values
+    num_microbatches = packed.shape[1]
+    return [
+        Microbatch(**{name: fields[name][index] if name in fields else None for name in ALL_FIELDS})
+        for index in range(num_microbatches)
+    ]
+
+
+def _keep_fields(microbatch: Microbatch, field_names: tuple[str, ...]) -> Microbatch:
+    """Return ``microbatch`` with every field not in ``field_names`` set to None."""
+    return Microbatch(**{name: getattr(microbatch, name) if name in field_names else None for name in ALL_FIELDS})

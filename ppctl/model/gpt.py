@@ -1,0 +1,178 @@
+"""GPT as pipeline stage chunks, with Megatron tensor parallelism.
+
+A ``GPTChunk`` holds the word/position embedding when it is the first stage
+(``pre_process``), a run of transformer layers named by their global ids, and, when
+it is the last stage (``post_process``), the final norm, the vocab-parallel output
+layer and the vocab-parallel cross-entropy. Running the chunks of a model in order
+computes exactly what one chunk holding every layer computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ppctl.model import init as param_init
+from ppctl.model.layers import Embedding, TransformerLayer, rotary_cos_sin
+from ppctl.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    TPGroup,
+    column_parallel_linear,
+    vocab_parallel_cross_entropy,
+)
+
+POSITION_EMBEDDINGS = ("learned", "rope")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of the GPT model.
+
+    num_layers: transformer layers in the whole model.
+    hidden_size: width of the residual stream.
+    num_heads: attention heads (divides hidden_size; TP splits them).
+    ffn_hidden_size: MLP inner width (TP splits it).
+    vocab_size: vocabulary size, already padded to a multiple of tp by the caller.
+    max_seq_length: longest sequence (size of the learned position table).
+    position_embedding: "learned" (table added to the embedding) or "rope" (rotary on q and k).
+    tie_embeddings: the output layer reuses (or, on another stage, starts equal to) the word embedding.
+    norm_epsilon: LayerNorm epsilon.
+    init_std: standard deviation of the normal weight initialisation.
+    rope_base: base of the rotary frequencies.
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    max_seq_length: int
+    position_embedding: str = "learned"
+    tie_embeddings: bool = False
+    norm_epsilon: float = 1e-5
+    init_std: float = 0.02
+    rope_base: float = 10000.0
+
+    def __post_init__(self):
+        for field in ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size", "max_seq_length"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"GPTConfig.{field} must be >= 1, got {getattr(self, field)}")
+        if self.hidden_size % self.num_heads != 0:
+            raise ValueError(f"GPTConfig: hidden_size {self.hidden_size} must be a multiple of "
+                             f"num_heads {self.num_heads}")
+        if self.position_embedding not in POSITION_EMBEDDINGS:
+            raise ValueError(f"GPTConfig.position_embedding must be one of {POSITION_EMBEDDINGS}, "
+                             f"got {self.position_embedding!r}")
+        if self.position_embedding == "rope" and self.head_dim % 2 != 0:
+            raise ValueError(f"GPTConfig: rope needs an even head dim, got {self.head_dim}")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.hidden_size // self.num_heads
+
+
+def check_tp_divides(config: GPTConfig, tp_size: int) -> None:
+    """Raise ValueError unless heads, MLP width and (padded) vocabulary split evenly over ``tp_size`` ranks."""
+    for field in ("num_heads", "ffn_hidden_size", "vocab_size"):
+        if getattr(config, field) % tp_size != 0:
+            raise ValueError(f"model.{field}={getattr(config, field)} must be a multiple of parallel.tp={tp_size}")
+
+
+class GPTChunk(nn.Module):
+    """One pipeline stage chunk of the GPT model on one TP rank.
+
+    ``layer_ids`` are the global ids of the transformer layers it runs, in order;
+    ``pre_process`` adds the embedding, ``post_process`` the final norm, output layer
+    and loss. Parameters are initialised from ``seed`` independently of the layout
+    (see ``ppctl.model.init``).
+    """
+
+    def __init__(self, config: GPTConfig, layer_ids: Sequence[int], pre_process: bool, post_process: bool,
+                 tp: TPGroup, seed: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        check_tp_divides(config, tp.size)
+        self.layer_ids = _checked_layer_ids(layer_ids, config.num_layers)
+        self.config, self.tp = config, tp
+        self.pre_process, self.post_process = pre_process, post_process
+        self.shares_output_weight = pre_process and post_process and config.tie_embeddings
+
+        if pre_process:
+            self.embedding = Embedding(config.vocab_size, config.hidden_size, config.max_seq_length,
+                                       config.position_embedding == "learned", tp, dtype)
+        self.layers = nn.ModuleDict({
+            str(layer_id): TransformerLayer(config.hidden_size, config.num_heads, config.ffn_hidden_size,
+                                            config.norm_epsilon, tp, dtype)
+            for layer_id in self.layer_ids
+        })
+        if post_process:
+            self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, dtype=dtype)
+            if not self.shares_output_weight:
+                self.output_layer = ColumnParallelLinear(config.hidden_size, config.vocab_size, tp,
+                                                         bias=False, dtype=dtype)
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """Fill every parameter with this TP rank's slice of its layout-independent dense value."""
+        for name, param in self.named_parameters():
+            shape = param_init.dense_shape(name, param.shape, self.tp)
+            dense = param_init.dense_parameter(name, shape, seed, self.config.init_std, self.config.num_layers,
+                                         self.config.tie_embeddings)
+            param.copy_(param_init.dense_to_tp_shard(name, dense, self.tp))
+
+    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the chunk.
+
+        ``inputs``: token ids ``[batch, seq]`` (int64) with ``pre_process``, else hidden
+        states ``[batch, seq, hidden]``. ``position_ids [batch, seq]``: positions of the
+        tokens (default ``0..seq-1``; pass them explicitly when the sequence is sliced).
+        Returns per-token losses ``[batch, seq]`` (float32, float64 for a float64 model)
+        when ``post_process`` and ``labels`` are given, this rank's logits shard
+        ``[batch, seq, vocab/tp]`` when ``post_process`` alone, else hidden states.
+        """
+        if position_ids is None:
+            position_ids = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape[0], -1)
+        hidden = self.embedding(inputs, position_ids) if self.pre_process else inputs
+        rotary = self._rotary(position_ids, hidden.dtype)
+        for layer in self.layers.values():
+            hidden = layer(hidden, rotary)
+        if not self.post_process:
+            return hidden
+        logits_shard = column_parallel_linear(self.final_norm(hidden), self._output_weight(), None, self.tp)
+        if labels is None:
+            return logits_shard
+        return vocab_parallel_cross_entropy(logits_shard, labels, self.tp)
+
+    def embedding_weight_for_tying(self) -> nn.Parameter | None:
+        """The weight whose gradient is all-reduced across the first and last stage when embeddings are tied.
+
+        The word embedding on a ``pre_process`` chunk, the output-layer weight on a
+        ``post_process``-only chunk; None when embeddings are not tied or the chunk has neither.
+        """
+        if not self.config.tie_embeddings:
+            return None
+        if self.pre_process:
+            return self.embedding.word.weight
+        if self.post_process:
+            return self.output_layer.weight
+        return None
+
+    def _output_weight(self) -> torch.Tensor:
+        return self.embedding.word.weight if self.shares_output_weight else self.output_layer.weight
+
+    def _rotary(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.config.position_embedding != "rope" or not self.layer_ids:
+            return None
+        return rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_base, dtype)
+
+
+def _checked_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    ids = [int(layer_id) for layer_id in layer_ids]
+    if len(set(ids)) != len(ids) or any(not 0 <= layer_id < num_layers for layer_id in ids):
+        raise ValueError(f"GPTChunk: layer_ids must be distinct ids in [0, {num_layers}), got {ids}")
+    return ids

@@ -1,0 +1,116 @@
+"""GPT building blocks with Megatron tensor parallelism: embedding, attention, MLP, transformer layer.
+
+Activations are ``[batch, seq, hidden]`` and replicated across TP ranks between
+blocks. Inside attention each TP rank owns ``num_heads / tp`` heads; inside the MLP
+it owns ``ffn_hidden_size / tp`` features. No dropout: runs are deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ppctl.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+)
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return rotary ``(cos, sin)`` of shape ``[batch, 1, seq, head_dim]`` for int64 ``position_ids [batch, seq]``.
+
+    Angles are computed in float64 and cast to ``dtype``, so every layout that sees
+    the same position ids gets bit-identical tables.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=position_ids.device) / head_dim
+    inverse_frequencies = base ** -exponents
+    angles = position_ids.to(torch.float64).unsqueeze(-1) * inverse_frequencies   # [batch, seq, head_dim/2]
+    angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)                      # [batch, 1, seq, head_dim]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [batch, heads, seq, head_dim]`` by the position angles (rotate-half convention)."""
+    first_half, second_half = x.chunk(2, dim=-1)
+    rotated_half = torch.cat([-second_half, first_half], dim=-1)
+    return x * cos + rotated_half * sin
+
+
+class Embedding(nn.Module):
+    """Vocab-parallel word embedding plus, for learned positions, a replicated position table."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, max_seq_length: int, learned_positions: bool,
+                 tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.word = VocabParallelEmbedding(vocab_size, hidden_size, tp, dtype=dtype)
+        self.position = nn.Embedding(max_seq_length, hidden_size, dtype=dtype) if learned_positions else None
+
+    def forward(self, token_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Map ``token_ids [batch, seq]`` to hidden states ``[batch, seq, hidden]``."""
+        hidden = self.word(token_ids)
+        if self.position is not None:
+            hidden = hidden + self.position(position_ids)
+        return hidden
+
+
+class CausalSelfAttention(nn.Module):
+    """Causal multi-head self-attention; heads split across TP ranks.
+
+    ``qkv`` is column-parallel with local rows ``[q heads of this rank; k heads; v heads]``,
+    ``proj`` is row-parallel and all-reduces the per-rank partial outputs.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.local_heads = num_heads // tp.size
+        self.head_dim = hidden_size // num_heads
+        # No QKV bias: the key bias has an exactly zero gradient (softmax ignores a shift shared by
+        # a query's scores) and the value bias is equivalent to the output projection's bias, so
+        # they add no capacity, only rounding noise that Adam would amplify into a random walk.
+        self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, tp, bias=False, dtype=dtype)
+        self.proj = RowParallelLinear(hidden_size, hidden_size, tp, bias=True, dtype=dtype)
+
+    def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """Attend causally over ``hidden [batch, seq, hidden]``; ``rotary`` is ``(cos, sin)`` or None."""
+        batch, seq, _ = hidden.shape
+        qkv = self.qkv(hidden).view(batch, seq, 3, self.local_heads, self.head_dim)
+        query, key, value = (part.transpose(1, 2) for part in qkv.unbind(dim=2))  # [batch, heads, seq, head_dim]
+        if rotary is not None:
+            query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
+        attended = F.scaled_dot_product_attention(query, key, value, is_causal=True)
+        attended = attended.transpose(1, 2).reshape(batch, seq, self.local_heads * self.head_dim)
+        return self.proj(attended)
+
+
+class MLP(nn.Module):
+    """Feed-forward block: column-parallel in, GELU, row-parallel out."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.fc_in = ColumnParallelLinear(hidden_size, ffn_hidden_size, tp, bias=True, dtype=dtype)
+        self.fc_out = RowParallelLinear(ffn_hidden_size, hidden_size, tp, bias=True, dtype=dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Apply the MLP to ``hidden [batch, seq, hidden]``."""
+        return self.fc_out(F.gelu(self.fc_in(hidden)))
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm transformer layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, norm_epsilon: float,
+                 tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(hidden_size, eps=norm_epsilon, dtype=dtype)
+        self.attention = CausalSelfAttention(hidden_size, num_heads, tp, dtype)
+        self.mlp_norm = nn.LayerNorm(hidden_size, eps=norm_epsilon, dtype=dtype)
+        self.mlp = MLP(hidden_size, ffn_hidden_size, tp, dtype)
+
+    def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Return the layer output ``[batch, seq, hidden]``."""
+        hidden = hidden + self.attention(self.attn_norm(hidden), rotary)
+        return hidden + self.mlp(self.mlp_norm(hidden))

@@ -1,0 +1,98 @@
+"""The gradient path of a step: finalize (reduce), measure the global norm, clip; and the optimizer.
+
+``finalize_gradients`` is the one place gradients are reduced after the last backward:
+once per step over the ``dp_cp`` group (each rank's loss is already divided by the
+global batch's token count, so a SUM gives the full-batch gradient), and across the
+``embedding`` group for word embeddings tied between the first and last stage.
+The global norm counts every parameter exactly once: TP-replicated parameters on TP
+rank 0 only, a tied output weight only on the first stage, every PP stage included.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ppctl.model.init import is_tp_replicated
+
+
+def build_optimizer(chunks: Iterable[torch.nn.Module], settings) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not on biases, norms or other vectors)."""
+    decay, no_decay = [], []
+    for chunk in chunks:
+        for param in chunk.parameters():
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": settings.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps,
+                             foreach=False)
+
+
+def all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
+    """Sum ``tensors`` in place across ``group`` with one collective per dtype (one flat buffer)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for same_dtype in by_dtype.values():
+        flat = _flatten_dense_tensors(same_dtype)
+        dist.all_reduce(flat, group=group)
+        for tensor, reduced in zip(same_dtype, _unflatten_dense_tensors(flat, same_dtype)):
+            tensor.copy_(reduced)
+
+
+def finalize_gradients(chunks: Mapping[int, torch.nn.Module], context) -> None:
+    """Reduce gradients once per step: DP/CP replicas, then tied embeddings across stages."""
+    grads = [param.grad for chunk in chunks.values() for param in chunk.parameters() if param.grad is not None]
+    if context.size("dp_cp") > 1:
+        all_reduce_coalesced(grads, context.groups["dp_cp"])
+    tied = [chunk.embedding_weight_for_tying() for chunk in chunks.values()]
+    tied = [param.grad for param in tied if param is not None and param.grad is not None]
+    if context.size("embedding") > 1 and tied and not _tie_is_local(chunks):
+        all_reduce_coalesced(tied, context.groups["embedding"])
+
+
+def _tie_is_local(chunks: Mapping[int, torch.nn.Module]) -> bool:
+    """True when one chunk holds both ends (the output layer reuses the embedding weight itself)."""
+    return any(getattr(chunk, "shares_output_weight", False) for chunk in chunks.values())
+
+
+def counted_once(chunks: Mapping[int, torch.nn.Module], tp_rank: int) -> list[torch.Tensor]:
+    """The gradients this rank contributes to the global norm (each parameter counted once)."""
+    grads = []
+    for chunk in chunks.values():
+        for name, param in chunk.named_parameters():
+            if param.grad is None:
+                continue
+            if tp_rank != 0 and is_tp_replicated(name):
+                continue
+            if name == "output_layer.weight" and chunk.embedding_weight_for_tying() is param:
+                continue  # the tied copy of the word embedding: counted on the first stage
+            grads.append(param.grad)
+    return grads
+
+
+def global_grad_norm(chunks: Mapping[int, torch.nn.Module], context) -> float:
+    """L2 norm of the full model's gradient, identical on every rank."""
+    local = [grad.detach().double().pow(2).sum() for grad in counted_once(chunks, context.coords["tp"])]
+    squares = torch.stack(local).sum() if local else torch.zeros((), dtype=torch.float64)
+    squares = squares.to(context.device).reshape(1)
+    if context.size("tp_pp") > 1:
+        dist.all_reduce(squares, group=context.groups["tp_pp"])
+    return math.sqrt(float(squares.item()))
+
+
+def clip_gradients(chunks: Mapping[int, torch.nn.Module], grad_norm: float, max_norm: float) -> None:
+    """Scale gradients by ``max_norm / (norm + 1e-6)`` when that is below 1 (as torch's clip_grad_norm_)."""
+    if max_norm <= 0:
+        return
+    coefficient = max_norm / (grad_norm + 1e-6)
+    if coefficient >= 1.0:
+        return
+    for chunk in chunks.values():
+        for param in chunk.parameters():
+            if param.grad is not None:
+                param.grad.mul_(coefficient)

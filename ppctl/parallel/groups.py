@@ -1,0 +1,97 @@
+"""Real process groups built from the pure layout, checked against it.
+
+``build_parallel_context`` is called once per worker after ``init_process_group``;
+the returned ``ParallelContext`` (layout + this rank's groups) is passed down to
+everything that communicates. There is no module-level group state.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from ppctl.parallel.layout import DIMENSIONS, GROUP_NAMES, ParallelLayout
+
+
+@dataclass
+class ParallelContext:
+    """This rank's place in the layout and the process groups that contain it."""
+
+    layout: ParallelLayout
+    rank: int
+    coords: dict[str, int]
+    groups: dict[str, object] = field(repr=False)        # name -> ProcessGroup containing this rank (or None)
+    group_ranks: dict[str, list[int]] = field(repr=False)  # name -> global ranks of that group ([] if none)
+    mesh: object | None = field(default=None, repr=False)  # DeviceMesh over (pp, dp, cp, tp) when built
+    device: str = "cpu"
+
+    def size(self, name: str) -> int:
+        """Number of ranks in this rank's group ``name`` (0 when it is in none, e.g. ``embedding`` mid-pipeline)."""
+        return len(self.group_ranks[name])
+
+    def index(self, name: str) -> int:
+        """This rank's position within its group ``name``."""
+        return self.group_ranks[name].index(self.rank)
+
+    @property
+    def pp_rank(self) -> int:
+        """Pipeline rank (0 = first stage)."""
+        return self.coords["pp"]
+
+    def pp_peer(self, pp_rank: int) -> int:
+        """Global rank of the pipeline rank ``pp_rank`` in this rank's pipeline group."""
+        return self.group_ranks["pp"][pp_rank]
+
+
+def build_parallel_context(layout: ParallelLayout, timeout_s: float, device: str = "cpu") -> ParallelContext:
+    """Create every group of every kind (all ranks take part in each creation, in the same order)."""
+    rank = dist.get_rank()
+    if dist.get_world_size() != layout.world_size:
+        raise RuntimeError(
+            f"the job has {dist.get_world_size()} workers but the layout needs {layout.world_size}"
+        )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    mesh = _device_mesh(layout, device)
+    groups, group_ranks = {}, {}
+    for name in GROUP_NAMES:
+        mine = layout.group_of(name, rank)
+        if name in DIMENSIONS and mesh is not None:
+            groups[name] = mesh.get_group(name)
+        else:
+            groups[name] = _new_groups(layout.groups(name), rank, timeout)
+        group_ranks[name] = mine
+    context = ParallelContext(layout, rank, layout.coords(rank), groups, group_ranks, mesh, device)
+    verify_group_membership(context)
+    return context
+
+
+def _device_mesh(layout: ParallelLayout, device: str):
+    """A DeviceMesh named by dimension, slowest dimension first, matching the layout's rank order."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    slowest_first = tuple(reversed(layout.dims))
+    shape = tuple(getattr(layout, dim) for dim in slowest_first)
+    return init_device_mesh(device, shape, mesh_dim_names=slowest_first)
+
+
+def _new_groups(all_groups: list[list[int]], rank: int, timeout: datetime.timedelta):
+    """Create every group of one kind (collective over the world); return the one holding ``rank``."""
+    mine = None
+    for ranks in all_groups:
+        group = dist.new_group(ranks=ranks, timeout=timeout)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def verify_group_membership(context: ParallelContext) -> None:
+    """Raise if any real group's membership differs from what the layout says."""
+    for name, group in context.groups.items():
+        if group is None and not context.group_ranks[name]:
+            continue  # not a member of any group of this kind
+        actual = dist.get_process_group_ranks(group)
+        expected = context.group_ranks[name]
+        if list(actual) != list(expected):
+            raise RuntimeError(f"group {name} of rank {context.rank} has ranks {actual}, layout says {expected}")

@@ -1,0 +1,267 @@
+"""The parallel layout: pure rank arithmetic, process-group membership and the layer map.
+
+Nothing here imports ``torch.distributed`` or starts a process: the layout of any
+world size is plain integer arithmetic, so it is tested exhaustively and printed by
+``ppctl inspect-layout`` for thousands of ranks in a fraction of a second.
+
+Rank order follows Megatron-Core's ``RankGenerator``: the order string lists the
+dimensions from fastest-varying to slowest, so with the default ``tp-cp-dp-pp``
+consecutive ranks form a TP group and pipeline groups are strided by tp*cp*dp.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+DIMENSIONS = ("tp", "cp", "dp", "pp")
+DEFAULT_ORDER = "tp-cp-dp-pp"
+
+# Group name -> the dimensions whose ranks it spans.
+GROUP_DIMENSIONS: dict[str, tuple[str, ...]] = {
+    "tp": ("tp",),
+    "cp": ("cp",),
+    "dp": ("dp",),
+    "pp": ("pp",),
+    "dp_cp": ("dp", "cp"),
+    "tp_pp": ("tp", "pp"),
+    "tp_cp": ("tp", "cp"),
+}
+GROUP_NAMES = (*GROUP_DIMENSIONS, "embedding")
+
+
+class LayoutError(ValueError):
+    """A parallel layout or layer split that cannot exist; the message is one line."""
+
+
+def parse_order(order: str) -> tuple[str, ...]:
+    """Split an order string such as ``tp-cp-dp-pp`` and check it names each dimension once."""
+    dims = tuple(part.strip() for part in order.split("-"))
+    if sorted(dims) != sorted(DIMENSIONS):
+        raise LayoutError(
+            f"parallel.order={order!r} must list each of tp, cp, dp, pp exactly once, joined by '-' "
+            f"(fastest-varying first), e.g. {DEFAULT_ORDER!r}"
+        )
+    return dims
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes of the parallel dimensions and the order in which ranks enumerate them."""
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    order: str = DEFAULT_ORDER
+
+    def __post_init__(self) -> None:
+        for name in (*DIMENSIONS, "vpp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise LayoutError(f"parallel.{name}={value!r} must be a positive integer")
+        parse_order(self.order)
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        """Dimension names from fastest-varying to slowest."""
+        return parse_order(self.order)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Size of each dimension, plus ``vpp``."""
+        return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp, "vpp": self.vpp}
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks: tp * cp * dp * pp."""
+        return self.tp * self.cp * self.dp * self.pp
+
+    def _strides(self) -> dict[str, int]:
+        strides, stride = {}, 1
+        for dim in self.dims:
+            strides[dim] = stride
+            stride *= getattr(self, dim)
+        return strides
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Coordinates ``{tp, cp, dp, pp}`` of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} is outside the world of {self.world_size} ranks")
+        coords = {}
+        for dim in self.dims:
+            size = getattr(self, dim)
+            coords[dim] = rank % size
+            rank //= size
+        return {dim: coords[dim] for dim in DIMENSIONS}
+
+    def rank(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        """Global rank of the given coordinates."""
+        coords = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+        strides = self._strides()
+        for dim, value in coords.items():
+            if not 0 <= value < getattr(self, dim):
+                raise LayoutError(f"{dim} coordinate {value} is outside 0..{getattr(self, dim) - 1}")
+        return sum(value * strides[dim] for dim, value in coords.items())
+
+    def groups(self, name: str) -> list[list[int]]:
+        """Every group of kind ``name`` (see ``GROUP_NAMES``), each a sorted-by-construction rank list.
+
+        Within a group ranks are listed with the fastest dimension varying fastest; groups
+        are listed in the same way over the dimensions they do not span (Megatron's order).
+        """
+        if name == "embedding":
+            return [self._embedding_ranks(pp_group) for pp_group in self.groups("pp")]
+        if name not in GROUP_DIMENSIONS:
+            raise LayoutError(f"unknown group {name!r}; known groups: {', '.join(GROUP_NAMES)}")
+        spanned = [dim for dim in self.dims if dim in GROUP_DIMENSIONS[name]]
+        fixed = [dim for dim in self.dims if dim not in GROUP_DIMENSIONS[name]]
+        strides = self._strides()
+        spanned_offsets = _offsets(spanned, strides, self)
+        return [[base + offset for offset in spanned_offsets] for base in _offsets(fixed, strides, self)]
+
+    def group_of(self, name: str, rank: int) -> list[int]:
+        """The group of kind ``name`` that contains ``rank`` (``[]`` for a middle stage and ``embedding``)."""
+        coords = self.coords(rank)
+        if name == "embedding":
+            candidates = self._embedding_ranks(self.group_of("pp", rank))
+            return candidates if rank in candidates else []
+        spanned = GROUP_DIMENSIONS[name]
+        base = {dim: (0 if dim in spanned else coords[dim]) for dim in DIMENSIONS}
+        strides = self._strides()
+        start = self.rank(**base)
+        spanned_ordered = [dim for dim in self.dims if dim in spanned]
+        return [start + offset for offset in _offsets(spanned_ordered, strides, self)]
+
+    @staticmethod
+    def _embedding_ranks(pp_group: Sequence[int]) -> list[int]:
+        return [pp_group[0]] if len(pp_group) == 1 else [pp_group[0], pp_group[-1]]
+
+    def all_groups(self) -> dict[str, list[list[int]]]:
+        """Every group kind -> its list of rank lists."""
+        return {name: self.groups(name) for name in GROUP_NAMES}
+
+
+def _offsets(dims: Sequence[str], strides: dict[str, int], layout: ParallelLayout) -> list[int]:
+    """Rank offsets spanned by ``dims``, the first dimension varying fastest."""
+    ranges = [range(0, getattr(layout, dim) * strides[dim], strides[dim]) for dim in reversed(dims)]
+    return [sum(combo) for combo in itertools.product(*ranges)]
+
+
+# ---------------------------------------------------------------------------
+# Layer map: split the model into pipeline stages, then place stages on ranks.
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StageLayers:
+    """The transformer layers of one pipeline stage and whether it holds the embedding / the loss."""
+
+    stage: int
+    layers: tuple[int, ...]
+    pre_process: bool
+    post_process: bool
+
+
+_LAYOUT_TOKEN = re.compile(r"([EtL])(?:\*(\d+))?")
+
+
+def parse_pipeline_layout(text: str, num_layers: int, num_stages: int) -> list[list[int]]:
+    """Parse a Megatron-LM style layout string such as ``"Ettt|tttt|tttL"`` (``t*3`` repeats).
+
+    ``E`` marks the embedding (first stage only), ``L`` the output layer and loss (last
+    stage only), ``t`` one transformer layer; ``|`` separates stages. Returns the global
+    layer ids of each stage. Every layer is placed exactly once, or ``LayoutError``.
+    """
+    stage_texts = text.replace(" ", "").split("|")
+    if len(stage_texts) != num_stages:
+        raise LayoutError(
+            f"parallel.pipeline_layout has {len(stage_texts)} stages but the layout needs "
+            f"{num_stages} (pp * chunks per rank)"
+        )
+    counts = [_count_layers(stage_text, index, num_stages) for index, stage_text in enumerate(stage_texts)]
+    if sum(counts) != num_layers:
+        raise LayoutError(
+            f"parallel.pipeline_layout places {sum(counts)} transformer layers but model.num_layers={num_layers}"
+        )
+    return _consecutive_ranges(counts)
+
+
+def _count_layers(stage_text: str, index: int, num_stages: int) -> int:
+    position, layers, markers = 0, 0, set()
+    while position < len(stage_text):
+        match = _LAYOUT_TOKEN.match(stage_text, position)
+        if not match:
+            raise LayoutError(
+                f"parallel.pipeline_layout stage {index} {stage_text!r}: unexpected {stage_text[position]!r} "
+                "(use E, t, L, t*N and |)"
+            )
+        repeat = int(match.group(2) or 1)
+        if match.group(1) == "t":
+            layers += repeat
+        else:
+            markers.add(match.group(1))
+        position = match.end()
+    if "E" in markers and index != 0:
+        raise LayoutError(f"parallel.pipeline_layout: E (embedding) must be in the first stage, found in stage {index}")
+    if "L" in markers and index != num_stages - 1:
+        raise LayoutError(f"parallel.pipeline_layout: L (loss) must be in the last stage, found in stage {index}")
+    if layers == 0 and not markers:
+        raise LayoutError(f"parallel.pipeline_layout stage {index} is empty: each stage needs a layer, E or L")
+    return layers
+
+
+def _consecutive_ranges(counts: Iterable[int]) -> list[list[int]]:
+    stages, start = [], 0
+    for count in counts:
+        stages.append(list(range(start, start + count)))
+        start += count
+    return stages
+
+
+def split_layers(num_layers: int, num_stages: int, pipeline_layout: str | None = None) -> list[list[int]]:
+    """Global layer ids of each of ``num_stages`` stages: even, or from an explicit layout string."""
+    if pipeline_layout:
+        return parse_pipeline_layout(pipeline_layout, num_layers, num_stages)
+    if num_layers % num_stages:
+        raise LayoutError(
+            f"model.num_layers={num_layers} must be divisible by the number of pipeline stages "
+            f"{num_stages} (pp * vpp), or give parallel.pipeline_layout"
+        )
+    return _consecutive_ranges([num_layers // num_stages] * num_stages)
+
+
+def looped_placement(pp: int, chunks_per_rank: int) -> tuple[int, ...]:
+    """Stage -> rank for the looped placement: rank r holds stages r, r+pp, r+2pp, ..."""
+    return tuple(stage % pp for stage in range(pp * chunks_per_rank))
+
+
+def layer_map(
+    num_layers: int,
+    pp: int,
+    chunks_per_rank: int = 1,
+    placement: Sequence[int] | None = None,
+    pipeline_layout: str | None = None,
+) -> dict[tuple[int, int], StageLayers]:
+    """``{(pp_rank, chunk): StageLayers}``: the split composed with a placement (looped by default).
+
+    ``chunk`` numbers a rank's stages in increasing stage order.
+    """
+    num_stages = pp * chunks_per_rank
+    placement = tuple(placement) if placement is not None else looped_placement(pp, chunks_per_rank)
+    if len(placement) != num_stages or sorted(set(placement)) != list(range(pp)):
+        raise LayoutError(f"placement {placement} does not map {num_stages} stages onto {pp} ranks")
+    stage_layers = split_layers(num_layers, num_stages, pipeline_layout)
+    chunks_seen = [0] * pp
+    result = {}
+    for stage, pp_rank in enumerate(placement):
+        result[(pp_rank, chunks_seen[pp_rank])] = StageLayers(
+            stage=stage,
+            layers=tuple(stage_layers[stage]),
+            pre_process=stage == 0,
+            post_process=stage == num_stages - 1,
+        )
+        chunks_seen[pp_rank] += 1
+    return dict(sorted(result.items()))

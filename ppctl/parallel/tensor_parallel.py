@@ -1,0 +1,309 @@
+"""Megatron-style tensor parallelism: the TP group, its communication regions, and TP layers.
+
+A tensor-parallel block is entered through ``copy_to_tp_region`` (identity forward,
+all-reduce backward) and left through ``reduce_from_tp_region`` (all-reduce forward,
+identity backward). Between the two, every TP rank works on its own slice of the
+weights: a column-parallel linear splits its output features (weight rows), a
+row-parallel linear splits its input features (weight columns) and all-reduces its
+partial outputs. Activations outside the regions are replicated on every TP rank, and
+so are their gradients.
+
+Sequence parallelism will replace the two region functions by all-gather /
+reduce-scatter along the sequence dimension; the layers call them in exactly one
+place each (``_enter_region`` / ``_leave_region``) so that swap stays local.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """The tensor-parallel group one rank belongs to.
+
+    ``group`` is a ``torch.distributed`` ProcessGroup (None for tp=1, where nothing is
+    communicated), ``size`` the number of TP ranks, ``rank`` this process's index in it.
+    """
+
+    group: object | None
+    size: int
+    rank: int
+
+    def __post_init__(self):
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"TPGroup: rank must be in [0, size) and size >= 1, got rank={self.rank} size={self.size}")
+
+    @staticmethod
+    def single() -> "TPGroup":
+        """Return the trivial group of one rank (tp=1): every collective is a no-op."""
+        return TPGroup(group=None, size=1, rank=0)
+
+    def shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
+        """Return this rank's contiguous slice of ``full`` along ``dim`` (size must divide evenly)."""
+        if full.shape[dim] % self.size != 0:
+            raise ValueError(f"cannot split dimension {dim} of size {full.shape[dim]} over tp={self.size}")
+        return full.chunk(self.size, dim=dim)[self.rank]
+
+    def vocab_range(self, vocab_size: int) -> tuple[int, int]:
+        """Return ``[start, end)`` of the vocabulary ids this rank owns (contiguous ranges)."""
+        if vocab_size % self.size != 0:
+            raise ValueError(f"vocab_size {vocab_size} must be padded to a multiple of tp={self.size}")
+        per_rank = vocab_size // self.size
+        return self.rank * per_rank, (self.rank + 1) * per_rank
+
+
+# ---------------------------------------------------------------------------
+# Collectives (plain tensors in, new tensors out; never modify the input)
+# ---------------------------------------------------------------------------
+
+def _all_reduce(tensor: torch.Tensor, tp: TPGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    result = tensor.clone(memory_format=torch.contiguous_format)
+    if tp.size > 1:
+        dist.all_reduce(result, op=op, group=tp.group)
+    return result
+
+
+def _all_gather_last_dim(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    tensor = tensor.contiguous()
+    pieces = [torch.empty_like(tensor) for _ in range(tp.size)]
+    dist.all_gather(pieces, tensor, group=tp.group)
+    return torch.cat(pieces, dim=-1)
+
+
+def _split_last_dim(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return tp.shard(tensor, dim=-1).contiguous()
+
+
+# ---------------------------------------------------------------------------
+# Autograd regions
+# ---------------------------------------------------------------------------
+
+class _CopyToTPRegion(torch.autograd.Function):
+    """Identity forward; all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, tensor, tp):
+        ctx.tp = tp
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _all_reduce(grad_output, ctx.tp), None
+
+
+class _ReduceFromTPRegion(torch.autograd.Function):
+    """All-reduce forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx, tensor, tp):
+        return _all_reduce(tensor, tp)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output, None
+
+
+class _GatherFromTPRegion(torch.autograd.Function):
+    """All-gather along the last dim forward; keep this rank's slice of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, tensor, tp):
+        ctx.tp = tp
+        return _all_gather_last_dim(tensor, tp)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _split_last_dim(grad_output, ctx.tp), None
+
+
+class _ScatterToTPRegion(torch.autograd.Function):
+    """Keep this rank's slice along the last dim forward; all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, tensor, tp):
+        ctx.tp = tp
+        return _split_last_dim(tensor, tp)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _all_gather_last_dim(grad_output, ctx.tp), None
+
+
+def copy_to_tp_region(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Enter a TP region with a replicated tensor: identity forward, gradient all-reduced backward."""
+    return tensor if tp.size == 1 else _CopyToTPRegion.apply(tensor, tp)
+
+
+def reduce_from_tp_region(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Leave a TP region by summing partial results: all-reduce forward, identity backward."""
+    return tensor if tp.size == 1 else _ReduceFromTPRegion.apply(tensor, tp)
+
+
+def gather_from_tp_region(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Concatenate every rank's last-dim slice (forward); split the gradient back (backward)."""
+    return tensor if tp.size == 1 else _GatherFromTPRegion.apply(tensor, tp)
+
+
+def scatter_to_tp_region(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Keep this rank's last-dim slice (forward); all-gather the gradient (backward)."""
+    return tensor if tp.size == 1 else _ScatterToTPRegion.apply(tensor, tp)
+
+
+# ---------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------
+
+def column_parallel_linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           tp: TPGroup) -> torch.Tensor:
+    """``inputs @ weight.T + bias`` where ``weight``/``bias`` hold this rank's output rows.
+
+    ``inputs`` is replicated across TP ranks; the result is this rank's slice of the
+    output features. Used by ColumnParallelLinear and by a tied output layer.
+    """
+    return F.linear(copy_to_tp_region(inputs, tp), weight, bias)
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """Linear layer whose output features (weight rows, and bias) are split across TP ranks.
+
+    ``weight`` is ``[out_features / tp, in_features]``: rank r holds rows
+    ``[r * out/tp, (r+1) * out/tp)`` of the full weight. The input is replicated; the
+    output is this rank's feature slice, or the full output when ``gather_output``.
+    Parameters start at zero; the model fills them (see ``ppctl.model.gpt``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = True,
+                 gather_output: bool = False, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if out_features % tp.size != 0:
+            raise ValueError(f"ColumnParallelLinear: out_features {out_features} not divisible by tp={tp.size}")
+        self.tp = tp
+        self.gather_output = gather_output
+        local_out = out_features // tp.size
+        self.weight = torch.nn.Parameter(torch.zeros(local_out, in_features, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(local_out, dtype=dtype)) if bias else None
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Return this rank's slice of the output features (all of them if ``gather_output``)."""
+        outputs = F.linear(self._enter_region(inputs), self.weight, self.bias)
+        return gather_from_tp_region(outputs, self.tp) if self.gather_output else outputs
+
+    def _enter_region(self, inputs: torch.Tensor) -> torch.Tensor:
+        # Sequence parallelism will all-gather along the sequence dim here.
+        return copy_to_tp_region(inputs, self.tp)
+
+
+class RowParallelLinear(torch.nn.Module):
+    """Linear layer whose input features (weight columns) are split across TP ranks.
+
+    ``weight`` is ``[out_features, in_features / tp]``: rank r holds columns
+    ``[r * in/tp, (r+1) * in/tp)`` of the full weight. The input is this rank's feature
+    slice (or the full input, split here, unless ``input_is_parallel``); partial outputs
+    are all-reduced, then the bias (replicated on every TP rank) is added once.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = True,
+                 input_is_parallel: bool = True, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if in_features % tp.size != 0:
+            raise ValueError(f"RowParallelLinear: in_features {in_features} not divisible by tp={tp.size}")
+        self.tp = tp
+        self.input_is_parallel = input_is_parallel
+        self.weight = torch.nn.Parameter(torch.zeros(out_features, in_features // tp.size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Return the full (replicated) output features."""
+        if not self.input_is_parallel:
+            inputs = scatter_to_tp_region(inputs, self.tp)
+        outputs = self._leave_region(F.linear(inputs, self.weight))
+        return outputs if self.bias is None else outputs + self.bias
+
+    def _leave_region(self, partial_outputs: torch.Tensor) -> torch.Tensor:
+        # Sequence parallelism will reduce-scatter along the sequence dim here.
+        return reduce_from_tp_region(partial_outputs, self.tp)
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Token embedding whose vocabulary rows are split into contiguous ranges across TP ranks.
+
+    Each rank looks up the ids it owns, writes zeros for the others, and the partial
+    embeddings are all-reduced so that every TP rank holds the full, replicated result.
+    """
+
+    def __init__(self, vocab_size: int, embedding_dim: int, tp: TPGroup, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.tp = tp
+        self.vocab_start, self.vocab_end = tp.vocab_range(vocab_size)
+        self.weight = torch.nn.Parameter(torch.zeros(self.vocab_end - self.vocab_start, embedding_dim, dtype=dtype))
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Map int64 ids ``[...]`` to embeddings ``[..., embedding_dim]`` (replicated over TP)."""
+        if self.tp.size == 1:
+            return F.embedding(token_ids, self.weight)
+        not_mine = (token_ids < self.vocab_start) | (token_ids >= self.vocab_end)
+        local_ids = (token_ids - self.vocab_start).masked_fill(not_mine, 0)
+        partial = F.embedding(local_ids, self.weight).masked_fill(not_mine.unsqueeze(-1), 0.0)
+        return self._leave_region(partial)
+
+    def _leave_region(self, partial: torch.Tensor) -> torch.Tensor:
+        # Sequence parallelism will reduce-scatter along the sequence dim here.
+        return reduce_from_tp_region(partial, self.tp)
+
+
+# ---------------------------------------------------------------------------
+# Vocab-parallel cross-entropy
+# ---------------------------------------------------------------------------
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over logits split along the vocabulary, without gathering them.
+
+    Forward: global max and sum of exponentials are all-reduced over TP; the target
+    logit comes from the rank owning the target id (zeros elsewhere, summed).
+    Backward: d loss / d logits = softmax - one_hot(target), on this rank's slice.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, tp, vocab_start):
+        vocab_local = logits.shape[-1]
+        logits_max = _all_reduce(logits.max(dim=-1).values, tp, op=dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        not_mine = (targets < vocab_start) | (targets >= vocab_start + vocab_local)
+        local_targets = (targets - vocab_start).masked_fill(not_mine, 0)
+        target_logits = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(not_mine, 0.0)
+        target_logits = _all_reduce(target_logits, tp)
+
+        exp_logits = shifted.exp()
+        sum_exp = _all_reduce(exp_logits.sum(dim=-1), tp)
+        losses = sum_exp.log() - target_logits
+
+        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_targets, not_mine)
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses):
+        softmax, local_targets, not_mine = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        is_target = (~not_mine).to(grad_logits.dtype).unsqueeze(-1)
+        grad_logits.scatter_add_(-1, local_targets.unsqueeze(-1), -is_target)
+        grad_logits.mul_(grad_losses.unsqueeze(-1))
+        return grad_logits, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Per-token cross-entropy ``[...]`` from this rank's vocabulary slice of the logits ``[..., V/tp]``.
+
+    ``targets`` are global vocabulary ids. Rank r's slice covers ids
+    ``[r * V/tp, (r+1) * V/tp)``. Computed in float32 (float64 when the logits are
+    float64); the result is identical on every TP rank.
+    """
+    compute_dtype = torch.float64 if logits_shard.dtype == torch.float64 else torch.float32
+    vocab_start = tp.rank * logits_shard.shape[-1]
+    return _VocabParallelCrossEntropy.apply(logits_shard.to(compute_dtype), targets, tp, vocab_start)

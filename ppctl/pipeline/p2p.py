@@ -1,0 +1,79 @@
+"""Point-to-point transport for pipeline messages: batched non-blocking sends and receives.
+
+The communication plan (``pipeline/comm.py``) decides what is sent and received and in
+which order; this module only moves tensors. Every batch (the sends of one action and
+the receives posted ahead for the next) goes through one ``batch_isend_irecv`` call,
+so crossing send/receive pairs between two ranks are issued together, on gloo and
+NCCL alike. Shapes are static (microbatch x sequence x hidden), so no shape exchange.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ppctl.pipeline.comm import Message
+
+
+class PipelineTransport:
+    """Posts receives into fresh buffers, sends tensors, and hands out received tensors by message.
+
+    ``peer_rank(pp_rank)`` maps a pipeline rank to the global rank in this pipeline group.
+    """
+
+    def __init__(self, peer_rank: Callable[[int], int], shape: Sequence[int], dtype: torch.dtype, device):
+        self.peer_rank = peer_rank
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.device = device
+        self.pending_receives: dict[Message, tuple[list, torch.Tensor]] = {}
+        self.pending_sends: list[object] = []
+
+    def post(self, sends: Sequence[tuple[Message, torch.Tensor]], receives: Sequence[Message]) -> None:
+        """Issue ``sends`` then ``receives`` as one batch; nothing blocks here."""
+        operations = []
+        for message, tensor in sends:
+            operations.append(dist.P2POp(dist.isend, tensor.detach(), self.peer_rank(message.dst_rank)))
+        new_buffers = []
+        for message in receives:
+            if message in self.pending_receives:
+                continue
+            buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            operations.append(dist.P2POp(dist.irecv, buffer, self.peer_rank(message.src_rank)))
+            new_buffers.append((message, buffer))
+        if not operations:
+            return
+        works = dist.batch_isend_irecv(operations)
+        if len(works) != len(operations):
+            # A coalescing backend (NCCL) returns one work for the whole batch: every
+            # receive of the batch then waits on it.
+            send_works, receive_works = list(works), [works] * len(new_buffers)
+        else:
+            send_works, receive_works = works[: len(sends)], [[work] for work in works[len(sends):]]
+        self.pending_sends.extend(send_works)
+        for (message, buffer), batch_works in zip(new_buffers, receive_works):
+            self.pending_receives[message] = (batch_works, buffer)
+        self._drop_completed_sends()
+
+    def take(self, message: Message) -> torch.Tensor:
+        """Wait for a posted receive and return its tensor (posting it first if the plan did not)."""
+        if message not in self.pending_receives:
+            self.post([], [message])
+        works, buffer = self.pending_receives.pop(message)
+        for work in works:
+            work.wait()
+        return buffer
+
+    def _drop_completed_sends(self) -> None:
+        self.pending_sends = [work for work in self.pending_sends if not work.is_completed()]
+
+    def finish(self) -> None:
+        """Wait for every outstanding send; the step's buffers are then free."""
+        for work in self.pending_sends:
+            work.wait()
+        self.pending_sends.clear()
+        if self.pending_receives:
+            leftover = ", ".join(str(message) for message in self.pending_receives)
+            raise RuntimeError(f"receives posted but never used: {leftover}")

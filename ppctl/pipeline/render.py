@@ -1,0 +1,324 @@
+"""Draw pipeline timelines: in the terminal (rich) and as a standalone SVG or HTML page.
+
+The renderers take a generic timeline, a list of ``RankTimeline``: the simulator
+produces one, and a measured run produces the same type from real timestamps (with
+optional ``waits`` intervals, drawn hatched as "waiting for communication"). Colours:
+forwards in blues, backwards (B or unsplit BW) in oranges, weight-gradient W in
+purples; a rank's chunks are told apart by shade (chunk 0 darkest).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional, Sequence
+from xml.sax.saxutils import escape
+
+from rich.console import Console
+from rich.text import Text
+
+from .schedules.base import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+from .simulate import RankTimeline, SimResult, TimedAction
+
+# Shades per kind, chunk 0 first (then cycling): dark to light.
+PALETTES = {
+    FORWARD: ("#1f5fa8", "#4a86c8", "#7eaadb", "#b0cdea"),
+    BACKWARD_INPUT: ("#c4580a", "#e67e22", "#f0a35e", "#f7c99b"),
+    BACKWARD: ("#c4580a", "#e67e22", "#f0a35e", "#f7c99b"),
+    BACKWARD_WEIGHT: ("#6a3d9a", "#8e63b8", "#b394d3", "#d5c4e8"),
+}
+KIND_NAMES = {FORWARD: "forward", BACKWARD_INPUT: "backward (input grad)",
+              BACKWARD_WEIGHT: "backward (weight grad)", BACKWARD: "backward"}
+WAIT_COLOUR = "#9aa0a6"
+SUPPORTED_SUFFIXES = (".svg", ".html")
+
+
+def action_colour(kind: str, chunk: int) -> str:
+    """Fill colour of an action of ``kind`` on local chunk ``chunk``."""
+    palette = PALETTES.get(kind, ("#777777",))
+    return palette[chunk % len(palette)]
+
+
+def text_colour(fill: str) -> str:
+    """Black or white, whichever reads better on ``fill`` (``#rrggbb``)."""
+    red, green, blue = (int(fill[i:i + 2], 16) for i in (1, 3, 5))
+    return "#111111" if 0.299 * red + 0.587 * green + 0.114 * blue > 150 else "#ffffff"
+
+
+def lighten(fill: str, amount: float) -> str:
+    """``fill`` (``#rrggbb``) mixed with white by ``amount`` (0 keeps it, 1 gives white)."""
+    channels = (int(fill[i:i + 2], 16) for i in (1, 3, 5))
+    return "#" + "".join(f"{round(c + (255 - c) * amount):02x}" for c in channels)
+
+
+def chunk_indices(timeline: RankTimeline) -> dict[int, int]:
+    """Stage -> local chunk index on this rank (its position among the rank's stages)."""
+    return {stage: index for index, stage in enumerate(sorted({a.stage for a in timeline.actions}))}
+
+
+def timeline_end(ranks: Sequence[RankTimeline]) -> float:
+    """The latest end of any action or wait in ``ranks`` (0.0 when empty)."""
+    ends = [a.end for r in ranks for a in r.actions] + [end for r in ranks for _, end in r.waits]
+    return max(ends, default=0.0)
+
+
+def simulation_lines(result: SimResult) -> list[str]:
+    """Subtitle lines describing a simulation: sizes, costs, makespan, bubble and peak activations."""
+    costs = result.costs
+    return [
+        f"pp={result.pp} · vpp={result.vpp} · microbatches={result.num_microbatches} · "
+        f"costs F={_number(costs.F)} B={_number(costs.B)} W={_number(costs.W)} comm={_number(costs.comm)}",
+        f"makespan {_number(result.makespan)} · bubble ratio {result.bubble_ratio:.1%}",
+        _peaks_line(result.ranks),
+    ]
+
+
+def _peaks_line(ranks: Sequence[RankTimeline]) -> str:
+    if len(ranks) <= 16:
+        peaks = ", ".join(_number(r.peak_activations) for r in ranks)
+        return f"peak in-flight activations per rank (microbatches): {peaks}"
+    highest = max(ranks, key=lambda r: r.peak_activations)
+    lowest = min(ranks, key=lambda r: r.peak_activations)
+    return (f"peak in-flight activations (microbatches): highest {_number(highest.peak_activations)} "
+            f"on rank {highest.rank}, lowest {_number(lowest.peak_activations)} on rank {lowest.rank}")
+
+
+def _number(value: float) -> str:
+    return f"{value:.3g}" if value != int(value) else str(int(value))
+
+
+def _used_kinds(ranks: Sequence[RankTimeline]) -> list[str]:
+    present = {a.kind for r in ranks for a in r.actions}
+    return [kind for kind in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) if kind in present]
+
+
+def _max_chunks(ranks: Sequence[RankTimeline]) -> int:
+    return max((len(chunk_indices(r)) for r in ranks), default=1)
+
+
+# --- terminal ---------------------------------------------------------------------------------
+
+def render_terminal(ranks: Sequence[RankTimeline], console: Console, width: Optional[int] = None,
+                    title: str = "Pipeline timeline") -> None:
+    """Print one row per rank (time scaled to the width), each action a coloured cell, then a legend.
+
+    When actions are narrower than a character the later one in a cell wins: the
+    picture is scaled, never truncated.
+    """
+    label_width = len(f"rank {max((r.rank for r in ranks), default=0)} ") + 1
+    peak_width = 12
+    columns = max(10, (width or console.width) - label_width - peak_width)
+    end = timeline_end(ranks) or 1.0
+    console.print(Text(title, style="bold"))
+    plain = console.color_system is None  # no colours: fill cells with the action's letter instead
+    for timeline in ranks:
+        row = Text(f"rank {timeline.rank}".ljust(label_width), style="bold")
+        row.append_text(_terminal_row(timeline, columns, columns / end, plain))
+        row.append(f" peak {_number(timeline.peak_activations)}", style="dim")
+        console.print(row, no_wrap=True, overflow="crop")
+    axis = f"0{_number(end).rjust(columns - 1)}" if columns > len(_number(end)) + 1 else ""
+    console.print(Text(" " * label_width + axis, style="dim"), no_wrap=True, overflow="crop")
+    console.print(_terminal_legend(ranks), no_wrap=False)
+
+
+def _terminal_row(timeline: RankTimeline, columns: int, scale: float, plain: bool) -> Text:
+    cells: list[Optional[tuple[str, str]]] = [None] * columns  # (character, style)
+    for start, stop in timeline.waits:
+        for column in range(*_column_span(start, stop, scale, columns)):
+            cells[column] = ("░", WAIT_COLOUR)
+    chunks = chunk_indices(timeline)
+    for action in timeline.actions:
+        _paint_action(cells, action, chunks[action.stage], scale, plain)
+    row = Text()
+    for cell in cells:
+        row.append(*(cell or (" ", "")))
+    return row
+
+
+def _paint_action(cells: list, action: TimedAction, chunk: int, scale: float, plain: bool) -> None:
+    first, stop = _column_span(action.start, action.end, scale, len(cells))
+    fill = action_colour(action.kind, chunk)
+    if action.microbatch % 2:  # neighbours of one colour stay apart even without room for labels
+        fill = lighten(fill, 0.18)
+    style = f"bold {text_colour(fill)} on {fill}"
+    label = str(action.microbatch)
+    span = stop - first
+    filler = action.kind[0] if plain else " "
+    text = label.center(span, filler) if span >= len(label) else filler * span
+    for offset, column in enumerate(range(first, stop)):
+        cells[column] = (text[offset], style)
+
+
+def _column_span(start: float, end: float, scale: float, columns: int) -> tuple[int, int]:
+    first = min(columns - 1, int(start * scale + 1e-9))
+    stop = min(columns, max(first + 1, int(round(end * scale))))
+    return first, stop
+
+
+def _terminal_legend(ranks: Sequence[RankTimeline]) -> Text:
+    legend = Text("legend: ", style="dim")
+    for kind in _used_kinds(ranks):
+        fill = action_colour(kind, 0)
+        legend.append(f" {kind} ", style=f"bold {text_colour(fill)} on {fill}")
+        legend.append(f" {KIND_NAMES[kind]}  ")
+    chunks = _max_chunks(ranks)
+    if chunks > 1:
+        legend.append("chunks 0..{}: ".format(chunks - 1))
+        for chunk in range(chunks):
+            legend.append(f"{chunk}", style=f"on {action_colour(FORWARD, chunk)}")
+        legend.append(" (darker = earlier chunk)  ")
+    if any(r.waits for r in ranks):
+        legend.append("░", style=WAIT_COLOUR)
+        legend.append(" waiting for communication  ")
+    legend.append("numbers: microbatch", style="dim")
+    return legend
+
+
+# --- SVG / HTML ------------------------------------------------------------------------------
+
+LEFT, RIGHT, PLOT_WIDTH = 74, 92, 1100
+
+
+def _row_geometry(num_ranks: int) -> tuple[int, int]:
+    """Row height and gap: roomy up to 16 ranks, then shrinking so 64 ranks stay on one screen."""
+    if num_ranks <= 16:
+        return 26, 6
+    return max(8, 26 * 16 // num_ranks), 2
+FONT = "font-family=\"Helvetica, Arial, sans-serif\""
+
+
+def render_svg(ranks: Sequence[RankTimeline], title: str, subtitle_lines: Sequence[str] = ()) -> str:
+    """A standalone SVG: one row per rank, a time axis, boxes labelled with their microbatch, a legend.
+
+    Each action is exactly one ``<rect class="action">`` (with a hover tooltip);
+    waits are ``<rect class="wait">`` filled with a hatch.
+    """
+    end = timeline_end(ranks) or 1.0
+    scale = PLOT_WIDTH / end
+    row_height, row_gap = _row_geometry(len(ranks))
+    top = 38 + 18 * len(subtitle_lines) + 10
+    rows_bottom = top + len(ranks) * (row_height + row_gap)
+    legend_y = rows_bottom + 48
+    width, height = LEFT + PLOT_WIDTH + RIGHT, legend_y + 34
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" {FONT}>',
+        _svg_defs(),
+        f'<rect class="background" x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
+        f'<text x="{LEFT}" y="26" font-size="17" font-weight="bold" fill="#202124">{escape(title)}</text>',
+    ]
+    parts += [f'<text x="{LEFT}" y="{48 + 18 * i}" font-size="12.5" fill="#5f6368">{escape(line)}</text>'
+              for i, line in enumerate(subtitle_lines)]
+    for index, timeline in enumerate(ranks):
+        parts += _svg_row(timeline, top + index * (row_height + row_gap), row_height, scale)
+    parts += _svg_axis(end, scale, rows_bottom)
+    parts += _svg_legend(ranks, legend_y)
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def _svg_defs() -> str:
+    return ('<defs><pattern id="wait-hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
+            'patternTransform="rotate(45)"><rect width="6" height="6" fill="#eceff1"/>'
+            f'<line x1="0" y1="0" x2="0" y2="6" stroke="{WAIT_COLOUR}" stroke-width="2"/></pattern></defs>')
+
+
+def _svg_row(timeline: RankTimeline, y: float, height: int, scale: float) -> list[str]:
+    font_size = min(12, height - 1)
+    baseline = y + height / 2 + font_size / 3
+    parts = [
+        f'<rect class="lane" x="{LEFT}" y="{y}" width="{PLOT_WIDTH}" height="{height}" fill="#f1f3f4"/>',
+        f'<text x="{LEFT - 10}" y="{baseline:.1f}" font-size="{font_size}" text-anchor="end" fill="#202124">'
+        f'rank {timeline.rank}</text>',
+        f'<text x="{LEFT + PLOT_WIDTH + 10}" y="{baseline:.1f}" font-size="{min(11, font_size)}" fill="#5f6368">'
+        f'peak {_number(timeline.peak_activations)}</text>',
+    ]
+    for start, stop in timeline.waits:
+        parts.append(f'<rect class="wait" x="{LEFT + start * scale:.2f}" y="{y}" '
+                     f'width="{max((stop - start) * scale, 0.5):.2f}" height="{height}" fill="url(#wait-hatch)">'
+                     f'<title>waiting for communication {start:g}-{stop:g}</title></rect>')
+    chunks = chunk_indices(timeline)
+    for action in timeline.actions:
+        parts += _svg_action(action, chunks[action.stage], y, height, scale)
+    return parts
+
+
+def _svg_action(action: TimedAction, chunk: int, y: float, height: int, scale: float) -> list[str]:
+    x, box_width = LEFT + action.start * scale, max((action.end - action.start) * scale, 0.5)
+    fill = action_colour(action.kind, chunk)
+    stroke = ' stroke="#ffffff" stroke-width="1"' if box_width >= 8 else ""
+    tooltip = (f"{action.kind} stage {action.stage} (chunk {chunk}) microbatch {action.microbatch}: "
+               f"{action.start:g}-{action.end:g}")
+    parts = [f'<rect class="action" x="{x:.2f}" y="{y}" width="{box_width:.2f}" height="{height}" '
+             f'fill="{fill}"{stroke}><title>{escape(tooltip)}</title></rect>']
+    label = str(action.microbatch)
+    if box_width >= 7 * len(label) + 4 and height >= 14:
+        parts.append(f'<text x="{x + box_width / 2:.2f}" y="{y + height / 2 + 4}" font-size="11" '
+                     f'text-anchor="middle" fill="{text_colour(fill)}" pointer-events="none">{label}</text>')
+    return parts
+
+
+def _svg_axis(end: float, scale: float, y: float) -> list[str]:
+    step = nice_step(end, target_ticks=10)
+    parts = [f'<line x1="{LEFT}" y1="{y + 2}" x2="{LEFT + PLOT_WIDTH}" y2="{y + 2}" stroke="#5f6368"/>']
+    for tick in range(int(end / step + 1e-9) + 1):
+        x = LEFT + tick * step * scale
+        parts.append(f'<line x1="{x:.2f}" y1="{y + 2}" x2="{x:.2f}" y2="{y + 7}" stroke="#5f6368"/>')
+        parts.append(f'<text x="{x:.2f}" y="{y + 20}" font-size="11" text-anchor="middle" fill="#5f6368">'
+                     f'{_number(round(tick * step, 10))}</text>')
+    parts.append(f'<text x="{LEFT + PLOT_WIDTH}" y="{y + 36}" font-size="11" text-anchor="end" '
+                 f'fill="#5f6368">time</text>')
+    return parts
+
+
+def nice_step(span: float, target_ticks: int = 10) -> float:
+    """A round tick spacing (1, 2 or 5 times a power of ten) giving about ``target_ticks`` ticks."""
+    if span <= 0:
+        return 1.0
+    raw = span / target_ticks
+    power = 10 ** math.floor(math.log10(raw))
+    return next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+
+
+def _svg_legend(ranks: Sequence[RankTimeline], y: float) -> list[str]:
+    parts, x = [], LEFT
+    chunks = _max_chunks(ranks)
+    for kind in _used_kinds(ranks):
+        for chunk in range(chunks):
+            parts.append(f'<rect class="legend" x="{x + 14 * chunk}" y="{y}" width="14" height="14" '
+                         f'fill="{action_colour(kind, chunk)}"/>')
+        name = KIND_NAMES[kind] + (f" (chunks 0-{chunks - 1})" if chunks > 1 else "")
+        x += 14 * chunks + 6
+        parts.append(f'<text x="{x}" y="{y + 11.5}" font-size="12" fill="#202124">{kind}: {escape(name)}</text>')
+        x += 8 * (len(kind) + len(name)) + 28
+    if any(r.waits for r in ranks):
+        parts.append(f'<rect class="legend" x="{x}" y="{y}" width="14" height="14" fill="url(#wait-hatch)"/>')
+        parts.append(f'<text x="{x + 20}" y="{y + 11.5}" font-size="12" fill="#202124">'
+                     f'waiting for communication</text>')
+    note = "numbers in boxes: microbatch"
+    if chunks > 1:
+        note += "; darker shade = earlier chunk of the rank"
+    note += "; right: peak in-flight activations (microbatches through all of the rank's layers)"
+    parts.append(f'<text x="{LEFT}" y="{y + 30}" font-size="11" fill="#5f6368">{escape(note)}</text>')
+    return parts
+
+
+def render_html(ranks: Sequence[RankTimeline], title: str, subtitle_lines: Sequence[str] = ()) -> str:
+    """The SVG of ``render_svg`` embedded in a minimal HTML page."""
+    svg = render_svg(ranks, title, subtitle_lines)
+    return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
+            f"<title>{escape(title)}</title></head>\n"
+            "<body style=\"margin:16px;background:#ffffff\">\n" + svg + "\n</body></html>\n")
+
+
+def write_timeline(ranks: Sequence[RankTimeline], path: str | Path, title: str,
+                   lines: Sequence[str] = ()) -> Path:
+    """Write the timeline to ``path`` as ``.svg`` or ``.html`` (by suffix); returns the path."""
+    path = Path(path)
+    renderers = {".svg": render_svg, ".html": render_html}
+    renderer = renderers.get(path.suffix.lower())
+    if renderer is None:
+        raise ValueError(f"timeline file {path}: suffix {path.suffix or '(none)'!r} is not supported; "
+                         f"use one of {', '.join(SUPPORTED_SUFFIXES)}")
+    path.write_text(renderer(ranks, title, lines), encoding="utf-8")
+    return path

@@ -1,0 +1,60 @@
+"""Pipeline schedules as data: the registry of schedule names and ``build_schedule``.
+
+Every schedule is a pure function ``(pp, vpp, num_microbatches) -> Schedule`` in its
+own module; this package maps names to them. Import from here::
+
+    from ppctl.pipeline.schedules import SCHEDULE_SPECS, build_schedule, Action, Schedule
+"""
+
+from __future__ import annotations
+
+from .base import (ACTION_KINDS, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action,
+                   Schedule, ScheduleError, ScheduleSpec, at_least_one_microbatch, looped_placement,
+                   v_placement)
+from .gpipe import GPIPE_SPEC
+from .interleaved import INTERLEAVED_SPEC
+from .one_f_one_b import ONE_F_ONE_B_SPEC
+
+
+def _planned(name: str, multi_chunk: bool, splits_backward: bool, description: str) -> ScheduleSpec:
+    return ScheduleSpec(name, implemented=False, multi_chunk=multi_chunk, splits_backward=splits_backward,
+                        description=description, microbatch_error=at_least_one_microbatch)
+
+
+SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
+    spec.name: spec
+    for spec in (
+        GPIPE_SPEC,
+        ONE_F_ONE_B_SPEC,
+        INTERLEAVED_SPEC,
+        _planned("zb_h1", False, True, "zero-bubble H1: 1F1B with the backward split into B and W"),
+        _planned("zbv", True, True, "zero-bubble V: two chunks per rank in a V, B/W split"),
+        _planned("dualpipe", True, True, "DualPipe: two model copies fed from both ends, B/W split"),
+        _planned("dualpipev", True, True, "DualPipeV: DualPipe folded onto a V placement"),
+    )
+}
+
+
+def build_schedule(name: str, pp: int, vpp: int, num_microbatches: int) -> Schedule:
+    """Build the named schedule for ``pp`` ranks, ``vpp`` chunks per rank and ``num_microbatches``.
+
+    Raises ``ScheduleError`` (one line) for an unknown or unimplemented name or bad sizes.
+    """
+    spec = SCHEDULE_SPECS.get(name)
+    if spec is None:
+        raise ScheduleError(f"schedule {name!r} is unknown; choose one of {', '.join(SCHEDULE_SPECS)}")
+    if not spec.implemented or spec.generate is None:
+        available = ", ".join(n for n, s in SCHEDULE_SPECS.items() if s.implemented)
+        raise ScheduleError(f"schedule {name} is not implemented yet; available: {available}")
+    if pp < 1 or vpp < 1:
+        raise ScheduleError(f"schedule {name}: pp={pp} and vpp={vpp} must both be at least 1")
+    error = spec.microbatch_error(pp, vpp, num_microbatches)
+    if error is not None:
+        raise ScheduleError(f"schedule {name}: {error}")
+    return spec.generate(pp, vpp, num_microbatches)
+
+
+__all__ = [
+    "ACTION_KINDS", "BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "FORWARD", "Action", "Schedule",
+    "ScheduleError", "ScheduleSpec", "SCHEDULE_SPECS", "build_schedule", "looped_placement", "v_placement",
+]

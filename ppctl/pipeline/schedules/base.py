@@ -1,0 +1,163 @@
+"""Schedules as data: the action type, the schedule type and the stage placements.
+
+A schedule is plain data: for each pipeline rank, the ordered list of computations
+it runs in one step. Nothing here knows about processes or tensors; sends and
+receives are derived from the actions by ``ppctl.pipeline.comm``.
+
+Stages are *global virtual stages*: the model is cut into ``num_stages`` pieces,
+stage 0 holds the embedding and the last stage the loss. A placement maps each
+stage to the pipeline rank that runs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable, Optional
+
+FORWARD = "F"
+BACKWARD_INPUT = "B"  # input-gradient half of a split backward
+BACKWARD_WEIGHT = "W"  # weight-gradient half of a split backward
+BACKWARD = "BW"  # whole backward (input and weight gradients together)
+ACTION_KINDS = (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, BACKWARD)
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot be built or cannot run; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """One computation on one stage for one microbatch.
+
+    ``kind`` is ``F`` (forward), ``B`` (input-gradient backward of a split backward),
+    ``W`` (weight-gradient backward) or ``BW`` (whole backward). ``stage`` is the
+    global virtual stage. ``step`` is reserved for schedules that run across
+    optimizer steps (PipeDream-2BW); it is 0 otherwise.
+    """
+
+    kind: str
+    stage: int
+    microbatch: int
+    step: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}(stage {self.stage}, mb {self.microbatch})"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-rank ordered action lists plus the placement of stages on ranks."""
+
+    name: str
+    pp: int
+    chunks_per_rank: int
+    num_microbatches: int
+    placement: tuple[int, ...]
+    actions: tuple[tuple[Action, ...], ...]
+
+    @property
+    def num_stages(self) -> int:
+        """Number of global virtual stages (``pp * chunks_per_rank``)."""
+        return len(self.placement)
+
+    def rank_of(self, stage: int) -> int:
+        """The pipeline rank that runs ``stage``."""
+        return self.placement[stage]
+
+    def stages_of(self, pp_rank: int) -> tuple[int, ...]:
+        """The stages held by ``pp_rank``, in increasing order."""
+        return self._stages_by_rank.get(pp_rank, ())
+
+    def chunk_of(self, stage: int) -> int:
+        """The local chunk index of ``stage``: its position in ``stages_of(rank_of(stage))``."""
+        return self.stages_of(self.rank_of(stage)).index(stage)
+
+    @cached_property
+    def _stages_by_rank(self) -> dict[int, tuple[int, ...]]:
+        stages: dict[int, list[int]] = {}
+        for stage, owner in enumerate(self.placement):
+            stages.setdefault(owner, []).append(stage)
+        return {owner: tuple(owned) for owner, owned in stages.items()}
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the backward is split into B (input gradient) and W (weight gradient)."""
+        return any(action.kind in (BACKWARD_INPUT, BACKWARD_WEIGHT) for rank_actions in self.actions
+                   for action in rank_actions)
+
+    def describe(self) -> str:
+        """One line per rank, actions written compactly (``F3`` forward mb 3, ``c1`` chunk 1)."""
+        lines = []
+        for pp_rank, rank_actions in enumerate(self.actions):
+            cells = []
+            for action in rank_actions:
+                chunk = f"c{self.chunk_of(action.stage)}" if self.chunks_per_rank > 1 else ""
+                cells.append(f"{action.kind}{action.microbatch}{chunk}")
+            lines.append(f"rank {pp_rank}: " + " ".join(cells))
+        return "\n".join(lines)
+
+
+# --- placements: stage -> pp rank -------------------------------------------------
+
+def looped_placement(pp: int, chunks: int) -> tuple[int, ...]:
+    """Megatron's interleaved placement: stage s runs on rank ``s % pp``.
+
+    With ``chunks=1`` this is the plain pipeline (stage r on rank r).
+    """
+    _check_sizes(pp, chunks)
+    return tuple(stage % pp for stage in range(pp * chunks))
+
+
+def v_placement(pp: int) -> tuple[int, ...]:
+    """The V placement (ZB-V, DualPipeV): rank r holds stages r and ``2*pp - 1 - r``.
+
+    The model goes down the ranks and comes back up, so the first and the last
+    stage both sit on rank 0.
+    """
+    _check_sizes(pp, 2)
+    return tuple(stage if stage < pp else 2 * pp - 1 - stage for stage in range(2 * pp))
+
+
+def _check_sizes(pp: int, chunks: int) -> None:
+    if pp < 1 or chunks < 1:
+        raise ScheduleError(f"pp={pp} and chunks per rank={chunks} must both be at least 1")
+
+
+# --- the registry's entry type -------------------------------------------------------
+
+MicrobatchRule = Callable[[int, int, int], Optional[str]]
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """What config validation and the CLI need to know about a schedule by name.
+
+    ``microbatch_error(pp, vpp, num_microbatches)`` returns None when the count is
+    allowed, else a one-line message that states the rule. ``multi_chunk`` says
+    whether the schedule may hold several chunks per rank (``vpp > 1``).
+    ``generate(pp, vpp, num_microbatches)`` builds the schedule (None until the
+    schedule is implemented).
+    """
+
+    name: str
+    implemented: bool
+    multi_chunk: bool
+    splits_backward: bool
+    description: str
+    microbatch_error: MicrobatchRule
+    generate: Optional[Callable[[int, int, int], Schedule]] = None
+
+
+def at_least_one_microbatch(pp: int, vpp: int, num_microbatches: int) -> Optional[str]:
+    """The rule every schedule shares: a step has at least one microbatch."""
+    if num_microbatches < 1:
+        return f"num_microbatches={num_microbatches} must be at least 1"
+    return None
+
+
+def single_chunk_only(name: str, vpp: int) -> None:
+    """Refuse ``vpp > 1`` for a schedule that holds one chunk per rank."""
+    if vpp != 1:
+        raise ScheduleError(f"schedule {name} holds one chunk per rank; vpp={vpp} must be 1 "
+                            f"(use interleaved_1f1b for vpp > 1)")

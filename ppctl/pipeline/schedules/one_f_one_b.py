@@ -1,0 +1,40 @@
+"""1F1B (PipeDream-flush, Megatron's non-interleaved schedule), one chunk per rank."""
+
+from __future__ import annotations
+
+from .base import (BACKWARD, FORWARD, Action, Schedule, ScheduleSpec, at_least_one_microbatch,
+                   looped_placement, single_chunk_only)
+
+
+def one_f_one_b(pp: int, vpp: int, num_microbatches: int) -> Schedule:
+    """Build 1F1B: per rank, warm-up forwards, then one forward / one backward, then the remaining backwards.
+
+    Rank r runs ``min(pp - r - 1, num_microbatches)`` warm-up forwards, so at most
+    ``pp - r`` microbatches are in flight on it. With ``pp=1`` this is plain
+    gradient accumulation: F0 BW0 F1 BW1 ...
+    """
+    single_chunk_only("1f1b", vpp)
+    actions = tuple(_rank_actions(pp_rank, pp, num_microbatches) for pp_rank in range(pp))
+    return Schedule("1f1b", pp, 1, num_microbatches, looped_placement(pp, 1), actions)
+
+
+def _rank_actions(pp_rank: int, pp: int, num_microbatches: int) -> tuple[Action, ...]:
+    num_warmup = min(pp - pp_rank - 1, num_microbatches)
+    num_steady = num_microbatches - num_warmup
+    warmup = [Action(FORWARD, pp_rank, mb) for mb in range(num_warmup)]
+    steady = []
+    for i in range(num_steady):
+        steady += [Action(FORWARD, pp_rank, num_warmup + i), Action(BACKWARD, pp_rank, i)]
+    cooldown = [Action(BACKWARD, pp_rank, mb) for mb in range(num_steady, num_microbatches)]
+    return tuple(warmup + steady + cooldown)
+
+
+ONE_F_ONE_B_SPEC = ScheduleSpec(
+    name="1f1b",
+    implemented=True,
+    multi_chunk=False,
+    splits_backward=False,
+    description="one forward, one backward (PipeDream-flush); at most pp microbatches in flight",
+    microbatch_error=at_least_one_microbatch,
+    generate=one_f_one_b,
+)

@@ -1,0 +1,150 @@
+"""Measured timelines: per-rank timestamps of each action and each wait for communication.
+
+A ``Tracer`` is handed to the runtime only when ``trainer.trace=true``; with tracing
+off the runtime skips every call (one ``is None`` check per action). Times are
+``time.perf_counter`` seconds relative to the step's start on each rank.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ppctl.pipeline.schedules import Action
+
+
+@dataclass
+class Tracer:
+    """Collects one rank's actions and waits for the current step."""
+
+    rank: int
+    step_start: float = field(default_factory=time.perf_counter)
+    actions: list[tuple[str, int, int, float, float]] = field(default_factory=list)
+    waits: list[tuple[float, float]] = field(default_factory=list)
+
+    def start_step(self) -> None:
+        """Forget the previous step and take the time origin."""
+        self.step_start = time.perf_counter()
+        self.actions.clear()
+        self.waits.clear()
+
+    def action(self, action: Action, start: float, end: float) -> None:
+        """Record one computed action."""
+        self.actions.append((action.kind, action.stage, action.microbatch,
+                             start - self.step_start, end - self.step_start))
+
+    def wait(self, start: float, end: float) -> None:
+        """Record time spent waiting for a message."""
+        self.waits.append((start - self.step_start, end - self.step_start))
+
+    def compute_seconds(self) -> float:
+        """Total time spent computing actions this step."""
+        return sum(end - start for *_, start, end in self.actions)
+
+    def wait_seconds(self) -> float:
+        """Total time spent waiting for messages this step."""
+        return sum(end - start for start, end in self.waits)
+
+    def snapshot(self) -> dict:
+        """A picklable record of this step for gathering to one rank."""
+        return {"rank": self.rank, "actions": list(self.actions), "waits": list(self.waits)}
+
+
+def chrome_trace(snapshots: list[dict], step: int) -> dict:
+    """A Chrome/Perfetto trace (``chrome://tracing``, ui.perfetto.dev): one track per rank."""
+    events = []
+    for snapshot in snapshots:
+        rank = snapshot["rank"]
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}})
+        for kind, stage, microbatch, start, end in snapshot["actions"]:
+            events.append({"name": f"{kind}{microbatch}", "cat": kind, "ph": "X", "pid": 0, "tid": rank,
+                           "ts": start * 1e6, "dur": (end - start) * 1e6,
+                           "args": {"stage": stage, "microbatch": microbatch, "step": step}})
+        for start, end in snapshot["waits"]:
+            events.append({"name": "wait", "cat": "wait", "ph": "X", "pid": 0, "tid": rank,
+                           "ts": start * 1e6, "dur": (end - start) * 1e6})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(snapshots: list[dict], step: int, path: Path) -> None:
+    """Write the trace JSON atomically."""
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(chrome_trace(snapshots, step)))
+    temporary.replace(path)
+
+
+def _laid_out_in_sequence(all_traces: list[tuple[int, list[dict]]]) -> list[tuple[int, list[dict]]]:
+    """Shift each step's times (relative to its own start) to follow the previous step."""
+    shifted, offset = [], 0.0
+    for step, snapshots in all_traces:
+        moved = []
+        for snapshot in snapshots:
+            actions = [(k, s, m, start + offset, end + offset) for k, s, m, start, end in snapshot["actions"]]
+            waits = [(start + offset, end + offset) for start, end in snapshot["waits"]]
+            moved.append({"rank": snapshot["rank"], "actions": actions, "waits": waits})
+        shifted.append((step, moved))
+        offset += max((end for snap in snapshots for *_, end in snap["actions"]), default=0.0) * 1.02
+    return shifted
+
+
+def measured_timelines(snapshots: list[dict], pipeline_ranks: list[int], chunks_per_rank: int):
+    """``RankTimeline`` rows (one per pipeline rank, in ms) from one step's gathered snapshots."""
+    from ppctl.pipeline.schedules import Action
+    from ppctl.pipeline.simulate import RankTimeline, TimedAction, peak_activations
+
+    by_rank = {snapshot["rank"]: snapshot for snapshot in snapshots}
+    rows = []
+    for pp_rank, global_rank in enumerate(pipeline_ranks):
+        snapshot = by_rank[global_rank]
+        actions = [TimedAction(kind, stage, mb, start * 1e3, end * 1e3)
+                   for kind, stage, mb, start, end in snapshot["actions"]]
+        plain = [Action(a.kind, a.stage, a.microbatch) for a in actions]
+        waits = [(start * 1e3, end * 1e3) for start, end in snapshot["waits"]]
+        rows.append(RankTimeline(pp_rank, actions, peak_activations(plain, chunks_per_rank), waits))
+    return rows
+
+
+def costs_from_measurement(rows, chunks_per_rank: int):
+    """A cost model (ms per microbatch through a whole rank) from the measured mean action times."""
+    from ppctl.pipeline.simulate import Costs
+
+    durations: dict[str, list[float]] = {}
+    for row in rows:
+        for action in row.actions:
+            durations.setdefault(action.kind, []).append(action.end - action.start)
+    mean = {kind: sum(values) / len(values) * chunks_per_rank for kind, values in durations.items()}
+    backward = mean.get("BW", mean.get("B", 0.0))
+    return Costs(F=mean.get("F", 0.0), B=backward, W=mean.get("W", 0.0))
+
+
+def write_trace_files(all_traces: list[tuple[int, list[dict]]], trainer, run_dir: Path) -> None:
+    """``trace.json`` (every step, every rank) and the last step's measured and simulated timelines."""
+    from ppctl.pipeline.render import write_timeline
+    from ppctl.pipeline.simulate import simulate
+
+    run_dir = Path(run_dir)
+    events = {"traceEvents": [], "displayTimeUnit": "ms"}
+    for step, snapshots in _laid_out_in_sequence(all_traces):
+        events["traceEvents"] += chrome_trace(snapshots, step)["traceEvents"]
+    temporary = run_dir / "trace.json.tmp"
+    temporary.write_text(json.dumps(events))
+    temporary.replace(run_dir / "trace.json")
+
+    step, snapshots = all_traces[-1]
+    schedule, context = trainer.schedule, trainer.context
+    replica = context.layout.rank(**{**context.coords, "pp": 0})
+    pipeline_ranks = context.layout.group_of("pp", replica)
+    rows = measured_timelines(snapshots, pipeline_ranks, schedule.chunks_per_rank)
+    makespan = max(action.end for row in rows for action in row.actions)
+    busiest = max(sum(a.end - a.start for a in row.actions) for row in rows)
+    title = f"{schedule.name}: measured step {step} (pp={schedule.pp}, {schedule.num_microbatches} microbatches)"
+    lines = [f"makespan {makespan:.1f} ms; bubble ratio {(makespan - busiest) / busiest:.3f} "
+             "(makespan - busiest rank's compute) / that compute; grey = waiting for a message"]
+    write_timeline(rows, run_dir / "timeline.svg", title, lines)
+
+    predicted = simulate(schedule, costs_from_measurement(rows, schedule.chunks_per_rank))
+    title = f"{schedule.name}: simulated with the measured mean action times"
+    lines = [f"makespan {predicted.makespan:.1f} ms; bubble ratio {predicted.bubble_ratio:.3f}"]
+    write_timeline(predicted.ranks, run_dir / "timeline_simulated.svg", title, lines)

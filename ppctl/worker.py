@@ -1,0 +1,95 @@
+"""Per-rank entry point started by torchrun: ``python -m ppctl.worker --run-dir DIR --task TASK``.
+
+Reads the resolved config from the run directory, joins the process group, builds the
+parallel context and runs the task. Any exception is written to ``errors/rank<N>.txt``
+(first line: ``Type: message``) so the launcher can name the failing rank in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="ppctl.worker")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--task", required=True, choices=["train", "check-cluster"])
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    return parser.parse_args(argv)
+
+
+def _inject_fault(spec: str | None, rank: int) -> None:
+    """Testing aid (``launcher.inject_fault=RANK:raise|kill``): fail this rank on purpose."""
+    if not spec:
+        return
+    fault_rank, _, kind = spec.partition(":")
+    if int(fault_rank) != rank:
+        return
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"injected fault on rank {rank}")
+
+
+def run_task(args: argparse.Namespace) -> None:
+    """Initialise distributed state, build the groups and run ``args.task``."""
+    import torch
+    import torch.distributed as dist
+
+    from ppctl.config import load_config_file, layout_of
+    from ppctl.parallel.groups import build_parallel_context
+
+    config = load_config_file(args.run_dir / "config.yaml")
+    torch.set_num_threads(int(os.environ.get("PPCTL_THREADS", "1")))
+    device = "cpu"
+    if args.backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
+    timeout = datetime.timedelta(seconds=config.launcher.timeout_s)
+    dist.init_process_group(args.backend, timeout=timeout)
+    try:
+        context = build_parallel_context(layout_of(config), config.launcher.timeout_s, device.split(":")[0])
+        context.device = device
+        _inject_fault(config.launcher.inject_fault, context.rank)
+        if args.task == "check-cluster":
+            from ppctl.cluster import run_cluster_check
+
+            run_cluster_check(config, context, args.run_dir)
+        else:
+            from ppctl.train import train
+
+            train(config, context, args.run_dir)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _write_error(run_dir: Path, rank: str) -> None:
+    error_dir = run_dir / "errors"
+    error_dir.mkdir(parents=True, exist_ok=True)
+    exc_type, exc, _ = sys.exc_info()
+    summary = f"{exc_type.__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}".rstrip(": ")
+    tmp = error_dir / f".rank{rank}.tmp"
+    tmp.write_text(summary + "\n\n" + traceback.format_exc())
+    tmp.replace(error_dir / f"rank{rank}.txt")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the worker; on any error record it for the launcher and exit non-zero."""
+    args = _parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        run_task(args)
+    except BaseException:
+        _write_error(args.run_dir, os.environ.get("RANK", "0"))
+        traceback.print_exc()
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""End-to-end CLI tests: run ``ppctl`` in a subprocess as a user would."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_ppctl(*args: str, cwd: Path | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run ``python -m ppctl.cli ARGS``; return the completed process (text output)."""
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "ppctl.cli", *args], cwd=cwd or REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def ppctl():
+    return run_ppctl

@@ -1,0 +1,86 @@
+"""CLI contracts that start no worker: inspect-layout, refusals, dry runs."""
+
+import json
+
+import pytest
+
+from ppctl.parallel.layout import GROUP_NAMES, ParallelLayout
+
+
+@pytest.mark.timeout(60)
+def test_inspect_layout_json_matches_layout(ppctl):
+    result = ppctl("inspect-layout", "parallel.tp=2", "parallel.pp=4", "parallel.dp=2", "model.num_layers=8",
+                   "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert set(report) == {"world_size", "order", "sizes", "groups", "ranks", "layers"}
+    layout = ParallelLayout(tp=2, pp=4, dp=2)
+    assert report["world_size"] == 16 and report["order"] == "tp-cp-dp-pp"
+    assert report["sizes"] == {"tp": 2, "cp": 1, "dp": 2, "pp": 4, "vpp": 1}
+    assert set(report["groups"]) == set(GROUP_NAMES)
+    for name in GROUP_NAMES:
+        assert report["groups"][name] == layout.groups(name)
+    assert report["ranks"][5] == {"rank": 5, **layout.coords(5)}
+    assert [entry["layers"] for entry in report["layers"]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert report["layers"][0]["pre_process"] and report["layers"][-1]["post_process"]
+
+
+@pytest.mark.timeout(60)
+def test_inspect_layout_tables_and_interleaved_map(ppctl):
+    result = ppctl("inspect-layout", "schedule=interleaved_1f1b", "parallel.pp=2", "parallel.vpp=2")
+    assert result.returncode == 0, result.stderr
+    for text in ("process groups", "layer map", "embedding", "loss", "padded"):
+        assert text in result.stdout
+    report = json.loads(ppctl("inspect-layout", "schedule=interleaved_1f1b", "parallel.pp=2", "parallel.vpp=2",
+                              "--json").stdout)
+    assert [(e["pp_rank"], e["vp_stage"], e["layers"]) for e in report["layers"]] == [
+        (0, 0, [0]), (0, 1, [2]), (1, 0, [1]), (1, 1, [3])]
+
+
+@pytest.mark.timeout(60)
+def test_inspect_layout_at_scale(ppctl):
+    result = ppctl("inspect-layout", "parallel.tp=8", "parallel.pp=16", "parallel.dp=128", "model.num_layers=32",
+                   "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["world_size"] == 16384 and len(report["ranks"]) == 16384
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, fragment", [
+    (("inspect-layout", "parallel.tpp=2"), "tpp"),
+    (("train", "parallel.tp=3"), "model.num_heads=4 must be divisible by parallel.tp=3"),
+    (("train", "trainer.global_batch_size=7"), "trainer.global_batch_size=7 must be divisible"),
+    (("train", "schedule=zbv"), "not implemented yet"),
+    (("check-cluster", "launcher.nproc_per_node=3"), "launcher.nproc_per_node"),
+])
+def test_bad_config_exits_2_with_one_line(ppctl, args, fragment, tmp_path):
+    result = ppctl(*args, f"trainer.out_dir={tmp_path / 'run'}") if args[0] != "inspect-layout" else ppctl(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not (tmp_path / "run").exists()  # refused before anything was created or started
+
+
+@pytest.mark.timeout(60)
+def test_train_dry_run_prints_torchrun_command(ppctl, tmp_path):
+    run_dir = tmp_path / "run"
+    result = ppctl("train", "--dry-run", "parallel=tp2_pp2_dp2", f"trainer.out_dir={run_dir}")
+    assert result.returncode == 0, result.stderr
+    assert f"run directory: {run_dir}" in result.stdout
+    assert "torch.distributed.run" in result.stdout and "--nproc-per-node 8" in result.stdout
+    assert "--standalone" in result.stdout and "ppctl.worker" in result.stdout
+    assert "OMP_NUM_THREADS=1" in result.stdout
+    assert not run_dir.exists()
+
+
+@pytest.mark.timeout(60)
+def test_multi_node_dry_run_uses_c10d_rendezvous(ppctl, tmp_path):
+    result = ppctl("train", "--dry-run", "parallel=tp2_pp2_dp2", "launcher.nnodes=2", "launcher.node_rank=1",
+                   "launcher.rdzv_endpoint=node0:29400", "launcher.rdzv_id=job7", f"trainer.out_dir={tmp_path}/r")
+    assert result.returncode == 0, result.stderr
+    for text in ("--nnodes 2", "--nproc-per-node 4", "--rdzv-backend c10d", "--rdzv-endpoint node0:29400",
+                 "--rdzv-id job7", "--node-rank 1"):
+        assert text in result.stdout
+    assert "--standalone" not in result.stdout

@@ -1,0 +1,135 @@
+"""Config composition, overrides and every validation rule (pure: no process starts)."""
+
+import pytest
+
+from ppctl.config import (
+    ConfigError,
+    check_runnable,
+    compose_config,
+    padded_vocab_size,
+    validate,
+    validate_layout,
+)
+
+
+def composed(*overrides):
+    return compose_config(list(overrides))
+
+
+def test_defaults_compose_and_validate():
+    config = composed()
+    sizes = validate(config)
+    assert config.model.name == "gpt_tiny" and config.schedule.name == "1f1b"
+    assert sizes.world_size == config.parallel.tp * config.parallel.pp * config.parallel.dp * config.parallel.cp
+    assert sizes.padded_vocab_size % 64 == 0 and sizes.padded_vocab_size >= config.model.vocab_size
+
+
+def test_group_and_key_overrides():
+    config = composed("model=gpt_small", "schedule=gpipe", "parallel.tp=2", "trainer.seed=7", "data=synthetic")
+    assert config.model.num_layers == 12 and config.schedule.name == "gpipe"
+    assert config.parallel.tp == 2 and config.trainer.seed == 7 and config.data.source == "synthetic"
+
+
+def test_every_schedule_has_a_config_file():
+    for name in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipe", "dualpipev"):
+        assert composed(f"schedule={name}").schedule.name == name
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("parallel.tpp=2", "tpp"),
+    ("parallel.tp=abc", "parallel.tp"),
+    ("trainer.seed=1.5", "trainer.seed"),
+    ("schedule=nope", "available: 1f1b"),
+    ("model=gpt_huge", "gpt_small, gpt_tiny"),
+    ("nonsense", "nonsense"),
+])
+def test_bad_overrides_refused_in_one_line(override, fragment):
+    with pytest.raises(ConfigError) as error:
+        composed(override)
+    assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+def test_user_config_dir_keeps_package_groups(tmp_path):
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - config\n  - _self_\ntrainer:\n  max_steps: 7\n")
+    config = compose_config(["parallel=single"], tmp_path, "mine")
+    assert config.trainer.max_steps == 7 and config.parallel.pp == 1
+
+
+# Each rule: overrides that break it, and a fragment of the one-line message that names it.
+RULES = [
+    (["parallel.tp=0"], "parallel.tp=0 must be a positive integer"),
+    (["trainer.micro_batch_size=0"], "trainer.micro_batch_size=0 must be a positive"),
+    (["model.hidden_size=0"], "model.hidden_size=0 must be a positive"),
+    (["parallel.order=tp-dp-pp"], "parallel.order"),
+    (["model.num_layers=6", "parallel.pp=4"], "model.num_layers=6 must be divisible by the number of pipeline stages 4"),
+    (["schedule=interleaved_1f1b", "parallel.pp=2", "parallel.vpp=3", "model.num_layers=4"],
+     "must be divisible by the number of pipeline stages 6"),
+    (["parallel.pipeline_layout=Et|ttL"], "parallel.pipeline_layout places 3 transformer layers but model.num_layers=4"),
+    (["parallel.tp=3", "model.num_heads=4"], "model.num_heads=4 must be divisible by parallel.tp=3"),
+    (["model.hidden_size=66"], "model.hidden_size=66 must be divisible by model.num_heads=4"),
+    (["parallel.cp=2", "trainer.seq_length=30"], "trainer.seq_length=30 must be divisible by 2 * parallel.cp = 4"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "trainer.seq_length=31", "model.max_seq_length=64"],
+     "must be divisible by parallel.tp=2 with sequence parallelism"),
+    (["trainer.global_batch_size=6", "trainer.micro_batch_size=4"],
+     "trainer.global_batch_size=6 must be divisible by trainer.micro_batch_size * parallel.dp = 4"),
+    (["parallel.dp=2", "trainer.global_batch_size=6", "trainer.micro_batch_size=2"],
+     "must be divisible by trainer.micro_batch_size * parallel.dp = 4"),
+    (["parallel.vpp=2"], "parallel.vpp=2 needs a schedule with several chunks per rank"),
+    (["launcher.nproc_per_node=3"], "launcher.nproc_per_node * launcher.nnodes = 3 must equal the world size"),
+    (["launcher.nnodes=2", "launcher.nproc_per_node=2"], "must equal the world size"),
+    (["launcher.nnodes=2", "launcher.nproc_per_node=1"], "launcher.nnodes > 1 needs launcher.rdzv_endpoint"),
+    (["trainer.seq_length=512"], "trainer.seq_length=512 must not exceed model.max_seq_length=256"),
+    (["trainer.precision=fp8"], "trainer.precision='fp8' must be one of"),
+    (["model.position_embedding=alibi"], "model.position_embedding='alibi' must be one of"),
+    (["data=text_file"], "data.source=text_file needs data.path"),
+    (["data=text_file", "data.path=/nonexistent/file.txt"], "data.path=/nonexistent/file.txt: no such file"),
+    (["launcher.backend=mpi"], "launcher.backend='mpi' must be one of"),
+    (["launcher.inject_fault=boom"], "launcher.inject_fault must look like"),
+    (["optimizer.lr=-1"], "optimizer.lr=-1.0 must be positive"),
+]
+
+
+@pytest.mark.parametrize("overrides, fragment", RULES)
+def test_validation_rule_refuses_with_one_line(overrides, fragment):
+    with pytest.raises(ConfigError) as error:
+        validate(composed(*overrides))
+    message = str(error.value)
+    assert fragment in message, message
+    assert "\n" not in message
+
+
+def test_per_schedule_microbatch_rule_is_enforced():
+    from ppctl.pipeline.schedules import SCHEDULE_SPECS
+
+    spec = SCHEDULE_SPECS["interleaved_1f1b"]
+    # Find a microbatch count the interleaved schedule refuses for pp=4, vpp=2, if it refuses any.
+    refused = [m for m in range(1, 9) if spec.microbatch_error(4, 2, m)]
+    if not refused:
+        pytest.skip("interleaved_1f1b accepts every microbatch count")
+    gbs = refused[0]
+    with pytest.raises(ConfigError, match="schedule interleaved_1f1b"):
+        validate(composed("schedule=interleaved_1f1b", "parallel.pp=4", "parallel.vpp=2", "model.num_layers=8",
+                          f"trainer.global_batch_size={gbs}", "trainer.micro_batch_size=1"))
+
+
+def test_explicit_pipeline_layout_accepted():
+    config = composed("parallel.pp=2", "model.num_layers=5", "parallel.pipeline_layout=Ettt|ttL")
+    validate(config)
+
+
+def test_layout_only_validation_ignores_batch_rules():
+    config = composed("parallel.tp=8", "parallel.pp=16", "parallel.dp=128", "model.num_layers=32")
+    assert validate_layout(config).world_size == 16384
+
+
+def test_vocab_padding():
+    assert padded_vocab_size(257, 64, 1) == 320
+    assert padded_vocab_size(257, 64, 4) == 512
+    assert padded_vocab_size(256, 64, 2) == 256
+
+
+def test_unimplemented_features_refused_before_start():
+    with pytest.raises(ConfigError, match="not implemented yet"):
+        check_runnable(composed("schedule=dualpipe"))
+    with pytest.raises(ConfigError, match="context parallelism"):
+        check_runnable(composed("parallel.cp=2"))

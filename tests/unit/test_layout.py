@@ -1,0 +1,140 @@
+"""Layout math: coordinates, every group kind, order variants and the layer map."""
+
+import itertools
+
+import pytest
+
+from ppctl.parallel.layout import (
+    GROUP_NAMES,
+    LayoutError,
+    ParallelLayout,
+    layer_map,
+    looped_placement,
+    parse_pipeline_layout,
+    split_layers,
+)
+
+SHAPES = [
+    (1, 1, 1, 1), (2, 1, 1, 1), (1, 1, 2, 1), (1, 1, 1, 4), (2, 1, 2, 2), (2, 2, 2, 2),
+    (4, 1, 2, 2), (1, 2, 3, 2), (8, 1, 4, 4), (3, 1, 5, 2),
+]
+ORDERS = ["tp-cp-dp-pp", "tp-dp-cp-pp", "tp-pp-dp-cp", "pp-dp-cp-tp", "dp-tp-pp-cp"]
+
+
+def test_megatron_documented_example():
+    # initialize_model_parallel's docstring: 16 GPUs, TP=2, PP=4 (so DP=2).
+    layout = ParallelLayout(tp=2, pp=4, dp=2)
+    assert layout.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert layout.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert layout.groups("pp") == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    assert layout.groups("embedding") == [[0, 12], [1, 13], [2, 14], [3, 15]]
+    assert layout.groups("tp_pp")[0] == [0, 1, 4, 5, 8, 9, 12, 13]
+
+
+def test_megatron_example_with_cp():
+    # TP=2, CP=2, DP=2, PP=2 on 16 ranks with the default order tp-cp-dp-pp.
+    layout = ParallelLayout(tp=2, cp=2, dp=2, pp=2)
+    assert layout.groups("cp")[:2] == [[0, 2], [1, 3]]
+    assert layout.groups("dp")[:2] == [[0, 4], [1, 5]]
+    assert layout.groups("dp_cp")[0] == [0, 2, 4, 6]
+    assert layout.groups("tp_cp")[0] == [0, 1, 2, 3]
+    assert layout.groups("pp")[0] == [0, 8]
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_groups_partition_and_agree_with_coords(shape, order):
+    tp, cp, dp, pp = shape
+    layout = ParallelLayout(tp=tp, cp=cp, dp=dp, pp=pp, order=order)
+    world = layout.world_size
+    assert world == tp * cp * dp * pp
+    for rank in range(world):
+        assert layout.rank(**layout.coords(rank)) == rank
+    for name in GROUP_NAMES:
+        groups = layout.groups(name)
+        if name != "embedding":
+            assert sorted(itertools.chain(*groups)) == list(range(world))
+        for group in groups:
+            for rank in group:
+                assert layout.group_of(name, rank) == group
+    for name, dims in [("tp", {"tp"}), ("dp_cp", {"dp", "cp"}), ("tp_pp", {"tp", "pp"})]:
+        for group in layout.groups(name):
+            coords = [layout.coords(rank) for rank in group]
+            for dim in {"tp", "cp", "dp", "pp"} - dims:
+                assert len({c[dim] for c in coords}) == 1  # fixed dims are constant
+            assert len({tuple(c[d] for d in sorted(dims)) for c in coords}) == len(group)
+
+
+def test_order_changes_which_ranks_are_neighbours():
+    default = ParallelLayout(tp=2, dp=2, pp=2)
+    dp_first = ParallelLayout(tp=2, dp=2, pp=2, order="dp-tp-cp-pp")
+    assert default.groups("tp")[0] == [0, 1]
+    assert dp_first.groups("tp")[0] == [0, 2]
+    assert dp_first.groups("dp")[0] == [0, 1]
+    assert default.coords(5) == {"tp": 1, "cp": 0, "dp": 0, "pp": 1}
+
+
+@pytest.mark.parametrize("order", ["tp-dp-pp", "tp-tp-dp-pp", "tp-cp-dp-xx"])
+def test_bad_order_refused(order):
+    with pytest.raises(LayoutError, match="parallel.order"):
+        ParallelLayout(order=order)
+
+
+def test_bad_sizes_and_ranks_refused():
+    with pytest.raises(LayoutError, match="parallel.tp"):
+        ParallelLayout(tp=0)
+    with pytest.raises(LayoutError, match="outside"):
+        ParallelLayout(tp=2).coords(2)
+
+
+def test_large_layout_is_cheap():
+    layout = ParallelLayout(tp=8, pp=16, dp=128)
+    assert layout.world_size == 16384
+    groups = layout.all_groups()
+    assert len(groups["tp"]) == 2048 and len(groups["pp"][0]) == 16
+
+
+def test_even_split_and_divisibility():
+    assert split_layers(8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(LayoutError, match="divisible"):
+        split_layers(7, 2)
+
+
+def test_vpp_layer_map_matches_megatron_interleaving():
+    # Megatron's documented example: 16 layers, pp=4, vpp=2 -> rank 0 holds layers 0-1 and 8-9.
+    layers = layer_map(16, pp=4, chunks_per_rank=2)
+    assert layers[(0, 0)].layers == (0, 1) and layers[(0, 1)].layers == (8, 9)
+    assert layers[(3, 0)].layers == (6, 7) and layers[(3, 1)].layers == (14, 15)
+    assert layers[(0, 0)].pre_process and not layers[(0, 1)].pre_process
+    assert layers[(3, 1)].post_process and not layers[(3, 0)].post_process
+    assert sorted(l for chunk in layers.values() for l in chunk.layers) == list(range(16))
+
+
+def test_v_shaped_placement_layer_map():
+    placement = tuple(min(s, 2 * 2 - 1 - s) for s in range(4))  # V: rank r holds r and 2pp-1-r
+    layers = layer_map(8, pp=2, chunks_per_rank=2, placement=placement)
+    assert layers[(0, 0)].layers == (0, 1) and layers[(0, 1)].layers == (6, 7)
+    assert layers[(0, 1)].post_process and layers[(0, 0)].pre_process
+
+
+def test_pipeline_layout_string():
+    assert parse_pipeline_layout("Ettt|tttt|t|tL", 9, 4) == [[0, 1, 2], [3, 4, 5, 6], [7], [8]]
+    assert parse_pipeline_layout("Et*3|t*2L", 5, 2) == [[0, 1, 2], [3, 4]]
+    with pytest.raises(LayoutError, match="places 8"):
+        parse_pipeline_layout("Ettt|tttttL", 9, 2)
+    with pytest.raises(LayoutError, match="3 stages"):
+        parse_pipeline_layout("Et|t|tL", 3, 2)
+    with pytest.raises(LayoutError, match="first stage"):
+        parse_pipeline_layout("tt|EtL", 3, 2)
+    with pytest.raises(LayoutError, match="unexpected"):
+        parse_pipeline_layout("Etx|tL", 2, 2)
+
+
+def test_looped_placement():
+    assert looped_placement(3, 2) == (0, 1, 2, 0, 1, 2)
+
+
+def test_middle_stage_is_in_no_embedding_group():
+    layout = ParallelLayout(pp=4)
+    assert layout.group_of("embedding", 0) == [0, 3]
+    assert layout.group_of("embedding", 1) == [] and layout.group_of("embedding", 2) == []

@@ -1,0 +1,162 @@
+"""The simulator against the published results: makespans, bubbles, peak activations, latency."""
+
+import json
+
+import pytest
+
+from ppctl.pipeline.schedules import ScheduleError, build_schedule
+from ppctl.pipeline.schedules.base import Action, Schedule
+from ppctl.pipeline.simulate import Costs, parse_costs, replay, simulate
+
+
+# --- costs ---------------------------------------------------------------------------------
+
+def test_parse_costs_reads_any_subset_in_any_order():
+    assert parse_costs("F=1,B=2,W=1,comm=0.1") == Costs(1.0, 2.0, 1.0, 0.1)
+    assert parse_costs(" comm=0.5 , F=2 ") == Costs(F=2.0, comm=0.5)
+    assert parse_costs("") == Costs()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("F=1,X=2", "'X=2' .* must be KEY=NUMBER with KEY one of F, B, W, comm"),
+    ("F1", "'F1' .* must be KEY=NUMBER"),
+    ("B=fast", "cost B='fast' .* is not a number"),
+    ("W=-1", "cost W=-1.0 .* must not be negative"),
+])
+def test_parse_costs_refuses_bad_text_in_one_line(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_costs(text)
+
+
+# --- published results -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("pp, num_microbatches", [(2, 2), (4, 4), (4, 8), (4, 13), (8, 16), (3, 32)])
+def test_1f1b_makespan_and_bubble_with_equal_costs(pp, num_microbatches):
+    result = simulate(build_schedule("1f1b", pp, 1, num_microbatches), Costs(F=1, B=1, W=1))
+    assert result.makespan == pytest.approx((num_microbatches + pp - 1) * 3)
+    assert result.bubble_ratio == pytest.approx((pp - 1) / num_microbatches)
+
+
+@pytest.mark.parametrize("costs", [Costs(1, 1, 1), Costs(1, 2, 0), Costs(2, 3, 1)])
+def test_1f1b_bubble_holds_for_unequal_forward_and_backward(costs):
+    result = simulate(build_schedule("1f1b", 4, 1, 8), costs)
+    assert result.bubble_ratio == pytest.approx(3 / 8)
+
+
+@pytest.mark.parametrize("pp, vpp, num_microbatches", [(2, 2, 4), (4, 2, 8), (4, 4, 8), (4, 2, 16), (8, 2, 16),
+                                                       (3, 3, 9), (8, 4, 32)])
+@pytest.mark.parametrize("costs", [Costs(1, 1, 1), Costs(1, 2, 0)])
+def test_interleaved_bubble_is_divided_by_vpp(pp, vpp, num_microbatches, costs):
+    result = simulate(build_schedule("interleaved_1f1b", pp, vpp, num_microbatches), costs)
+    assert result.bubble_ratio == pytest.approx((pp - 1) / (vpp * num_microbatches))
+    per_microbatch = costs.F + costs.B + costs.W
+    assert result.makespan == pytest.approx(per_microbatch * (num_microbatches + (pp - 1) / vpp))
+
+
+def test_gpipe_bubble_and_peak_activations():
+    result = simulate(build_schedule("gpipe", 4, 1, 8))
+    assert result.bubble_ratio == pytest.approx(3 / 8)
+    assert [rank.peak_activations for rank in result.ranks] == [8, 8, 8, 8]
+
+
+@pytest.mark.parametrize("pp, num_microbatches", [(4, 4), (4, 8), (8, 32), (2, 3)])
+def test_1f1b_peak_activations_are_pp_minus_rank(pp, num_microbatches):
+    result = simulate(build_schedule("1f1b", pp, 1, num_microbatches))
+    assert [rank.peak_activations for rank in result.ranks] == [pp - r for r in range(pp)]
+
+
+def test_1f1b_peak_is_capped_by_the_microbatch_count():
+    result = simulate(build_schedule("1f1b", 8, 1, 3))
+    assert result.ranks[0].peak_activations == 3
+    assert result.ranks[7].peak_activations == 1
+
+
+def test_interleaved_peak_counts_chunk_activations_as_fractions():
+    pp, vpp = 4, 2
+    result = simulate(build_schedule("interleaved_1f1b", pp, vpp, 16))
+    # rank 0: 2*(pp-1) + (vpp-1)*pp warm-up chunk forwards, then one more before the first backward
+    assert result.ranks[0].peak_activations == pytest.approx((2 * (pp - 1) + (vpp - 1) * pp + 1) / vpp)
+    assert result.ranks[0].peak_activations == pytest.approx(pp * (1 + (pp - 1) / (pp * vpp)))
+
+
+def test_chunk_actions_cost_a_fraction_of_the_rank():
+    result = simulate(build_schedule("interleaved_1f1b", 2, 4, 4), Costs(F=2, B=3, W=1))
+    durations = {(a.kind, round(a.end - a.start, 9)) for rank in result.ranks for a in rank.actions}
+    assert durations == {("F", 0.5), ("BW", 1.0)}
+
+
+def test_single_rank_has_no_bubble():
+    result = simulate(build_schedule("1f1b", 1, 1, 5), Costs(F=1, B=2, W=1))
+    assert result.makespan == 20 and result.bubble_ratio == 0
+
+
+# --- latency -------------------------------------------------------------------------------
+
+def test_comm_latency_on_two_ranks_one_microbatch():
+    result = simulate(build_schedule("1f1b", 2, 1, 1), Costs(F=1, B=1, W=1, comm=0.25))
+    rank_0, rank_1 = result.ranks
+    assert [(a.kind, a.start, a.end) for a in rank_1.actions] == [("F", 1.25, 2.25), ("BW", 2.25, 4.25)]
+    assert [(a.kind, a.start, a.end) for a in rank_0.actions] == [("F", 0.0, 1.0), ("BW", 4.5, 6.5)]
+    assert result.makespan == 6.5
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_one_microbatch_pays_latency_at_every_stage_boundary_both_ways(name, pp):
+    comm = 0.1
+    result = simulate(build_schedule(name, pp, 1, 1), Costs(comm=comm))
+    assert result.makespan == pytest.approx(pp * 3 + 2 * (pp - 1) * comm)
+
+
+def test_gpipe_with_latency_adds_one_round_trip_through_the_pipeline():
+    comm, pp, num_microbatches = 0.1, 4, 8
+    result = simulate(build_schedule("gpipe", pp, 1, num_microbatches), Costs(comm=comm))
+    assert result.makespan == pytest.approx((num_microbatches + pp - 1) * 3 + 2 * (pp - 1) * comm)
+
+
+def test_comm_latency_in_the_steady_state_costs_more_than_one_round_trip():
+    free = simulate(build_schedule("1f1b", 4, 1, 8)).makespan
+    slow = simulate(build_schedule("1f1b", 4, 1, 8), Costs(comm=0.1)).makespan
+    assert slow > free + 2 * 3 * 0.1
+
+
+def test_local_messages_pay_no_latency():
+    result = simulate(build_schedule("interleaved_1f1b", 1, 2, 2), Costs(comm=5))
+    assert result.makespan == 6
+
+
+# --- results and errors -------------------------------------------------------------------------
+
+def test_to_json_has_the_documented_keys():
+    result = simulate(build_schedule("interleaved_1f1b", 2, 2, 4), Costs(F=1, B=2, W=0, comm=0.1))
+    data = json.loads(json.dumps(result.to_json()))
+    assert list(data) == ["schedule", "pp", "vpp", "microbatches", "costs", "makespan", "bubble_ratio", "ranks"]
+    assert data["schedule"] == "interleaved_1f1b" and data["vpp"] == 2 and data["microbatches"] == 4
+    assert data["costs"] == {"F": 1.0, "B": 2.0, "W": 0.0, "comm": 0.1}
+    assert [rank["rank"] for rank in data["ranks"]] == [0, 1]
+    assert list(data["ranks"][0]) == ["rank", "peak_activations", "actions"]
+    assert list(data["ranks"][0]["actions"][0]) == ["kind", "stage", "microbatch", "start", "end"]
+    assert len(data["ranks"][0]["actions"]) == 2 * 2 * 4
+
+
+def test_timed_actions_follow_the_schedule_order():
+    schedule = build_schedule("1f1b", 3, 1, 5)
+    result = simulate(schedule)
+    for pp_rank, timeline in enumerate(result.ranks):
+        assert [Action(a.kind, a.stage, a.microbatch) for a in timeline.actions] == list(schedule.actions[pp_rank])
+        assert all(a.start >= b.end for b, a in zip(timeline.actions, timeline.actions[1:]))
+
+
+def test_a_deadlocked_schedule_cannot_be_simulated():
+    schedule = build_schedule("1f1b", 2, 1, 2)
+    cycle = Schedule("cycle", 2, 1, 2, schedule.placement,
+                     ((Action("F", 0, 0), Action("BW", 0, 0), Action("F", 0, 1), Action("BW", 0, 1)),
+                      (Action("F", 1, 1), Action("F", 1, 0), Action("BW", 1, 0), Action("BW", 1, 1))))
+    with pytest.raises(ScheduleError, match="cycle: deadlock: rank 0 stuck at BW"):
+        simulate(cycle)
+    assert replay(cycle).deadlocked
+
+
+def test_rendezvous_replay_needs_a_plan():
+    with pytest.raises(ValueError, match="needs the communication plan"):
+        replay(build_schedule("1f1b", 2, 1, 2), rendezvous=True)
