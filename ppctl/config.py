@@ -91,14 +91,14 @@ class OptimizerConfig:
 class TrainerConfig:
     """The training loop."""
 
-    max_steps: int = 60
+    max_steps: int = 200
     global_batch_size: int = 8
     micro_batch_size: int = 2
     seq_length: int = 64
     seed: int = 1234
     out_dir: Optional[str] = None
     precision: str = "fp32"
-    log_every: int = 5
+    log_every: int = 10
     tensorboard: bool = True
     trace: bool = False
 

@@ -8,9 +8,11 @@
    (one BW, or one B and one W; never both forms);
 4. order on a rank: F before its B/BW, B before its W;
 5. the communication plan: for every pair of ranks, receives are posted in send order;
-6. progress: a replay with buffered sends (a real dependency cycle), then a replay
-   with NCCL-like rendezvous sends (a send blocks its rank's later batches until the
-   peer posts the receive) must both finish.
+6. progress: the plan replayed with NCCL-like sends must finish: each rank's batches
+   run one after another and a send completes only once the peer posted its receive.
+   When it does not, a replay with buffered sends tells a real dependency cycle
+   ("deadlock: rank r stuck at ... waiting for ...") from a hang that only blocking
+   sends cause ("hangs with NCCL-like blocking sends: ...").
 
 Each failure raises ``ScheduleError`` with one line naming the rank, stage and microbatch.
 """

@@ -187,7 +187,8 @@ def _row_geometry(num_ranks: int) -> tuple[int, int]:
 FONT = "font-family=\"Helvetica, Arial, sans-serif\""
 
 
-def render_svg(ranks: Sequence[RankTimeline], title: str, subtitle_lines: Sequence[str] = ()) -> str:
+def render_svg(ranks: Sequence[RankTimeline], title: str, subtitle_lines: Sequence[str] = (),
+               time_label: str = "time") -> str:
     """A standalone SVG: one row per rank, a time axis, boxes labelled with their microbatch, a legend.
 
     Each action is exactly one ``<rect class="action">`` (with a hover tooltip);
@@ -211,7 +212,7 @@ def render_svg(ranks: Sequence[RankTimeline], title: str, subtitle_lines: Sequen
               for i, line in enumerate(subtitle_lines)]
     for index, timeline in enumerate(ranks):
         parts += _svg_row(timeline, top + index * (row_height + row_gap), row_height, scale)
-    parts += _svg_axis(end, scale, rows_bottom)
+    parts += _svg_axis(end, scale, rows_bottom, time_label)
     parts += _svg_legend(ranks, legend_y)
     parts.append("</svg>")
     return "\n".join(parts)
@@ -252,13 +253,15 @@ def _svg_action(action: TimedAction, chunk: int, y: float, height: int, scale: f
     parts = [f'<rect class="action" x="{x:.2f}" y="{y}" width="{box_width:.2f}" height="{height}" '
              f'fill="{fill}"{stroke}><title>{escape(tooltip)}</title></rect>']
     label = str(action.microbatch)
-    if box_width >= 7 * len(label) + 4 and height >= 14:
-        parts.append(f'<text x="{x + box_width / 2:.2f}" y="{y + height / 2 + 4}" font-size="11" '
-                     f'text-anchor="middle" fill="{text_colour(fill)}" pointer-events="none">{label}</text>')
+    font_size = 11 if box_width >= 7 * len(label) + 4 else 9 if box_width >= 5.5 * len(label) + 2 else 0
+    if font_size and height >= 14:
+        parts.append(f'<text x="{x + box_width / 2:.2f}" y="{y + height / 2 + font_size / 3:.1f}" '
+                     f'font-size="{font_size}" text-anchor="middle" fill="{text_colour(fill)}" '
+                     f'pointer-events="none">{label}</text>')
     return parts
 
 
-def _svg_axis(end: float, scale: float, y: float) -> list[str]:
+def _svg_axis(end: float, scale: float, y: float, time_label: str) -> list[str]:
     step = nice_step(end, target_ticks=10)
     parts = [f'<line x1="{LEFT}" y1="{y + 2}" x2="{LEFT + PLOT_WIDTH}" y2="{y + 2}" stroke="#5f6368"/>']
     for tick in range(int(end / step + 1e-9) + 1):
@@ -267,7 +270,7 @@ def _svg_axis(end: float, scale: float, y: float) -> list[str]:
         parts.append(f'<text x="{x:.2f}" y="{y + 20}" font-size="11" text-anchor="middle" fill="#5f6368">'
                      f'{_number(round(tick * step, 10))}</text>')
     parts.append(f'<text x="{LEFT + PLOT_WIDTH}" y="{y + 36}" font-size="11" text-anchor="end" '
-                 f'fill="#5f6368">time</text>')
+                 f'fill="#5f6368">{escape(time_label)}</text>')
     return parts
 
 
@@ -303,22 +306,26 @@ def _svg_legend(ranks: Sequence[RankTimeline], y: float) -> list[str]:
     return parts
 
 
-def render_html(ranks: Sequence[RankTimeline], title: str, subtitle_lines: Sequence[str] = ()) -> str:
+def render_html(ranks: Sequence[RankTimeline], title: str, subtitle_lines: Sequence[str] = (),
+                time_label: str = "time") -> str:
     """The SVG of ``render_svg`` embedded in a minimal HTML page."""
-    svg = render_svg(ranks, title, subtitle_lines)
+    svg = render_svg(ranks, title, subtitle_lines, time_label)
     return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
             f"<title>{escape(title)}</title></head>\n"
             "<body style=\"margin:16px;background:#ffffff\">\n" + svg + "\n</body></html>\n")
 
 
 def write_timeline(ranks: Sequence[RankTimeline], path: str | Path, title: str,
-                   lines: Sequence[str] = ()) -> Path:
-    """Write the timeline to ``path`` as ``.svg`` or ``.html`` (by suffix); returns the path."""
+                   lines: Sequence[str] = (), time_label: str = "time") -> Path:
+    """Write the timeline to ``path`` as ``.svg`` or ``.html`` (by suffix); returns the path.
+
+    ``lines`` are the subtitle lines; ``time_label`` names the axis (e.g. ``"time (ms)"``).
+    """
     path = Path(path)
     renderers = {".svg": render_svg, ".html": render_html}
     renderer = renderers.get(path.suffix.lower())
     if renderer is None:
         raise ValueError(f"timeline file {path}: suffix {path.suffix or '(none)'!r} is not supported; "
                          f"use one of {', '.join(SUPPORTED_SUFFIXES)}")
-    path.write_text(renderer(ranks, title, lines), encoding="utf-8")
+    path.write_text(renderer(ranks, title, lines, time_label), encoding="utf-8")
     return path

@@ -339,6 +339,7 @@ class _Engine:
         self.ready: deque[int] = deque()
 
     def run(self) -> None:
+        """Post the initial receives, then advance ranks until none can move."""
         for pp_rank, receives in enumerate(self.program.initial):
             self._arrive(self.transport.post(pp_rank, (), receives, 0.0))
         self.ready.extend(range(len(self.program.steps)))

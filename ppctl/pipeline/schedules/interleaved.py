@@ -5,24 +5,31 @@ groups of ``pp``: on every rank the forwards run microbatches 0..pp-1 on chunk 0
 then the same microbatches on chunk 1, ..., then the next group; the backwards go
 through the same groups from the last chunk down to chunk 0. Smaller steps through
 more stages shrink the bubble by a factor ``vpp``, at the price of more messages.
+
+Any number of microbatches works. When it is not a multiple of ``pp`` the groups
+are made a little longer than ``pp`` (``num_microbatches // pp`` groups of near-equal
+size), never shorter: a group shorter than ``pp`` after a full one can deadlock, since
+chunk c + 1 of its first microbatch would be due before chunk c's output has gone
+around the ring of ranks. With fewer than ``pp`` microbatches there is one group.
+The checker proves the schedule over sweeps of (pp, vpp, num_microbatches).
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
-from .base import BACKWARD, FORWARD, Action, Schedule, ScheduleError, ScheduleSpec, looped_placement
+from .base import (BACKWARD, FORWARD, Action, Schedule, ScheduleError, ScheduleSpec, at_least_one_microbatch,
+                   looped_placement)
 
 
 def interleaved_1f1b(pp: int, vpp: int, num_microbatches: int) -> Schedule:
     """Build interleaved 1F1B for ``pp`` ranks and ``vpp`` chunks per rank.
 
-    Rank r runs ``min(2*(pp - r - 1) + (vpp - 1)*pp, vpp*num_microbatches)`` warm-up
-    forwards (Megatron's count), then alternates one forward and one backward, then runs
-    the remaining backwards. With ``vpp=1`` the warm-up is 1F1B's ``pp - r - 1``, so the
-    schedule is exactly 1F1B.
+    Rank r runs ``min(2*(pp - r - 1) + (vpp - 1)*group, vpp*num_microbatches)`` warm-up
+    forwards (Megatron's count; ``group`` is the first group's size, ``pp`` when
+    ``num_microbatches`` is a multiple of it), then alternates one forward and one
+    backward, then runs the remaining backwards. With ``vpp=1`` the warm-up is 1F1B's
+    ``pp - r - 1``, so the schedule is exactly 1F1B.
     """
-    error = interleaved_microbatch_error(pp, vpp, num_microbatches)
+    error = at_least_one_microbatch(pp, vpp, num_microbatches)
     if error is not None:
         raise ScheduleError(f"schedule interleaved_1f1b: {error}")
     groups = microbatch_groups(pp, num_microbatches)
@@ -62,23 +69,14 @@ def _chunk_microbatch_order(groups: list[range], vpp: int, reverse_chunks: bool)
 
 def _rank_actions(pp_rank: int, pp: int, num_warmup: int, forward_order: list[tuple[int, int]],
                   backward_order: list[tuple[int, int]]) -> tuple[Action, ...]:
-    total = len(forward_order)
-    num_warmup = min(num_warmup, total)
-    num_steady = total - num_warmup
-
-    def forward(index: int) -> Action:
-        chunk, mb = forward_order[index]
-        return Action(FORWARD, chunk * pp + pp_rank, mb)
-
-    def backward(index: int) -> Action:
-        chunk, mb = backward_order[index]
-        return Action(BACKWARD, chunk * pp + pp_rank, mb)
-
-    actions = [forward(i) for i in range(num_warmup)]
+    forwards = [Action(FORWARD, chunk * pp + pp_rank, mb) for chunk, mb in forward_order]
+    backwards = [Action(BACKWARD, chunk * pp + pp_rank, mb) for chunk, mb in backward_order]
+    num_warmup = min(num_warmup, len(forwards))
+    num_steady = len(forwards) - num_warmup
+    actions = forwards[:num_warmup]
     for i in range(num_steady):
-        actions += [forward(num_warmup + i), backward(i)]
-    actions += [backward(i) for i in range(num_steady, total)]
-    return tuple(actions)
+        actions += [forwards[num_warmup + i], backwards[i]]
+    return tuple(actions + backwards[num_steady:])
 
 
 def _num_warmup(pp_rank: int, pp: int, vpp: int, group_size: int) -> int:
@@ -89,19 +87,12 @@ def _num_warmup(pp_rank: int, pp: int, vpp: int, group_size: int) -> int:
     return 2 * (pp - pp_rank - 1) + (vpp - 1) * group_size
 
 
-def interleaved_microbatch_error(pp: int, vpp: int, num_microbatches: int) -> Optional[str]:
-    """The microbatch rule of interleaved 1F1B (None when ``num_microbatches`` is allowed)."""
-    if num_microbatches < 1:
-        return f"num_microbatches={num_microbatches} must be at least 1"
-    return None
-
-
 INTERLEAVED_SPEC = ScheduleSpec(
     name="interleaved_1f1b",
     implemented=True,
     multi_chunk=True,
     splits_backward=False,
     description="Megatron's interleaved 1F1B: vpp chunks per rank (looped), bubble shrunk by vpp",
-    microbatch_error=interleaved_microbatch_error,
+    microbatch_error=at_least_one_microbatch,
     generate=interleaved_1f1b,
 )
