@@ -201,7 +201,8 @@ def _receive_slots(schedule: Schedule, flows: list[list[_Flow]]) -> list[list[li
             slots[dst_rank][slot].append(message)
     for rank_slots in slots:
         for posted in rank_slots:  # stable: each sender's messages stay in send order
-            posted.sort(key=lambda message: (send_time.get(message, float("inf")), message.src_rank))
+            if len(posted) > 1:
+                posted.sort(key=lambda message: (send_time.get(message, float("inf")), message.src_rank))
     return slots
 
 

@@ -259,7 +259,9 @@ class _Numbering(dict):
 
     def numbers(self, keys: Sequence) -> tuple[int, ...]:
         """The numbers of ``keys``, in order."""
-        if len(keys) == 1:  # the usual case, kept cheap
+        if not keys:  # the usual cases, kept cheap
+            return ()
+        if len(keys) == 1:
             return (self.number(keys[0]),)
         return tuple([self.number(key) for key in keys])
 
@@ -314,11 +316,13 @@ def _compile_plan(schedule: Schedule, plan: CommPlan, costs: Costs) -> _Program:
 
 def _plan_step(schedule: Schedule, step: ActionStep, duration: float, numbering: _Numbering,
                posted: set[int]) -> _Step:
-    waits = numbering.numbers(step.waits)
-    post_first = tuple([number for number in waits if number not in posted])
-    posted.update(post_first)
-    prefetch = tuple([number for number in numbering.numbers(step.prefetch) if number not in posted])
-    posted.update(prefetch)
+    waits, post_first, prefetch = numbering.numbers(step.waits), (), ()
+    if waits:
+        post_first = tuple([number for number in waits if number not in posted])
+        posted.update(post_first)
+    if step.prefetch:
+        prefetch = tuple([number for number in numbering.numbers(step.prefetch) if number not in posted])
+        posted.update(prefetch)
     local_output = -1
     if _hands_over_locally(schedule.placement, step.action):
         local_output = numbering.number(output_message(schedule, step.action))
