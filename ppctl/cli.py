@@ -72,6 +72,36 @@ def inspect_layout(
         print_layout(report, config)
 
 
+@app.command("inspect-schedule")
+def inspect_schedule(
+    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    cost: str = typer.Option("F=1,B=1,W=1,comm=0", "--cost",
+                             help="Cost model: times of F, B, W for one microbatch through all of a rank's layers, "
+                                  "and the latency of one point-to-point message."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (see README for the keys)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the timeline picture (.svg or .html)."),
+    config_dir: Optional[Path] = CONFIG_DIR_OPTION,
+    config_name: str = CONFIG_NAME_OPTION,
+) -> None:
+    """Simulate the configured schedule: timeline per rank, bubble ratio and peak activations."""
+    from ppctl.config import validate_schedule
+    from ppctl.schedule_report import print_schedule, simulate_config
+
+    config = load_config(overrides, config_dir, config_name, validate_schedule)
+    try:
+        result = simulate_config(config, cost)
+        if out is not None:
+            from ppctl.schedule_report import write_schedule_picture
+
+            write_schedule_picture(result, out)
+    except ValueError as error:
+        fail(str(error))
+    if as_json:
+        sys.stdout.write(json.dumps(result.to_json(), separators=(",", ":")) + "\n")
+    else:
+        print_schedule(result, out)
+
+
 @app.command("train")
 def train(
     overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),

@@ -278,6 +278,16 @@ def validate_layout(config: PpctlConfig) -> ParallelLayout:
     return layout
 
 
+def validate_schedule(config: PpctlConfig) -> int:
+    """The rules a schedule needs (all ``inspect-schedule`` checks); returns the microbatch count."""
+    _check_positive(config)
+    layout_of(config)
+    _check_schedule_chunks(config)
+    _check_batch_division(config)
+    _check_schedule(config)
+    return num_microbatches(config)
+
+
 def validate(config: PpctlConfig) -> DerivedSizes:
     """Check every cross-setting rule; return derived sizes or raise ``ConfigError`` (one line)."""
     _check_positive(config)
@@ -344,7 +354,7 @@ def _check_model(config: PpctlConfig) -> None:
         _require((model.hidden_size // model.num_heads) % 2 == 0, "model.position_embedding=rope needs an even head dim")
 
 
-def _check_batch(config: PpctlConfig, layout: ParallelLayout) -> None:
+def _check_batch_division(config: PpctlConfig) -> None:
     trainer, parallel = config.trainer, config.parallel
     per_step = trainer.micro_batch_size * parallel.dp
     _require(
@@ -352,6 +362,11 @@ def _check_batch(config: PpctlConfig, layout: ParallelLayout) -> None:
         f"trainer.global_batch_size={trainer.global_batch_size} must be divisible by "
         f"trainer.micro_batch_size * parallel.dp = {per_step}",
     )
+
+
+def _check_batch(config: PpctlConfig, layout: ParallelLayout) -> None:
+    trainer, parallel = config.trainer, config.parallel
+    _check_batch_division(config)
     _require(
         trainer.seq_length <= config.model.max_seq_length,
         f"trainer.seq_length={trainer.seq_length} must not exceed model.max_seq_length={config.model.max_seq_length}",

@@ -14,8 +14,7 @@ def config_layer_map(config: PpctlConfig):
     from ppctl.config import schedule_spec
 
     chunks = chunks_per_rank(config)
-    spec = schedule_spec(config)
-    placement = spec.placement(config.parallel.pp, chunks) if hasattr(spec, "placement") else None
+    placement = schedule_spec(config).placement(config.parallel.pp, chunks)
     return layer_map(config.model.num_layers, config.parallel.pp, chunks, placement, config.parallel.pipeline_layout)
 
 

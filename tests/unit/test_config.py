@@ -98,18 +98,19 @@ def test_validation_rule_refuses_with_one_line(overrides, fragment):
     assert "\n" not in message
 
 
-def test_per_schedule_microbatch_rule_is_enforced():
-    from ppctl.pipeline.schedules import SCHEDULE_SPECS
+def test_per_schedule_microbatch_rule_is_enforced(monkeypatch):
+    import dataclasses
 
-    spec = SCHEDULE_SPECS["interleaved_1f1b"]
-    # Find a microbatch count the interleaved schedule refuses for pp=4, vpp=2, if it refuses any.
-    refused = [m for m in range(1, 9) if spec.microbatch_error(4, 2, m)]
-    if not refused:
-        pytest.skip("interleaved_1f1b accepts every microbatch count")
-    gbs = refused[0]
-    with pytest.raises(ConfigError, match="schedule interleaved_1f1b"):
-        validate(composed("schedule=interleaved_1f1b", "parallel.pp=4", "parallel.vpp=2", "model.num_layers=8",
-                          f"trainer.global_batch_size={gbs}", "trainer.micro_batch_size=1"))
+    from ppctl.pipeline import schedules
+
+    def refuse_odd(pp, vpp, num_microbatches):
+        return f"needs an even number of microbatches, got {num_microbatches}" if num_microbatches % 2 else None
+
+    strict = dataclasses.replace(schedules.SCHEDULE_SPECS["1f1b"], microbatch_error=refuse_odd)
+    monkeypatch.setitem(schedules.SCHEDULE_SPECS, "1f1b", strict)
+    with pytest.raises(ConfigError, match="schedule 1f1b: needs an even number of microbatches, got 3"):
+        validate(composed("trainer.global_batch_size=6", "trainer.micro_batch_size=2"))
+    validate(composed("trainer.global_batch_size=8", "trainer.micro_batch_size=2"))
 
 
 def test_explicit_pipeline_layout_accepted():

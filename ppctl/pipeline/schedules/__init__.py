@@ -16,9 +16,14 @@ from .interleaved import INTERLEAVED_SPEC
 from .one_f_one_b import ONE_F_ONE_B_SPEC
 
 
-def _planned(name: str, multi_chunk: bool, splits_backward: bool, description: str) -> ScheduleSpec:
+def _v_placement(pp: int, chunks_per_rank: int) -> tuple[int, ...]:
+    return v_placement(pp)
+
+
+def _planned(name: str, multi_chunk: bool, splits_backward: bool, description: str,
+             placement=looped_placement) -> ScheduleSpec:
     return ScheduleSpec(name, implemented=False, multi_chunk=multi_chunk, splits_backward=splits_backward,
-                        description=description, microbatch_error=at_least_one_microbatch)
+                        description=description, microbatch_error=at_least_one_microbatch, placement=placement)
 
 
 SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
@@ -28,9 +33,9 @@ SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
         ONE_F_ONE_B_SPEC,
         INTERLEAVED_SPEC,
         _planned("zb_h1", False, True, "zero-bubble H1: 1F1B with the backward split into B and W"),
-        _planned("zbv", True, True, "zero-bubble V: two chunks per rank in a V, B/W split"),
+        _planned("zbv", True, True, "zero-bubble V: two chunks per rank in a V, B/W split", _v_placement),
         _planned("dualpipe", True, True, "DualPipe: two model copies fed from both ends, B/W split"),
-        _planned("dualpipev", True, True, "DualPipeV: DualPipe folded onto a V placement"),
+        _planned("dualpipev", True, True, "DualPipeV: DualPipe folded onto a V placement", _v_placement),
     )
 }
 

@@ -137,7 +137,8 @@ class ScheduleSpec:
     allowed, else a one-line message that states the rule. ``multi_chunk`` says
     whether the schedule may hold several chunks per rank (``vpp > 1``).
     ``generate(pp, vpp, num_microbatches)`` builds the schedule (None until the
-    schedule is implemented).
+    schedule is implemented). ``placement(pp, chunks_per_rank)`` maps stages to
+    ranks; the layout's layer map and the schedule share it.
     """
 
     name: str
@@ -147,6 +148,7 @@ class ScheduleSpec:
     description: str
     microbatch_error: MicrobatchRule
     generate: Optional[Callable[[int, int, int], Schedule]] = None
+    placement: Callable[[int, int], tuple[int, ...]] = looped_placement
 
 
 def at_least_one_microbatch(pp: int, vpp: int, num_microbatches: int) -> Optional[str]:

@@ -1,0 +1,38 @@
+"""What ``ppctl inspect-schedule`` shows: a simulated timeline of the configured schedule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ppctl.config import PpctlConfig, num_microbatches
+from ppctl.pipeline.render import render_terminal, simulation_lines, write_timeline
+from ppctl.pipeline.schedules import build_schedule
+from ppctl.pipeline.simulate import SimResult, parse_costs, simulate
+
+
+def simulate_config(config: PpctlConfig, cost_text: str) -> SimResult:
+    """Build the configured schedule and replay it against the cost model ``cost_text``."""
+    parallel = config.parallel
+    schedule = build_schedule(config.schedule.name, parallel.pp, parallel.vpp, num_microbatches(config))
+    return simulate(schedule, parse_costs(cost_text))
+
+
+def _title(result: SimResult) -> str:
+    return f"{result.schedule}: simulated step"
+
+
+def write_schedule_picture(result: SimResult, path: Path) -> None:
+    """The timeline as a picture (``.svg`` or ``.html``)."""
+    write_timeline(result.ranks, path, _title(result), simulation_lines(result))
+
+
+def print_schedule(result: SimResult, picture: Path | None) -> None:
+    """The coloured terminal timeline, then bubble ratio and peak activations."""
+    from rich.console import Console
+
+    console = Console()
+    render_terminal(result.ranks, console, title=_title(result))
+    for line in simulation_lines(result):
+        console.print(line)
+    if picture is not None:
+        console.print(f"timeline written to {picture}")
