@@ -142,9 +142,9 @@ def write_trace_files(all_traces: list[tuple[int, list[dict]]], trainer, run_dir
     title = f"{schedule.name}: measured step {step} (pp={schedule.pp}, {schedule.num_microbatches} microbatches)"
     lines = [f"makespan {makespan:.1f} ms; bubble ratio {(makespan - busiest) / busiest:.3f} "
              "(makespan - busiest rank's compute) / that compute; grey = waiting for a message"]
-    write_timeline(rows, run_dir / "timeline.svg", title, lines)
+    write_timeline(rows, run_dir / "timeline.svg", title, lines, time_label="ms")
 
     predicted = simulate(schedule, costs_from_measurement(rows, schedule.chunks_per_rank))
     title = f"{schedule.name}: simulated with the measured mean action times"
     lines = [f"makespan {predicted.makespan:.1f} ms; bubble ratio {predicted.bubble_ratio:.3f}"]
-    write_timeline(predicted.ranks, run_dir / "timeline_simulated.svg", title, lines)
+    write_timeline(predicted.ranks, run_dir / "timeline_simulated.svg", title, lines, time_label="ms")

@@ -84,3 +84,36 @@ def test_multi_node_dry_run_uses_c10d_rendezvous(ppctl, tmp_path):
                  "--rdzv-id job7", "--node-rank 1"):
         assert text in result.stdout
     assert "--standalone" not in result.stdout
+
+
+@pytest.mark.timeout(60)
+def test_inspect_schedule_json_and_picture(ppctl, tmp_path):
+    from xml.etree import ElementTree
+
+    picture = tmp_path / "t.svg"
+    result = ppctl("inspect-schedule", "schedule=interleaved_1f1b", "parallel.pp=4", "parallel.vpp=2",
+                   "model.num_layers=8", "trainer.global_batch_size=16", "trainer.micro_batch_size=2",
+                   "--cost", "F=1,B=2,W=0,comm=0", "--json", "--out", str(picture))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert set(report) == {"schedule", "pp", "vpp", "microbatches", "costs", "makespan", "bubble_ratio", "ranks"}
+    assert (report["schedule"], report["pp"], report["vpp"], report["microbatches"]) == ("interleaved_1f1b", 4, 2, 8)
+    assert report["costs"] == {"F": 1.0, "B": 2.0, "W": 0.0, "comm": 0.0}
+    assert report["bubble_ratio"] == pytest.approx((4 - 1) / (2 * 8))
+    rank0 = report["ranks"][0]
+    assert set(rank0) == {"rank", "peak_activations", "actions"}
+    assert len(rank0["actions"]) == 2 * 2 * 8
+    assert set(rank0["actions"][0]) == {"kind", "stage", "microbatch", "start", "end"}
+    assert {action["kind"] for action in rank0["actions"]} == {"F", "BW"}
+    assert ElementTree.parse(picture).getroot().tag.endswith("svg")
+
+
+@pytest.mark.timeout(60)
+def test_inspect_schedule_terminal_and_refusals(ppctl, tmp_path):
+    result = ppctl("inspect-schedule", "parallel.pp=4", "trainer.global_batch_size=8", "trainer.micro_batch_size=1")
+    assert result.returncode == 0, result.stderr
+    assert "rank 3" in result.stdout and "bubble ratio 37.5%" in result.stdout  # (pp-1)/m = 3/8
+    bad_cost = ppctl("inspect-schedule", "--cost", "F=x")
+    assert bad_cost.returncode == 2 and bad_cost.stderr.startswith("error: ") and len(bad_cost.stderr.splitlines()) == 1
+    bad_out = ppctl("inspect-schedule", "--out", str(tmp_path / "t.pdf"))
+    assert bad_out.returncode == 2 and "suffix" in bad_out.stderr

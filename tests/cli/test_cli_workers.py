@@ -70,3 +70,25 @@ def test_failing_worker_is_named_quickly(ppctl, tmp_path, fault, expected):
     assert lines[-1].startswith("error: worker rank"), result.stderr[-2000:]
     assert expected in lines[-1] and f"rank {fault.split(':')[0]}" in lines[-1]
     assert elapsed < 90
+
+
+@pytest.mark.timeout(240)
+def test_traced_run_writes_trace_timeline_and_measured_bubble(ppctl, tmp_path):
+    from xml.etree import ElementTree
+
+    result = ppctl("train", "parallel.pp=2", "schedule=1f1b", "trainer.trace=true", "trainer.max_steps=3",
+                   "trainer.log_every=1", *FAST_TRAIN, f"trainer.out_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| bubble " in result.stdout
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    spans = [event for event in trace["traceEvents"] if event["ph"] == "X"]
+    tracks = {event["tid"] for event in spans}
+    assert tracks == {0, 1}
+    computed = [event for event in spans if event["cat"] in ("F", "BW")]
+    assert len(computed) == 3 * 2 * 2 * 4  # steps x ranks x (F, BW) x microbatches
+    assert any(event["cat"] == "wait" for event in spans)
+    for picture in ("timeline.svg", "timeline_simulated.svg"):
+        root = ElementTree.parse(tmp_path / picture).getroot()
+        assert root.tag.endswith("svg")
+    bubbles = scalars(tmp_path).Scalars("train/bubble_ratio_measured")
+    assert len(bubbles) == 3 and all(event.value >= 0 for event in bubbles)
