@@ -31,7 +31,8 @@ class TrainingLogger:
         schedule = self.trainer.schedule
         return (f"training {self.config.model.name} with {schedule.name}: tp={parallel.tp} pp={parallel.pp} "
                 f"vpp={parallel.vpp} dp={parallel.dp} cp={parallel.cp}, {schedule.num_microbatches} microbatches "
-                f"of {trainer.micro_batch_size} x {trainer.seq_length} tokens per DP rank, {trainer.max_steps} steps")
+                f"of {trainer.micro_batch_size} x {trainer.seq_length} tokens per DP rank, {trainer.max_steps} steps; "
+                f"vocab {self.config.model.vocab_size} padded to {self.trainer.padded_vocab_size}")
 
     def log(self, result) -> None:
         """Record one step; print it when it is the first, the last or every ``log_every``-th."""

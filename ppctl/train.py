@@ -117,6 +117,7 @@ class Trainer:
         if check:
             check_schedule(self.schedule)
         self.chunks = build_chunks(config, context, self.schedule)
+        self.padded_vocab_size = gpt_config(config).vocab_size
         self.data = build_data(config, context, self.schedule)
         self.optimizer = build_optimizer(self.chunks.values(), config.optimizer)
         self.tracer = Tracer(context.rank) if config.trainer.trace else None

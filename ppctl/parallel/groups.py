@@ -24,7 +24,7 @@ class ParallelContext:
     coords: dict[str, int]
     groups: dict[str, object] = field(repr=False)        # name -> ProcessGroup containing this rank (or None)
     group_ranks: dict[str, list[int]] = field(repr=False)  # name -> global ranks of that group ([] if none)
-    mesh: object | None = field(default=None, repr=False)  # DeviceMesh over (pp, dp, cp, tp) when built
+    mesh: object | None = field(default=None, repr=False)  # DeviceMesh over the dimensions, slowest first
     device: str = "cpu"
 
     def size(self, name: str) -> int:
@@ -46,34 +46,36 @@ class ParallelContext:
 
 
 def build_parallel_context(layout: ParallelLayout, timeout_s: float, device: str = "cpu") -> ParallelContext:
-    """Create every group of every kind (all ranks take part in each creation, in the same order)."""
+    """Create every group of every kind (all ranks take part in each creation, in the same order).
+
+    Every group gets the timeout (DeviceMesh's own sub-groups would get torch's 30-minute
+    default), and the DeviceMesh over the four dimensions is assembled from these groups.
+    """
     rank = dist.get_rank()
     if dist.get_world_size() != layout.world_size:
         raise RuntimeError(
             f"the job has {dist.get_world_size()} workers but the layout needs {layout.world_size}"
         )
     timeout = datetime.timedelta(seconds=timeout_s)
-    mesh = _device_mesh(layout, device)
     groups, group_ranks = {}, {}
     for name in GROUP_NAMES:
-        mine = layout.group_of(name, rank)
-        if name in DIMENSIONS and mesh is not None:
-            groups[name] = mesh.get_group(name)
-        else:
-            groups[name] = _new_groups(layout.groups(name), rank, timeout)
-        group_ranks[name] = mine
-    context = ParallelContext(layout, rank, layout.coords(rank), groups, group_ranks, mesh, device)
+        groups[name] = _new_groups(layout.groups(name), rank, timeout)
+        group_ranks[name] = layout.group_of(name, rank)
+    context = ParallelContext(layout, rank, layout.coords(rank), groups, group_ranks,
+                              _device_mesh(layout, groups, device), device)
     verify_group_membership(context)
     return context
 
 
-def _device_mesh(layout: ParallelLayout, device: str):
-    """A DeviceMesh named by dimension, slowest dimension first, matching the layout's rank order."""
-    from torch.distributed.device_mesh import init_device_mesh
+def _device_mesh(layout: ParallelLayout, groups: dict, device: str):
+    """A DeviceMesh named by dimension (slowest first) over the groups just built, for DTensor users."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
     slowest_first = tuple(reversed(layout.dims))
     shape = tuple(getattr(layout, dim) for dim in slowest_first)
-    return init_device_mesh(device, shape, mesh_dim_names=slowest_first)
+    mesh = torch.arange(layout.world_size).reshape(shape)
+    return DeviceMesh.from_group([groups[dim] for dim in slowest_first], device, mesh, mesh_dim_names=slowest_first)
 
 
 def _new_groups(all_groups: list[list[int]], rank: int, timeout: datetime.timedelta):
