@@ -116,6 +116,33 @@ def train(
     _launch(config, "train", dry_run)
 
 
+@app.command("prepare-data")
+def prepare_data(
+    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    config_dir: Optional[Path] = CONFIG_DIR_OPTION,
+    config_name: str = CONFIG_NAME_OPTION,
+) -> None:
+    """Tokenise the configured data source into its cache (``train`` does this itself when needed)."""
+    config = load_config(overrides, config_dir, config_name)
+    summary = _prepare(config)
+    typer.echo(summary or f"data.source={config.data.source} needs no preparation")
+
+
+def _prepare(config: PpctlConfig) -> str | None:
+    """Prepare the token cache of a file-backed source; one line summary, or None for synthetic data."""
+    if config.data.source == "synthetic":
+        return None
+    from ppctl.data.prepare import prepare_tokens, read_sidecar
+
+    try:
+        token_file = prepare_tokens(config.data.source, config.data.path, Path(config.data.cache_dir),
+                                    config.data.tokenizer)
+    except (OSError, ValueError) as error:
+        fail(f"data.source={config.data.source}: {error}")
+    sidecar = read_sidecar(token_file)
+    return f"{token_file}: {sidecar['num_tokens']:,} tokens from {sidecar['num_files']} file(s)"
+
+
 @app.command("check-cluster")
 def check_cluster(
     overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
@@ -142,6 +169,8 @@ def _launch(config: PpctlConfig, task: str, dry_run: bool) -> None:
         typer.echo(f"run directory: {run_dir}")
         typer.echo(plan.printable())
         return
+    if task == "train":
+        _prepare(config)  # once, here, before any worker starts
     write_run_dir(config, run_dir)
     typer.echo(f"run directory: {run_dir}  ({task}, {backend}, {config.launcher.nnodes} node(s))", err=True)
     result = run_plan(plan)

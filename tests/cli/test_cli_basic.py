@@ -117,3 +117,21 @@ def test_inspect_schedule_terminal_and_refusals(ppctl, tmp_path):
     assert bad_cost.returncode == 2 and bad_cost.stderr.startswith("error: ") and len(bad_cost.stderr.splitlines()) == 1
     bad_out = ppctl("inspect-schedule", "--out", str(tmp_path / "t.pdf"))
     assert bad_out.returncode == 2 and "suffix" in bad_out.stderr
+
+
+SHAKESPEARE = "/work/shared/data/tinyshakespeare.txt"
+
+
+@pytest.mark.timeout(60)
+def test_prepare_data_text_file_and_missing_file(ppctl, tmp_path):
+    import os
+
+    missing = ppctl("prepare-data", "data=text_file", f"data.path={tmp_path / 'nope.txt'}",
+                    f"data.cache_dir={tmp_path}")
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+    assert "nope.txt" in missing.stderr
+    if not os.path.exists(SHAKESPEARE):
+        pytest.skip("the shared sample data is absent")
+    result = ppctl("prepare-data", "data=text_file", f"data.path={SHAKESPEARE}", f"data.cache_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert "1,115,395 tokens from 1 file(s)" in result.stdout
