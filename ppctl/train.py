@@ -101,7 +101,7 @@ def build_data(config: PpctlConfig, context: ParallelContext, schedule: Schedule
         dp_rank=context.coords["dp"], dp_size=context.layout.dp,
         tp_group=context.groups["tp"] if len(tp_ranks) > 1 else None,
         tp_src_rank=tp_ranks[0], is_tp_src=context.rank == tp_ranks[0],
-        needs_inputs=0 in stages, needs_labels=schedule.num_stages - 1 in stages,
+        needs_inputs=0 in stages, needs_labels=schedule.num_stages - 1 in stages, device=context.device,
     )
 
 
@@ -177,7 +177,8 @@ class Trainer:
         if self.tracer is None:
             return None
         compute = self.tracer.compute_seconds()
-        ratio = torch.tensor([self.tracer.wait_seconds() / compute if compute else 0.0], dtype=torch.float64)
+        ratio = torch.tensor([self.tracer.wait_seconds() / compute if compute else 0.0], dtype=torch.float64,
+                             device=self.context.device)
         dist.all_reduce(ratio)
         return float(ratio.item()) / dist.get_world_size()
 

@@ -36,7 +36,7 @@ class PipelineDataIterator:
     def __init__(
         self, dataset: WindowDataset, seed: int, global_batch_size: int, micro_batch_size: int,
         seq_length: int, dp_rank: int, dp_size: int, tp_group: dist.ProcessGroup | None,
-        tp_src_rank: int, is_tp_src: bool, needs_inputs: bool, needs_labels: bool,
+        tp_src_rank: int, is_tp_src: bool, needs_inputs: bool, needs_labels: bool, device: str = "cpu",
     ):
         if tp_group is None and not is_tp_src:
             raise ValueError("a rank without a TP group (tp=1) must be its own TP source; got is_tp_src=False")
@@ -56,6 +56,7 @@ class PipelineDataIterator:
         self.is_tp_src = is_tp_src
         self.needs_inputs = needs_inputs
         self.needs_labels = needs_labels
+        self.device = device  # where broadcast buffers live (NCCL broadcasts device tensors only)
         self.needed_fields = (INPUT_FIELDS if needs_inputs else ()) + (LABEL_FIELDS if needs_labels else ())
         self.num_microbatches = microbatches_per_dp_rank(global_batch_size, micro_batch_size, dp_size)
 
@@ -80,8 +81,7 @@ class PipelineDataIterator:
         total = torch.zeros(1, dtype=torch.float64)
         if self.is_tp_src:
             total[0] = global_loss_tokens(self.dataset, self.seed, step, self.global_batch_size)
-        self._broadcast(total)
-        return float(total.item())
+        return float(self._broadcast(total).item())
 
     def _read_and_send(self, step: int) -> list[Microbatch]:
         """Read this step's microbatches, broadcast the needed fields, keep only those."""
@@ -89,6 +89,8 @@ class PipelineDataIterator:
             self.dataset, self.seed, step, self.global_batch_size, self.micro_batch_size,
             self.dp_rank, self.dp_size,
         )
+        if self._tp_size() > 1 and self.device != "cpu":
+            return unpack_fields(self._broadcast(pack_fields(microbatches, self.needed_fields)), self.needed_fields)
         if self._tp_size() > 1:
             self._broadcast(pack_fields(microbatches, self.needed_fields))
         return [_keep_fields(microbatch, self.needed_fields) for microbatch in microbatches]
@@ -97,15 +99,16 @@ class PipelineDataIterator:
         """Receive this step's needed fields from the TP source into freshly allocated buffers."""
         packed = torch.empty(
             len(self.needed_fields), self.num_microbatches, self.micro_batch_size, self.seq_length,
-            dtype=torch.int64,
+            dtype=torch.int64, device=self.device,
         )
-        self._broadcast(packed)
-        return unpack_fields(packed, self.needed_fields)
+        return unpack_fields(self._broadcast(packed), self.needed_fields)
 
-    def _broadcast(self, tensor: torch.Tensor) -> None:
-        """Broadcast ``tensor`` in place from the TP source to its TP group (no-op for tp=1)."""
+    def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Broadcast ``tensor`` (moved to the device) from the TP source to its TP group; return it."""
+        tensor = tensor.to(self.device)
         if self._tp_size() > 1:
             dist.broadcast(tensor, src=self.tp_src_rank, group=self.tp_group)
+        return tensor
 
     def _tp_size(self) -> int:
         """Return the size of this rank's TP group (1 without one)."""
