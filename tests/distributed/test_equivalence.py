@@ -8,7 +8,7 @@ single-process loop of ``ppctl.reference``.
 
 import pytest
 
-from tests.dist.equivalence import BASE, FP64, assert_equivalent
+from tests.distributed.equivalence import BASE, FP64, assert_equivalent
 
 LAYOUTS = [  # (tp, pp, dp)
     (1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 4, 1),

@@ -7,7 +7,7 @@ elementwise within 1e-10). One case uses a microbatch count that is not a multip
 
 import pytest
 
-from tests.dist.equivalence import BASE, FP64, assert_equivalent
+from tests.distributed.equivalence import BASE, FP64, assert_equivalent
 
 CASES = [  # (tp, pp, vpp, layers, global batch)
     (1, 2, 2, 4, 8),
