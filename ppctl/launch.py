@@ -23,6 +23,7 @@ from pathlib import Path
 from ppctl.config import PpctlConfig, nproc_per_node
 
 WORKER_MODULE = "ppctl.worker"
+DEFAULT_RDZV_ID = "ppctl"  # the same on every node (a run directory's timestamp would differ between nodes)
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def build_launch_plan(config: PpctlConfig, run_dir: Path, task: str, backend: st
         command.append("--standalone")
     else:
         command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", launcher.rdzv_endpoint,
-                    "--rdzv-id", launcher.rdzv_id or run_dir.name, "--node-rank", str(launcher.node_rank)]
+                    "--rdzv-id", launcher.rdzv_id or DEFAULT_RDZV_ID, "--node-rank", str(launcher.node_rank)]
     command += ["-m", WORKER_MODULE, "--run-dir", str(run_dir), "--task", task, "--backend", backend]
     threads = str(threads_per_worker(config))
     return LaunchPlan(command=command, env={"OMP_NUM_THREADS": threads, "PPCTL_THREADS": threads}, run_dir=run_dir)

@@ -92,3 +92,27 @@ def test_traced_run_writes_trace_timeline_and_measured_bubble(ppctl, tmp_path):
         assert root.tag.endswith("svg")
     bubbles = scalars(tmp_path).Scalars("train/bubble_ratio_measured")
     assert len(bubbles) == 3 and all(event.value >= 0 for event in bubbles)
+
+
+@pytest.mark.timeout(180)
+def test_two_nodes_rendezvous_through_c10d(tmp_path):
+    """Two `ppctl train` launchers on this machine act as two nodes meeting at one c10d endpoint."""
+    import subprocess
+    import sys
+
+    from ppctl.testing import free_port
+    from tests.cli.conftest import REPO
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    launchers = [
+        subprocess.Popen([sys.executable, "-m", "ppctl.cli", "train", "parallel.pp=2", "trainer.max_steps=2",
+                          "trainer.log_every=1", *FAST_TRAIN, "launcher.nnodes=2", f"launcher.node_rank={node}",
+                          f"launcher.rdzv_endpoint={endpoint}", f"trainer.out_dir={tmp_path / f'node{node}'}"],
+                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for node in (0, 1)
+    ]
+    outputs = [launcher.communicate(timeout=150) for launcher in launchers]
+    assert [launcher.returncode for launcher in launchers] == [0, 0], outputs
+    assert any("step     2/2 | loss" in stdout for stdout, _ in outputs)
+    layout = json.loads((tmp_path / "node0" / "layout.json").read_text())
+    assert layout["world_size"] == 2
