@@ -82,7 +82,7 @@ class PipelineRuntime:
         self.transport.post([], self.initial_receives)
         for step in self.plan:
             inputs = [self._input(message, state) for message in step.waits + step.local_inputs]
-            started = time.perf_counter()
+            started = time.perf_counter() if self.tracer is not None else 0.0
             kind = step.action.kind
             if kind == "F":
                 produced = self._forward(step, inputs, microbatches, loss_normalizer, state)
