@@ -329,6 +329,7 @@ def _check_positive(config: PpctlConfig) -> None:
         value = getattr(config.launcher, name)
         _require(value is None or value >= 1, f"launcher.{name}={value} must be a positive integer")
     _require(config.optimizer.lr > 0, f"optimizer.lr={config.optimizer.lr} must be positive")
+    _require(config.trainer.seed >= 0, f"trainer.seed={config.trainer.seed} must be >= 0")
     _require(config.optimizer.weight_decay >= 0, "optimizer.weight_decay must be >= 0")
 
 

@@ -86,6 +86,7 @@ RULES = [
     (["launcher.backend=mpi"], "launcher.backend='mpi' must be one of"),
     (["launcher.inject_fault=boom"], "launcher.inject_fault must look like"),
     (["optimizer.lr=-1"], "optimizer.lr=-1.0 must be positive"),
+    (["trainer.seed=-3"], "trainer.seed=-3 must be >= 0"),
 ]
 
 
