@@ -62,7 +62,7 @@ def inspect_layout(
 ) -> None:
     """Show the rank coordinates, every process group and the layer map of a layout."""
     from ppctl.config import validate_layout
-    from ppctl.inspect import layout_report, print_layout
+    from ppctl.layout_report import layout_report, print_layout
 
     config = load_config(overrides, config_dir, config_name, validate_layout)
     report = layout_report(config)
@@ -181,7 +181,7 @@ def _launch(config: PpctlConfig, task: str, dry_run: bool) -> None:
 def write_run_dir(config: PpctlConfig, run_dir: Path) -> None:
     """Create the run directory with the resolved ``config.yaml`` and ``layout.json``."""
     from ppctl.config import to_yaml
-    from ppctl.inspect import layout_report
+    from ppctl.layout_report import layout_report
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(config))

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ppctl.config import PpctlConfig, num_microbatches, padded_vocab_size
 from ppctl.data.dataset import build_dataset
 from ppctl.data.iterator import PipelineDataIterator
-from ppctl.inspect import config_layer_map
+from ppctl.layout_report import config_layer_map
 from ppctl.model.gpt import GPTChunk, GPTConfig
 from ppctl.optim.grads import build_optimizer, clip_gradients, finalize_gradients, global_grad_norm
 from ppctl.parallel.groups import ParallelContext
