@@ -68,13 +68,6 @@ def chrome_trace(snapshots: list[dict], step: int) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_chrome_trace(snapshots: list[dict], step: int, path: Path) -> None:
-    """Write the trace JSON atomically."""
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(chrome_trace(snapshots, step)))
-    temporary.replace(path)
-
-
 def _laid_out_in_sequence(all_traces: list[tuple[int, list[dict]]]) -> list[tuple[int, list[dict]]]:
     """Shift each step's times (relative to its own start) to follow the previous step."""
     shifted, offset = [], 0.0
