@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ppctl.testing import run_workers
+from tests.unit.test_model_single import run_pipeline
 
 pytestmark = pytest.mark.dist
 
@@ -133,17 +134,6 @@ def _cross_entropy_checks(tp, dtype, generator) -> dict:
             "cross_entropy/grad_logits": _difference(local_logits.grad, tp.shard(dense_logits.grad, -1))}
 
 
-def _run_chunks(chunks, tokens, positions, labels):
-    """Run chunks in sequence, backward a weighted loss sum through all; return the losses."""
-    hidden = tokens
-    for chunk in chunks[:-1]:
-        hidden = chunk(hidden, positions)
-    losses = chunks[-1](hidden, positions, labels)
-    weights = torch.linspace(0.5, 1.5, losses.numel(), dtype=losses.dtype).view_as(losses)
-    (losses * weights).sum().backward()
-    return losses.detach()
-
-
 def _gpt_checks(tp, dtype, case: dict) -> dict:
     """A GPT model on this TP layout against the same model built with tp=1 in this process."""
     from ppctl.model.gpt import GPTChunk, GPTConfig
@@ -166,8 +156,8 @@ def _gpt_checks(tp, dtype, case: dict) -> dict:
                 for index, ids in enumerate(groups)]
 
     dense_chunks, tp_chunks = build(TPGroup.single()), build(tp)
-    results = {"loss": _difference(_run_chunks(tp_chunks, tokens, positions, labels),
-                                   _run_chunks(dense_chunks, tokens, positions, labels))}
+    results = {"loss": _difference(run_pipeline(tp_chunks, tokens, positions, labels),
+                                   run_pipeline(dense_chunks, tokens, positions, labels))}
     for index, (dense_chunk, tp_chunk) in enumerate(zip(dense_chunks, tp_chunks)):
         dense_params = dict(dense_chunk.named_parameters())
         for name, param in tp_chunk.named_parameters():
