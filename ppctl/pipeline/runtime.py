@@ -135,17 +135,16 @@ class PipelineRuntime:
         return None if chunk_input is None else chunk_input.grad
 
     def _hand_over(self, step: ActionStep, produced, state: StepState) -> None:
-        """Post this action's sends with the receives for the next action; keep local messages."""
+        """Post this action's sends with the receives for the next action; keep a local output in memory."""
         action = step.action
-        kind = "act" if action.kind == "F" else "grad"
-        if produced is not None and not (action.kind == "F" and action.stage == self.last_stage):
-            state.local[(kind, action.stage, action.microbatch)] = produced
-        sends = [(message, produced) for message in step.sends]
-        if sends:
-            # The consumer is remote: nothing local will read it.
-            state.local.pop((kind, action.stage, action.microbatch), None)
-        self.transport.post(sends, step.prefetch)
-        if sends and action.kind == "F" and self.release_outputs:
+        has_consumer = produced is not None and not (action.kind == "F" and action.stage == self.last_stage)
+        if has_consumer and not step.sends:
+            # The next stage runs on this rank: hand over a detached tensor, so the consumer's
+            # input is a leaf whose gradient its backward can read (as for a received tensor).
+            kind = "act" if action.kind == "F" else "grad"
+            state.local[(kind, action.stage, action.microbatch)] = produced.detach()
+        self.transport.post([(message, produced) for message in step.sends], step.prefetch)
+        if step.sends and action.kind == "F" and self.release_outputs:
             release_output(produced)
 
 

@@ -14,6 +14,7 @@ CASES = [  # (tp, pp, vpp, layers, global batch)
     (1, 4, 2, 8, 8),
     (2, 2, 2, 4, 8),
     (1, 2, 2, 4, 6),
+    (1, 1, 2, 4, 8),  # both chunks on one rank: every hand-over is local, in memory
 ]
 
 
