@@ -33,7 +33,7 @@ from ppctl.train import Trainer  # noqa: E402
 def plain_loop_seconds(config, steps: int, warmup: int) -> float:
     """Seconds per step of a plain loop: microbatch forward/backward, clip, AdamW."""
     trainer = config.trainer
-    model = reference_model(config, validate(config).padded_vocab_size)
+    model = reference_model(config)
     optimizer = build_optimizer([model], config.optimizer)
     dataset = build_dataset("synthetic", None, Path("."), trainer.seq_length, config.model.vocab_size, trainer.seed)
     tokens = trainer.global_batch_size * trainer.seq_length

@@ -61,10 +61,10 @@ def inspect_layout(
     config_name: str = CONFIG_NAME_OPTION,
 ) -> None:
     """Show the rank coordinates, every process group and the layer map of a layout."""
-    from ppctl.config import validate_layout
+    from ppctl.config import validate
     from ppctl.layout_report import layout_report, print_layout
 
-    config = load_config(overrides, config_dir, config_name, validate_layout)
+    config = load_config(overrides, config_dir, config_name, validate)
     report = layout_report(config)
     if as_json:
         sys.stdout.write(json.dumps(report, separators=(",", ":")) + "\n")
@@ -84,10 +84,10 @@ def inspect_schedule(
     config_name: str = CONFIG_NAME_OPTION,
 ) -> None:
     """Simulate the configured schedule: timeline per rank, bubble ratio and peak activations."""
-    from ppctl.config import validate_schedule
+    from ppctl.config import validate
     from ppctl.schedule_report import print_schedule, simulate_config
 
-    config = load_config(overrides, config_dir, config_name, validate_schedule)
+    config = load_config(overrides, config_dir, config_name, validate)
     try:
         result = simulate_config(config, cost)
         if out is not None:
@@ -123,7 +123,9 @@ def prepare_data(
     config_name: str = CONFIG_NAME_OPTION,
 ) -> None:
     """Tokenise the configured data source into its cache (``train`` does this itself when needed)."""
-    config = load_config(overrides, config_dir, config_name)
+    from ppctl.config import validate
+
+    config = load_config(overrides, config_dir, config_name, validate)
     summary = _prepare(config)
     typer.echo(summary or f"data.source={config.data.source} needs no preparation")
 

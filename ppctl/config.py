@@ -71,6 +71,7 @@ class DataConfig:
     path: Optional[str] = None
     cache_dir: str = "data/cache"
     tokenizer: str = "byte"
+    eod_mask_loss: bool = False
 
 
 @dataclass
@@ -252,50 +253,38 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 
 def layout_of(config: PpctlConfig) -> ParallelLayout:
-    """The ``ParallelLayout`` a config describes."""
+    """The ``ParallelLayout`` a config describes, with the schedule's stage placement."""
     parallel = config.parallel
+    spec = schedule_spec(config)
     try:
         return ParallelLayout(
-            tp=parallel.tp, cp=parallel.cp, dp=parallel.dp, pp=parallel.pp, vpp=parallel.vpp, order=parallel.order
+            tp=parallel.tp, cp=parallel.cp, dp=parallel.dp, pp=parallel.pp, vpp=parallel.vpp, order=parallel.order,
+            placement=spec.placement(parallel.pp, parallel.vpp),
         )
     except LayoutError as error:
         raise ConfigError(str(error)) from None
 
 
-def validate_layout(config: PpctlConfig) -> ParallelLayout:
-    """The rules a layout and its layer map need (all ``inspect-layout`` checks); returns the layout."""
-    for name in POSITIVE_FIELDS["parallel"] + ("num_layers",):
-        section = "model" if name == "num_layers" else "parallel"
-        value = getattr(getattr(config, section), name)
-        _require(value >= 1, f"{section}.{name}={value} must be a positive integer")
-    layout = layout_of(config)
-    _check_schedule_chunks(config)
-    try:
-        split_layers(config.model.num_layers, config.parallel.pp * chunks_per_rank(config),
-                     config.parallel.pipeline_layout)
-    except LayoutError as error:
-        raise ConfigError(str(error)) from None
-    return layout
-
-
-def validate_schedule(config: PpctlConfig) -> int:
-    """The rules a schedule needs (all ``inspect-schedule`` checks); returns the microbatch count."""
-    _check_positive(config)
-    layout_of(config)
-    _check_schedule_chunks(config)
-    _check_batch_division(config)
-    _check_schedule(config)
-    return num_microbatches(config)
+def config_layer_map(config: PpctlConfig):
+    """``{(pp_rank, chunk): StageLayers}`` for the configured model, split and schedule placement."""
+    return layout_of(config).layer_map(config.model.num_layers, config.parallel.pipeline_layout)
 
 
 def validate(config: PpctlConfig) -> DerivedSizes:
-    """Check every cross-setting rule; return derived sizes or raise ``ConfigError`` (one line)."""
+    """Check every cross-setting rule; return derived sizes or raise ``ConfigError`` (one line).
+
+    Every command runs this before anything starts. An implemented schedule is also
+    built and proved by the schedule checker (complete, and it runs under NCCL-like sends).
+    """
     _check_positive(config)
-    layout = validate_layout(config)
+    _check_schedule_chunks(config)
+    layout = layout_of(config)
+    _check_layer_split(config)
     _check_model(config)
     _check_batch(config, layout)
     _check_schedule(config)
     _check_misc(config)
+    _check_schedule_plan(config)
     return DerivedSizes(
         world_size=layout.world_size,
         num_microbatches=num_microbatches(config),
@@ -304,6 +293,27 @@ def validate(config: PpctlConfig) -> DerivedSizes:
         ),
         nproc_per_node=nproc_per_node(config),
     )
+
+
+def _check_layer_split(config: PpctlConfig) -> None:
+    try:
+        split_layers(config.model.num_layers, config.parallel.pp * config.parallel.vpp, config.parallel.pipeline_layout)
+    except LayoutError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _check_schedule_plan(config: PpctlConfig) -> None:
+    """Build an implemented schedule and run the checker on it (the same proof the workers rely on)."""
+    from ppctl.pipeline.check import check_schedule
+    from ppctl.pipeline.schedules import ScheduleError, build_schedule
+
+    spec, parallel = schedule_spec(config), config.parallel
+    if not spec.implemented:
+        return
+    try:
+        check_schedule(build_schedule(spec.name, parallel.pp, parallel.vpp, num_microbatches(config)))
+    except ScheduleError as error:
+        raise ConfigError(f"schedule {spec.name}: {error}") from None
 
 
 def _require(condition: bool, message: str) -> None:
@@ -392,17 +402,30 @@ def _check_batch(config: PpctlConfig, layout: ParallelLayout) -> None:
     )
 
 
-def schedule_spec(config: PpctlConfig):
-    """The registry entry of the configured schedule, or ``ConfigError`` naming the known ones."""
+def _schedule_specs() -> dict:
     from ppctl.pipeline.schedules import SCHEDULE_SPECS
 
-    name = config.schedule.name
-    _require(name in SCHEDULE_SPECS, f"schedule.name={name!r} is unknown; choose one of {', '.join(SCHEDULE_SPECS)}")
-    return SCHEDULE_SPECS[name]
+    return SCHEDULE_SPECS
+
+
+def schedule_spec(config: PpctlConfig):
+    """The registry entry of the configured schedule, or ``ConfigError`` naming the known ones."""
+    specs, name = _schedule_specs(), config.schedule.name
+    _require(name in specs, f"schedule.name={name!r} is unknown; choose one of {', '.join(specs)}")
+    return specs[name]
 
 
 def _check_schedule_chunks(config: PpctlConfig) -> None:
+    """The chunks per rank the schedule's placement allows: one, several (looped), or exactly two (a V)."""
     spec, vpp = schedule_spec(config), config.parallel.vpp
+    _require(spec.placement is not None,
+             f"schedule {spec.name}: its stage placement is not implemented yet; available: "
+             f"{', '.join(name for name, other in _schedule_specs().items() if other.placement is not None)}")
+    if spec.chunks_per_rank is not None:
+        _require(vpp == spec.chunks_per_rank,
+                 f"parallel.vpp={vpp}: schedule {spec.name} places exactly {spec.chunks_per_rank} chunks on each "
+                 f"rank ({spec.placement_name}); set parallel.vpp={spec.chunks_per_rank}")
+        return
     _require(
         vpp == 1 or spec.multi_chunk,
         f"parallel.vpp={vpp} needs a schedule with several chunks per rank (e.g. interleaved_1f1b); "
@@ -459,11 +482,6 @@ def _check_misc(config: PpctlConfig) -> None:
         0 <= config.launcher.node_rank < config.launcher.nnodes,
         f"launcher.node_rank={config.launcher.node_rank} must be in 0..launcher.nnodes-1",
     )
-
-
-def chunks_per_rank(config: PpctlConfig) -> int:
-    """Model chunks each pipeline rank holds for the configured schedule."""
-    return config.parallel.vpp
 
 
 def num_microbatches(config: PpctlConfig) -> int:

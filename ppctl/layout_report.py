@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-from ppctl.config import PpctlConfig, chunks_per_rank, layout_of, padded_vocab_size
-from ppctl.parallel.layout import GROUP_NAMES, layer_map
+from ppctl.config import PpctlConfig, config_layer_map, layout_of, padded_vocab_size
+from ppctl.parallel.layout import GROUP_NAMES
 
 MAX_TABLE_GROUPS = 8
 MAX_TABLE_RANKS = 64
-
-
-def config_layer_map(config: PpctlConfig):
-    """``{(pp_rank, chunk): StageLayers}`` for the configured model, layout and schedule placement."""
-    from ppctl.config import schedule_spec
-
-    chunks = chunks_per_rank(config)
-    placement = schedule_spec(config).placement(config.parallel.pp, chunks)
-    return layer_map(config.model.num_layers, config.parallel.pp, chunks, placement, config.parallel.pipeline_layout)
 
 
 def layout_report(config: PpctlConfig) -> dict:

@@ -14,22 +14,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ppctl.config import PpctlConfig, num_microbatches, padded_vocab_size
-from ppctl.data.dataset import build_dataset
+from ppctl.config import PpctlConfig, num_microbatches
 from ppctl.data.iterator import PipelineDataIterator
-from ppctl.layout_report import config_layer_map
-from ppctl.model.gpt import GPTChunk, GPTConfig
+from ppctl.factory import dataset_of, gpt_config, parameter_dtype
+from ppctl.model.gpt import GPTChunk
 from ppctl.optim.grads import build_optimizer, clip_gradients, finalize_gradients, global_grad_norm
 from ppctl.parallel.groups import ParallelContext
 from ppctl.parallel.tensor_parallel import TPGroup
-from ppctl.pipeline.check import check_schedule
-from ppctl.pipeline.comm import initial_receives, plan_communication
+from ppctl.pipeline.check import check_plan, check_schedule
+from ppctl.pipeline.comm import Message, plan_communication
 from ppctl.pipeline.p2p import PipelineTransport
-from ppctl.pipeline.runtime import PipelineRuntime
+from ppctl.pipeline.runtime import PipelineRuntime, RankProgram, rank_program
 from ppctl.pipeline.schedules import Schedule, build_schedule
+from ppctl.pipeline.stage import TensorSpec
 from ppctl.pipeline.trace import Tracer
-
-DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+from ppctl.stages import MaskedTokenLoss, build_stages
 
 
 @dataclass
@@ -54,18 +53,6 @@ def to_device(microbatch, device: str):
     return type(microbatch)(**moved)
 
 
-def gpt_config(config: PpctlConfig) -> GPTConfig:
-    """The model shape with the vocabulary padded for TP."""
-    model = config.model
-    return GPTConfig(
-        num_layers=model.num_layers, hidden_size=model.hidden_size, num_heads=model.num_heads,
-        ffn_hidden_size=model.ffn_hidden_size,
-        vocab_size=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, config.parallel.tp),
-        max_seq_length=model.max_seq_length, position_embedding=model.position_embedding,
-        tie_embeddings=model.tie_embeddings, norm_epsilon=model.norm_epsilon, init_std=model.init_std,
-    )
-
-
 def tp_group_of(context: ParallelContext) -> TPGroup:
     """The TP group object the model layers use."""
     if context.size("tp") == 1:
@@ -73,69 +60,76 @@ def tp_group_of(context: ParallelContext) -> TPGroup:
     return TPGroup(context.groups["tp"], context.size("tp"), context.index("tp"))
 
 
-def build_chunks(config: PpctlConfig, context: ParallelContext, schedule: Schedule) -> dict[int, GPTChunk]:
-    """This rank's model chunks, keyed by global stage."""
-    dtype = DTYPES[config.trainer.precision]
+def build_chunks(config: PpctlConfig, context: ParallelContext) -> dict[int, GPTChunk]:
+    """This rank's model chunks, keyed by global stage, from the layout's layer map (its placement)."""
+    dtype = parameter_dtype(config)
     chunks = {}
-    for (pp_rank, _chunk), stage in config_layer_map(config).items():
-        if pp_rank != context.pp_rank:
-            continue
-        chunk = GPTChunk(gpt_config(config), stage.layers, stage.pre_process, stage.post_process,
-                         tp_group_of(context), config.trainer.seed, dtype)
-        chunks[stage.stage] = chunk.to(context.device)
-    if sorted(chunks) != list(schedule.stages_of(context.pp_rank)):
-        raise RuntimeError(f"layer map gives stages {sorted(chunks)} but the schedule places "
-                           f"{schedule.stages_of(context.pp_rank)} on pp rank {context.pp_rank}")
+    for (pp_rank, _chunk), stage in context.layout.layer_map(config.model.num_layers,
+                                                             config.parallel.pipeline_layout).items():
+        if pp_rank == context.pp_rank:
+            chunk = GPTChunk(gpt_config(config), stage.layers, stage.pre_process, stage.post_process,
+                             tp_group_of(context), config.trainer.seed, dtype)
+            chunks[stage.stage] = chunk.to(context.device)
     return chunks
 
 
-def build_data(config: PpctlConfig, context: ParallelContext, schedule: Schedule) -> PipelineDataIterator:
-    """The microbatch iterator: TP rank 0 reads and broadcasts; stages get what they need."""
-    trainer, data = config.trainer, config.data
-    dataset = build_dataset(data.source, data.path, Path(data.cache_dir), trainer.seq_length,
-                            config.model.vocab_size, trainer.seed, data.tokenizer)
-    stages = schedule.stages_of(context.pp_rank)
+def build_data(config: PpctlConfig, context: ParallelContext, fields: tuple[str, ...]) -> PipelineDataIterator:
+    """The microbatch iterator: TP rank 0 reads and broadcasts ``fields`` (what this rank's stages read)."""
+    trainer = config.trainer
     tp_ranks = context.group_ranks["tp"]
     return PipelineDataIterator(
-        dataset, trainer.seed, trainer.global_batch_size, trainer.micro_batch_size, trainer.seq_length,
+        dataset_of(config), trainer.seed, trainer.global_batch_size, trainer.micro_batch_size, trainer.seq_length,
         dp_rank=context.coords["dp"], dp_size=context.layout.dp,
         tp_group=context.groups["tp"] if len(tp_ranks) > 1 else None,
-        tp_src_rank=tp_ranks[0], is_tp_src=context.rank == tp_ranks[0],
-        needs_inputs=0 in stages, needs_labels=schedule.num_stages - 1 in stages, device=context.device,
+        tp_src_rank=tp_ranks[0], is_tp_src=context.rank == tp_ranks[0], fields=fields, device=context.device,
     )
 
 
 class Trainer:
-    """Everything one worker needs to train: chunks, schedule plan, runtime, data, optimizer."""
+    """Everything one worker needs to train: stages, schedule programs, runtime, data, optimizer.
 
-    def __init__(self, config: PpctlConfig, context: ParallelContext, check: bool = True,
-                 release_outputs: bool = True, track_memory: bool = False):
+    ``schedule`` replaces the configured one (a hand-made schedule, checked here); the
+    configured one was proved by the checker when the config was validated.
+    """
+
+    def __init__(self, config: PpctlConfig, context: ParallelContext, release_outputs: bool = True,
+                 track_memory: bool = False, schedule: Schedule | None = None):
         self.config, self.context = config, context
-        self.release_outputs, self.track_memory = release_outputs, track_memory
-        parallel = config.parallel
-        self.schedule = build_schedule(config.schedule.name, parallel.pp, parallel.vpp, num_microbatches(config))
-        if check:
-            check_schedule(self.schedule)
-        self.chunks = build_chunks(config, context, self.schedule)
-        self.padded_vocab_size = gpt_config(config).vocab_size
-        self.data = build_data(config, context, self.schedule)
+        layout = context.layout
+        if schedule is None:
+            schedule = build_schedule(config.schedule.name, layout.pp, layout.vpp, num_microbatches(config))
+        else:
+            check_schedule(schedule)
+        if schedule.placement != layout.placement:
+            raise RuntimeError(f"schedule {schedule.name} places stages {schedule.placement} but the layout "
+                               f"says {layout.placement}")
+        self.schedule = schedule
+        self.chunks = build_chunks(config, context)
+        self.stages = build_stages(self.chunks, config)
+        self.padded_vocab_size = gpt_config(config).padded_vocab_size
+        fields = tuple(sorted({name for stage in self.stages.values() for name in stage.io.fields}))
+        self.data = build_data(config, context, fields)
         self.optimizer = build_optimizer(self.chunks.values(), config.optimizer)
         self.tracer = Tracer(context.rank) if config.trainer.trace else None
-        self.runtime = self._build_runtime()
-        self.holds_loss = self.schedule.num_stages - 1 in self.schedule.stages_of(context.pp_rank)
-        self.logging_rank = context.layout.rank(pp=self.schedule.rank_of(self.schedule.num_stages - 1))
+        transport = PipelineTransport(context.pp_peer, self._receive_spec, context.device)
+        self.runtime = PipelineRuntime(self.stages, transport, self.tracer, release_outputs, track_memory)
+        self.program = rank_program(plan_communication(schedule), context.pp_rank)
+        self._eval_program: RankProgram | None = None
+        self.holds_loss = layout.last_stage_rank == context.pp_rank
+        self.logging_rank = layout.rank(pp=layout.last_stage_rank)
 
-    def _build_runtime(self) -> PipelineRuntime:
-        trainer = self.config.trainer
-        plan = plan_communication(self.schedule)
-        shape = (trainer.micro_batch_size, trainer.seq_length, self.config.model.hidden_size)
-        transport = PipelineTransport(self.context.pp_peer, shape, DTYPES[trainer.precision], self.context.device)
-        positions = torch.arange(trainer.seq_length, device=self.context.device).expand(trainer.micro_batch_size, -1)
-        return PipelineRuntime(
-            plan[self.context.pp_rank], initial_receives(plan, self.context.pp_rank), self.chunks,
-            self.schedule.num_stages, transport, tracer=self.tracer, default_position_ids=positions,
-            release_outputs=self.release_outputs, track_memory=self.track_memory,
-        )
+    def _receive_spec(self, message: Message) -> TensorSpec:
+        return self.stages[message.dst_stage].receive_spec(message.kind)
+
+    @property
+    def eval_program(self) -> RankProgram:
+        """The forward-only program of the schedule (built and checked on first use)."""
+        if self._eval_program is None:
+            forwards = self.schedule.forward_only()
+            plan = plan_communication(forwards)
+            check_plan(forwards, plan)
+            self._eval_program = rank_program(plan, self.context.pp_rank)
+        return self._eval_program
 
     def parameters(self):
         """Every parameter of this rank's chunks."""
@@ -148,22 +142,44 @@ class Trainer:
     def train_step(self, step: int) -> StepResult:
         """Run one global batch through the schedule and update the parameters."""
         started = time.perf_counter()
+        loss, grad_norm = self.compute_gradients(step)
+        self.apply_gradients(grad_norm)
+        elapsed = time.perf_counter() - started
+        tokens = self.config.trainer.global_batch_size * self.config.trainer.seq_length
+        return StepResult(step, loss, grad_norm, self.optimizer.param_groups[0]["lr"], elapsed, tokens / elapsed,
+                          self._measured_bubble())
+
+    def compute_gradients(self, step: int) -> tuple[float | None, float]:
+        """Forward and backward of global batch ``step``: reduced gradients; returns (loss, global grad norm).
+
+        The loss is the global batch's mean token loss on the ranks that hold the last stage, else None.
+        """
         self.optimizer.zero_grad(set_to_none=False)
         microbatches = [to_device(mb, self.context.device) for mb in self.data.microbatches(step)]
         normalizer = self.data.global_loss_tokens(step) if self.holds_loss else 1.0
         if self.tracer is not None:
             self.tracer.start_step()
-        state = self.runtime.run_step(microbatches, normalizer)
+        state = self.runtime.run(self.program, microbatches, MaskedTokenLoss(normalizer))
         self.last_step_state = state
         finalize_gradients(self.chunks, self.context)
         grad_norm = global_grad_norm(self.chunks, self.context)
+        loss = self._reduce_loss(float(state.loss_sum) / normalizer) if self.holds_loss else None
+        return loss, grad_norm
+
+    def evaluate(self, step: int) -> float | None:
+        """Mean token loss of global batch ``step`` through the forward-only schedule; nothing is kept or changed.
+
+        Returns the loss on the ranks holding the last stage, None elsewhere.
+        """
+        microbatches = [to_device(mb, self.context.device) for mb in self.data.microbatches(step)]
+        normalizer = self.data.global_loss_tokens(step) if self.holds_loss else 1.0
+        state = self.runtime.run(self.eval_program, microbatches, MaskedTokenLoss(normalizer), forward_only=True)
+        return self._reduce_loss(float(state.loss_sum) / normalizer) if self.holds_loss else None
+
+    def apply_gradients(self, grad_norm: float) -> None:
+        """Clip by the global norm and take the optimizer step."""
         clip_gradients(self.chunks, grad_norm, self.config.optimizer.clip_grad)
         self.optimizer.step()
-        loss = self._reduce_loss(state.loss_sum / normalizer) if self.holds_loss else None
-        elapsed = time.perf_counter() - started
-        tokens = self.config.trainer.global_batch_size * self.config.trainer.seq_length
-        return StepResult(step, loss, grad_norm, self.optimizer.param_groups[0]["lr"], elapsed, tokens / elapsed,
-                          self._measured_bubble())
 
     def _reduce_loss(self, local_loss: float) -> float:
         """Sum the per-DP-rank shares (each already divided by the global token count)."""

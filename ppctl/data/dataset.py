@@ -24,17 +24,26 @@ SYNTHETIC_NUM_SAMPLES = 1 << 16
 class WindowDataset(torch.utils.data.Dataset):
     """Base of ppctl's datasets: ``len(self)`` windows of ``seq_length + 1`` token ids.
 
-    ``loss_mask(window)`` gives the per-label weights of one window;
-    ``loss_mask_all_ones`` promises that it is all ones, which lets callers count
-    loss tokens without reading any sample.
+    ``loss_mask(window)`` gives the per-label weights of one window: all ones, or,
+    with ``eod_mask_loss`` (Megatron-LM's ``--eod-mask-loss``), zero where the label is
+    the end-of-document id ``eod_id``. ``loss_mask_all_ones`` promises all ones, which
+    lets callers count loss tokens without reading any sample.
     """
 
     seq_length: int
-    loss_mask_all_ones: bool = True
+    eod_id: int
+    eod_mask_loss: bool = False
+
+    @property
+    def loss_mask_all_ones(self) -> bool:
+        """True when every label has weight one (no masking configured)."""
+        return not self.eod_mask_loss
 
     def loss_mask(self, window: torch.Tensor) -> torch.Tensor:
         """Return the float32 loss weights of the ``seq_length`` labels of ``window``."""
-        return torch.ones(self.seq_length, dtype=torch.float32)
+        if not self.eod_mask_loss:
+            return torch.ones(self.seq_length, dtype=torch.float32)
+        return (window[1:] != self.eod_id).to(torch.float32)
 
     def _check_index(self, index: int) -> int:
         """Return ``index`` as an int, raising IndexError when it is out of range."""
@@ -46,12 +55,14 @@ class WindowDataset(torch.utils.data.Dataset):
 class TokenWindowDataset(WindowDataset):
     """Non-overlapping windows of ``seq_length + 1`` tokens over a prepared token file."""
 
-    def __init__(self, token_file: Path, seq_length: int):
+    def __init__(self, token_file: Path, seq_length: int, eod_mask_loss: bool = False):
         if seq_length < 1:
             raise ValueError(f"seq_length must be at least 1, got {seq_length}")
         self.token_file = Path(token_file)
         self.metadata = read_sidecar(self.token_file)
         self.seq_length = seq_length
+        self.eod_id = int(self.metadata["eod_id"])
+        self.eod_mask_loss = eod_mask_loss
         self.tokens = np.memmap(self.token_file, dtype=np.dtype(self.metadata["dtype"]), mode="r")
         self.num_windows = self.tokens.size // (seq_length + 1)
         if self.num_windows == 0:
@@ -71,9 +82,14 @@ class TokenWindowDataset(WindowDataset):
 
 
 class SyntheticDataset(WindowDataset):
-    """Uniformly random token windows; sample ``i`` is drawn from a generator seeded by (seed, i)."""
+    """Uniformly random token windows; sample ``i`` is drawn from a generator seeded by (seed, i).
 
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int):
+    The last id, ``vocab_size - 1``, stands for the end of a document (as the byte
+    tokenizer's 256 does in its 257 ids), so ``eod_mask_loss`` masks about one label in
+    ``vocab_size``.
+    """
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int, eod_mask_loss: bool = False):
         if num_samples < 1 or seq_length < 1 or vocab_size < 1 or seed < 0:
             raise ValueError(
                 "synthetic dataset needs num_samples, seq_length, vocab_size >= 1 and seed >= 0, got "
@@ -83,6 +99,8 @@ class SyntheticDataset(WindowDataset):
         self.seq_length = seq_length
         self.vocab_size = vocab_size
         self.seed = seed
+        self.eod_id = vocab_size - 1
+        self.eod_mask_loss = eod_mask_loss
 
     def __len__(self) -> int:
         return self.num_samples
@@ -96,16 +114,17 @@ class SyntheticDataset(WindowDataset):
 
 def build_dataset(
     source: str, path: str | None, cache_dir: Path, seq_length: int, vocab_size: int, seed: int,
-    tokenizer_name: str = "byte",
+    tokenizer_name: str = "byte", eod_mask_loss: bool = False,
 ) -> TokenWindowDataset | SyntheticDataset:
     """Return the dataset for ``source``: ``"synthetic"``, ``"python_stdlib"`` or ``"text_file"``.
 
     Token-file sources are prepared (or reused) under ``cache_dir``; the model's
     ``vocab_size`` must cover the tokenizer. ``seed`` only shapes synthetic data;
-    the sample order takes its own seed.
+    the sample order takes its own seed. ``eod_mask_loss`` gives end-of-document
+    labels zero loss weight.
     """
     if source == "synthetic":
-        return SyntheticDataset(SYNTHETIC_NUM_SAMPLES, seq_length, vocab_size, seed)
+        return SyntheticDataset(SYNTHETIC_NUM_SAMPLES, seq_length, vocab_size, seed, eod_mask_loss)
     tokenizer = build_tokenizer(tokenizer_name)
     if vocab_size < tokenizer.vocab_size:
         raise ValueError(
@@ -113,7 +132,7 @@ def build_dataset(
             f"{tokenizer.vocab_size} ids; set vocab_size >= {tokenizer.vocab_size}"
         )
     token_file = prepare_tokens(source, path, Path(cache_dir), tokenizer_name)
-    return TokenWindowDataset(token_file, seq_length)
+    return TokenWindowDataset(token_file, seq_length, eod_mask_loss)
 
 
 def global_batch_sample_ids(seed: int, step: int, global_batch_size: int, num_samples: int) -> list[int]:

@@ -1,11 +1,12 @@
 """Per-rank microbatches, read once per TP group and broadcast to the rest of it.
 
 Within a TP group only the source rank (TP rank 0) reads the dataset; it packs
-the fields its pipeline stage needs for the whole step into one int64 tensor and
+the fields its pipeline stages need for the whole step into one int64 tensor and
 broadcasts it; the other TP ranks allocate that tensor from the known shapes and
-receive. The first stage needs tokens and position ids, the last stage labels
-and the loss mask, a single stage all four, and a middle stage nothing (no read,
-no broadcast).
+receive. Which fields a rank needs comes from its stages' I/O specs
+(``ppctl.pipeline.stage.StageIO.fields``): the first stage reads tokens and position
+ids, the last labels and the loss mask, a middle stage position ids under rotary
+embeddings and otherwise nothing (no read, no broadcast).
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ from ppctl.data.dataset import (
     Microbatch, WindowDataset, global_loss_tokens, microbatches_per_dp_rank, step_microbatches,
 )
 
-INPUT_FIELDS = ("tokens", "position_ids")
-LABEL_FIELDS = ("labels", "loss_mask")
-ALL_FIELDS = INPUT_FIELDS + LABEL_FIELDS
+ALL_FIELDS = ("tokens", "position_ids", "labels", "loss_mask")
 FLOAT32_FIELDS = ("loss_mask",)
 
 
@@ -28,15 +27,14 @@ class PipelineDataIterator:
 
     ``tp_group`` is this rank's TP process group (None when tp=1),
     ``tp_src_rank`` the global rank of TP rank 0 in it, ``is_tp_src`` whether
-    this rank is that source. ``needs_inputs``: this rank holds the first
-    pipeline stage; ``needs_labels``: it holds the last. Non-source ranks never
-    read ``dataset``.
+    this rank is that source. ``fields``: the microbatch fields this rank's stages
+    read (any of ``ALL_FIELDS``). Non-source ranks never read ``dataset``.
     """
 
     def __init__(
         self, dataset: WindowDataset, seed: int, global_batch_size: int, micro_batch_size: int,
         seq_length: int, dp_rank: int, dp_size: int, tp_group: dist.ProcessGroup | None,
-        tp_src_rank: int, is_tp_src: bool, needs_inputs: bool, needs_labels: bool, device: str = "cpu",
+        tp_src_rank: int, is_tp_src: bool, fields: tuple[str, ...], device: str = "cpu",
     ):
         if tp_group is None and not is_tp_src:
             raise ValueError("a rank without a TP group (tp=1) must be its own TP source; got is_tp_src=False")
@@ -44,6 +42,9 @@ class PipelineDataIterator:
             raise ValueError(f"iterator seq_length={seq_length} differs from the dataset's {dataset.seq_length}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} out of range for dp_size={dp_size}")
+        if set(fields) - set(ALL_FIELDS):
+            raise ValueError(f"unknown microbatch fields {sorted(set(fields) - set(ALL_FIELDS))}; "
+                             f"known: {', '.join(ALL_FIELDS)}")
         self.dataset = dataset
         self.seed = seed
         self.global_batch_size = global_batch_size
@@ -54,10 +55,8 @@ class PipelineDataIterator:
         self.tp_group = tp_group
         self.tp_src_rank = tp_src_rank
         self.is_tp_src = is_tp_src
-        self.needs_inputs = needs_inputs
-        self.needs_labels = needs_labels
         self.device = device  # where broadcast buffers live (NCCL broadcasts device tensors only)
-        self.needed_fields = (INPUT_FIELDS if needs_inputs else ()) + (LABEL_FIELDS if needs_labels else ())
+        self.needed_fields = tuple(name for name in ALL_FIELDS if name in fields)  # a fixed order for packing
         self.num_microbatches = microbatches_per_dp_rank(global_batch_size, micro_batch_size, dp_size)
 
     def microbatches(self, step: int) -> list[Microbatch]:
@@ -74,8 +73,8 @@ class PipelineDataIterator:
         With all-ones masks this is computed locally; otherwise the TP source
         reads it and broadcasts it, so every rank of the TP group must call this.
         """
-        if not self.needs_labels:
-            raise RuntimeError("global_loss_tokens needs labels; this rank does not hold the last pipeline stage")
+        if "loss_mask" not in self.needed_fields:
+            raise RuntimeError("global_loss_tokens needs the loss mask; this rank does not hold the last pipeline stage")
         if self.dataset.loss_mask_all_ones:
             return global_loss_tokens(self.dataset, self.seed, step, self.global_batch_size)
         total = torch.zeros(1, dtype=torch.float64)

@@ -35,7 +35,11 @@ class GPTConfig:
     hidden_size: width of the residual stream.
     num_heads: attention heads (divides hidden_size; TP splits them).
     ffn_hidden_size: MLP inner width (TP splits it).
-    vocab_size: vocabulary size, already padded to a multiple of tp by the caller.
+    vocab_size: the tokenizer's vocabulary: the classes the model predicts.
+    padded_vocab_size: rows of the embedding and output layer (>= vocab_size, a multiple of tp;
+        default vocab_size). Padded rows start at zero and never enter the math: no token
+        looks them up and the cross-entropy excludes their logits, so the model is the same
+        whatever the padding (Megatron-LM lets them into the softmax).
     max_seq_length: longest sequence (size of the learned position table).
     position_embedding: "learned" (table added to the embedding) or "rope" (rotary on q and k).
     tie_embeddings: the output layer reuses (or, on another stage, starts equal to) the word embedding.
@@ -55,11 +59,17 @@ class GPTConfig:
     norm_epsilon: float = 1e-5
     init_std: float = 0.02
     rope_base: float = 10000.0
+    padded_vocab_size: int | None = None
 
     def __post_init__(self):
+        if self.padded_vocab_size is None:
+            object.__setattr__(self, "padded_vocab_size", self.vocab_size)
         for field in ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size", "max_seq_length"):
             if getattr(self, field) < 1:
                 raise ValueError(f"GPTConfig.{field} must be >= 1, got {getattr(self, field)}")
+        if self.padded_vocab_size < self.vocab_size:
+            raise ValueError(f"GPTConfig.padded_vocab_size {self.padded_vocab_size} must be >= "
+                             f"vocab_size {self.vocab_size}")
         if self.hidden_size % self.num_heads != 0:
             raise ValueError(f"GPTConfig: hidden_size {self.hidden_size} must be a multiple of "
                              f"num_heads {self.num_heads}")
@@ -76,8 +86,8 @@ class GPTConfig:
 
 
 def check_tp_divides(config: GPTConfig, tp_size: int) -> None:
-    """Raise ValueError unless heads, MLP width and (padded) vocabulary split evenly over ``tp_size`` ranks."""
-    for field in ("num_heads", "ffn_hidden_size", "vocab_size"):
+    """Raise ValueError unless heads, MLP width and padded vocabulary split evenly over ``tp_size`` ranks."""
+    for field in ("num_heads", "ffn_hidden_size", "padded_vocab_size"):
         if getattr(config, field) % tp_size != 0:
             raise ValueError(f"model.{field}={getattr(config, field)} must be a multiple of parallel.tp={tp_size}")
 
@@ -101,7 +111,7 @@ class GPTChunk(nn.Module):
         self.shares_output_weight = pre_process and post_process and config.tie_embeddings
 
         if pre_process:
-            self.embedding = Embedding(config.vocab_size, config.hidden_size, config.max_seq_length,
+            self.embedding = Embedding(config.padded_vocab_size, config.hidden_size, config.max_seq_length,
                                        config.position_embedding == "learned", tp, dtype)
         self.layers = nn.ModuleDict({
             str(layer_id): TransformerLayer(config.hidden_size, config.num_heads, config.ffn_hidden_size,
@@ -111,7 +121,7 @@ class GPTChunk(nn.Module):
         if post_process:
             self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, dtype=dtype)
             if not self.shares_output_weight:
-                self.output_layer = ColumnParallelLinear(config.hidden_size, config.vocab_size, tp,
+                self.output_layer = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size, tp,
                                                          bias=False, dtype=dtype)
         self.reset_parameters(seed)
 
@@ -120,8 +130,7 @@ class GPTChunk(nn.Module):
         """Fill every parameter with this TP rank's slice of its layout-independent dense value."""
         for name, param in self.named_parameters():
             shape = param_init.dense_shape(name, param.shape, self.tp)
-            dense = param_init.dense_parameter(name, shape, seed, self.config.init_std, self.config.num_layers,
-                                         self.config.tie_embeddings)
+            dense = param_init.dense_parameter(name, shape, seed, self.config)
             param.copy_(param_init.dense_to_tp_shard(name, dense, self.tp))
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None,
@@ -133,7 +142,8 @@ class GPTChunk(nn.Module):
         tokens (default ``0..seq-1``; pass them explicitly when the sequence is sliced).
         Returns per-token losses ``[batch, seq]`` (float32, float64 for a float64 model)
         when ``post_process`` and ``labels`` are given, this rank's logits shard
-        ``[batch, seq, vocab/tp]`` when ``post_process`` alone, else hidden states.
+        ``[batch, seq, padded_vocab/tp]`` when ``post_process`` alone (columns at ids >=
+        ``vocab_size`` are padding, not classes), else hidden states.
         """
         if position_ids is None:
             position_ids = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape[0], -1)
@@ -146,7 +156,7 @@ class GPTChunk(nn.Module):
         logits_shard = column_parallel_linear(self.final_norm(hidden), self._output_weight(), None, self.tp)
         if labels is None:
             return logits_shard
-        return vocab_parallel_cross_entropy(logits_shard, labels, self.tp)
+        return vocab_parallel_cross_entropy(logits_shard, labels, self.tp, self.config.vocab_size)
 
     def embedding_weight_for_tying(self) -> nn.Parameter | None:
         """The weight whose gradient is all-reduced across the first and last stage when embeddings are tied.

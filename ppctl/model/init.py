@@ -40,12 +40,13 @@ class ParameterRule:
 
     split: str
     init: str
+    vocab_rows: bool = False  # dim 0 is the (padded) vocabulary
 
 
 _LAYER_PREFIX = re.compile(r"^layers\.\d+\.")
 
 PARAMETER_RULES = MappingProxyType({
-    "embedding.word.weight": ParameterRule(ROWS, "normal"),
+    "embedding.word.weight": ParameterRule(ROWS, "normal", vocab_rows=True),
     "embedding.position.weight": ParameterRule(REPLICATED, "normal"),
     "attn_norm.weight": ParameterRule(REPLICATED, "ones"),
     "attn_norm.bias": ParameterRule(REPLICATED, "zeros"),
@@ -60,7 +61,7 @@ PARAMETER_RULES = MappingProxyType({
     "mlp.fc_out.bias": ParameterRule(REPLICATED, "zeros"),
     "final_norm.weight": ParameterRule(REPLICATED, "ones"),
     "final_norm.bias": ParameterRule(REPLICATED, "zeros"),
-    "output_layer.weight": ParameterRule(ROWS, "normal"),
+    "output_layer.weight": ParameterRule(ROWS, "normal", vocab_rows=True),
 })
 
 
@@ -113,21 +114,27 @@ def dense_to_tp_shard(name: str, dense: torch.Tensor, tp: TPGroup) -> torch.Tens
     return dense
 
 
-def dense_parameter(name: str, shape: tuple[int, ...], seed: int, init_std: float, num_layers: int,
-                    tie_embeddings: bool) -> torch.Tensor:
-    """Generate the dense float32 value of parameter ``name`` (same in every layout)."""
-    init = parameter_rule(name).init
-    if init == "ones":
+def dense_parameter(name: str, shape: tuple[int, ...], seed: int, model) -> torch.Tensor:
+    """Generate the dense float32 value of parameter ``name`` (same in every layout).
+
+    ``model`` is the ``GPTConfig``. Vocabulary rows beyond ``model.vocab_size`` (TP
+    padding) are zero, and the real rows do not depend on how many padded rows follow.
+    """
+    rule = parameter_rule(name)
+    if rule.vocab_rows and shape[0] > model.vocab_size:
+        real = dense_parameter(name, (model.vocab_size, *shape[1:]), seed, model)
+        return torch.cat([real, real.new_zeros((shape[0] - model.vocab_size, *shape[1:]))])
+    if rule.init == "ones":
         return torch.ones(shape)
-    if init == "zeros":
+    if rule.init == "zeros":
         return torch.zeros(shape)
-    if init == "scaled_normal":
-        return normal_tensor(shape, init_std / math.sqrt(2 * num_layers), seed, name)
-    if init == "qkv_normal":
+    if rule.init == "scaled_normal":
+        return normal_tensor(shape, model.init_std / math.sqrt(2 * model.num_layers), seed, name)
+    if rule.init == "qkv_normal":
         part_shape = (shape[0] // 3, *shape[1:])
-        parts = [normal_tensor(part_shape, init_std, seed, name.replace(".qkv.", f".{part}."))
+        parts = [normal_tensor(part_shape, model.init_std, seed, name.replace(".qkv.", f".{part}."))
                  for part in ("query", "key", "value")]
         return torch.cat(parts, dim=0)
-    if name == "output_layer.weight" and tie_embeddings:
+    if name == "output_layer.weight" and model.tie_embeddings:
         name = "embedding.word.weight"  # a tied output layer starts equal to the word embedding
-    return normal_tensor(shape, init_std, seed, name)
+    return normal_tensor(shape, model.init_std, seed, name)

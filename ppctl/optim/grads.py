@@ -45,19 +45,32 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
 
 
 def finalize_gradients(chunks: Mapping[int, torch.nn.Module], context) -> None:
-    """Reduce gradients once per step: DP/CP replicas, then tied embeddings across stages."""
+    """Reduce gradients once per step: DP/CP replicas, then the copies of tied embeddings."""
     grads = [param.grad for chunk in chunks.values() for param in chunk.parameters() if param.grad is not None]
     if context.size("dp_cp") > 1:
         all_reduce_coalesced(grads, context.groups["dp_cp"])
-    tied = [chunk.embedding_weight_for_tying() for chunk in chunks.values()]
-    tied = [param.grad for param in tied if param is not None and param.grad is not None]
-    if context.size("embedding") > 1 and tied and not _tie_is_local(chunks):
-        all_reduce_coalesced(tied, context.groups["embedding"])
+    reduce_tied_embeddings(chunks, context)
 
 
-def _tie_is_local(chunks: Mapping[int, torch.nn.Module]) -> bool:
-    """True when one chunk holds both ends (the output layer reuses the embedding weight itself)."""
-    return any(getattr(chunk, "shares_output_weight", False) for chunk in chunks.values())
+def reduce_tied_embeddings(chunks: Mapping[int, torch.nn.Module], context) -> None:
+    """Give every copy of a tied word embedding the sum of all copies' gradients.
+
+    The copies sit wherever the placement puts the first and the last stage: in one
+    chunk (one shared weight, nothing to do), in two chunks of this rank (a V
+    placement: summed here), or on two pp ranks (summed over the ``embedding`` group).
+    """
+    copies = [chunk.embedding_weight_for_tying() for chunk in chunks.values()]
+    grads = [param.grad for param in copies if param is not None and param.grad is not None]
+    if not grads:
+        return
+    if len(grads) > 1:
+        total = torch.stack(grads).sum(dim=0)
+        for grad in grads:
+            grad.copy_(total)
+    if context.size("embedding") > 1:
+        all_reduce_coalesced(grads[:1], context.groups["embedding"])
+        for grad in grads[1:]:
+            grad.copy_(grads[0])
 
 
 def counted_once(chunks: Mapping[int, torch.nn.Module], tp_rank: int) -> list[torch.Tensor]:

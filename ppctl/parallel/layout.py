@@ -7,6 +7,12 @@ world size is plain integer arithmetic, so it is tested exhaustively and printed
 Rank order follows Megatron-Core's ``RankGenerator``: the order string lists the
 dimensions from fastest-varying to slowest, so with the default ``tp-cp-dp-pp``
 consecutive ranks form a TP group and pipeline groups are strided by tp*cp*dp.
+
+The layout also carries the stage placement (global pipeline stage -> pp rank), which
+the schedule decides (looped for 1F1B and interleaved 1F1B, a V for ZB-V and
+DualPipeV). It is the one source of truth for everything that depends on where a
+stage runs: chunks per rank, the layer map, the pp ranks that hold the embedding
+and the output layer (so the ``embedding`` group), and the rank that holds the loss.
 """
 
 from __future__ import annotations
@@ -36,6 +42,32 @@ class LayoutError(ValueError):
     """A parallel layout or layer split that cannot exist; the message is one line."""
 
 
+# --- placements: global stage -> pp rank ----------------------------------------------------
+
+def looped_placement(pp: int, chunks_per_rank: int) -> tuple[int, ...]:
+    """Megatron's interleaved placement: stage s runs on rank ``s % pp`` (rank r holds r, r+pp, ...).
+
+    With one chunk per rank this is the plain pipeline (stage r on rank r).
+    """
+    _check_placement_sizes(pp, chunks_per_rank)
+    return tuple(stage % pp for stage in range(pp * chunks_per_rank))
+
+
+def v_placement(pp: int) -> tuple[int, ...]:
+    """The V placement (ZB-V, DualPipeV): rank r holds stages r and ``2*pp - 1 - r``.
+
+    The model goes down the ranks and comes back up, so the first and the last
+    stage both sit on rank 0.
+    """
+    _check_placement_sizes(pp, 2)
+    return tuple(stage if stage < pp else 2 * pp - 1 - stage for stage in range(2 * pp))
+
+
+def _check_placement_sizes(pp: int, chunks_per_rank: int) -> None:
+    if pp < 1 or chunks_per_rank < 1:
+        raise LayoutError(f"pp={pp} and chunks per rank={chunks_per_rank} must both be at least 1")
+
+
 def parse_order(order: str) -> tuple[str, ...]:
     """Split an order string such as ``tp-cp-dp-pp`` and check it names each dimension once."""
     dims = tuple(part.strip() for part in order.split("-"))
@@ -49,7 +81,11 @@ def parse_order(order: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Sizes of the parallel dimensions and the order in which ranks enumerate them."""
+    """Sizes of the parallel dimensions, the order in which ranks enumerate them, and the stage placement.
+
+    ``placement[stage]`` is the pp rank that runs global pipeline stage ``stage``
+    (default: looped, ``vpp`` chunks per rank); every pp rank holds ``vpp`` stages.
+    """
 
     tp: int = 1
     cp: int = 1
@@ -57,6 +93,7 @@ class ParallelLayout:
     pp: int = 1
     vpp: int = 1
     order: str = DEFAULT_ORDER
+    placement: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in (*DIMENSIONS, "vpp"):
@@ -64,6 +101,34 @@ class ParallelLayout:
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"parallel.{name}={value!r} must be a positive integer")
         parse_order(self.order)
+        if self.placement is None:
+            object.__setattr__(self, "placement", looped_placement(self.pp, self.vpp))
+        _check_placement(tuple(self.placement), self.pp, self.vpp)
+        object.__setattr__(self, "placement", tuple(self.placement))
+
+    @property
+    def num_stages(self) -> int:
+        """Global pipeline stages: pp * vpp."""
+        return len(self.placement)
+
+    def stages_of(self, pp_rank: int) -> tuple[int, ...]:
+        """The global stages ``pp_rank`` runs, in increasing order (its chunks 0, 1, ...)."""
+        return tuple(stage for stage, owner in enumerate(self.placement) if owner == pp_rank)
+
+    @property
+    def first_stage_rank(self) -> int:
+        """The pp rank holding stage 0 (the embedding; it reads the tokens)."""
+        return self.placement[0]
+
+    @property
+    def last_stage_rank(self) -> int:
+        """The pp rank holding the last stage (output layer and loss; it logs)."""
+        return self.placement[-1]
+
+    @property
+    def embedding_pp_ranks(self) -> list[int]:
+        """The pp ranks holding the word embedding or the output layer (one rank when a V puts both on it)."""
+        return sorted({self.first_stage_rank, self.last_stage_rank})
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -136,13 +201,24 @@ class ParallelLayout:
         spanned_ordered = [dim for dim in self.dims if dim in spanned]
         return [start + offset for offset in _offsets(spanned_ordered, strides, self)]
 
-    @staticmethod
-    def _embedding_ranks(pp_group: Sequence[int]) -> list[int]:
-        return [pp_group[0]] if len(pp_group) == 1 else [pp_group[0], pp_group[-1]]
+    def _embedding_ranks(self, pp_group: Sequence[int]) -> list[int]:
+        return [pp_group[pp_rank] for pp_rank in self.embedding_pp_ranks]
 
     def all_groups(self) -> dict[str, list[list[int]]]:
         """Every group kind -> its list of rank lists."""
         return {name: self.groups(name) for name in GROUP_NAMES}
+
+    def layer_map(self, num_layers: int, pipeline_layout: str | None = None) -> dict[tuple[int, int], "StageLayers"]:
+        """``{(pp_rank, chunk): StageLayers}``: the model split into stages, placed by this layout."""
+        return layer_map(num_layers, self.pp, self.vpp, self.placement, pipeline_layout)
+
+
+def _check_placement(placement: tuple[int, ...], pp: int, chunks_per_rank: int) -> None:
+    """Every pp rank holds exactly ``chunks_per_rank`` of the ``pp * chunks_per_rank`` stages."""
+    counts = [placement.count(pp_rank) for pp_rank in range(pp)]
+    if len(placement) != pp * chunks_per_rank or any(count != chunks_per_rank for count in counts):
+        raise LayoutError(f"placement {placement} does not put {chunks_per_rank} of {pp * chunks_per_rank} "
+                          f"stages on each of {pp} pp ranks")
 
 
 def _offsets(dims: Sequence[str], strides: dict[str, int], layout: ParallelLayout) -> list[int]:
@@ -233,11 +309,6 @@ def split_layers(num_layers: int, num_stages: int, pipeline_layout: str | None =
     return _consecutive_ranges([num_layers // num_stages] * num_stages)
 
 
-def looped_placement(pp: int, chunks_per_rank: int) -> tuple[int, ...]:
-    """Stage -> rank for the looped placement: rank r holds stages r, r+pp, r+2pp, ..."""
-    return tuple(stage % pp for stage in range(pp * chunks_per_rank))
-
-
 def layer_map(
     num_layers: int,
     pp: int,
@@ -251,8 +322,7 @@ def layer_map(
     """
     num_stages = pp * chunks_per_rank
     placement = tuple(placement) if placement is not None else looped_placement(pp, chunks_per_rank)
-    if len(placement) != num_stages or sorted(set(placement)) != list(range(pp)):
-        raise LayoutError(f"placement {placement} does not map {num_stages} stages onto {pp} ranks")
+    _check_placement(placement, pp, chunks_per_rank)
     stage_layers = split_layers(num_layers, num_stages, pipeline_layout)
     chunks_seen = [0] * pp
     result = {}

@@ -263,20 +263,25 @@ class VocabParallelEmbedding(torch.nn.Module):
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy over logits split along the vocabulary, without gathering them.
 
-    Forward: global max and sum of exponentials are all-reduced over TP; the target
-    logit comes from the rank owning the target id (zeros elsewhere, summed).
-    Backward: d loss / d logits = softmax - one_hot(target), on this rank's slice.
+    Only the first ``num_real`` columns of this rank's slice are classes; the rest are
+    TP padding and take no part (their gradient is zero). Forward: global max and sum
+    of exponentials are all-reduced over TP; the target logit comes from the rank
+    owning the target id (zeros elsewhere, summed).
+    Backward: d loss / d logits = softmax - one_hot(target), on this rank's real columns.
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, tp, vocab_start):
-        vocab_local = logits.shape[-1]
-        logits_max = _all_reduce(logits.max(dim=-1).values, tp, op=dist.ReduceOp.MAX)
-        shifted = logits - logits_max.unsqueeze(-1)
+    def forward(ctx, logits, targets, tp, vocab_start, num_real):
+        real_logits = logits[..., :num_real]
+        local_max = (real_logits.max(dim=-1).values if num_real
+                     else logits.new_full(logits.shape[:-1], float("-inf")))
+        logits_max = _all_reduce(local_max, tp, op=dist.ReduceOp.MAX)
+        shifted = real_logits - logits_max.unsqueeze(-1)
 
-        not_mine = (targets < vocab_start) | (targets >= vocab_start + vocab_local)
+        not_mine = (targets < vocab_start) | (targets >= vocab_start + num_real)
         local_targets = (targets - vocab_start).masked_fill(not_mine, 0)
-        target_logits = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(not_mine, 0.0)
+        target_logits = (shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(not_mine, 0.0)
+                         if num_real else torch.zeros_like(logits_max))
         target_logits = _all_reduce(target_logits, tp)
 
         exp_logits = shifted.exp()
@@ -285,25 +290,35 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local_targets, not_mine)
+        ctx.num_columns = logits.shape[-1]
         return losses
 
     @staticmethod
     def backward(ctx, grad_losses):
         softmax, local_targets, not_mine = ctx.saved_tensors
-        grad_logits = softmax.clone()
-        is_target = (~not_mine).to(grad_logits.dtype).unsqueeze(-1)
-        grad_logits.scatter_add_(-1, local_targets.unsqueeze(-1), -is_target)
+        num_real = softmax.shape[-1]
+        grad_logits = softmax.new_zeros((*softmax.shape[:-1], ctx.num_columns))
+        grad_real = grad_logits[..., :num_real]
+        grad_real.copy_(softmax)
+        if num_real:
+            is_target = (~not_mine).to(grad_logits.dtype).unsqueeze(-1)
+            grad_real.scatter_add_(-1, local_targets.unsqueeze(-1), -is_target)
         grad_logits.mul_(grad_losses.unsqueeze(-1))
-        return grad_logits, None, None, None
+        return grad_logits, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, tp: TPGroup,
+                                 vocab_size: int | None = None) -> torch.Tensor:
     """Per-token cross-entropy ``[...]`` from this rank's vocabulary slice of the logits ``[..., V/tp]``.
 
     ``targets`` are global vocabulary ids. Rank r's slice covers ids
-    ``[r * V/tp, (r+1) * V/tp)``. Computed in float32 (float64 when the logits are
-    float64); the result is identical on every TP rank.
+    ``[r * V/tp, (r+1) * V/tp)``, where V is the padded vocabulary; ids from
+    ``vocab_size`` (the real vocabulary, default V) on are padding and excluded from
+    the softmax, so the result does not depend on the padding. Computed in float32
+    (float64 when the logits are float64); the result is identical on every TP rank.
     """
     compute_dtype = torch.float64 if logits_shard.dtype == torch.float64 else torch.float32
-    vocab_start = tp.rank * logits_shard.shape[-1]
-    return _VocabParallelCrossEntropy.apply(logits_shard.to(compute_dtype), targets, tp, vocab_start)
+    columns = logits_shard.shape[-1]
+    vocab_start = tp.rank * columns
+    num_real = columns if vocab_size is None else min(max(vocab_size - vocab_start, 0), columns)
+    return _VocabParallelCrossEntropy.apply(logits_shard.to(compute_dtype), targets, tp, vocab_start, num_real)

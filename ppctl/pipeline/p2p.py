@@ -4,7 +4,8 @@ The communication plan (``pipeline/comm.py``) decides what is sent and received 
 which order; this module only moves tensors. Every batch (the sends of one action and
 the receives posted ahead for the next) goes through one ``batch_isend_irecv`` call,
 so crossing send/receive pairs between two ranks are issued together, on gloo and
-NCCL alike. Shapes are static (microbatch x sequence x hidden), so no shape exchange.
+NCCL alike. Shapes and dtypes are static, given per message by the receiving stage's
+I/O spec, so no shape exchange.
 """
 
 from __future__ import annotations
@@ -15,18 +16,19 @@ import torch
 import torch.distributed as dist
 
 from ppctl.pipeline.comm import Message
+from ppctl.pipeline.stage import TensorSpec
 
 
 class PipelineTransport:
     """Posts receives into fresh buffers, sends tensors, and hands out received tensors by message.
 
-    ``peer_rank(pp_rank)`` maps a pipeline rank to the global rank in this pipeline group.
+    ``peer_rank(pp_rank)`` maps a pipeline rank to the global rank in this pipeline group;
+    ``receive_spec(message)`` gives the shape and dtype of a message this rank receives.
     """
 
-    def __init__(self, peer_rank: Callable[[int], int], shape: Sequence[int], dtype: torch.dtype, device):
+    def __init__(self, peer_rank: Callable[[int], int], receive_spec: Callable[[Message], TensorSpec], device):
         self.peer_rank = peer_rank
-        self.shape = tuple(shape)
-        self.dtype = dtype
+        self.receive_spec = receive_spec
         self.device = device
         self.pending_receives: dict[Message, tuple[list, torch.Tensor]] = {}
         self.pending_sends: list[object] = []
@@ -40,7 +42,8 @@ class PipelineTransport:
         for message in receives:
             if message in self.pending_receives:
                 continue
-            buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            spec = self.receive_spec(message)
+            buffer = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
             operations.append(dist.P2POp(dist.irecv, buffer, self.peer_rank(message.src_rank)))
             new_buffers.append((message, buffer))
         if not operations:

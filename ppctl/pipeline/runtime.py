@@ -1,106 +1,108 @@
-"""One executor for every schedule: walks a rank's communication plan over its model chunks.
+"""One executor for every schedule: walks a rank's communication plan over its pipeline stages.
 
-Per action (see ``pipeline/comm.py`` for the protocol):
-- ``F``: the first stage reads the microbatch's tokens, others take the received (or
-  local) activation; the last stage turns per-token losses into the masked loss sum
-  divided by the global batch's loss-token count, so the accumulated gradient equals
-  the full-batch mean-token-loss gradient. A remotely sent output is released right
-  after sending, keeping only its autograd node (Megatron's ``deallocate_output_tensor``).
-- ``BW``: backward through the autograd engine directly (the released output no
-  longer has the gradient's shape), then send the input gradient upstream.
-Inputs and outputs are kept per (stage, microbatch) until their backward, FIFO per chunk.
+The runtime is a table from action kind to handler; each handler calls one method of
+a ``PipelineStage`` (``ppctl.pipeline.stage``), which knows its chunk and keeps what
+passes between forward and backward. The runtime itself knows no model, no data
+field and no loss: those come from the stages and the step's ``loss_fn``.
+
+Per action (see ``pipeline/comm.py`` for the protocol): take the inputs (received or
+handed over on this rank), run the handler, then post the action's sends together
+with the receives planned next. A remotely sent activation is released right after
+sending, keeping only its autograd node (Megatron's ``deallocate_output_tensor``).
+A composite action (DualPipe's overlapped forward-and-backward pair) is one more
+entry in the table; actions carry a ``step`` for schedules that run across steps.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
-from torch.autograd import Variable
 
-from ppctl.pipeline.comm import ActionStep, Message
+from ppctl.pipeline.comm import ActionStep, CommPlan, Message, initial_receives
 from ppctl.pipeline.p2p import PipelineTransport
+from ppctl.pipeline.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+from ppctl.pipeline.stage import LossFn, PipelineStage, release_output
 from ppctl.pipeline.trace import Tracer
 
 
-def release_output(output: torch.Tensor) -> None:
-    """Free an output's storage after it was sent, keeping its ``grad_fn`` for the backward."""
-    output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
+@dataclass(frozen=True)
+class RankProgram:
+    """One rank's part of a communication plan: its steps and the receives posted before them."""
+
+    steps: tuple[ActionStep, ...]
+    initial_receives: tuple[Message, ...]
 
 
-def backward_from(output: torch.Tensor, grad_output: torch.Tensor | None) -> None:
-    """Run the autograd engine from ``output`` without the shape check ``torch.autograd.backward`` does."""
-    if grad_output is None:
-        grad_output = torch.ones_like(output)
-    Variable._execution_engine.run_backward(
-        tensors=(output,), grad_tensors=(grad_output,), keep_graph=False, create_graph=False,
-        inputs=(), allow_unreachable=True, accumulate_grad=True,
-    )
+def rank_program(plan: CommPlan, pp_rank: int) -> RankProgram:
+    """The program ``pp_rank`` runs from ``plan``."""
+    return RankProgram(tuple(plan[pp_rank]), tuple(initial_receives(plan, pp_rank)))
 
 
 @dataclass
 class StepState:
-    """What one step keeps between a microbatch's forward and its backward."""
+    """What one run of a program reports: the summed logged loss and, when tracked, peak held bytes."""
 
-    inputs: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
-    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    local: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
-    loss_sum: float = 0.0
+    loss_sum: torch.Tensor | float = 0.0
     peak_held_bytes: int = 0
+    local: dict[tuple[str, int, int, int], torch.Tensor] = field(default_factory=dict)
+
+
+Handler = Callable[[ActionStep, list, StepState], "torch.Tensor | None"]
 
 
 class PipelineRuntime:
-    """Runs one rank's plan. ``chunks`` maps each global stage this rank holds to its module."""
+    """Runs rank programs over ``stages`` (global stage -> ``PipelineStage``) through ``transport``."""
 
-    def __init__(
-        self,
-        plan: Sequence[ActionStep],
-        initial_receives: Sequence[Message],
-        chunks: dict[int, torch.nn.Module],
-        num_stages: int,
-        transport: PipelineTransport,
-        tracer: Tracer | None = None,
-        default_position_ids: torch.Tensor | None = None,
-        release_outputs: bool = True,
-        track_memory: bool = False,
-    ):
-        self.plan = list(plan)
-        self.initial_receives = list(initial_receives)
-        self.chunks = chunks
-        self.last_stage = num_stages - 1
+    def __init__(self, stages: dict[int, PipelineStage], transport: PipelineTransport, tracer: Tracer | None = None,
+                 release_outputs: bool = True, track_memory: bool = False):
+        self.stages = stages
         self.transport = transport
         self.tracer = tracer
-        self.default_position_ids = default_position_ids  # for stages that get no data (rotary needs positions)
         self.release_outputs = release_outputs
         self.track_memory = track_memory
+        self.loss_fn: LossFn | None = None
+        self.handlers: dict[str, Handler] = {
+            FORWARD: self._forward,
+            BACKWARD: self._backward,
+            BACKWARD_INPUT: self._backward_input,
+            BACKWARD_WEIGHT: self._backward_weight,
+        }
 
-    def run_step(self, microbatches: Sequence, loss_normalizer: float) -> StepState:
-        """Execute every action of one step; returns the step state (loss sum on the last stage)."""
+    def run(self, program: RankProgram, microbatches: Sequence, loss_fn: LossFn | None,
+            forward_only: bool = False) -> StepState:
+        """Execute every action of ``program``; returns the step state (logged loss sum on the last stage).
+
+        ``forward_only`` runs forwards without graphs (evaluation; the program holds F actions only).
+        """
         state = StepState()
-        self.transport.post([], self.initial_receives)
-        for step in self.plan:
+        self.loss_fn, self.microbatches = loss_fn, microbatches
+        handlers = self._forward_only_handlers() if forward_only else self.handlers
+        self.transport.post([], program.initial_receives)
+        for step in program.steps:
             inputs = [self._input(message, state) for message in step.waits + step.local_inputs]
             started = time.perf_counter() if self.tracer is not None else 0.0
-            kind = step.action.kind
-            if kind == "F":
-                produced = self._forward(step, inputs, microbatches, loss_normalizer, state)
-            elif kind == "BW":
-                produced = self._backward(step, inputs, state)
-            else:
-                raise ValueError(f"the runtime cannot run action kind {kind!r} yet")
+            handler = handlers.get(step.action.kind)
+            if handler is None:
+                raise ValueError(f"the runtime has no handler for action kind {step.action.kind!r}")
+            produced = handler(step, inputs, state)
             if self.tracer is not None:
                 self.tracer.action(step.action, started, time.perf_counter())
             self._hand_over(step, produced, state)
             if self.track_memory:
-                state.peak_held_bytes = max(state.peak_held_bytes, held_bytes(state))
+                state.peak_held_bytes = max(state.peak_held_bytes, self.held_bytes())
         self.transport.finish()
+        self._check_drained(state)
         return state
+
+    def _forward_only_handlers(self) -> dict[str, Handler]:
+        return {FORWARD: self._forward_only}
 
     def _input(self, message: Message, state: StepState) -> torch.Tensor:
         if message.local:
-            return state.local.pop((message.kind, message.src_stage, message.microbatch))
+            return state.local.pop((message.kind, message.src_stage, message.microbatch, message.step))
         if self.tracer is None:
             return self.transport.take(message)
         started = time.perf_counter()
@@ -108,51 +110,67 @@ class PipelineRuntime:
         self.tracer.wait(started, time.perf_counter())
         return tensor
 
-    def _forward(self, step: ActionStep, inputs, microbatches, loss_normalizer: float, state: StepState):
-        stage, index = step.action.stage, step.action.microbatch
-        microbatch = microbatches[index]
-        chunk_input = None if stage == 0 else inputs[0].requires_grad_()
-        is_last = stage == self.last_stage
-        position_ids = microbatch.position_ids if microbatch.position_ids is not None else self.default_position_ids
-        output = self.chunks[stage](
-            microbatch.tokens if stage == 0 else chunk_input,
-            position_ids=position_ids,
-            labels=microbatch.labels if is_last else None,
-        )
-        if is_last:
-            loss_sum = (output * microbatch.loss_mask.to(output.dtype)).sum()
-            output = loss_sum / loss_normalizer
-            state.loss_sum += float(loss_sum.detach())
-        state.inputs[(stage, index)] = chunk_input
-        state.outputs[(stage, index)] = output
-        return output
+    # --- handlers: one per action kind --------------------------------------------------
 
-    def _backward(self, step: ActionStep, inputs, state: StepState):
-        stage, index = step.action.stage, step.action.microbatch
-        output = state.outputs.pop((stage, index))
-        chunk_input = state.inputs.pop((stage, index))
-        backward_from(output, None if stage == self.last_stage else inputs[0])
-        return None if chunk_input is None else chunk_input.grad
-
-    def _hand_over(self, step: ActionStep, produced, state: StepState) -> None:
-        """Post this action's sends with the receives for the next action; keep a local output in memory."""
+    def _forward(self, step: ActionStep, inputs: list, state: StepState) -> torch.Tensor | None:
         action = step.action
-        has_consumer = produced is not None and not (action.kind == "F" and action.stage == self.last_stage)
-        if has_consumer and not step.sends:
+        stage = self.stages[action.stage]
+        output, logged = stage.forward((action.microbatch, action.step), self.microbatches[action.microbatch],
+                                       inputs[0] if inputs else None, self.loss_fn)
+        if logged is None:
+            return output
+        state.loss_sum = state.loss_sum + logged.detach()
+        return None
+
+    def _forward_only(self, step: ActionStep, inputs: list, state: StepState) -> torch.Tensor | None:
+        action = step.action
+        output, logged = self.stages[action.stage].forward_only(
+            self.microbatches[action.microbatch], inputs[0] if inputs else None, self.loss_fn)
+        if logged is None:
+            return output
+        state.loss_sum = state.loss_sum + logged
+        return None
+
+    def _backward(self, step: ActionStep, inputs: list, state: StepState) -> torch.Tensor | None:
+        action = step.action
+        return self.stages[action.stage].backward((action.microbatch, action.step), inputs[0] if inputs else None)
+
+    def _backward_input(self, step: ActionStep, inputs: list, state: StepState) -> torch.Tensor | None:
+        action = step.action
+        return self.stages[action.stage].backward_input((action.microbatch, action.step),
+                                                        inputs[0] if inputs else None)
+
+    def _backward_weight(self, step: ActionStep, inputs: list, state: StepState) -> None:
+        action = step.action
+        self.stages[action.stage].backward_weight((action.microbatch, action.step))
+        return None
+
+    # --- communication ------------------------------------------------------------------------
+
+    def _hand_over(self, step: ActionStep, produced: torch.Tensor | None, state: StepState) -> None:
+        """Post this action's sends with the receives planned next; keep a local output in memory."""
+        if produced is not None and not step.sends:
             # The next stage runs on this rank: hand over a detached tensor, so the consumer's
             # input is a leaf whose gradient its backward can read (as for a received tensor).
-            kind = "act" if action.kind == "F" else "grad"
-            state.local[(kind, action.stage, action.microbatch)] = produced.detach()
+            action = step.action
+            kind = "act" if action.kind == FORWARD else "grad"
+            state.local[(kind, action.stage, action.microbatch, action.step)] = produced.detach()
         self.transport.post([(message, produced) for message in step.sends], step.prefetch)
-        if step.sends and action.kind == "F" and self.release_outputs:
+        if step.sends and step.action.kind == FORWARD and self.release_outputs and produced.requires_grad:
             release_output(produced)
 
+    def held_bytes(self) -> int:
+        """Bytes of distinct storages the stages keep between forwards and backwards."""
+        storages = {}
+        for stage in self.stages.values():
+            for tensor in stage.held_tensors():
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
 
-def held_bytes(state: StepState) -> int:
-    """Bytes of distinct storages held by the step's saved inputs and outputs."""
-    storages = {}
-    for tensor in list(state.inputs.values()) + list(state.outputs.values()):
-        if tensor is not None:
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+    def _check_drained(self, state: StepState) -> None:
+        """After a step nothing may be left: every forward met its backward, every hand-over its consumer."""
+        unfinished = [stage.index for stage in self.stages.values() if stage.holds_work()]
+        if unfinished or state.local:
+            raise RuntimeError(f"the step ended with work left: stages {unfinished} hold activations, "
+                               f"{len(state.local)} local hand-overs unused")

@@ -40,7 +40,7 @@ def test_inspect_layout_tables_and_interleaved_map(ppctl):
 @pytest.mark.timeout(60)
 def test_inspect_layout_at_scale(ppctl):
     result = ppctl("inspect-layout", "parallel.tp=8", "parallel.pp=16", "parallel.dp=128", "model.num_layers=32",
-                   "--json")
+                   "model.num_heads=8", "trainer.global_batch_size=1024", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["world_size"] == 16384 and len(report["ranks"]) == 16384
@@ -51,7 +51,10 @@ def test_inspect_layout_at_scale(ppctl):
     (("inspect-layout", "parallel.tpp=2"), "tpp"),
     (("train", "parallel.tp=3"), "model.num_heads=4 must be divisible by parallel.tp=3"),
     (("train", "trainer.global_batch_size=7"), "trainer.global_batch_size=7 must be divisible"),
-    (("train", "schedule=zbv"), "not implemented yet"),
+    (("train", "schedule=zbv", "parallel.vpp=2"), "not implemented yet"),
+    (("inspect-layout", "parallel.tp=3"), "model.num_heads=4 must be divisible by parallel.tp=3"),
+    (("inspect-layout", "schedule=zbv", "parallel.pp=2"), "schedule zbv places exactly 2 chunks"),
+    (("inspect-schedule", "trainer.global_batch_size=7"), "trainer.global_batch_size=7 must be divisible"),
     (("check-cluster", "launcher.nproc_per_node=3"), "launcher.nproc_per_node"),
 ])
 def test_bad_config_exits_2_with_one_line(ppctl, args, fragment, tmp_path):

@@ -76,7 +76,7 @@ def _run_phase(
     iterator = PipelineDataIterator(
         dataset, SEED, GLOBAL_BATCH_SIZE, MICRO_BATCH_SIZE, SEQ_LENGTH, dp_rank, dp_size,
         tp_group=tp_group, tp_src_rank=tp_ranks[0], is_tp_src=rank == tp_ranks[0],
-        needs_inputs=needs_inputs, needs_labels=needs_labels,
+        fields=(("tokens", "position_ids") if needs_inputs else ()) + (("labels", "loss_mask") if needs_labels else ()),
     )
     for step in STEPS:
         _check_step(iterator, step, dp_rank, dp_size, needs_inputs, needs_labels, dataset_class)

@@ -1,17 +1,19 @@
 """Every layout and schedule trains exactly like one process on the same global batch.
 
-One launch per layout trains GPipe and 1F1B in float32 (losses and parameters within
-1e-5 relative) and 1F1B in float64 (every element within 1e-10); per-step losses and
-the final parameters (each rank's TP shard) are compared with the plain
-single-process loop of ``ppctl.reference``.
+One launch per layout trains several runs (schedules, position embeddings, tied
+embeddings, a loss mask with holes, float64); each is compared with the single-process
+run as a user would launch it (the same overrides with ``parallel=single``): per-step
+losses and grad norms, step-0 gradients and final parameters, float32 within 1e-5
+relative, float64 every element within 1e-10.
 """
 
 import pytest
 
-from tests.distributed.equivalence import BASE, FP64, assert_equivalent
+from tests.distributed.equivalence import BASE, FP64, MASKED, assert_equivalent
 
+ROPE_TIED = ["model.position_embedding=rope", "model.tie_embeddings=true"]
 LAYOUTS = [  # (tp, pp, dp)
-    (1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 4, 1),
+    (1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 4, 1), (4, 1, 1),
 ]
 
 
@@ -21,12 +23,14 @@ def test_gpipe_and_1f1b_match_single_process(tp, pp, dp):
     layout = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}"]
     runs = [BASE + layout + [f"schedule={name}"] for name in ("gpipe", "1f1b")]
     runs.append(BASE + layout + ["schedule=1f1b"] + FP64)
+    if tp * pp * dp >= 4:  # the bigger layouts also carry rotary, tied embeddings and a masked loss
+        runs.append(BASE + layout + ["schedule=1f1b"] + ROPE_TIED + MASKED)
     assert_equivalent(runs, world_size=tp * pp * dp)
 
 
 @pytest.mark.timeout(300)
-def test_rotary_tied_embeddings_across_stages():
-    # Tied word embeddings live on the first and last stage: their gradients meet over the embedding group.
-    runs = [BASE + ["parallel.tp=2", "parallel.pp=2", "parallel.dp=1", "schedule=1f1b",
-                    "model.position_embedding=rope", "model.tie_embeddings=true"]]
-    assert_equivalent(runs, world_size=4)
+def test_tp4_with_pipeline_rotary_tied_and_masked_loss():
+    # tp=4 pads the vocabulary to 256 rows where one process pads to 64: padding must not change the model.
+    layout = ["parallel.tp=4", "parallel.pp=2", "parallel.dp=1", "schedule=1f1b"]
+    runs = [BASE + layout + ROPE_TIED + MASKED, BASE + layout + ROPE_TIED + MASKED + FP64]
+    assert_equivalent(runs, world_size=8)

@@ -1,5 +1,7 @@
 """Config composition, overrides and every validation rule (pure: no process starts)."""
 
+import dataclasses
+
 import pytest
 
 from ppctl.config import (
@@ -8,7 +10,6 @@ from ppctl.config import (
     compose_config,
     padded_vocab_size,
     validate,
-    validate_layout,
 )
 
 
@@ -119,9 +120,37 @@ def test_explicit_pipeline_layout_accepted():
     validate(config)
 
 
-def test_layout_only_validation_ignores_batch_rules():
-    config = composed("parallel.tp=8", "parallel.pp=16", "parallel.dp=128", "model.num_layers=32")
-    assert validate_layout(config).world_size == 16384
+def test_every_command_validates_batch_rules_even_at_scale():
+    scale = ["parallel.tp=8", "parallel.pp=16", "parallel.dp=128", "model.num_layers=32"]
+    with pytest.raises(ConfigError, match="model.num_heads=4 must be divisible by parallel.tp=8"):
+        validate(composed(*scale))
+    with pytest.raises(ConfigError, match="global_batch_size=8 must be divisible"):
+        validate(composed(*scale, "model.num_heads=8"))
+    config = composed(*scale, "model.num_heads=8", "trainer.global_batch_size=1024")
+    assert validate(config).world_size == 16384
+
+
+def test_v_placement_schedules_need_two_chunks_and_dualpipe_placement_is_not_known_yet():
+    with pytest.raises(ConfigError, match=r"parallel.vpp=1: schedule zbv places exactly 2 chunks .* set parallel.vpp=2"):
+        validate(composed("schedule=zbv", "parallel.pp=2"))
+    validate(composed("schedule=zbv", "parallel.pp=2", "parallel.vpp=2"))
+    with pytest.raises(ConfigError, match="schedule dualpipe: its stage placement is not implemented yet"):
+        validate(composed("schedule=dualpipe", "parallel.pp=4"))
+
+
+def test_validation_runs_the_schedule_checker(monkeypatch):
+    from ppctl.pipeline import schedules
+    from ppctl.pipeline.schedules.base import Schedule
+
+    def broken(pp, vpp, num_microbatches):  # rank 0 forgets the backward of microbatch 0
+        good = schedules.build_schedule("gpipe", pp, vpp, num_microbatches)
+        actions = (good.actions[0][:-num_microbatches] + good.actions[0][-num_microbatches + 1:],) + good.actions[1:]
+        return Schedule("gpipe", pp, 1, num_microbatches, good.placement, actions)
+
+    spec = dataclasses.replace(schedules.SCHEDULE_SPECS["gpipe"], generate=broken)
+    monkeypatch.setitem(schedules.SCHEDULE_SPECS, "broken", dataclasses.replace(spec, name="broken"))
+    with pytest.raises(ConfigError, match="schedule broken: .*stage 0 .*microbatch 0 has 0 backwards"):
+        validate(composed("schedule.name=broken", "parallel.pp=2"))
 
 
 def test_vocab_padding():

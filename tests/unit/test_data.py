@@ -228,7 +228,8 @@ def test_iterator_without_tp_group_reads_locally():
     expected = step_microbatches(dataset, 4, 1, 8, 2, 1, 2)
 
     def iterator(needs_inputs, needs_labels):
-        return PipelineDataIterator(dataset, 4, 8, 2, 6, 1, 2, None, 0, True, needs_inputs, needs_labels)
+        fields = (("tokens", "position_ids") if needs_inputs else ()) + (("labels", "loss_mask") if needs_labels else ())
+        return PipelineDataIterator(dataset, 4, 8, 2, 6, 1, 2, None, 0, True, fields)
 
     both = iterator(True, True).microbatches(1)
     assert len(both) == 2
@@ -243,7 +244,12 @@ def test_iterator_without_tp_group_reads_locally():
     with pytest.raises(RuntimeError, match="last pipeline stage"):
         iterator(True, False).global_loss_tokens(1)
     with pytest.raises(ValueError, match="must be its own TP source"):
-        PipelineDataIterator(dataset, 4, 8, 2, 6, 1, 2, None, 0, False, True, True)
+        PipelineDataIterator(dataset, 4, 8, 2, 6, 1, 2, None, 0, False, ("tokens",))
+    with pytest.raises(ValueError, match="unknown microbatch fields"):
+        PipelineDataIterator(dataset, 4, 8, 2, 6, 1, 2, None, 0, True, ("tokens", "images"))
+    middle_rotary_stage = PipelineDataIterator(dataset, 4, 8, 2, 6, 1, 2, None, 0, True, ("position_ids",))
+    only_positions = middle_rotary_stage.microbatches(1)[0]
+    assert only_positions.tokens is None and torch.equal(only_positions.position_ids, expected[0].position_ids)
 
 
 # --- context parallel --------------------------------------------------------------------------

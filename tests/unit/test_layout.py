@@ -138,3 +138,28 @@ def test_middle_stage_is_in_no_embedding_group():
     layout = ParallelLayout(pp=4)
     assert layout.group_of("embedding", 0) == [0, 3]
     assert layout.group_of("embedding", 1) == [] and layout.group_of("embedding", 2) == []
+
+
+# --- the stage placement is the layout's, and everything placement-dependent follows it ----------
+
+def test_v_placement_puts_embedding_and_loss_on_rank_zero():
+    from ppctl.parallel.layout import v_placement
+
+    layout = ParallelLayout(tp=2, dp=2, pp=4, vpp=2, placement=v_placement(4))
+    assert layout.first_stage_rank == 0 and layout.last_stage_rank == 0
+    assert layout.embedding_pp_ranks == [0]
+    # one embedding group per pipeline, holding only that pipeline's pp rank 0
+    assert layout.groups("embedding") == [[rank] for rank in range(4)]
+    assert layout.group_of("embedding", 0) == [0] and layout.group_of("embedding", 12) == []
+    assert layout.stages_of(0) == (0, 7) and layout.stages_of(3) == (3, 4)
+    layers = layout.layer_map(16)
+    assert layers[(0, 0)].pre_process and layers[(0, 1)].post_process
+    assert layers[(0, 1)].stage == 7 and layers[(3, 1)].stage == 4 and layers[(3, 1)].layers == (8, 9)
+
+
+def test_looped_placement_is_the_default_and_a_bad_placement_is_refused():
+    layout = ParallelLayout(pp=4, vpp=2)
+    assert layout.placement == looped_placement(4, 2) and layout.stages_of(1) == (1, 5)
+    assert layout.embedding_pp_ranks == [0, 3] and layout.last_stage_rank == 3
+    with pytest.raises(LayoutError, match="does not put 2 of 8 stages on each of 4 pp ranks"):
+        ParallelLayout(pp=4, vpp=2, placement=(0, 0, 1, 1, 2, 2, 3, 0))

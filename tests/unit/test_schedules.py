@@ -75,7 +75,9 @@ def test_v_placement_goes_down_and_back_up():
 
 
 def test_placement_rejects_bad_sizes():
-    with pytest.raises(ScheduleError, match="at least 1"):
+    from ppctl.parallel.layout import LayoutError
+
+    with pytest.raises(LayoutError, match="at least 1"):
         looped_placement(0, 1)
 
 

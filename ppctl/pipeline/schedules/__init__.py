@@ -20,10 +20,14 @@ def _v_placement(pp: int, chunks_per_rank: int) -> tuple[int, ...]:
     return v_placement(pp)
 
 
-def _planned(name: str, multi_chunk: bool, splits_backward: bool, description: str,
-             placement=looped_placement) -> ScheduleSpec:
+V_PLACEMENT = "a V: rank r holds stages r and 2*pp-1-r"
+
+
+def _planned(name: str, multi_chunk: bool, splits_backward: bool, description: str, placement=looped_placement,
+             chunks_per_rank=None, placement_name="looped: rank r holds stages r, r+pp, ...") -> ScheduleSpec:
     return ScheduleSpec(name, implemented=False, multi_chunk=multi_chunk, splits_backward=splits_backward,
-                        description=description, microbatch_error=at_least_one_microbatch, placement=placement)
+                        description=description, microbatch_error=at_least_one_microbatch, placement=placement,
+                        chunks_per_rank=chunks_per_rank, placement_name=placement_name)
 
 
 SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
@@ -33,9 +37,13 @@ SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
         ONE_F_ONE_B_SPEC,
         INTERLEAVED_SPEC,
         _planned("zb_h1", False, True, "zero-bubble H1: 1F1B with the backward split into B and W"),
-        _planned("zbv", True, True, "zero-bubble V: two chunks per rank in a V, B/W split", _v_placement),
-        _planned("dualpipe", True, True, "DualPipe: two model copies fed from both ends, B/W split"),
-        _planned("dualpipev", True, True, "DualPipeV: DualPipe folded onto a V placement", _v_placement),
+        _planned("zbv", True, True, "zero-bubble V: two chunks per rank in a V, B/W split", _v_placement,
+                 2, V_PLACEMENT),
+        # DualPipe's placement (two model copies, rank r holds stage r of one and pp-1-r of the other)
+        # arrives with the schedule.
+        _planned("dualpipe", True, True, "DualPipe: two model copies fed from both ends, B/W split", None),
+        _planned("dualpipev", True, True, "DualPipeV: DualPipe folded onto a V placement", _v_placement,
+                 2, V_PLACEMENT),
     )
 }
 

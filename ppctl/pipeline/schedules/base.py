@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Optional
 
+from ppctl.parallel.layout import looped_placement, v_placement  # noqa: F401  (re-exported)
+
 FORWARD = "F"
 BACKWARD_INPUT = "B"  # input-gradient half of a split backward
 BACKWARD_WEIGHT = "W"  # weight-gradient half of a split backward
@@ -86,6 +88,13 @@ class Schedule:
         return any(action.kind in (BACKWARD_INPUT, BACKWARD_WEIGHT) for rank_actions in self.actions
                    for action in rank_actions)
 
+    def forward_only(self) -> "Schedule":
+        """The same schedule with its forwards only, in the same order (evaluation: no backward)."""
+        actions = tuple(tuple(action for action in rank_actions if action.kind == FORWARD)
+                        for rank_actions in self.actions)
+        return Schedule(f"{self.name} (forward only)", self.pp, self.chunks_per_rank, self.num_microbatches,
+                        self.placement, actions)
+
     def describe(self) -> str:
         """One line per rank, actions written compactly (``F3`` forward mb 3, ``c1`` chunk 1)."""
         lines = []
@@ -96,32 +105,6 @@ class Schedule:
                 cells.append(f"{action.kind}{action.microbatch}{chunk}")
             lines.append(f"rank {pp_rank}: " + " ".join(cells))
         return "\n".join(lines)
-
-
-# --- placements: stage -> pp rank -------------------------------------------------
-
-def looped_placement(pp: int, chunks: int) -> tuple[int, ...]:
-    """Megatron's interleaved placement: stage s runs on rank ``s % pp``.
-
-    With ``chunks=1`` this is the plain pipeline (stage r on rank r).
-    """
-    _check_sizes(pp, chunks)
-    return tuple(stage % pp for stage in range(pp * chunks))
-
-
-def v_placement(pp: int) -> tuple[int, ...]:
-    """The V placement (ZB-V, DualPipeV): rank r holds stages r and ``2*pp - 1 - r``.
-
-    The model goes down the ranks and comes back up, so the first and the last
-    stage both sit on rank 0.
-    """
-    _check_sizes(pp, 2)
-    return tuple(stage if stage < pp else 2 * pp - 1 - stage for stage in range(2 * pp))
-
-
-def _check_sizes(pp: int, chunks: int) -> None:
-    if pp < 1 or chunks < 1:
-        raise ScheduleError(f"pp={pp} and chunks per rank={chunks} must both be at least 1")
 
 
 # --- the registry's entry type -------------------------------------------------------
@@ -138,7 +121,9 @@ class ScheduleSpec:
     whether the schedule may hold several chunks per rank (``vpp > 1``).
     ``generate(pp, vpp, num_microbatches)`` builds the schedule (None until the
     schedule is implemented). ``placement(pp, chunks_per_rank)`` maps stages to
-    ranks; the layout's layer map and the schedule share it.
+    ranks (None while unknown); the layout (layer map, embedding group, data and
+    logging ranks) and the schedule share it. ``chunks_per_rank`` is set when the
+    placement fixes it (a V holds exactly 2); ``placement_name`` describes it.
     """
 
     name: str
@@ -148,7 +133,9 @@ class ScheduleSpec:
     description: str
     microbatch_error: MicrobatchRule
     generate: Optional[Callable[[int, int, int], Schedule]] = None
-    placement: Callable[[int, int], tuple[int, ...]] = looped_placement
+    placement: Optional[Callable[[int, int], tuple[int, ...]]] = looped_placement
+    chunks_per_rank: Optional[int] = None
+    placement_name: str = "looped: rank r holds stages r, r+pp, ..."
 
 
 def at_least_one_microbatch(pp: int, vpp: int, num_microbatches: int) -> Optional[str]:

@@ -1,0 +1,41 @@
+"""What a config describes, built: the GPT shape, the parameter dtype and the dataset.
+
+Below the training loop and the single-process reference, which both build their
+model and data from here, so neither depends on the other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ppctl.config import PpctlConfig, padded_vocab_size
+from ppctl.data.dataset import WindowDataset, build_dataset
+from ppctl.model.gpt import GPTConfig
+
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+def gpt_config(config: PpctlConfig) -> GPTConfig:
+    """The model shape: the tokenizer's vocabulary, with the embedding rows padded for TP."""
+    model = config.model
+    return GPTConfig(
+        num_layers=model.num_layers, hidden_size=model.hidden_size, num_heads=model.num_heads,
+        ffn_hidden_size=model.ffn_hidden_size, vocab_size=model.vocab_size,
+        padded_vocab_size=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, config.parallel.tp),
+        max_seq_length=model.max_seq_length, position_embedding=model.position_embedding,
+        tie_embeddings=model.tie_embeddings, norm_epsilon=model.norm_epsilon, init_std=model.init_std,
+    )
+
+
+def parameter_dtype(config: PpctlConfig) -> torch.dtype:
+    """The dtype of the model's parameters and activations (``trainer.precision``)."""
+    return DTYPES[config.trainer.precision]
+
+
+def dataset_of(config: PpctlConfig) -> WindowDataset:
+    """The configured dataset of ``trainer.seq_length``-token windows (prepared or reused in its cache)."""
+    data, trainer = config.data, config.trainer
+    return build_dataset(data.source, data.path, Path(data.cache_dir), trainer.seq_length, config.model.vocab_size,
+                         trainer.seed, data.tokenizer, data.eod_mask_loss)

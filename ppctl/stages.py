@@ -1,0 +1,74 @@
+"""GPT chunks as pipeline stages: the data contract, the loss and each stage's I/O spec.
+
+This is the training side of the stage boundary (``ppctl.pipeline.stage``): the runtime
+calls stages, and the stages call back into what is defined here:
+
+- ``gpt_forward``: the first stage embeds the microbatch's tokens, every stage passes
+  position ids to its layers, the last stage computes per-token losses from the labels;
+- ``MaskedTokenLoss``: the masked sum of per-token losses divided by the loss-token
+  count of the whole global batch, so the accumulated gradient equals the full-batch
+  mean-token-loss gradient for any mask and any layout;
+- ``gpt_stage_io``: message shapes and dtypes, and the microbatch fields each stage reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ppctl.config import PpctlConfig
+from ppctl.factory import parameter_dtype
+from ppctl.model.gpt import GPTChunk
+from ppctl.pipeline.stage import PipelineStage, StageIO, TensorSpec
+
+
+def gpt_forward(chunk: GPTChunk, stage_input: torch.Tensor | None, microbatch) -> torch.Tensor:
+    """Run one GPT chunk on one microbatch (tokens on the first stage, labels on the last)."""
+    inputs = microbatch.tokens if chunk.pre_process else stage_input
+    labels = microbatch.labels if chunk.post_process else None
+    return chunk(inputs, position_ids=microbatch.position_ids, labels=labels)
+
+
+@dataclass(frozen=True)
+class MaskedTokenLoss:
+    """The loss of one step: ``sum(loss * mask) / normalizer`` per microbatch.
+
+    ``normalizer`` is the loss-token count of the whole global batch (every DP rank's
+    share), so summing over microbatches and DP ranks gives the global mean token loss.
+    Returns (the loss to back-propagate, the masked sum to report).
+    """
+
+    normalizer: float
+
+    def __call__(self, token_losses: torch.Tensor, microbatch) -> tuple[torch.Tensor, torch.Tensor]:
+        masked_sum = (token_losses * microbatch.loss_mask.to(token_losses.dtype)).sum()
+        return masked_sum / self.normalizer, masked_sum
+
+
+def chunk_fields(chunk: GPTChunk) -> tuple[str, ...]:
+    """The microbatch fields a chunk reads: tokens and positions first, positions for rotary, labels and mask last."""
+    fields = []
+    if chunk.pre_process:
+        fields += ["tokens", "position_ids"]
+    elif chunk.config.position_embedding == "rope" and chunk.layer_ids:
+        fields.append("position_ids")
+    if chunk.post_process:
+        fields += ["labels", "loss_mask"]
+    return tuple(fields)
+
+
+def gpt_stage_io(chunk: GPTChunk, config: PpctlConfig) -> StageIO:
+    """The chunk's messages (``[micro_batch, seq, hidden]`` in the parameter dtype) and fields."""
+    trainer = config.trainer
+    activation = TensorSpec((trainer.micro_batch_size, trainer.seq_length, config.model.hidden_size),
+                            parameter_dtype(config))
+    return StageIO(input=None if chunk.pre_process else activation,
+                   output=None if chunk.post_process else activation,
+                   fields=chunk_fields(chunk))
+
+
+def build_stages(chunks: dict[int, GPTChunk], config: PpctlConfig) -> dict[int, PipelineStage]:
+    """Global stage -> ``PipelineStage`` for this rank's chunks."""
+    return {index: PipelineStage(index, chunk, gpt_stage_io(chunk, config), gpt_forward, chunk.post_process)
+            for index, chunk in chunks.items()}
