@@ -63,13 +63,15 @@ class PipelineRuntime:
         self.tracer = tracer
         self.release_outputs = release_outputs
         self.track_memory = track_memory
-        self.loss_fn: LossFn | None = None
+        self.loss_fn: LossFn | None = None  # the current run's: set by ``run``
+        self.microbatches: Sequence = ()
         self.handlers: dict[str, Handler] = {
             FORWARD: self._forward,
             BACKWARD: self._backward,
             BACKWARD_INPUT: self._backward_input,
             BACKWARD_WEIGHT: self._backward_weight,
         }
+        self.forward_only_handlers: dict[str, Handler] = {FORWARD: self._forward_only}
 
     def run(self, program: RankProgram, microbatches: Sequence, loss_fn: LossFn | None,
             forward_only: bool = False) -> StepState:
@@ -79,7 +81,7 @@ class PipelineRuntime:
         """
         state = StepState()
         self.loss_fn, self.microbatches = loss_fn, microbatches
-        handlers = self._forward_only_handlers() if forward_only else self.handlers
+        handlers = self.forward_only_handlers if forward_only else self.handlers
         self.transport.post([], program.initial_receives)
         for step in program.steps:
             inputs = [self._input(message, state) for message in step.waits + step.local_inputs]
@@ -96,9 +98,6 @@ class PipelineRuntime:
         self.transport.finish()
         self._check_drained(state)
         return state
-
-    def _forward_only_handlers(self) -> dict[str, Handler]:
-        return {FORWARD: self._forward_only}
 
     def _input(self, message: Message, state: StepState) -> torch.Tensor:
         if message.local:
