@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
@@ -24,99 +25,122 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message is one line naming the setting and the rule."""
 
 
+def setting(default: Any, doc: str) -> Any:
+    """A schema field with its default and its one-line meaning (``metadata["doc"]``, shown in the README)."""
+    return field(default=default, metadata={"doc": doc})
+
+
 @dataclass
 class ModelConfig:
     """GPT shape. ``vocab_size`` is the tokenizer's; it is padded for TP (see ``padded_vocab_size``)."""
 
-    name: str = "gpt_tiny"
-    num_layers: int = 4
-    hidden_size: int = 64
-    num_heads: int = 4
-    ffn_hidden_size: int = 256
-    vocab_size: int = 257
-    max_seq_length: int = 256
-    position_embedding: str = "learned"
-    tie_embeddings: bool = False
-    norm_epsilon: float = 1e-5
-    init_std: float = 0.02
-    make_vocab_size_divisible_by: int = 64
+    name: str = setting("gpt_tiny", "a label for logs")
+    num_layers: int = setting(4, "transformer layers")
+    hidden_size: int = setting(64, "width of the residual stream; divisible by `num_heads`")
+    num_heads: int = setting(4, "attention heads; divisible by `parallel.tp`")
+    ffn_hidden_size: int = setting(256, "MLP inner width; divisible by `parallel.tp`")
+    vocab_size: int = setting(
+        257, "the tokenizer's vocabulary (bytes + end of document); the embedding rows are padded to a "
+        "multiple of `make_vocab_size_divisible_by * tp` (shown by `inspect-layout`), padded rows never "
+        "enter the math")
+    max_seq_length: int = setting(256, "longest sequence (learned position table size)")
+    position_embedding: str = setting("learned", "`learned` or `rope` (rotary)")
+    tie_embeddings: bool = setting(
+        False, "output layer shares the word embedding (across stages: gradients all-reduced over the "
+        "`embedding` group)")
+    norm_epsilon: float = setting(1e-5, "LayerNorm epsilon")
+    init_std: float = setting(
+        0.02, "std of the normal initialisation (layout independent: seeded by (seed, parameter name))")
+    make_vocab_size_divisible_by: int = setting(64, "vocabulary padding unit (times tp)")
 
 
 @dataclass
 class ParallelConfig:
     """Parallel sizes; world size = tp * cp * dp * pp."""
 
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    dp: int = 1
-    cp: int = 1
-    sequence_parallel: bool = False
-    order: str = "tp-cp-dp-pp"
-    pipeline_layout: Optional[str] = None
+    tp: int = setting(1, "tensor-parallel size")
+    pp: int = setting(2, "pipeline-parallel size (the `single` option sets 1)")
+    vpp: int = setting(1, "model chunks per pipeline rank: several with `interleaved_1f1b`, exactly 2 with "
+                       "the V schedules `zbv` and `dualpipev`, else 1")
+    dp: int = setting(1, "data-parallel size")
+    cp: int = setting(1, "context-parallel size (seq_length divisible by 2*cp)")
+    sequence_parallel: bool = setting(
+        False, "Megatron sequence parallelism (needs tp > 1, seq_length divisible by tp)")
+    order: str = setting("tp-cp-dp-pp", "rank order, fastest-varying first (Megatron-Core's convention)")
+    pipeline_layout: Optional[str] = setting(
+        None, "explicit per-stage split in Megatron-LM syntax, e.g. `Ettt|tttt|tttL` (`t*3` repeats); "
+        "default: even split, `num_layers` divisible by pp*vpp")
 
 
 @dataclass
 class ScheduleConfig:
     """Which pipeline schedule runs the microbatches."""
 
-    name: str = "1f1b"
+    name: str = setting("1f1b", "the pipeline schedule")
 
 
 @dataclass
 class DataConfig:
     """Where samples come from: ``python_stdlib`` (embedded default), ``text_file`` or ``synthetic``."""
 
-    source: str = "python_stdlib"
-    path: Optional[str] = None
-    cache_dir: str = "data/cache"
-    tokenizer: str = "byte"
-    eod_mask_loss: bool = False
+    source: str = setting(
+        "python_stdlib", "`python_stdlib` (the standard library's source, byte-tokenised), `text_file`, "
+        "`synthetic` (random tokens)")
+    path: Optional[str] = setting(None, "the text file for `text_file`")
+    cache_dir: str = setting("data/cache", "where token files are cached")
+    tokenizer: str = setting("byte", "tokenizer name")
+    eod_mask_loss: bool = setting(
+        False, "give labels that are the end-of-document id zero loss weight (Megatron-LM's `--eod-mask-loss`); "
+        "synthetic data uses its last id, vocab_size - 1, as end of document")
 
 
 @dataclass
 class OptimizerConfig:
     """AdamW settings; ``clip_grad`` <= 0 disables clipping."""
 
-    name: str = "adamw"
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    clip_grad: float = 1.0
-    distributed: bool = False
+    name: str = setting("adamw", "`torch.optim.AdamW` (weight decay on matrices only)")
+    lr: float = setting(0.003, "learning rate")
+    weight_decay: float = setting(0.01, "AdamW weight decay")
+    beta1: float = setting(0.9, "AdamW beta1 (first-moment decay)")
+    beta2: float = setting(0.95, "AdamW beta2 (second-moment decay)")
+    eps: float = setting(1e-8, "AdamW epsilon")
+    clip_grad: float = setting(
+        1.0, "clip the global gradient norm (every parameter counted once across TP/PP/DP); <= 0 disables")
+    distributed: bool = setting(False, "distributed optimizer (later issue)")
 
 
 @dataclass
 class TrainerConfig:
     """The training loop."""
 
-    max_steps: int = 200
-    global_batch_size: int = 8
-    micro_batch_size: int = 2
-    seq_length: int = 64
-    seed: int = 1234
-    out_dir: Optional[str] = None
-    precision: str = "fp32"
-    log_every: int = 10
-    tensorboard: bool = True
-    trace: bool = False
+    max_steps: int = setting(200, "optimizer steps")
+    global_batch_size: int = setting(8, "sequences per step; divisible by micro_batch_size * dp")
+    micro_batch_size: int = setting(2, "sequences per microbatch")
+    seq_length: int = setting(64, "tokens per sequence (<= model.max_seq_length)")
+    seed: int = setting(1234, "model initialisation and sample order")
+    out_dir: Optional[str] = setting(None, "run directory (default `runs/<timestamp>`)")
+    precision: str = setting("fp32", "`fp32` or `fp64` (`bf16`, `fp16`: later issue)")
+    log_every: int = setting(10, "console line every N steps (and the first and last)")
+    tensorboard: bool = setting(True, "write TensorBoard event files")
+    trace: bool = setting(False, "record per-rank action timelines")
 
 
 @dataclass
 class LauncherConfig:
     """How workers are started (torchrun)."""
 
-    nnodes: int = 1
-    nproc_per_node: Optional[int] = None
-    node_rank: int = 0
-    rdzv_endpoint: Optional[str] = None
-    rdzv_id: Optional[str] = None
-    backend: str = "auto"
-    threads_per_worker: Optional[int] = None
-    timeout_s: int = 120
-    inject_fault: Optional[str] = None
+    nnodes: int = setting(1, "nodes")
+    nproc_per_node: Optional[int] = setting(
+        None, "workers per node (default world size / nnodes); nnodes * nproc_per_node must equal the world size")
+    node_rank: int = setting(0, "this node's rank (multi-node)")
+    rdzv_endpoint: Optional[str] = setting(None, "`host:port` of the c10d rendezvous (required with nnodes > 1)")
+    rdzv_id: Optional[str] = setting(None, "rendezvous id, the same on every node of a job (default `ppctl`)")
+    backend: str = setting(
+        "auto", "`auto` (NCCL when CUDA has a GPU per local worker, else gloo), `gloo`, `nccl`")
+    threads_per_worker: Optional[int] = setting(None, "intra-op threads per worker (default cores / local workers)")
+    timeout_s: int = setting(120, "process-group timeout: a stuck collective fails instead of hanging")
+    inject_fault: Optional[str] = setting(
+        None, "testing aid: `RANK:raise` or `RANK:kill` makes that rank fail on purpose")
 
 
 @dataclass
@@ -496,3 +520,43 @@ def nproc_per_node(config: PpctlConfig) -> int:
         return config.launcher.nproc_per_node
     world = config.parallel.tp * config.parallel.cp * config.parallel.dp * config.parallel.pp
     return max(1, world // config.launcher.nnodes)
+
+
+# ---------------------------------------------------------------------------
+# Reference table (the README's key table is generated from the schema)
+# ---------------------------------------------------------------------------
+
+
+def render_default(value: Any) -> str:
+    """A default as the README shows it: ``null``, ``true``/``false``, numbers as written, strings in backticks."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return re.sub(r"e([+-])0*(\d)", r"e\1\2", repr(value))  # 1e-05 -> 1e-5
+    if isinstance(value, str):
+        return f"`{value}`"
+    return str(value)
+
+
+def config_reference() -> list[tuple[str, Any, str]]:
+    """``(section.key, default, meaning)`` for every schema field, in schema order."""
+    rows = []
+    for section in fields(PpctlConfig):
+        for item in fields(section.default_factory):
+            rows.append((f"{section.name}.{item.name}", item.default, item.metadata["doc"]))
+    return rows
+
+
+def config_reference_table() -> str:
+    """The markdown table ``| key | default | meaning |`` of every field (the README's, between its markers)."""
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    for key, default, doc in config_reference():
+        meaning = doc.replace("|", r"\|")  # a pipe inside a cell would split it
+        lines.append(f"| `{key}` | {render_default(default)} | {meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # python -m ppctl.config: print the table to paste into the README
+    print(config_reference_table(), end="")

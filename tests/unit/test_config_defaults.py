@@ -1,0 +1,108 @@
+"""Defaults live in one place: the schema dataclasses; the YAML options hold only what they change,
+and the README's key table is generated from the schema."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from ppctl.config import (
+    PACKAGE_CONF_DIR,
+    PpctlConfig,
+    compose_config,
+    config_reference,
+    config_reference_table,
+    render_default,
+)
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+TABLE_START, TABLE_END = "<!-- config-table:start -->\n", "<!-- config-table:end -->"
+
+# What each shipped group option changes relative to the default composition, recorded from the
+# full YAML files before the defaults moved into the schema (an empty dict: the option is the default).
+OPTION_CHANGES = {
+    "model=gpt_tiny": {},
+    "model=gpt_small": {"model.name": "gpt_small", "model.num_layers": 12, "model.hidden_size": 768,
+                        "model.num_heads": 12, "model.ffn_hidden_size": 3072, "model.max_seq_length": 1024,
+                        "model.tie_embeddings": True},
+    "parallel=default": {},
+    "parallel=single": {"parallel.pp": 1},
+    "parallel=tp2_pp2_dp2": {"parallel.tp": 2, "parallel.dp": 2},
+    "schedule=1f1b": {},
+    "schedule=gpipe": {"schedule.name": "gpipe"},
+    "schedule=interleaved_1f1b": {"schedule.name": "interleaved_1f1b"},
+    "schedule=zb_h1": {"schedule.name": "zb_h1"},
+    "schedule=zbv": {"schedule.name": "zbv"},
+    "schedule=dualpipe": {"schedule.name": "dualpipe"},
+    "schedule=dualpipev": {"schedule.name": "dualpipev"},
+    "data=python_stdlib": {},
+    "data=synthetic": {"data.source": "synthetic"},
+    "data=text_file": {"data.source": "text_file"},
+    "optimizer=adamw": {},
+}
+
+# The effective defaults of the shipped composition before this change (spot checks of the old disagreements).
+KNOWN_DEFAULTS = {"optimizer.lr": 0.003, "parallel.pp": 2, "model.name": "gpt_tiny", "schedule.name": "1f1b",
+                  "data.source": "python_stdlib", "trainer.max_steps": 200, "launcher.timeout_s": 120,
+                  "model.norm_epsilon": 1e-5, "optimizer.eps": 1e-8, "data.eod_mask_loss": False}
+
+
+def flat(config: PpctlConfig) -> dict:
+    """``{"section.key": value}`` of a config."""
+    return {f"{section}.{key}": value
+            for section, values in dataclasses.asdict(config).items() for key, value in values.items()}
+
+
+def test_default_composition_equals_the_schema_defaults():
+    assert flat(compose_config([])) == flat(PpctlConfig())
+
+
+def test_schema_defaults_keep_the_shipped_values():
+    defaults = flat(PpctlConfig())
+    assert {key: defaults[key] for key in KNOWN_DEFAULTS} == KNOWN_DEFAULTS
+
+
+def test_every_shipped_option_is_in_the_table():
+    shipped = {f"{path.parent.name}={path.stem}" for path in PACKAGE_CONF_DIR.glob("*/*.yaml")}
+    assert shipped == set(OPTION_CHANGES)
+
+
+@pytest.mark.parametrize("option", sorted(OPTION_CHANGES))
+def test_each_option_composes_as_before(option):
+    expected = {**flat(PpctlConfig()), **OPTION_CHANGES[option]}
+    assert flat(compose_config([option])) == expected
+
+
+def test_key_overrides_still_win_over_options():
+    config = compose_config(["parallel=single", "parallel.pp=4", "model=gpt_small", "model.vocab_size=300"])
+    assert config.parallel.pp == 4 and config.model.vocab_size == 300 and config.model.num_layers == 12
+
+
+def test_every_field_is_documented_once_in_one_line():
+    rows = config_reference()
+    assert [key for key, _, _ in rows] == list(flat(PpctlConfig()))
+    for key, _, doc in rows:
+        assert doc.strip() and "\n" not in doc, key
+
+
+@pytest.mark.parametrize("value, text", [
+    (None, "null"), (True, "true"), (False, "false"), (4, "4"), (0.003, "0.003"), (1.0, "1.0"),
+    (1e-5, "1e-5"), (1e-8, "1e-8"), ("fp32", "`fp32`"),
+])
+def test_defaults_render_as_in_the_readme(value, text):
+    assert render_default(value) == text
+
+
+def test_table_escapes_pipes_and_has_one_row_per_field():
+    table = config_reference_table()
+    lines = table.splitlines()
+    assert lines[:2] == ["| key | default | meaning |", "|---|---|---|"]
+    assert len(lines) == 2 + len(config_reference())
+    assert r"`Ettt\|tttt\|tttL`" in table
+
+
+def test_readme_table_is_the_generated_one():
+    text = README.read_text()
+    assert text.count(TABLE_START) == 1 and text.count(TABLE_END) == 1
+    between = text.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0]
+    assert between == config_reference_table(), "README table drifted: regenerate it with python -m ppctl.config"
