@@ -21,17 +21,19 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .comm import CommPlan, Message, planned_sends, plan_communication, posted_receives
+from .comm import CommPlan, Message, NumberedPlan, number_plan, plan_numbered
+from .replay import gc_paused, run
 from .schedules.base import (ACTION_KINDS, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action,
                              Schedule, ScheduleError)
-from .simulate import replay
+from .simulate import compile_plan
 
 
+@gc_paused
 def check_schedule(schedule: Schedule) -> None:
     """Raise ``ScheduleError`` (one line) unless ``schedule`` is complete, well placed and runs to the end."""
     check_placement(schedule)
     check_actions(schedule)
-    check_plan(schedule, plan_communication(schedule))
+    _check_numbered_plan(schedule, plan_numbered(schedule))
 
 
 def check_placement(schedule: Schedule) -> None:
@@ -58,14 +60,23 @@ def check_actions(schedule: Schedule) -> None:
     if len(schedule.actions) != schedule.pp:
         raise ScheduleError(f"{schedule.name}: {len(schedule.actions)} action lists for pp={schedule.pp} ranks")
     for pp_rank, rank_actions in enumerate(schedule.actions):
-        for action in rank_actions:
-            _check_action(schedule, pp_rank, action)
+        if not _all_valid(schedule, pp_rank, rank_actions):  # the common case, in a few set operations
+            for action in rank_actions:
+                _check_action(schedule, pp_rank, action)
     _check_complete(schedule)
     for pp_rank, rank_actions in enumerate(schedule.actions):
         _check_rank_order(pp_rank, rank_actions)
 
 
+def _all_valid(schedule: Schedule, pp_rank: int, rank_actions: tuple[Action, ...]) -> bool:
+    """Whether every action has a known kind, a microbatch in range and a stage that ``pp_rank`` holds."""
+    return ({action.kind for action in rank_actions} <= set(ACTION_KINDS)
+            and {action.stage for action in rank_actions} <= set(schedule.stages_of(pp_rank))
+            and {action.microbatch for action in rank_actions} <= set(range(schedule.num_microbatches)))
+
+
 def _check_action(schedule: Schedule, pp_rank: int, action: Action) -> None:
+    """``action`` has a known kind, a stage and microbatch in range, and runs on the rank holding its stage."""
     if action.kind not in ACTION_KINDS:
         raise ScheduleError(f"rank {pp_rank}: action kind {action.kind!r} must be one of {', '.join(ACTION_KINDS)}")
     if not 0 <= action.stage < schedule.num_stages:
@@ -79,16 +90,37 @@ def _check_action(schedule: Schedule, pp_rank: int, action: Action) -> None:
 
 
 def _check_complete(schedule: Schedule) -> None:
-    counts = Counter((a.stage, a.microbatch, a.step, a.kind) for rank_actions in schedule.actions
-                     for a in rank_actions)
-    steps = sorted({step for (_, _, step, _) in counts}) or [0]
+    """Each (stage, microbatch, step) has one F, and one BW or one B and one W; else the first that has not."""
+    by_kind: dict[str, list[tuple[int, int, int]]] = {kind: [] for kind in ACTION_KINDS}
+    for rank_actions in schedule.actions:
+        for a in rank_actions:
+            by_kind[a.kind].append((a.stage, a.microbatch, a.step))
+    steps = sorted({step for keys in by_kind.values() for (_, _, step) in keys}) or [0]
+    if _each_complete_once(by_kind, len(steps) * schedule.num_stages * schedule.num_microbatches):
+        return  # the common case, in a few set operations; else find the first incomplete one below
+    counts = Counter((stage, mb, step, kind) for kind, keys in by_kind.items() for stage, mb, step in keys)
     for step in steps:
         for stage in range(schedule.num_stages):
             for mb in range(schedule.num_microbatches):
                 _check_one_of_each(schedule, stage, mb, {k: counts[(stage, mb, step, k)] for k in ACTION_KINDS})
 
 
+def _each_complete_once(by_kind: dict[str, list[tuple[int, int, int]]], expected: int) -> bool:
+    """Whether each of the ``expected`` (stage, microbatch, step) has one F and one BW, or one B and one W.
+
+    ``by_kind`` holds the (stage, microbatch, step) of valid actions (stages and
+    microbatches in range), so ``expected`` distinct forwards are all of them.
+    """
+    forwards, whole, inputs, weights = (set(by_kind[kind]) for kind in (FORWARD, BACKWARD, BACKWARD_INPUT,
+                                                                         BACKWARD_WEIGHT))
+    if sum(map(len, (forwards, whole, inputs, weights))) != sum(map(len, by_kind.values())):
+        return False  # some action twice
+    return (len(forwards) == expected and inputs == weights and whole.isdisjoint(inputs)
+            and len(whole) + len(inputs) == expected)
+
+
 def _check_one_of_each(schedule: Schedule, stage: int, mb: int, count: dict[str, int]) -> None:
+    """The counts of each action kind of one (stage, microbatch) are complete."""
     where = f"stage {stage} (rank {schedule.rank_of(stage)}) microbatch {mb}"
     if count[FORWARD] != 1:
         raise ScheduleError(f"{where} has {count[FORWARD]} forwards, expected exactly 1")
@@ -103,6 +135,7 @@ def _check_one_of_each(schedule: Schedule, stage: int, mb: int, count: dict[str,
 
 
 def _check_rank_order(pp_rank: int, rank_actions: tuple[Action, ...]) -> None:
+    """On ``pp_rank``, each B/BW comes after its F and each W after its B."""
     done: set[tuple[str, int, int, int]] = set()
     prerequisite = {BACKWARD: FORWARD, BACKWARD_INPUT: FORWARD, BACKWARD_WEIGHT: BACKWARD_INPUT}
     for action in rank_actions:
@@ -112,13 +145,20 @@ def _check_rank_order(pp_rank: int, rank_actions: tuple[Action, ...]) -> None:
         done.add((action.kind, action.stage, action.microbatch, action.step))
 
 
+@gc_paused
 def check_plan(schedule: Schedule, plan: CommPlan) -> None:
     """Per-pair message order, then progress under buffered and under NCCL-like sends."""
-    check_pair_order(plan)
-    nccl_like = replay(schedule, plan, rendezvous=True)
+    _check_numbered_plan(schedule, number_plan(plan, schedule))
+
+
+def _check_numbered_plan(schedule: Schedule, plan: NumberedPlan) -> None:
+    """``check_plan`` on a plan whose messages are numbers."""
+    _check_numbered_pair_order(plan)
+    program = compile_plan(schedule, plan)
+    nccl_like = run(program, rendezvous=True)
     if not nccl_like.deadlocked:
         return  # buffered sends make messages available no later, so that replay would finish too
-    buffered = replay(schedule, plan)
+    buffered = run(program)
     if buffered.deadlocked:
         raise ScheduleError(f"{schedule.name}: {buffered.deadlock_message()}")
     raise ScheduleError(f"{schedule.name} hangs with NCCL-like blocking sends: {nccl_like.deadlock_message()}")
@@ -126,16 +166,27 @@ def check_plan(schedule: Schedule, plan: CommPlan) -> None:
 
 def check_pair_order(plan: CommPlan) -> None:
     """For each pair (src -> dst), dst posts its receives in exactly the order src posts its sends."""
-    sent_by_pair = planned_sends(plan)
-    received_by_pair: dict[tuple[int, int], list[Message]] = {}
-    for dst_rank in range(len(plan)):
-        for message in posted_receives(plan, dst_rank):
-            received_by_pair.setdefault((message.src_rank, dst_rank), []).append(message)
+    _check_numbered_pair_order(number_plan(plan))
+
+
+def _check_numbered_pair_order(plan: NumberedPlan) -> None:
+    """``check_pair_order`` on a plan whose messages are numbers (equal numbers: equal messages)."""
+    sent_by_pair = plan.planned_sends()
+    received_by_pair: dict[tuple[int, int], list[int]] = {}
+    src_ranks = plan.src_ranks
+    for dst_rank in range(plan.num_ranks):
+        for number in plan.posted_receives(dst_rank):
+            pair = (src_ranks[number], dst_rank)
+            received = received_by_pair.get(pair)
+            if received is None:
+                received = received_by_pair[pair] = []
+            received.append(number)
     for src_rank, dst_rank in sorted(set(sent_by_pair) | set(received_by_pair)):
         sent = sent_by_pair.get((src_rank, dst_rank), [])
         received = received_by_pair.get((src_rank, dst_rank), [])
         if sent != received:
-            raise ScheduleError(_order_mismatch(src_rank, dst_rank, sent, received))
+            raise ScheduleError(_order_mismatch(src_rank, dst_rank, plan.as_messages(sent),
+                                                plan.as_messages(received)))
 
 
 def _order_mismatch(src_rank: int, dst_rank: int, sent: list[Message], received: list[Message]) -> str:

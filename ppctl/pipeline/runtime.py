@@ -47,7 +47,7 @@ class StepState:
 
     loss_sum: torch.Tensor | float = 0.0
     peak_held_bytes: int = 0
-    local: dict[tuple[str, int, int, int], torch.Tensor] = field(default_factory=dict)
+    local: dict[Message, torch.Tensor] = field(default_factory=dict)
 
 
 Handler = Callable[[ActionStep, list, StepState], "torch.Tensor | None"]
@@ -101,7 +101,7 @@ class PipelineRuntime:
 
     def _input(self, message: Message, state: StepState) -> torch.Tensor:
         if message.local:
-            return state.local.pop((message.kind, message.src_stage, message.microbatch, message.step))
+            return state.local.pop(message)
         if self.tracer is None:
             return self.transport.take(message)
         started = time.perf_counter()
@@ -148,12 +148,10 @@ class PipelineRuntime:
 
     def _hand_over(self, step: ActionStep, produced: torch.Tensor | None, state: StepState) -> None:
         """Post this action's sends with the receives planned next; keep a local output in memory."""
-        if produced is not None and not step.sends:
+        if step.local_output is not None:
             # The next stage runs on this rank: hand over a detached tensor, so the consumer's
             # input is a leaf whose gradient its backward can read (as for a received tensor).
-            action = step.action
-            kind = "act" if action.kind == FORWARD else "grad"
-            state.local[(kind, action.stage, action.microbatch, action.step)] = produced.detach()
+            state.local[step.local_output] = produced.detach()
         self.transport.post([(message, produced) for message in step.sends], step.prefetch)
         if step.sends and step.action.kind == FORWARD and self.release_outputs and produced.requires_grad:
             release_output(produced)

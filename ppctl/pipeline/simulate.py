@@ -1,22 +1,9 @@
-"""Replay a schedule's communication plan against a cost model: timelines, makespan, bubble, memory.
+"""Simulate a schedule against a cost model: timelines, makespan, bubble, memory; replay a plan.
 
-One replay engine serves the simulator and the checker's deadlock detection. It
-walks every rank's ``ActionStep`` list in order: an action starts once its rank is
-free and its inputs are there; its outputs become available to their consumers
-(after ``comm`` when they cross ranks). A rank that waits for a message nobody will
-produce is stuck; if ranks remain stuck when nothing can move, the schedule deadlocks.
-
-Two transports decide when a remote message is there:
-
-- buffered (the simulator's): a send completes on its own; the message arrives
-  ``comm`` after its producer finished;
-- rendezvous (NCCL-like, for the checker): each rank issues its point-to-point
-  batches (one per step: the sends plus the prefetched receives) on one stream, in
-  order; a batch starts once the previous one on that rank completed, a message
-  moves once the batches holding its send and its receive have both started, a batch
-  completes once all its messages moved, and a receive is usable once its batch
-  completed. A send whose receive is never posted therefore blocks every later
-  batch of its rank, as it would on NCCL.
+The replay engine and its two transports (buffered, NCCL-like rendezvous) live in
+``ppctl.pipeline.replay``. This module times a bare schedule with it (``simulate``)
+and compiles a communication plan into a replay program, each step as the runtime
+runs it (``replay`` with a plan: what the checker needs).
 
 Cost model: ``Costs.F`` (``B``, ``W``) is the time of one microbatch through ALL the
 layers of a rank; a chunk's action takes that divided by ``chunks_per_rank``; an
@@ -26,26 +13,17 @@ unit: a chunk-level activation in flight counts ``1 / chunks_per_rank``.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Sequence
+from itertools import repeat
+from operator import add, attrgetter
+from typing import Optional, Sequence
 
-from .comm import ACTIVATION, GRADIENT, ActionStep, CommPlan, Message, initial_receives, output_message
-from .schedules.base import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Schedule, ScheduleError
+from .comm import Column, CommPlan, NumberedPlan, number_plan
+from .replay import Costs, Program, Replay, Step, action_durations, compile_schedule, gc_paused, run
+from .schedules.base import BACKWARD, BACKWARD_INPUT, FORWARD, Action, Schedule, ScheduleError
 
-
-@dataclass(frozen=True)
-class Costs:
-    """Times of one microbatch through all of a rank's layers, and the point-to-point latency."""
-
-    F: float = 1.0
-    B: float = 1.0
-    W: float = 1.0
-    comm: float = 0.0
-
-    def to_json(self) -> dict:
-        """The costs as a plain dict (keys F, B, W, comm)."""
-        return {"F": self.F, "B": self.B, "W": self.W, "comm": self.comm}
+__all__ = ["Costs", "RankTimeline", "Replay", "SimResult", "TimedAction", "parse_costs", "peak_activations",
+           "replay", "simulate"]
 
 
 def parse_costs(text: str) -> Costs:
@@ -125,6 +103,7 @@ def _rank_json(timeline: RankTimeline) -> dict:
 
 # --- the simulator ------------------------------------------------------------------------
 
+@gc_paused
 def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
     """Replay ``schedule`` against ``costs``; raises ``ScheduleError`` if it deadlocks."""
     outcome = replay(schedule, costs=costs)
@@ -136,20 +115,11 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
                  for action, start, end in zip(rank_actions, outcome.starts[pp_rank], outcome.ends[pp_rank])]
         ranks.append(RankTimeline(pp_rank, timed, peak_activations(rank_actions, schedule.chunks_per_rank)))
     makespan = max((ends[-1] for ends in outcome.ends if ends), default=0.0)
-    durations = _durations(schedule.chunks_per_rank, costs)
+    durations = action_durations(schedule.chunks_per_rank, costs)
     busiest = max(sum(durations[action.kind] for action in rank_actions) for rank_actions in schedule.actions)
     bubble_ratio = (makespan - busiest) / busiest if busiest > 0 else 0.0
     return SimResult(schedule.name, schedule.pp, schedule.chunks_per_rank, schedule.num_microbatches,
                      costs, ranks, makespan, bubble_ratio)
-
-
-def _durations(chunks_per_rank: int, costs: Costs) -> dict[str, float]:
-    return {
-        FORWARD: costs.F / chunks_per_rank,
-        BACKWARD_INPUT: costs.B / chunks_per_rank,
-        BACKWARD_WEIGHT: costs.W / chunks_per_rank,
-        BACKWARD: (costs.B + costs.W) / chunks_per_rank,
-    }
 
 
 def peak_activations(rank_actions: Sequence[Action], chunks_per_rank: int) -> float:
@@ -168,31 +138,12 @@ def peak_activations(rank_actions: Sequence[Action], chunks_per_rank: int) -> fl
     return peak / chunks_per_rank
 
 
-# --- the replay engine -------------------------------------------------------------------
+# --- replaying a plan -----------------------------------------------------------------------
 
-@dataclass
-class Replay:
-    """What a replay reached: per-rank start and end times of the actions run, and where it stuck."""
-
-    starts: list[list[float]]  # per rank, in plan order, for the actions that ran
-    ends: list[list[float]]
-    stuck: list[tuple[int, Action, Message]]  # (rank, its next action, the message it waits for)
-    stalled_batches: list[str]  # rendezvous only: each rank's p2p batch that never completed
-
-    @property
-    def deadlocked(self) -> bool:
-        """True when some rank never finished its actions or its communication."""
-        return bool(self.stuck or self.stalled_batches)
-
-    def deadlock_message(self) -> str:
-        """One line naming each stuck rank's next action and what it waits for."""
-        parts = [f"rank {rank} stuck at {action} waiting for {message}" for rank, action, message in self.stuck]
-        return "deadlock: " + "; ".join(parts + self.stalled_batches)
-
-
+@gc_paused
 def replay(schedule: Schedule, plan: Optional[CommPlan] = None, costs: Costs = Costs(),
            rendezvous: bool = False) -> Replay:
-    """Run every rank's actions against ``costs``; see the module docstring for the two transports.
+    """Run every rank's actions against ``costs`` (see ``ppctl.pipeline.replay`` for the two transports).
 
     With ``plan`` the replay follows the communication plan step by step, receives
     posted as the runtime posts them (what the checker needs); without it, the
@@ -202,288 +153,62 @@ def replay(schedule: Schedule, plan: Optional[CommPlan] = None, costs: Costs = C
     if plan is None:
         if rendezvous:
             raise ValueError("a rendezvous replay needs the communication plan")
-        program = _compile_schedule(schedule, costs)
+        program = compile_schedule(schedule, costs)
     else:
-        program = _compile_plan(schedule, plan, costs)
-    transport = _RendezvousTransport(program, costs.comm) if rendezvous else _BufferedTransport(costs.comm)
-    engine = _Engine(program, transport)
-    engine.run()
-    return Replay(engine.starts, engine.ends, engine.stuck(), transport.stalled())
+        program = compile_plan(schedule, number_plan(plan, schedule), costs)
+    return run(program, costs.comm, rendezvous)
 
 
-class _Step(NamedTuple):
-    """One action compiled for replay; messages are numbers."""
-
-    inputs: tuple[int, ...]
-    duration: float
-    local_output: int  # -1 when the action hands nothing to its own rank
-    sends: tuple[int, ...]
-    post_first: tuple[int, ...]  # waits not posted yet: the runtime posts them before waiting
-    prefetch: tuple[int, ...]
-
-
-@dataclass
-class _Program:
-    """A plan or schedule compiled for replay."""
-
-    actions: list[Sequence[Action]]
-    steps: list[list[_Step]]
-    initial: list[tuple[int, ...]]  # receives each rank posts before its first action
-    messages: list  # number -> Message, or a (src stage, dst stage, microbatch, step) key
-    placement: tuple[int, ...]
-
-    def message(self, number: int) -> Message:
-        """The message numbered ``number``."""
-        key = self.messages[number]
-        if isinstance(key, Message):
-            return key
-        src_stage, dst_stage, microbatch, step = key
-        return Message(ACTIVATION if dst_stage > src_stage else GRADIENT, src_stage, dst_stage, microbatch,
-                       self.placement[src_stage], self.placement[dst_stage], step)
-
-
-class _Numbering(dict):
-    """Gives each distinct message (or message key) the next number."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.keys: list = []
-
-    def number(self, key) -> int:
-        """The number of ``key``, assigned on first sight."""
-        number = self.get(key)
-        if number is None:
-            number = self[key] = len(self.keys)
-            self.keys.append(key)
-        return number
-
-    def numbers(self, keys: Sequence) -> tuple[int, ...]:
-        """The numbers of ``keys``, in order."""
-        if not keys:  # the usual cases, kept cheap
-            return ()
-        if len(keys) == 1:
-            return (self.number(keys[0]),)
-        return tuple([self.number(key) for key in keys])
-
-
-def _compile_schedule(schedule: Schedule, costs: Costs) -> _Program:
-    """Inputs and outputs of each action from stage adjacency; no receives to post (buffered replay)."""
-    numbering = _Numbering()
-    durations = _durations(schedule.chunks_per_rank, costs)
-    steps = [[_schedule_step(schedule.placement, action, durations[action.kind], numbering)
-              for action in rank_actions] for rank_actions in schedule.actions]
-    return _Program(list(schedule.actions), steps, [() for _ in steps], numbering.keys, schedule.placement)
-
-
-_OUTPUT_DIRECTION = {FORWARD: 1, BACKWARD: -1, BACKWARD_INPUT: -1}  # where an action's output goes
-
-
-def _schedule_step(placement: tuple[int, ...], action: Action, duration: float, numbering: _Numbering) -> _Step:
-    stage, direction = action.stage, _OUTPUT_DIRECTION.get(action.kind)
-    if direction is None:
-        return _Step((), duration, -1, (), (), ())
-    source, target = stage - direction, stage + direction
-    inputs = ()
-    if 0 <= source < len(placement):
-        inputs = (numbering.number((source, stage, action.microbatch, action.step)),)
-    local_output, sends = -1, ()
-    if 0 <= target < len(placement):
-        number = numbering.number((stage, target, action.microbatch, action.step))
-        local_output, sends = (number, ()) if placement[target] == placement[stage] else (-1, (number,))
-    return _Step(inputs, duration, local_output, sends, (), ())
-
-
-def _hands_over_locally(placement: tuple[int, ...], action: Action) -> bool:
-    """Whether ``action``'s output goes to a stage on the same rank."""
-    direction = _OUTPUT_DIRECTION.get(action.kind)
-    target = action.stage + direction if direction is not None else -1
-    return 0 <= target < len(placement) and placement[target] == placement[action.stage]
-
-
-def _compile_plan(schedule: Schedule, plan: CommPlan, costs: Costs) -> _Program:
+def compile_plan(schedule: Schedule, plan: NumberedPlan, costs: Costs = Costs()) -> Program:
     """Each step as the runtime runs it: post missing waits, wait, compute, send and prefetch."""
-    numbering = _Numbering()
-    durations = _durations(schedule.chunks_per_rank, costs)
-    initial = [numbering.numbers(initial_receives(plan, pp_rank)) for pp_rank in range(len(plan))]
-    steps = []
-    for pp_rank, rank_steps in enumerate(plan):
-        posted = set(initial[pp_rank])
-        steps.append([_plan_step(schedule, step, durations[step.action.kind], numbering, posted)
-                      for step in rank_steps])
-    actions = [[step.action for step in rank_steps] for rank_steps in plan]
-    return _Program(actions, steps, initial, numbering.keys, schedule.placement)
+    if plan.local_outputs is None:
+        raise ValueError("a replay needs the plan numbered with its schedule (its local hand-overs)")
+    durations = action_durations(schedule.chunks_per_rank, costs)
+    initial = [plan.initial_receives(pp_rank) for pp_rank in range(plan.num_ranks)]
+    steps = [_compiled_steps(plan, pp_rank, initial[pp_rank], durations) for pp_rank in range(plan.num_ranks)]
+    return Program(plan.actions, steps, initial, plan.messages)
 
 
-def _plan_step(schedule: Schedule, step: ActionStep, duration: float, numbering: _Numbering,
-               posted: set[int]) -> _Step:
-    waits, post_first, prefetch = numbering.numbers(step.waits), (), ()
-    if waits:
-        post_first = tuple([number for number in waits if number not in posted])
-        posted.update(post_first)
-    if step.prefetch:
-        prefetch = tuple([number for number in numbering.numbers(step.prefetch) if number not in posted])
-        posted.update(prefetch)
-    local_output = -1
-    if _hands_over_locally(schedule.placement, step.action):
-        local_output = numbering.number(output_message(schedule, step.action))
-    return _Step(waits + numbering.numbers(step.local_inputs), duration, local_output,
-                 numbering.numbers(step.sends), post_first, prefetch)
+def _compiled_steps(plan: NumberedPlan, pp_rank: int, initial: tuple[int, ...],
+                    durations: dict[str, float]) -> list[Step]:
+    """One rank's plan steps compiled, given the receives it posts before them."""
+    waits, prefetch = plan.waits[pp_rank], plan.prefetch[pp_rank]
+    if not _posts_once_ahead(initial, waits, prefetch):
+        return _compiled_steps_posting(plan, pp_rank, set(initial), durations)
+    # Nothing to post before a wait, no receive posted twice: each step as the plan lists it.
+    inputs = map(add, waits, plan.local_inputs[pp_rank])
+    step_durations = map(durations.__getitem__, map(attrgetter("kind"), plan.actions[pp_rank]))
+    return list(zip(inputs, step_durations, plan.local_outputs[pp_rank], plan.sends[pp_rank],
+                    repeat(()), prefetch))
 
 
-class _Engine:
-    """Event-driven replay: a rank runs until it needs a message not yet there, then sleeps on it."""
+def _posts_once_ahead(initial: tuple[int, ...], waits: Column, prefetch: Column) -> bool:
+    """Whether a rank posts each receive once, and each wait's receive before the step that waits.
 
-    def __init__(self, program: _Program, transport):
-        self.program, self.transport = program, transport
-        pp = len(program.steps)
-        self.available: list[Optional[float]] = [None] * len(program.messages)  # time usable by consumer
-        self.sleeping: dict[int, int] = {}  # message id -> the rank waiting for it
-        self.starts: list[list[float]] = [[] for _ in range(pp)]
-        self.ends: list[list[float]] = [[] for _ in range(pp)]
-        self.ready: deque[int] = deque()
-
-    def run(self) -> None:
-        """Post the initial receives, then advance ranks until none can move."""
-        for pp_rank, receives in enumerate(self.program.initial):
-            self._arrive(self.transport.post(pp_rank, (), receives, 0.0))
-        self.ready.extend(range(len(self.program.steps)))
-        while self.ready:
-            self._advance(self.ready.popleft())
-
-    def _advance(self, pp_rank: int) -> None:
-        steps, starts, ends = self.program.steps[pp_rank], self.starts[pp_rank], self.ends[pp_rank]
-        available = self.available
-        free_at = ends[-1] if ends else 0.0
-        for index in range(len(ends), len(steps)):
-            inputs, duration, local_output, sends, post_first, prefetch = steps[index]
-            if post_first:
-                self._arrive(self.transport.post(pp_rank, (), post_first, free_at))
-            start = free_at
-            for number in inputs:
-                arrived = available[number]
-                if arrived is None:
-                    self.sleeping[number] = pp_rank
-                    return
-                if arrived > start:
-                    start = arrived
-            free_at = start + duration
-            starts.append(start)
-            ends.append(free_at)
-            if local_output >= 0:
-                self._arrive([(local_output, free_at)])
-            if sends or prefetch:
-                self._arrive(self.transport.post(pp_rank, sends, prefetch, free_at))
-
-    def _arrive(self, arrivals: list[tuple[int, float]]) -> None:
-        for number, time in arrivals:
-            self.available[number] = time
-            waiter = self.sleeping.pop(number, None)
-            if waiter is not None:
-                self.ready.append(waiter)
-
-    def stuck(self) -> list[tuple[int, Action, Message]]:
-        """Ranks that did not finish, with their next action and the message they sleep on."""
-        waiting_for = {rank: self.program.message(number) for number, rank in self.sleeping.items()}
-        actions = self.program.actions
-        return [(pp_rank, actions[pp_rank][len(ends)], waiting_for[pp_rank])
-                for pp_rank, ends in enumerate(self.ends) if len(ends) < len(actions[pp_rank])]
+    Receives posted initially count as posted at step -1; a prefetch of step i at step i.
+    """
+    posted_at = dict.fromkeys(initial, -1)
+    prefetched = [(number, index) for index, numbers in enumerate(prefetch) for number in numbers]
+    posted_at.update(prefetched)
+    if len(posted_at) != len(initial) + len(prefetched):
+        return False
+    never = len(waits)
+    return all(posted_at.get(number, never) < index for index, numbers in enumerate(waits) for number in numbers)
 
 
-class _BufferedTransport:
-    """Sends complete on their own; a message is there ``comm`` after it was sent."""
-
-    def __init__(self, comm: float):
-        self.comm = comm
-
-    def post(self, pp_rank: int, sends: tuple[int, ...], receives: tuple[int, ...],
-             time: float) -> list[tuple[int, float]]:
-        """Issue one batch; returns the message ids that became available, with their times."""
-        return [(number, time + self.comm) for number in sends]
-
-    def stalled(self) -> list[str]:
-        """Buffered sends never stall."""
-        return []
-
-
-class _Batch:
-    """One rank's point-to-point operations issued together."""
-
-    __slots__ = ("pp_rank", "sends", "receives", "posted_at", "remaining", "started_at", "done_at")
-
-    def __init__(self, pp_rank: int, sends: tuple[int, ...], receives: tuple[int, ...], posted_at: float):
-        self.pp_rank, self.sends, self.receives, self.posted_at = pp_rank, sends, receives, posted_at
-        self.remaining = len(sends) + len(receives)
-        self.started_at: Optional[float] = None
-        self.done_at = posted_at
-
-
-class _RendezvousTransport:
-    """NCCL-like: per rank, batches run one after another; a message moves when both sides' batches run."""
-
-    def __init__(self, program: _Program, comm: float):
-        self.program, self.comm = program, comm
-        pp = len(program.steps)
-        self.streams: list[list[_Batch]] = [[] for _ in range(pp)]
-        self.head = [0] * pp  # index of each rank's first batch not completed
-        self.send_batch: dict[int, _Batch] = {}
-        self.receive_batch: dict[int, _Batch] = {}
-
-    def post(self, pp_rank: int, sends: tuple[int, ...], receives: tuple[int, ...],
-             time: float) -> list[tuple[int, float]]:
-        """Issue one batch; returns the received message ids whose batches completed, with their times."""
-        if not sends and not receives:
-            return []
-        batch = _Batch(pp_rank, sends, receives, time)
-        self.send_batch.update((number, batch) for number in sends)
-        self.receive_batch.update((number, batch) for number in receives)
-        stream = self.streams[pp_rank]
-        stream.append(batch)
-        if len(stream) - 1 != self.head[pp_rank]:
-            return []
-        return self._start(batch, time)
-
-    def _start(self, first: _Batch, time: float) -> list[tuple[int, float]]:
-        arrivals: list[tuple[int, float]] = []
-        to_start = deque([(first, time)])
-        while to_start:
-            batch, started_at = to_start.popleft()
-            batch.started_at = started_at
-            for number in batch.sends:
-                self._try_move(self.receive_batch.get(number), batch, to_start, arrivals)
-            for number in batch.receives:
-                self._try_move(batch, self.send_batch.get(number), to_start, arrivals)
-        return arrivals
-
-    def _try_move(self, receiving: Optional[_Batch], sending: Optional[_Batch],
-                  to_start: deque, arrivals: list) -> None:
-        if receiving is None or sending is None or receiving.started_at is None or sending.started_at is None:
-            return
-        moved_at = max(receiving.started_at, sending.started_at) + self.comm
-        for batch in (sending, receiving):
-            batch.remaining -= 1
-            batch.done_at = max(batch.done_at, moved_at)
-            if batch.remaining == 0:
-                self._complete(batch, to_start, arrivals)
-
-    def _complete(self, batch: _Batch, to_start: deque, arrivals: list) -> None:
-        arrivals.extend((number, batch.done_at) for number in batch.receives)
-        self.head[batch.pp_rank] += 1
-        stream = self.streams[batch.pp_rank]
-        if self.head[batch.pp_rank] < len(stream):
-            following = stream[self.head[batch.pp_rank]]
-            to_start.append((following, max(following.posted_at, batch.done_at)))
-
-    def stalled(self) -> list[str]:
-        """Each rank's first batch that never completed, with the operations it is stuck on."""
-        lines = []
-        for pp_rank, stream in enumerate(self.streams):
-            if self.head[pp_rank] < len(stream):
-                batch = stream[self.head[pp_rank]]
-                pending = [f"send {self.program.message(n)}" for n in batch.sends if self._pending(n)]
-                pending += [f"recv {self.program.message(n)}" for n in batch.receives if self._pending(n)]
-                lines.append(f"rank {pp_rank} p2p stream blocked on " + ", ".join(pending))
-        return lines
-
-    def _pending(self, number: int) -> bool:
-        sending, receiving = self.send_batch.get(number), self.receive_batch.get(number)
-        return sending is None or receiving is None or sending.started_at is None or receiving.started_at is None
+def _compiled_steps_posting(plan: NumberedPlan, pp_rank: int, posted: set[int],
+                            durations: dict[str, float]) -> list[Step]:
+    """One rank's plan steps compiled; ``posted`` holds the receives the rank posted before them."""
+    compiled = []
+    for action, waits, local_inputs, sends, prefetch, local_output in zip(
+            plan.actions[pp_rank], plan.waits[pp_rank], plan.local_inputs[pp_rank], plan.sends[pp_rank],
+            plan.prefetch[pp_rank], plan.local_outputs[pp_rank]):
+        post_first = ()
+        if waits:
+            post_first = tuple([number for number in waits if number not in posted])
+            posted.update(post_first)
+        if prefetch:
+            prefetch = tuple([number for number in prefetch if number not in posted])
+            posted.update(prefetch)
+        compiled.append((waits + local_inputs, durations[action.kind], local_output, sends, post_first, prefetch))
+    return compiled

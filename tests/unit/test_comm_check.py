@@ -1,17 +1,27 @@
 """The communication plan and the checker: derived messages, per-pair order, deadlocks, broken schedules."""
 
+import ast
+import re
+from pathlib import Path
+
 import pytest
 
+from ppctl.pipeline import simulate as simulate_module
 from ppctl.pipeline.check import check_pair_order, check_plan, check_schedule
 from ppctl.pipeline.comm import (
+    NO_MESSAGE,
     ActionStep,
     Message,
     initial_receives,
+    number_plan,
     plan_communication,
+    plan_numbered,
+    planned_sends,
     posted_receives,
     receive_order,
     send_order,
 )
+from ppctl.pipeline.replay import Costs, action_durations
 from ppctl.pipeline.schedules import SCHEDULE_SPECS, Action, Schedule, ScheduleError, build_schedule
 from ppctl.pipeline.simulate import replay
 
@@ -242,3 +252,246 @@ def test_a_receive_prefetched_too_late_is_posted_before_its_wait():
              ActionStep(**{**vars_of(plan[0][2]), "prefetch": (grad_0, grad_1)}), plan[0][3]], plan[1]]
     assert posted_receives(late, 0) == [grad_0, grad_1]  # the runtime posts grad 0 before BW0 waits
     check_plan(schedule, late)
+
+
+# --- the plan did not change: small plans against frozen ones ----------------------------------
+
+FROZEN_PLANS = {  # recorded from the planner before the module split and the speed-up
+    ("1f1b", 4, 1, 8): [
+        "F0.0|||act0>1.0@0>1| F0.1|||act0>1.1@0>1| F0.2|||act0>1.2@0>1| F0.3|||act0>1.3@0>1|grad1>0.0@1>0 "
+        "BW0.0|grad1>0.0@1>0||| F0.4|||act0>1.4@0>1|grad1>0.1@1>0 BW0.1|grad1>0.1@1>0||| "
+        "F0.5|||act0>1.5@0>1|grad1>0.2@1>0 BW0.2|grad1>0.2@1>0||| F0.6|||act0>1.6@0>1|grad1>0.3@1>0 "
+        "BW0.3|grad1>0.3@1>0||| F0.7|||act0>1.7@0>1|grad1>0.4@1>0 BW0.4|grad1>0.4@1>0|||grad1>0.5@1>0 "
+        "BW0.5|grad1>0.5@1>0|||grad1>0.6@1>0 BW0.6|grad1>0.6@1>0|||grad1>0.7@1>0 BW0.7|grad1>0.7@1>0|||",
+        "F1.0|act0>1.0@0>1||act1>2.0@1>2|act0>1.1@0>1 F1.1|act0>1.1@0>1||act1>2.1@1>2|act0>1.2@0>1 "
+        "F1.2|act0>1.2@0>1||act1>2.2@1>2|act0>1.3@0>1,grad2>1.0@2>1 BW1.0|grad2>1.0@2>1||grad1>0.0@1>0| "
+        "F1.3|act0>1.3@0>1||act1>2.3@1>2|grad2>1.1@2>1 BW1.1|grad2>1.1@2>1||grad1>0.1@1>0|act0>1.4@0>1 "
+        "F1.4|act0>1.4@0>1||act1>2.4@1>2|grad2>1.2@2>1 BW1.2|grad2>1.2@2>1||grad1>0.2@1>0|act0>1.5@0>1 "
+        "F1.5|act0>1.5@0>1||act1>2.5@1>2|grad2>1.3@2>1 BW1.3|grad2>1.3@2>1||grad1>0.3@1>0|act0>1.6@0>1 "
+        "F1.6|act0>1.6@0>1||act1>2.6@1>2|grad2>1.4@2>1 BW1.4|grad2>1.4@2>1||grad1>0.4@1>0|act0>1.7@0>1 "
+        "F1.7|act0>1.7@0>1||act1>2.7@1>2|grad2>1.5@2>1 BW1.5|grad2>1.5@2>1||grad1>0.5@1>0|grad2>1.6@2>1 "
+        "BW1.6|grad2>1.6@2>1||grad1>0.6@1>0|grad2>1.7@2>1 BW1.7|grad2>1.7@2>1||grad1>0.7@1>0|",
+        "F2.0|act1>2.0@1>2||act2>3.0@2>3|act1>2.1@1>2 "
+        "F2.1|act1>2.1@1>2||act2>3.1@2>3|act1>2.2@1>2,grad3>2.0@3>2 BW2.0|grad3>2.0@3>2||grad2>1.0@2>1| "
+        "F2.2|act1>2.2@1>2||act2>3.2@2>3|grad3>2.1@3>2 BW2.1|grad3>2.1@3>2||grad2>1.1@2>1|act1>2.3@1>2 "
+        "F2.3|act1>2.3@1>2||act2>3.3@2>3|grad3>2.2@3>2 BW2.2|grad3>2.2@3>2||grad2>1.2@2>1|act1>2.4@1>2 "
+        "F2.4|act1>2.4@1>2||act2>3.4@2>3|grad3>2.3@3>2 BW2.3|grad3>2.3@3>2||grad2>1.3@2>1|act1>2.5@1>2 "
+        "F2.5|act1>2.5@1>2||act2>3.5@2>3|grad3>2.4@3>2 BW2.4|grad3>2.4@3>2||grad2>1.4@2>1|act1>2.6@1>2 "
+        "F2.6|act1>2.6@1>2||act2>3.6@2>3|grad3>2.5@3>2 BW2.5|grad3>2.5@3>2||grad2>1.5@2>1|act1>2.7@1>2 "
+        "F2.7|act1>2.7@1>2||act2>3.7@2>3|grad3>2.6@3>2 BW2.6|grad3>2.6@3>2||grad2>1.6@2>1|grad3>2.7@3>2 "
+        "BW2.7|grad3>2.7@3>2||grad2>1.7@2>1|",
+        "F3.0|act2>3.0@2>3|||act2>3.1@2>3 BW3.0|||grad3>2.0@3>2| F3.1|act2>3.1@2>3||| "
+        "BW3.1|||grad3>2.1@3>2|act2>3.2@2>3 F3.2|act2>3.2@2>3||| BW3.2|||grad3>2.2@3>2|act2>3.3@2>3 "
+        "F3.3|act2>3.3@2>3||| BW3.3|||grad3>2.3@3>2|act2>3.4@2>3 F3.4|act2>3.4@2>3||| "
+        "BW3.4|||grad3>2.4@3>2|act2>3.5@2>3 F3.5|act2>3.5@2>3||| BW3.5|||grad3>2.5@3>2|act2>3.6@2>3 "
+        "F3.6|act2>3.6@2>3||| BW3.6|||grad3>2.6@3>2|act2>3.7@2>3 F3.7|act2>3.7@2>3||| BW3.7|||grad3>2.7@3>2|",
+    ],
+    ("interleaved_1f1b", 4, 2, 8): [
+        "F0.0|||act0>1.0@0>1| F0.1|||act0>1.1@0>1| F0.2|||act0>1.2@0>1| F0.3|||act0>1.3@0>1|act3>4.0@3>0 "
+        "F4.0|act3>4.0@3>0||act4>5.0@0>1|act3>4.1@3>0 F4.1|act3>4.1@3>0||act4>5.1@0>1|act3>4.2@3>0 "
+        "F4.2|act3>4.2@3>0||act4>5.2@0>1|act3>4.3@3>0 F4.3|act3>4.3@3>0||act4>5.3@0>1| F0.4|||act0>1.4@0>1| "
+        "F0.5|||act0>1.5@0>1| F0.6|||act0>1.6@0>1|grad5>4.0@1>0 BW4.0|grad5>4.0@1>0||grad4>3.0@0>3| "
+        "F0.7|||act0>1.7@0>1|grad5>4.1@1>0 BW4.1|grad5>4.1@1>0||grad4>3.1@0>3|grad5>4.2@1>0,act3>4.4@3>0 "
+        "F4.4|act3>4.4@3>0||act4>5.4@0>1| BW4.2|grad5>4.2@1>0||grad4>3.2@0>3|grad5>4.3@1>0,act3>4.5@3>0 "
+        "F4.5|act3>4.5@3>0||act4>5.5@0>1| BW4.3|grad5>4.3@1>0||grad4>3.3@0>3|grad1>0.0@1>0,act3>4.6@3>0 "
+        "F4.6|act3>4.6@3>0||act4>5.6@0>1| BW0.0|grad1>0.0@1>0|||grad1>0.1@1>0,act3>4.7@3>0 "
+        "F4.7|act3>4.7@3>0||act4>5.7@0>1| BW0.1|grad1>0.1@1>0|||grad1>0.2@1>0 "
+        "BW0.2|grad1>0.2@1>0|||grad1>0.3@1>0 BW0.3|grad1>0.3@1>0|||grad5>4.4@1>0 "
+        "BW4.4|grad5>4.4@1>0||grad4>3.4@0>3|grad5>4.5@1>0 BW4.5|grad5>4.5@1>0||grad4>3.5@0>3|grad5>4.6@1>0 "
+        "BW4.6|grad5>4.6@1>0||grad4>3.6@0>3|grad5>4.7@1>0 BW4.7|grad5>4.7@1>0||grad4>3.7@0>3|grad1>0.4@1>0 "
+        "BW0.4|grad1>0.4@1>0|||grad1>0.5@1>0 BW0.5|grad1>0.5@1>0|||grad1>0.6@1>0 "
+        "BW0.6|grad1>0.6@1>0|||grad1>0.7@1>0 BW0.7|grad1>0.7@1>0|||",
+        "F1.0|act0>1.0@0>1||act1>2.0@1>2|act0>1.1@0>1 F1.1|act0>1.1@0>1||act1>2.1@1>2|act0>1.2@0>1 "
+        "F1.2|act0>1.2@0>1||act1>2.2@1>2|act0>1.3@0>1 F1.3|act0>1.3@0>1||act1>2.3@1>2|act4>5.0@0>1 "
+        "F5.0|act4>5.0@0>1||act5>6.0@1>2|act4>5.1@0>1 F5.1|act4>5.1@0>1||act5>6.1@1>2|act4>5.2@0>1 "
+        "F5.2|act4>5.2@0>1||act5>6.2@1>2|act4>5.3@0>1 F5.3|act4>5.3@0>1||act5>6.3@1>2|act0>1.4@0>1 "
+        "F1.4|act0>1.4@0>1||act1>2.4@1>2|act0>1.5@0>1,act0>1.6@0>1,grad6>5.0@2>1 "
+        "BW5.0|grad6>5.0@2>1||grad5>4.0@1>0| F1.5|act0>1.5@0>1||act1>2.5@1>2|grad6>5.1@2>1 "
+        "BW5.1|grad6>5.1@2>1||grad5>4.1@1>0|act0>1.7@0>1 F1.6|act0>1.6@0>1||act1>2.6@1>2|grad6>5.2@2>1 "
+        "BW5.2|grad6>5.2@2>1||grad5>4.2@1>0| F1.7|act0>1.7@0>1||act1>2.7@1>2|act4>5.4@0>1,grad6>5.3@2>1 "
+        "BW5.3|grad6>5.3@2>1||grad5>4.3@1>0| F5.4|act4>5.4@0>1||act5>6.4@1>2|act4>5.5@0>1,grad2>1.0@2>1 "
+        "BW1.0|grad2>1.0@2>1||grad1>0.0@1>0| F5.5|act4>5.5@0>1||act5>6.5@1>2|act4>5.6@0>1,grad2>1.1@2>1 "
+        "BW1.1|grad2>1.1@2>1||grad1>0.1@1>0| F5.6|act4>5.6@0>1||act5>6.6@1>2|act4>5.7@0>1,grad2>1.2@2>1 "
+        "BW1.2|grad2>1.2@2>1||grad1>0.2@1>0| F5.7|act4>5.7@0>1||act5>6.7@1>2|grad2>1.3@2>1 "
+        "BW1.3|grad2>1.3@2>1||grad1>0.3@1>0|grad6>5.4@2>1 BW5.4|grad6>5.4@2>1||grad5>4.4@1>0|grad6>5.5@2>1 "
+        "BW5.5|grad6>5.5@2>1||grad5>4.5@1>0|grad6>5.6@2>1 BW5.6|grad6>5.6@2>1||grad5>4.6@1>0|grad6>5.7@2>1 "
+        "BW5.7|grad6>5.7@2>1||grad5>4.7@1>0|grad2>1.4@2>1 BW1.4|grad2>1.4@2>1||grad1>0.4@1>0|grad2>1.5@2>1 "
+        "BW1.5|grad2>1.5@2>1||grad1>0.5@1>0|grad2>1.6@2>1 BW1.6|grad2>1.6@2>1||grad1>0.6@1>0|grad2>1.7@2>1 "
+        "BW1.7|grad2>1.7@2>1||grad1>0.7@1>0|",
+        "F2.0|act1>2.0@1>2||act2>3.0@2>3|act1>2.1@1>2 F2.1|act1>2.1@1>2||act2>3.1@2>3|act1>2.2@1>2 "
+        "F2.2|act1>2.2@1>2||act2>3.2@2>3|act1>2.3@1>2 F2.3|act1>2.3@1>2||act2>3.3@2>3|act5>6.0@1>2 "
+        "F6.0|act5>6.0@1>2||act6>7.0@2>3|act5>6.1@1>2 F6.1|act5>6.1@1>2||act6>7.1@2>3|act5>6.2@1>2 "
+        "F6.2|act5>6.2@1>2||act6>7.2@2>3|act5>6.3@1>2,act1>2.4@1>2,grad7>6.0@3>2 "
+        "BW6.0|grad7>6.0@3>2||grad6>5.0@2>1| F6.3|act5>6.3@1>2||act6>7.3@2>3|grad7>6.1@3>2 "
+        "BW6.1|grad7>6.1@3>2||grad6>5.1@2>1|act1>2.5@1>2 F2.4|act1>2.4@1>2||act2>3.4@2>3|grad7>6.2@3>2 "
+        "BW6.2|grad7>6.2@3>2||grad6>5.2@2>1|act1>2.6@1>2 F2.5|act1>2.5@1>2||act2>3.5@2>3|grad7>6.3@3>2 "
+        "BW6.3|grad7>6.3@3>2||grad6>5.3@2>1|act1>2.7@1>2 F2.6|act1>2.6@1>2||act2>3.6@2>3|grad3>2.0@3>2 "
+        "BW2.0|grad3>2.0@3>2||grad2>1.0@2>1|act5>6.4@1>2 F2.7|act1>2.7@1>2||act2>3.7@2>3|grad3>2.1@3>2 "
+        "BW2.1|grad3>2.1@3>2||grad2>1.1@2>1|act5>6.5@1>2 F6.4|act5>6.4@1>2||act6>7.4@2>3|grad3>2.2@3>2 "
+        "BW2.2|grad3>2.2@3>2||grad2>1.2@2>1|act5>6.6@1>2 F6.5|act5>6.5@1>2||act6>7.5@2>3|grad3>2.3@3>2 "
+        "BW2.3|grad3>2.3@3>2||grad2>1.3@2>1|act5>6.7@1>2 F6.6|act5>6.6@1>2||act6>7.6@2>3|grad7>6.4@3>2 "
+        "BW6.4|grad7>6.4@3>2||grad6>5.4@2>1| F6.7|act5>6.7@1>2||act6>7.7@2>3|grad7>6.5@3>2 "
+        "BW6.5|grad7>6.5@3>2||grad6>5.5@2>1|grad7>6.6@3>2 BW6.6|grad7>6.6@3>2||grad6>5.6@2>1|grad7>6.7@3>2 "
+        "BW6.7|grad7>6.7@3>2||grad6>5.7@2>1|grad3>2.4@3>2 BW2.4|grad3>2.4@3>2||grad2>1.4@2>1|grad3>2.5@3>2 "
+        "BW2.5|grad3>2.5@3>2||grad2>1.5@2>1|grad3>2.6@3>2 BW2.6|grad3>2.6@3>2||grad2>1.6@2>1|grad3>2.7@3>2 "
+        "BW2.7|grad3>2.7@3>2||grad2>1.7@2>1|",
+        "F3.0|act2>3.0@2>3||act3>4.0@3>0|act2>3.1@2>3 F3.1|act2>3.1@2>3||act3>4.1@3>0|act2>3.2@2>3 "
+        "F3.2|act2>3.2@2>3||act3>4.2@3>0|act2>3.3@2>3 F3.3|act2>3.3@2>3||act3>4.3@3>0|act6>7.0@2>3 "
+        "F7.0|act6>7.0@2>3|||act6>7.1@2>3,act6>7.2@2>3 BW7.0|||grad7>6.0@3>2| F7.1|act6>7.1@2>3||| "
+        "BW7.1|||grad7>6.1@3>2|act6>7.3@2>3 F7.2|act6>7.2@2>3||| "
+        "BW7.2|||grad7>6.2@3>2|grad4>3.0@0>3,act2>3.4@2>3 F7.3|act6>7.3@2>3||| "
+        "BW7.3|||grad7>6.3@3>2|grad4>3.1@0>3,act2>3.5@2>3 F3.4|act2>3.4@2>3||act3>4.4@3>0| "
+        "BW3.0|grad4>3.0@0>3||grad3>2.0@3>2|act2>3.6@2>3 F3.5|act2>3.5@2>3||act3>4.5@3>0|grad4>3.2@0>3 "
+        "BW3.1|grad4>3.1@0>3||grad3>2.1@3>2|act2>3.7@2>3 F3.6|act2>3.6@2>3||act3>4.6@3>0|grad4>3.3@0>3 "
+        "BW3.2|grad4>3.2@0>3||grad3>2.2@3>2|act6>7.4@2>3 F3.7|act2>3.7@2>3||act3>4.7@3>0| "
+        "BW3.3|grad4>3.3@0>3||grad3>2.3@3>2|act6>7.5@2>3 F7.4|act6>7.4@2>3||| "
+        "BW7.4|||grad7>6.4@3>2|act6>7.6@2>3 F7.5|act6>7.5@2>3||| BW7.5|||grad7>6.5@3>2|act6>7.7@2>3 "
+        "F7.6|act6>7.6@2>3||| BW7.6|||grad7>6.6@3>2|grad4>3.4@0>3 F7.7|act6>7.7@2>3||| "
+        "BW7.7|||grad7>6.7@3>2|grad4>3.5@0>3 BW3.4|grad4>3.4@0>3||grad3>2.4@3>2|grad4>3.6@0>3 "
+        "BW3.5|grad4>3.5@0>3||grad3>2.5@3>2| BW3.6|grad4>3.6@0>3||grad3>2.6@3>2|grad4>3.7@0>3 "
+        "BW3.7|grad4>3.7@0>3||grad3>2.7@3>2|",
+    ],
+}
+
+
+def step_text(step: ActionStep) -> str:
+    """``F0.3|waits|local inputs|sends|prefetch``, each message as ``act0>1.3@0>1`` (stages.mb@ranks)."""
+    def text(messages):
+        return ",".join(f"{m.kind}{m.src_stage}>{m.dst_stage}.{m.microbatch}@{m.src_rank}>{m.dst_rank}"
+                        for m in messages)
+    action = step.action
+    return "|".join([f"{action.kind}{action.stage}.{action.microbatch}", text(step.waits),
+                     text(step.local_inputs), text(step.sends), text(step.prefetch)])
+
+
+@pytest.mark.parametrize("case", list(FROZEN_PLANS))
+def test_plan_is_the_frozen_one(case):
+    plan = plan_communication(build_schedule(*case))
+    assert [" ".join(step_text(step) for step in steps) for steps in plan] == FROZEN_PLANS[case]
+
+
+# --- numbered plans: the planner's and a plan numbered afterwards agree -----------------------------
+
+SMALL_CASES = [("1f1b", 4, 1, 8), ("gpipe", 3, 1, 5), ("interleaved_1f1b", 4, 2, 8), ("interleaved_1f1b", 3, 3, 7),
+               ("interleaved_1f1b", 1, 3, 2), ("interleaved_1f1b", 4, 2, 3)]
+
+
+@pytest.mark.parametrize("name, pp, vpp, num_microbatches", SMALL_CASES)
+def test_the_planner_numbered_plan_is_its_plan_numbered(name, pp, vpp, num_microbatches):
+    schedule = build_schedule(name, pp, vpp, num_microbatches)
+    derived = plan_numbered(schedule)
+    plan = derived.message_plan()
+    numbered = number_plan(plan, schedule)
+    assert numbered.message_plan() == plan
+    assert outputs_as_messages(numbered) == outputs_as_messages(derived)
+    for pp_rank in range(pp):
+        assert derived.as_messages(derived.initial_receives(pp_rank)) == list(initial_receives(plan, pp_rank))
+        assert derived.as_messages(derived.posted_receives(pp_rank)) == posted_receives(plan, pp_rank)
+        for src_rank in range(pp):
+            assert derived.as_messages(derived.send_order(src_rank, pp_rank)) == send_order(plan, src_rank, pp_rank)
+    assert {pair: derived.as_messages(numbers) for pair, numbers in derived.planned_sends().items()} == \
+        planned_sends(plan)
+
+
+def outputs_as_messages(numbered):
+    """Each step's local hand-over as a Message (None when it has none)."""
+    return [[None if number == NO_MESSAGE else numbered.messages[number] for number in rank_outputs]
+            for rank_outputs in numbered.local_outputs]
+
+
+@pytest.mark.parametrize("name, pp, vpp, num_microbatches", SMALL_CASES)
+def test_a_plan_posting_each_receive_once_ahead_compiles_as_in_the_general_case(name, pp, vpp, num_microbatches):
+    schedule = build_schedule(name, pp, vpp, num_microbatches)
+    plan = plan_numbered(schedule)
+    durations = action_durations(schedule.chunks_per_rank, Costs(1, 2, 3))
+    for pp_rank in range(pp):
+        initial = plan.initial_receives(pp_rank)
+        assert simulate_module._posts_once_ahead(initial, plan.waits[pp_rank], plan.prefetch[pp_rank])
+        general = simulate_module._compiled_steps_posting(plan, pp_rank, set(initial), durations)
+        assert simulate_module._compiled_steps(plan, pp_rank, initial, durations) == general
+
+
+def test_a_plan_posting_a_receive_late_or_twice_takes_the_general_path():
+    schedule = build_schedule("1f1b", 2, 1, 2)
+    plan = plan_communication(schedule)
+    grad_0, grad_1 = Message("grad", 1, 0, 0, 1, 0), Message("grad", 1, 0, 1, 1, 0)
+    late = [[plan[0][0], ActionStep(*plan[0][1][:4], ()), ActionStep(*plan[0][2][:4], (grad_0, grad_1)), plan[0][3]],
+            plan[1]]
+    twice = [[plan[0][0], ActionStep(*plan[0][1][:4], (grad_0, grad_0)), *plan[0][2:]], plan[1]]
+    for hand_made in (late, twice):
+        numbered = number_plan(hand_made, schedule)
+        assert not simulate_module._posts_once_ahead(numbered.initial_receives(0), numbered.waits[0],
+                                                     numbered.prefetch[0])
+    late_program = simulate_module.compile_plan(schedule, number_plan(late, schedule))
+    post_first = [step[4] for step in late_program.steps[0]]  # (inputs, duration, output, sends, post_first, ...)
+    assert [[late_program.messages[n] for n in numbers] for numbers in post_first] == [[], [], [grad_0], []]
+
+
+# --- module structure: no import cycle, nothing low imports something above it --------------------
+
+PIPELINE = Path(__file__).resolve().parents[2] / "ppctl" / "pipeline"
+LAYERS = {"schedules": 0, "messages": 1, "replay": 2, "comm": 3, "simulate": 4, "check": 5, "render": 5}
+
+
+def pipeline_imports() -> dict[str, set[str]]:
+    """Module of ppctl/pipeline -> the modules of ppctl/pipeline it imports (anywhere, lazy imports too)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PIPELINE.rglob("*.py")):
+        parts = path.relative_to(PIPELINE).with_suffix("").parts
+        if parts == ("__init__",):
+            continue
+        module = parts[0]
+        package = ["ppctl", "pipeline", *parts[:-1]]
+        for node in ast.walk(ast.parse(path.read_text())):
+            for target in imported_modules(node, package):
+                if target != module:
+                    graph.setdefault(module, set()).add(target)
+        graph.setdefault(module, set())
+    return graph
+
+
+def imported_modules(node: ast.AST, package: list[str]) -> list[str]:
+    """The ppctl.pipeline modules (first name under ppctl/pipeline) that an import node names."""
+    if isinstance(node, ast.Import):
+        names = [alias.name.split(".") for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        base = package[:len(package) - node.level + 1] if node.level else []
+        stem = base + (node.module.split(".") if node.module else [])
+        names = [stem] if node.module else [stem + [alias.name] for alias in node.names]
+    else:
+        return []
+    return [name[2] for name in names if name[:2] == ["ppctl", "pipeline"] and len(name) > 2]
+
+
+def test_pipeline_modules_import_each_other_without_a_cycle():
+    graph = pipeline_imports()
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        assert module not in path, f"import cycle: {' -> '.join(path + [module])}"
+        if module in done:
+            return
+        for target in sorted(graph.get(module, ())):
+            visit(target, path + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_no_pipeline_module_imports_one_above_it():
+    graph = pipeline_imports()
+    assert set(LAYERS) <= set(graph)
+    for module, targets in graph.items():
+        for target in targets:
+            if module in LAYERS and target in LAYERS:
+                assert LAYERS[target] < LAYERS[module], f"{module} (layer {LAYERS[module]}) imports {target} " \
+                                                        f"(layer {LAYERS[target]})"
+
+
+def test_only_the_messages_module_steps_from_a_stage_to_its_neighbour():
+    neighbour = re.compile(r"stage\s*[-+]\s*(1\b|direction)")
+    for path in sorted(PIPELINE.rglob("*.py")):
+        if path.name != "messages.py":
+            assert not neighbour.search(path.read_text()), f"{path.name} derives an adjacent stage itself"
+

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from ppctl.pipeline.comm import plan_communication
 from ppctl.pipeline.schedules import ScheduleError, build_schedule
 from ppctl.pipeline.schedules.base import Action, Schedule
 from ppctl.pipeline.simulate import Costs, parse_costs, replay, simulate
@@ -160,3 +161,14 @@ def test_a_deadlocked_schedule_cannot_be_simulated():
 def test_rendezvous_replay_needs_a_plan():
     with pytest.raises(ValueError, match="needs the communication plan"):
         replay(build_schedule("1f1b", 2, 1, 2), rendezvous=True)
+
+
+@pytest.mark.parametrize("name, pp, vpp, num_microbatches", [("1f1b", 4, 1, 8), ("gpipe", 3, 1, 5),
+                                                             ("interleaved_1f1b", 4, 2, 8),
+                                                             ("interleaved_1f1b", 2, 3, 4)])
+def test_the_plan_replayed_with_buffered_sends_times_like_the_bare_schedule(name, pp, vpp, num_microbatches):
+    schedule = build_schedule(name, pp, vpp, num_microbatches)
+    costs = Costs(F=1, B=2, W=1, comm=0.25)
+    from_plan, bare = replay(schedule, plan_communication(schedule), costs), replay(schedule, costs=costs)
+    assert (from_plan.starts, from_plan.ends) == (bare.starts, bare.ends)
+    assert not from_plan.deadlocked and not bare.deadlocked

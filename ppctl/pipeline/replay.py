@@ -1,0 +1,363 @@
+"""The replay engine: run every rank's actions against a cost model, with buffered or NCCL-like sends.
+
+One engine serves the planner (a unit-cost replay decides where receives go), the
+simulator (timelines) and the checker (deadlock detection). It runs a ``Program``:
+per rank, steps whose messages are numbers. ``compile_schedule`` builds one from a
+bare schedule, its messages from stage adjacency (``ppctl.pipeline.messages``);
+``ppctl.pipeline.simulate`` builds one from a communication plan.
+
+An action starts once its rank is free and its inputs are there; its outputs become
+available to their consumers (after ``comm`` when they cross ranks). A rank that waits
+for a message nobody will produce is stuck; if ranks remain stuck when nothing can
+move, the schedule deadlocks.
+
+Two transports decide when a remote message is there:
+
+- buffered (the simulator's): a send completes on its own; the message arrives
+  ``comm`` after its producer finished;
+- rendezvous (NCCL-like, for the checker): each rank issues its point-to-point
+  batches (one per step: the sends plus the prefetched receives) on one stream, in
+  order; a batch starts once the previous one on that rank completed, a message
+  moves once the batches holding its send and its receive have both started, a batch
+  completes once all its messages moved, and a receive is usable once its batch
+  completed. A send whose receive is never posted therefore blocks every later
+  batch of its rank, as it would on NCCL.
+
+Cost model: ``Costs.F`` (``B``, ``W``) is the time of one microbatch through ALL the
+layers of a rank; a chunk's action takes that divided by ``chunks_per_rank``; an
+unsplit backward ``BW`` takes ``B + W``.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections import deque
+from dataclasses import dataclass
+from functools import wraps
+from typing import Callable, Optional, Sequence, TypeVar
+
+from .messages import AdjacentMessages, Message, adjacent_stages
+from .schedules.base import ACTION_KINDS, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Schedule
+
+
+_Result = TypeVar("_Result")
+
+
+def gc_paused(function: Callable[..., _Result]) -> Callable[..., _Result]:
+    """``function`` run with the cyclic garbage collector paused (and resumed after, if it ran before).
+
+    Planning, checking and replaying a large schedule build a few hundred thousand
+    small tuples and lists, and no reference cycle: collections would only walk them
+    over and over (about a sixth of the time at pp=64 with 512 microbatches).
+    """
+    @wraps(function)
+    def paused(*args, **kwargs) -> _Result:
+        if not gc.isenabled():
+            return function(*args, **kwargs)
+        gc.disable()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            gc.enable()
+    return paused
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Times of one microbatch through all of a rank's layers, and the point-to-point latency."""
+
+    F: float = 1.0
+    B: float = 1.0
+    W: float = 1.0
+    comm: float = 0.0
+
+    def to_json(self) -> dict:
+        """The costs as a plain dict (keys F, B, W, comm)."""
+        return {"F": self.F, "B": self.B, "W": self.W, "comm": self.comm}
+
+
+def action_durations(chunks_per_rank: int, costs: Costs) -> dict[str, float]:
+    """Action kind -> the time one chunk-level action of that kind takes."""
+    return {
+        FORWARD: costs.F / chunks_per_rank,
+        BACKWARD_INPUT: costs.B / chunks_per_rank,
+        BACKWARD_WEIGHT: costs.W / chunks_per_rank,
+        BACKWARD: (costs.B + costs.W) / chunks_per_rank,
+    }
+
+
+@dataclass
+class Replay:
+    """What a replay reached: per-rank start and end times of the actions run, and where it stuck."""
+
+    starts: list[list[float]]  # per rank, in plan order, for the actions that ran
+    ends: list[list[float]]
+    stuck: list[tuple[int, Action, Message]]  # (rank, its next action, the message it waits for)
+    stalled_batches: list[str]  # rendezvous only: each rank's p2p batch that never completed
+
+    @property
+    def deadlocked(self) -> bool:
+        """True when some rank never finished its actions or its communication."""
+        return bool(self.stuck or self.stalled_batches)
+
+    def deadlock_message(self) -> str:
+        """One line naming each stuck rank's next action and what it waits for."""
+        parts = [f"rank {rank} stuck at {action} waiting for {message}" for rank, action, message in self.stuck]
+        return "deadlock: " + "; ".join(parts + self.stalled_batches)
+
+
+# One action compiled for replay, a plain tuple (programs hold one per action, and tuples build fastest):
+# (inputs, duration, local_output, sends, post_first, prefetch). Messages are numbers, indices into
+# ``Program.messages``; ``local_output`` is the message handed to a stage on the same rank, or -1;
+# ``post_first`` are waits not posted yet, which the runtime posts before waiting.
+Step = tuple[tuple[int, ...], float, int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+NO_MESSAGE = -1
+
+
+@dataclass
+class Program:
+    """Per rank, the actions and their compiled steps; the receives posted first; number -> message."""
+
+    actions: list[Sequence[Action]]
+    steps: list[list[Step]]
+    initial: list[tuple[int, ...]]  # receives each rank posts before its first action
+    messages: Sequence[Message]
+
+
+def compile_schedule(schedule: Schedule, costs: Costs = Costs()) -> Program:
+    """Each action's input and output from stage adjacency; no receives to post (for a buffered replay).
+
+    ``Program.messages`` is then an ``AdjacentMessages``: every message numbered once.
+    """
+    messages = AdjacentMessages(schedule.placement)
+    durations = action_durations(schedule.chunks_per_rank, costs)
+    templates = {(kind, stage): _step_template(Action(kind, stage, 0), schedule.placement, durations)
+                 for kind in ACTION_KINDS for stage in range(schedule.num_stages)}
+    steps = [_schedule_steps(rank_actions, templates, messages, durations) for rank_actions in schedule.actions]
+    return Program(list(schedule.actions), steps, [() for _ in steps], messages)
+
+
+# What compiling an action takes from its kind and stage alone: (the stage its input comes
+# from, the stage its output goes to, whether that stage is on the same rank, its duration).
+_Template = tuple[Optional[int], Optional[int], bool, float]
+
+
+def _step_template(action: Action, placement: tuple[int, ...], durations: dict[str, float]) -> _Template:
+    """The template of ``action``'s kind and stage."""
+    source, target = adjacent_stages(action, len(placement))
+    local = target is not None and placement[target] == placement[action.stage]
+    return source, target, local, durations[action.kind]
+
+
+def _schedule_steps(rank_actions: Sequence[Action], templates: dict[tuple[str, int], _Template],
+                    messages: AdjacentMessages, durations: dict[str, float]) -> list[Step]:
+    """One rank's bare actions: each one's input number, and its output number as a local hand-over or a send."""
+    number = messages.number
+    steps = []
+    for action in rank_actions:
+        kind, stage, microbatch, step = action.kind, action.stage, action.microbatch, action.step
+        source, target, local, duration = (templates.get((kind, stage))
+                                           or _step_template(action, messages.placement, durations))
+        inputs, local_output, sends = (), NO_MESSAGE, ()
+        if source is not None:
+            inputs = (number((source, stage, microbatch, step)),)
+        if target is not None:
+            if local:
+                local_output = number((stage, target, microbatch, step))
+            else:
+                sends = (number((stage, target, microbatch, step)),)
+        steps.append((inputs, duration, local_output, sends, (), ()))
+    return steps
+
+
+def run(program: Program, comm: float = 0.0, rendezvous: bool = False) -> Replay:
+    """Replay ``program`` with point-to-point latency ``comm``; see the module docstring for the transports."""
+    engine = (_RendezvousEngine if rendezvous else _BufferedEngine)(program, comm)
+    engine.run()
+    return Replay(engine.starts, engine.ends, engine.stuck(), engine.stalled())
+
+
+class _Engine:
+    """Event-driven replay: a rank runs until it needs a message not yet there, then sleeps on it.
+
+    A subclass is the transport: its ``_post`` issues one batch of sends and receives
+    and delivers each message once its consumer can use it: ``available[number]`` gets
+    the time, and the rank sleeping on it (if any) is ready again. That delivery is
+    written out where it happens, on the hot paths, rather than called.
+    """
+
+    def __init__(self, program: Program, comm: float):
+        self.program, self.comm = program, comm
+        pp = len(program.steps)
+        self.available: list[Optional[float]] = [None] * len(program.messages)  # time usable by consumer
+        self.sleeping: dict[int, int] = {}  # message id -> the rank waiting for it
+        self.starts: list[list[float]] = [[] for _ in range(pp)]
+        self.ends: list[list[float]] = [[] for _ in range(pp)]
+        self.ready: deque[int] = deque()
+        self.posted_first = [-1] * pp  # per rank: the last step whose missing waits were posted
+
+    def run(self) -> None:
+        """Post the initial receives, then advance ranks until none can move."""
+        for pp_rank, receives in enumerate(self.program.initial):
+            self._post(pp_rank, (), receives, 0.0)
+        self.ready.extend(range(len(self.program.steps)))
+        self._advance_ready_ranks()
+
+    def _advance_ready_ranks(self) -> None:
+        """Run each ready rank's next actions until one needs a message not yet there; until none is ready.
+
+        One loop for all ranks (not a call per rank): ranks wait and wake about once per action.
+        """
+        all_steps, all_starts, all_ends = self.program.steps, self.starts, self.ends
+        available, sleeping, ready, post = self.available, self.sleeping, self.ready, self._post
+        posted_first = self.posted_first
+        while ready:
+            pp_rank = ready.popleft()
+            steps, starts, ends = all_steps[pp_rank], all_starts[pp_rank], all_ends[pp_rank]
+            free_at = ends[-1] if ends else 0.0
+            for index in range(len(ends), len(steps)):
+                inputs, duration, local_output, sends, post_first, prefetch = steps[index]
+                if post_first and posted_first[pp_rank] < index:  # once, even if the rank sleeps here
+                    posted_first[pp_rank] = index
+                    post(pp_rank, (), post_first, free_at)
+                start, missing = free_at, NO_MESSAGE
+                for number in inputs:
+                    arrived = available[number]
+                    if arrived is None:
+                        missing = number
+                        break
+                    if arrived > start:
+                        start = arrived
+                if missing != NO_MESSAGE:
+                    sleeping[missing] = pp_rank
+                    break
+                free_at = start + duration
+                starts.append(start)
+                ends.append(free_at)
+                if local_output != NO_MESSAGE:
+                    available[local_output] = free_at  # delivered
+                    if local_output in sleeping:
+                        ready.append(sleeping.pop(local_output))
+                if sends or prefetch:
+                    post(pp_rank, sends, prefetch, free_at)
+
+    def _post(self, pp_rank: int, sends: tuple[int, ...], receives: tuple[int, ...], time: float) -> None:
+        """Issue one batch of point-to-point operations of ``pp_rank`` at ``time``."""
+        raise NotImplementedError
+
+    def stuck(self) -> list[tuple[int, Action, Message]]:
+        """Ranks that did not finish, with their next action and the message they sleep on."""
+        waiting_for = {rank: self.program.messages[number] for number, rank in self.sleeping.items()}
+        actions = self.program.actions
+        return [(pp_rank, actions[pp_rank][len(ends)], waiting_for[pp_rank])
+                for pp_rank, ends in enumerate(self.ends) if len(ends) < len(actions[pp_rank])]
+
+    def stalled(self) -> list[str]:
+        """Each rank's point-to-point batch that never completed (none, unless sends can block)."""
+        return []
+
+
+class _BufferedEngine(_Engine):
+    """Sends complete on their own; a message is there ``comm`` after it was sent."""
+
+    def _post(self, pp_rank: int, sends: tuple[int, ...], receives: tuple[int, ...], time: float) -> None:
+        """Deliver each sent message ``comm`` later; receives need no posting."""
+        arrives_at = time + self.comm
+        available, sleeping = self.available, self.sleeping
+        for number in sends:
+            available[number] = arrives_at  # delivered
+            if number in sleeping:
+                self.ready.append(sleeping.pop(number))
+
+
+# A batch of one rank's point-to-point operations issued together, a list (built and updated
+# often): [remaining operations, done at, started at (None: not yet), rank, posted at, sends, receives].
+_REMAINING, _DONE_AT, _STARTED_AT, _RANK, _POSTED_AT, _SENDS, _RECEIVES = range(7)
+
+
+class _RendezvousEngine(_Engine):
+    """NCCL-like: per rank, batches run one after another; a message moves when both sides' batches run."""
+
+    def __init__(self, program: Program, comm: float):
+        super().__init__(program, comm)
+        pp = len(program.steps)
+        self.streams: list[list[list]] = [[] for _ in range(pp)]  # per rank, its batches in order
+        self.head = [0] * pp  # index of each rank's first batch not completed
+        self.send_batch: list[Optional[list]] = [None] * len(program.messages)  # message -> its batches
+        self.receive_batch: list[Optional[list]] = [None] * len(program.messages)
+
+    def _post(self, pp_rank: int, sends: tuple[int, ...], receives: tuple[int, ...], time: float) -> None:
+        """Queue one batch on ``pp_rank``'s stream; start it if the stream is idle."""
+        if not sends and not receives:
+            return
+        batch = [len(sends) + len(receives), time, None, pp_rank, time, sends, receives]
+        send_batch, receive_batch = self.send_batch, self.receive_batch
+        for number in sends:
+            send_batch[number] = batch
+        for number in receives:
+            receive_batch[number] = batch
+        stream = self.streams[pp_rank]
+        stream.append(batch)
+        if len(stream) - 1 == self.head[pp_rank]:
+            self._start(batch, time)
+
+    def _start(self, first: list, time: float) -> None:
+        """Start ``first`` and every batch that can start in consequence, in FIFO order.
+
+        A started batch moves every message whose other side has started: its sends
+        first, then its receives, each in order.
+        """
+        to_start = [(first, time)]
+        send_batch, receive_batch, move = self.send_batch, self.receive_batch, self._move
+        for batch, started_at in to_start:  # grows while it is walked
+            batch[_STARTED_AT] = started_at
+            for number in batch[_SENDS]:
+                receiving = receive_batch[number]
+                if receiving is not None and receiving[_STARTED_AT] is not None:
+                    move(batch, receiving, to_start)
+            for number in batch[_RECEIVES]:
+                sending = send_batch[number]
+                if sending is not None and sending[_STARTED_AT] is not None:
+                    move(sending, batch, to_start)
+
+    def _move(self, sending: list, receiving: list, to_start: list) -> None:
+        """One message moves, both batches having started; a batch whose last message moved completes."""
+        moved_at = max(receiving[_STARTED_AT], sending[_STARTED_AT]) + self.comm
+        for batch in (sending, receiving):
+            batch[_REMAINING] -= 1
+            if moved_at > batch[_DONE_AT]:
+                batch[_DONE_AT] = moved_at
+            if batch[_REMAINING] == 0:
+                self._complete(batch, to_start)
+
+    def _complete(self, batch: list, to_start: list) -> None:
+        """Deliver a completed batch's receives and queue the next batch of its rank."""
+        done_at = batch[_DONE_AT]
+        available, sleeping = self.available, self.sleeping
+        for number in batch[_RECEIVES]:
+            available[number] = done_at  # delivered
+            if number in sleeping:
+                self.ready.append(sleeping.pop(number))
+        pp_rank = batch[_RANK]
+        head = self.head[pp_rank] = self.head[pp_rank] + 1
+        stream = self.streams[pp_rank]
+        if head < len(stream):
+            following = stream[head]
+            to_start.append((following, max(following[_POSTED_AT], done_at)))
+
+    def stalled(self) -> list[str]:
+        """Each rank's first batch that never completed, with the operations it is stuck on."""
+        lines = []
+        messages = self.program.messages
+        for pp_rank, stream in enumerate(self.streams):
+            if self.head[pp_rank] < len(stream):
+                batch = stream[self.head[pp_rank]]
+                pending = [f"send {messages[n]}" for n in batch[_SENDS] if self._pending(n)]
+                pending += [f"recv {messages[n]}" for n in batch[_RECEIVES] if self._pending(n)]
+                lines.append(f"rank {pp_rank} p2p stream blocked on " + ", ".join(pending))
+        return lines
+
+    def _pending(self, number: int) -> bool:
+        """Whether message ``number`` has not moved (a side not posted, or not started)."""
+        sending, receiving = self.send_batch[number], self.receive_batch[number]
+        return sending is None or receiving is None or sending[_STARTED_AT] is None or receiving[_STARTED_AT] is None
