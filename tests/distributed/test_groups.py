@@ -1,4 +1,7 @@
-"""Real process groups and the DeviceMesh agree with the pure layout, for several orders."""
+"""Real process groups and the DeviceMesh agree with the pure layout, for several orders.
+
+Also: check-cluster's point-to-point check reports a link that delivers the wrong data.
+"""
 
 import pytest
 
@@ -36,3 +39,35 @@ def test_groups_and_mesh_match_layout():
                 assert result["real"][name] == layout.group_of(name, rank), (sizes, rank, name)
             for dim, ranks in result["mesh"].items():
                 assert ranks == layout.group_of(dim, rank), (sizes, rank, dim)
+
+
+def _links_with_liar(rank, world_size):
+    """check-cluster's link measurement on pp=2, honest and then with each rank sending another rank's pattern."""
+    import ppctl.cluster as cluster
+    from ppctl.parallel.groups import build_parallel_context
+    from ppctl.parallel.layout import ParallelLayout
+
+    context = build_parallel_context(ParallelLayout(pp=2), 30)
+    honest = cluster.payload_pattern
+    reports = {}
+    for liar in (None, 0, 1):
+        if rank == liar:  # this rank sends rank 4's pattern but still expects its peer's true one
+            cluster.payload_pattern = lambda sender, numel, device="cpu": honest(
+                sender + 4 * (sender == liar), numel, device)
+        reports[liar] = cluster.measure_pipeline_links(context)
+        cluster.payload_pattern = honest
+    return reports
+
+
+@pytest.mark.timeout(120)
+def test_check_cluster_link_check_catches_a_wrong_payload():
+    """A link whose receiver gets other bytes than its sender's pattern is reported, whichever end received them."""
+    from ppctl.cluster import BANDWIDTH_BYTES, BANDWIDTH_ROUND_TRIPS, LATENCY_ROUND_TRIPS
+
+    first, second = run_workers(_links_with_liar, 2, timeout=100)
+    assert second == {None: [], 0: [], 1: []}  # the second pp rank reports no link of its own
+    total = LATENCY_ROUND_TRIPS + BANDWIDTH_ROUND_TRIPS * BANDWIDTH_BYTES // 4
+    assert [(link["src"], link["dst"]) for link in first[None]] == [(0, 1)]
+    assert first[None][0]["payload"] == "ok"
+    assert first[1][0]["payload"] == f"rank 0 received {total} of {total} values wrong from rank 1"
+    assert first[0][0]["payload"] == f"rank 1 received {total} of {total} values wrong from rank 0"

@@ -1,0 +1,67 @@
+"""Shared by the end-to-end tests: read a run's TensorBoard scalars, compare runs with one process.
+
+The reference run is the single-process run as a user would launch it: the same
+overrides with every ``parallel.*`` and ``launcher.*`` setting dropped and
+``parallel=single`` added (so the default vocabulary padding of tp=1). Nothing of the
+parallel run's internal settings reaches it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+RTOL = 1e-5  # relative difference allowed between a parallel run's logged scalars and one process's
+LAYOUT_PREFIXES = ("parallel", "launcher")  # how a run is split over processes and nodes, not what it computes
+
+
+def scalars(run_dir: Path):
+    """The run's TensorBoard event accumulator, loaded."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(Path(run_dir) / "tensorboard"))
+    accumulator.Reload()
+    return accumulator
+
+
+def series(run_dir: Path, tag: str) -> dict[int, float]:
+    """Step -> value of one scalar tag (e.g. ``train/loss``)."""
+    return {event.step: event.value for event in scalars(run_dir).Scalars(tag)}
+
+
+def single_process_overrides(overrides: list[str]) -> list[str]:
+    """The same run as one process on one node: no parallel.* or launcher.* setting, ``parallel=single``."""
+    kept = [item for item in overrides if not item.lstrip("+~").startswith(LAYOUT_PREFIXES)]
+    return kept + ["parallel=single"]
+
+
+def assert_same_series(actual_dir: Path, expected_dir: Path, tags=("train/loss", "train/grad_norm"),
+                       rtol: float = RTOL) -> None:
+    """Every step of every tag agrees within ``rtol`` (relative), and both runs logged the same steps."""
+    for tag in tags:
+        actual, expected = series(actual_dir, tag), series(expected_dir, tag)
+        assert expected and sorted(actual) == sorted(expected), (tag, sorted(actual), sorted(expected))
+        for step, value in expected.items():
+            assert math.isfinite(value)
+            assert actual[step] == pytest.approx(value, rel=rtol), (tag, step, actual[step], value)
+
+
+@pytest.fixture(scope="session")
+def single_run(tmp_path_factory):
+    """``single_run(overrides)``: run dir of ``ppctl train`` as one process (launched once per override list)."""
+    from tests.cli.conftest import run_ppctl
+
+    done: dict[tuple[str, ...], Path] = {}
+
+    def run(overrides: list[str]) -> Path:
+        key = tuple(single_process_overrides(overrides))
+        if key not in done:
+            run_dir = tmp_path_factory.mktemp("single")
+            result = run_ppctl("train", *key, f"trainer.out_dir={run_dir}")
+            assert result.returncode == 0, result.stderr[-3000:]
+            done[key] = run_dir
+        return done[key]
+
+    return run
