@@ -160,7 +160,7 @@ def check_cluster(
 
 
 def _launch(config: PpctlConfig, task: str, dry_run: bool) -> None:
-    from ppctl.config import nproc_per_node, to_yaml
+    from ppctl.config import nproc_per_node
     from ppctl.launch import build_launch_plan, default_run_dir, resolve_backend, run_plan
 
     run_dir = Path(config.trainer.out_dir) if config.trainer.out_dir else default_run_dir()

@@ -155,25 +155,31 @@ class Trainer:
         The loss is the global batch's mean token loss on the ranks that hold the last stage, else None.
         """
         self.optimizer.zero_grad(set_to_none=False)
-        microbatches = [to_device(mb, self.context.device) for mb in self.data.microbatches(step)]
-        normalizer = self.data.global_loss_tokens(step) if self.holds_loss else 1.0
+        microbatches, normalizer = self._batch(step)
         if self.tracer is not None:
             self.tracer.start_step()
         state = self.runtime.run(self.program, microbatches, MaskedTokenLoss(normalizer))
         self.last_step_state = state
         finalize_gradients(self.chunks, self.context)
         grad_norm = global_grad_norm(self.chunks, self.context)
-        loss = self._reduce_loss(float(state.loss_sum) / normalizer) if self.holds_loss else None
-        return loss, grad_norm
+        return self._mean_loss(state, normalizer), grad_norm
 
     def evaluate(self, step: int) -> float | None:
         """Mean token loss of global batch ``step`` through the forward-only schedule; nothing is kept or changed.
 
         Returns the loss on the ranks holding the last stage, None elsewhere.
         """
-        microbatches = [to_device(mb, self.context.device) for mb in self.data.microbatches(step)]
-        normalizer = self.data.global_loss_tokens(step) if self.holds_loss else 1.0
+        microbatches, normalizer = self._batch(step)
         state = self.runtime.run(self.eval_program, microbatches, MaskedTokenLoss(normalizer), forward_only=True)
+        return self._mean_loss(state, normalizer)
+
+    def _batch(self, step: int) -> tuple[list, float]:
+        """This rank's microbatches of global batch ``step`` and the batch's loss-token count (loss ranks)."""
+        microbatches = [to_device(mb, self.context.device) for mb in self.data.microbatches(step)]
+        return microbatches, self.data.global_loss_tokens(step) if self.holds_loss else 1.0
+
+    def _mean_loss(self, state, normalizer: float) -> float | None:
+        """The global batch's mean token loss on the loss ranks (summed over DP), None elsewhere."""
         return self._reduce_loss(float(state.loss_sum) / normalizer) if self.holds_loss else None
 
     def apply_gradients(self, grad_norm: float) -> None:

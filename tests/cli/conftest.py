@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli.runs import single_run  # noqa: F401  (a fixture shared by the CLI tests)
+
 REPO = Path(__file__).resolve().parents[2]
 
 

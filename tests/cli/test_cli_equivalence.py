@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.runs import assert_same_series, single_run  # noqa: F401  (single_run: fixture)
+from tests.cli.runs import assert_same_series
 
 BASE = ["data=synthetic", "trainer.seq_length=16", "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
         "trainer.max_steps=3", "trainer.log_every=1"]

@@ -12,7 +12,7 @@ from collections import defaultdict
 
 import pytest
 
-from tests.cli.runs import assert_same_series, scalars, single_run  # noqa: F401  (single_run: fixture)
+from tests.cli.runs import assert_same_series, scalars
 
 FAST_TRAIN = ["data=synthetic", "trainer.seq_length=16", "trainer.global_batch_size=8", "trainer.micro_batch_size=2"]
 THREE_STEPS = ["trainer.max_steps=3", "trainer.log_every=1", *FAST_TRAIN]

@@ -24,10 +24,11 @@ V_PLACEMENT = "a V: rank r holds stages r and 2*pp-1-r"
 
 
 def _planned(name: str, multi_chunk: bool, splits_backward: bool, description: str, placement=looped_placement,
-             chunks_per_rank=None, placement_name="looped: rank r holds stages r, r+pp, ...") -> ScheduleSpec:
+             **placement_facts) -> ScheduleSpec:
+    """A schedule of a later issue: known to validation (rules, placement), not yet runnable."""
     return ScheduleSpec(name, implemented=False, multi_chunk=multi_chunk, splits_backward=splits_backward,
                         description=description, microbatch_error=at_least_one_microbatch, placement=placement,
-                        chunks_per_rank=chunks_per_rank, placement_name=placement_name)
+                        **placement_facts)
 
 
 SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
@@ -38,12 +39,12 @@ SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
         INTERLEAVED_SPEC,
         _planned("zb_h1", False, True, "zero-bubble H1: 1F1B with the backward split into B and W"),
         _planned("zbv", True, True, "zero-bubble V: two chunks per rank in a V, B/W split", _v_placement,
-                 2, V_PLACEMENT),
+                 chunks_per_rank=2, placement_name=V_PLACEMENT),
         # DualPipe's placement (two model copies, rank r holds stage r of one and pp-1-r of the other)
         # arrives with the schedule.
         _planned("dualpipe", True, True, "DualPipe: two model copies fed from both ends, B/W split", None),
         _planned("dualpipev", True, True, "DualPipeV: DualPipe folded onto a V placement", _v_placement,
-                 2, V_PLACEMENT),
+                 chunks_per_rank=2, placement_name=V_PLACEMENT),
     )
 }
 
