@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
-from ppctl.parallel.layout import LayoutError, ParallelLayout, split_layers
+from ppctl.parallel.layout import CP_COMM_MODES, LayoutError, ParallelLayout, split_layers
 
 PACKAGE_CONF_DIR = Path(__file__).resolve().parent / "conf"
 
@@ -64,8 +64,12 @@ class ParallelConfig:
                        "the V schedules `zbv` and `dualpipev`, else 1")
     dp: int = setting(1, "data-parallel size")
     cp: int = setting(1, "context-parallel size (seq_length divisible by 2*cp)")
+    cp_comm: str = setting(
+        "allgather", "how attention spans the CP group: `allgather` (keys and values gathered), `ring` "
+        "(key/value blocks passed around the CP ring, overlapped with compute) or `a2a` (all-to-all to "
+        "head-split, as DeepSpeed-Ulysses; num_heads divisible by tp*cp)")
     sequence_parallel: bool = setting(
-        False, "Megatron sequence parallelism (needs tp > 1, seq_length divisible by tp)")
+        False, "Megatron sequence parallelism (needs tp > 1, seq_length divisible by cp*tp)")
     order: str = setting("tp-cp-dp-pp", "rank order, fastest-varying first (Megatron-Core's convention)")
     pipeline_layout: Optional[str] = setting(
         None, "explicit per-stage split in Megatron-LM syntax, e.g. `Ettt|tttt|tttL` (`t*3` repeats); "
@@ -387,6 +391,31 @@ def _check_model(config: PpctlConfig) -> None:
     )
     if model.position_embedding == "rope":
         _require((model.hidden_size // model.num_heads) % 2 == 0, "model.position_embedding=rope needs an even head dim")
+    _check_context_parallel_attention(config)
+
+
+def _check_context_parallel_attention(config: PpctlConfig) -> None:
+    """The CP communication mode exists, and a2a can split each TP rank's heads over the CP ranks."""
+    model, parallel = config.model, config.parallel
+    _require(parallel.cp_comm in CP_COMM_MODES,
+             f"parallel.cp_comm={parallel.cp_comm!r} must be one of {', '.join(CP_COMM_MODES)}")
+    if parallel.cp > 1 and parallel.cp_comm == "a2a":
+        _require(
+            model.num_heads % (parallel.tp * parallel.cp) == 0,
+            f"parallel.cp_comm=a2a splits heads over tp*cp: model.num_heads={model.num_heads} must be divisible "
+            f"by parallel.tp * parallel.cp = {parallel.tp * parallel.cp}",
+        )
+
+
+def message_seq_length(config: PpctlConfig) -> int:
+    """Tokens of each sequence a rank holds between blocks, so in one pipeline message.
+
+    A CP rank's part of the sequence (seq_length / cp), and with sequence parallelism
+    a TP rank's part of that.
+    """
+    parallel = config.parallel
+    tokens = config.trainer.seq_length // parallel.cp
+    return tokens // parallel.tp if parallel.sequence_parallel else tokens
 
 
 def _check_batch_division(config: PpctlConfig) -> None:
@@ -413,10 +442,11 @@ def _check_batch(config: PpctlConfig, layout: ParallelLayout) -> None:
         )
     if parallel.sequence_parallel:
         _require(parallel.tp > 1, "parallel.sequence_parallel=true needs parallel.tp > 1")
+        # SP splits each CP rank's tokens (seq_length / cp of them) over the TP ranks.
         _require(
-            trainer.seq_length % parallel.tp == 0,
-            f"trainer.seq_length={trainer.seq_length} must be divisible by parallel.tp={parallel.tp} "
-            "with sequence parallelism",
+            trainer.seq_length % (parallel.cp * parallel.tp) == 0,
+            f"trainer.seq_length={trainer.seq_length} must be divisible by parallel.cp * parallel.tp = "
+            f"{parallel.cp * parallel.tp} with sequence parallelism",
         )
     world = layout.world_size
     _require(
@@ -470,8 +500,6 @@ def check_runnable(config: PpctlConfig) -> None:
     spec = SCHEDULE_SPECS[config.schedule.name]
     _require(spec.implemented, f"schedule.name={config.schedule.name} is not implemented yet; "
              f"available: {', '.join(n for n, s in SCHEDULE_SPECS.items() if s.implemented)}")
-    _require(config.parallel.cp == 1, "parallel.cp > 1 (context parallelism) is not implemented yet")
-    _require(not config.parallel.sequence_parallel, "parallel.sequence_parallel=true is not implemented yet")
     _require(not config.optimizer.distributed, "optimizer.distributed=true is not implemented yet")
     _require(
         config.trainer.precision in PRECISIONS_READY,

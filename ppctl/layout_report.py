@@ -2,17 +2,44 @@
 
 from __future__ import annotations
 
-from ppctl.config import PpctlConfig, config_layer_map, layout_of, padded_vocab_size
-from ppctl.parallel.layout import GROUP_NAMES
+from ppctl.config import PpctlConfig, config_layer_map, layout_of, message_seq_length, padded_vocab_size
+from ppctl.parallel.layout import GROUP_NAMES, context_parallel_slices
 
 MAX_TABLE_GROUPS = 8
 MAX_TABLE_RANKS = 64
 
 
+def local_span(pieces: tuple[range, ...], start: int, stop: int) -> list[list[int]]:
+    """The ``[start, end)`` runs of sequence positions at local indices ``[start, stop)`` of the pieces laid end to end."""
+    runs, offset = [], 0
+    for piece in pieces:
+        low, high = max(start - offset, 0), min(stop - offset, len(piece))
+        if low < high and runs and runs[-1][1] == piece[low]:
+            runs[-1][1] = piece[high - 1] + 1  # adjacent chunks (the middle CP rank's) read as one run
+        elif low < high:
+            runs.append([piece[low], piece[high - 1] + 1])
+        offset += len(piece)
+    return runs
+
+
+def sequence_report(config: PpctlConfig, cp_rank: int, tp_rank: int) -> dict:
+    """The tokens of each sequence one rank holds: in attention (its CP slice) and between blocks (SP's share)."""
+    parallel = config.parallel
+    pieces = context_parallel_slices(config.trainer.seq_length, cp_rank, parallel.cp)
+    local = sum(len(piece) for piece in pieces)
+    share = message_seq_length(config)
+    start = tp_rank * share if parallel.sequence_parallel else 0
+    return {"tokens": local_span(pieces, 0, local), "residual_tokens": local_span(pieces, start, start + share)}
+
+
 def layout_report(config: PpctlConfig) -> dict:
-    """The ``--json`` contract: world_size, order, sizes, groups, ranks, layers."""
+    """The ``--json`` contract: world_size, order, sizes, sequence, groups, ranks, layers."""
     layout = layout_of(config)
-    ranks = [{"rank": rank, **layout.coords(rank)} for rank in range(layout.world_size)]
+    sequences = {(cp, tp): sequence_report(config, cp, tp) for cp in range(layout.cp) for tp in range(layout.tp)}
+    ranks = []
+    for rank in range(layout.world_size):
+        coords = layout.coords(rank)
+        ranks.append({"rank": rank, **coords, **sequences[coords["cp"], coords["tp"]]})
     layers = [
         {"pp_rank": pp_rank, "vp_stage": chunk, "layers": list(stage.layers),
          "pre_process": stage.pre_process, "post_process": stage.post_process}
@@ -22,6 +49,9 @@ def layout_report(config: PpctlConfig) -> dict:
         "world_size": layout.world_size,
         "order": layout.order,
         "sizes": {name: layout.sizes[name] for name in ("tp", "cp", "dp", "pp", "vpp")},
+        "sequence": {"seq_length": config.trainer.seq_length, "cp_comm": config.parallel.cp_comm,
+                     "sequence_parallel": config.parallel.sequence_parallel,
+                     "message_tokens": message_seq_length(config)},
         "groups": layout.all_groups(),
         "ranks": ranks,
         "layers": layers,
@@ -40,6 +70,10 @@ def print_layout(report: dict, config: PpctlConfig) -> None:
         + "  ".join(f"{name}={value}" for name, value in sizes.items())
         + f"  vocab {config.model.vocab_size} -> padded {vocab}"
     )
+    sequence = report["sequence"]
+    console.print(f"sequence {sequence['seq_length']} tokens  cp={sizes['cp']} (attention: {sequence['cp_comm']})  "
+                  f"sequence_parallel={sequence['sequence_parallel']}")
+    console.print(f"{sequence['message_tokens']} tokens of each sequence per pipeline message")
     console.print(_groups_table(report))
     if report["world_size"] <= MAX_TABLE_RANKS:
         console.print(_ranks_table(report))
@@ -68,9 +102,16 @@ def _ranks_table(report: dict):
     table = Table(title="rank coordinates")
     for column in ("rank", "tp", "cp", "dp", "pp"):
         table.add_column(column, justify="right")
+    table.add_column("tokens (attention)")
+    table.add_column("tokens (norms, residual)")
     for entry in report["ranks"]:
-        table.add_row(*(str(entry[key]) for key in ("rank", "tp", "cp", "dp", "pp")))
+        table.add_row(*(str(entry[key]) for key in ("rank", "tp", "cp", "dp", "pp")),
+                      _ranges_text(entry["tokens"]), _ranges_text(entry["residual_tokens"]))
     return table
+
+
+def _ranges_text(ranges: list[list[int]]) -> str:
+    return " ".join(f"{start}-{end - 1}" for start, end in ranges)
 
 
 def _layers_table(report: dict):

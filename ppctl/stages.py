@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ppctl.config import PpctlConfig
+from ppctl.config import PpctlConfig, message_seq_length
 from ppctl.factory import parameter_dtype
 from ppctl.model.gpt import GPTChunk
 from ppctl.pipeline.stage import PipelineStage, StageIO, TensorSpec
@@ -59,9 +59,8 @@ def chunk_fields(chunk: GPTChunk) -> tuple[str, ...]:
 
 
 def gpt_stage_io(chunk: GPTChunk, config: PpctlConfig) -> StageIO:
-    """The chunk's messages (``[micro_batch, seq, hidden]`` in the parameter dtype) and fields."""
-    trainer = config.trainer
-    activation = TensorSpec((trainer.micro_batch_size, trainer.seq_length, config.model.hidden_size),
+    """The chunk's messages (``[micro_batch, message_seq_length, hidden]`` in the parameter dtype) and fields."""
+    activation = TensorSpec((config.trainer.micro_batch_size, message_seq_length(config), config.model.hidden_size),
                             parameter_dtype(config))
     return StageIO(input=None if chunk.pre_process else activation,
                    output=None if chunk.post_process else activation,

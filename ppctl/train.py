@@ -19,6 +19,7 @@ from ppctl.data.iterator import PipelineDataIterator
 from ppctl.factory import dataset_of, gpt_config, parameter_dtype
 from ppctl.model.gpt import GPTChunk
 from ppctl.optim.grads import build_optimizer, clip_gradients, finalize_gradients, global_grad_norm
+from ppctl.parallel.context_parallel import CPGroup
 from ppctl.parallel.groups import ParallelContext
 from ppctl.parallel.tensor_parallel import TPGroup
 from ppctl.pipeline.check import check_plan, check_schedule
@@ -53,28 +54,41 @@ def to_device(microbatch, device: str):
     return type(microbatch)(**moved)
 
 
-def tp_group_of(context: ParallelContext) -> TPGroup:
+def tp_group_of(context: ParallelContext, sequence_parallel: bool = False) -> TPGroup:
     """The TP group object the model layers use."""
     if context.size("tp") == 1:
         return TPGroup.single()
-    return TPGroup(context.groups["tp"], context.size("tp"), context.index("tp"))
+    return TPGroup(context.groups["tp"], context.size("tp"), context.index("tp"), sequence_parallel)
+
+
+def cp_group_of(context: ParallelContext, comm: str) -> CPGroup:
+    """The CP group object attention uses, with its communication mode."""
+    if context.size("cp") == 1:
+        return CPGroup.single()
+    return CPGroup(context.groups["cp"], context.size("cp"), context.index("cp"),
+                   tuple(context.group_ranks["cp"]), comm)
 
 
 def build_chunks(config: PpctlConfig, context: ParallelContext) -> dict[int, GPTChunk]:
     """This rank's model chunks, keyed by global stage, from the layout's layer map (its placement)."""
     dtype = parameter_dtype(config)
+    tp = tp_group_of(context, config.parallel.sequence_parallel)
+    cp = cp_group_of(context, config.parallel.cp_comm)
     chunks = {}
     for (pp_rank, _chunk), stage in context.layout.layer_map(config.model.num_layers,
                                                              config.parallel.pipeline_layout).items():
         if pp_rank == context.pp_rank:
             chunk = GPTChunk(gpt_config(config), stage.layers, stage.pre_process, stage.post_process,
-                             tp_group_of(context), config.trainer.seed, dtype)
+                             tp, config.trainer.seed, dtype, cp)
             chunks[stage.stage] = chunk.to(context.device)
     return chunks
 
 
 def build_data(config: PpctlConfig, context: ParallelContext, fields: tuple[str, ...]) -> PipelineDataIterator:
-    """The microbatch iterator: TP rank 0 reads and broadcasts ``fields`` (what this rank's stages read)."""
+    """The microbatch iterator: TP rank 0 reads and broadcasts ``fields`` (what this rank's stages read).
+
+    Every rank then keeps its CP rank's tokens of each field.
+    """
     trainer = config.trainer
     tp_ranks = context.group_ranks["tp"]
     return PipelineDataIterator(
@@ -82,6 +96,7 @@ def build_data(config: PpctlConfig, context: ParallelContext, fields: tuple[str,
         dp_rank=context.coords["dp"], dp_size=context.layout.dp,
         tp_group=context.groups["tp"] if len(tp_ranks) > 1 else None,
         tp_src_rank=tp_ranks[0], is_tp_src=context.rank == tp_ranks[0], fields=fields, device=context.device,
+        cp_rank=context.coords["cp"], cp_size=context.layout.cp,
     )
 
 

@@ -17,6 +17,7 @@ import torch
 
 from ppctl.data.prepare import prepare_tokens, read_sidecar
 from ppctl.data.tokenizer import build_tokenizer
+from ppctl.parallel.layout import LayoutError, context_parallel_slices
 
 SYNTHETIC_NUM_SAMPLES = 1 << 16
 
@@ -230,15 +231,14 @@ def slice_for_context_parallel(tensor: torch.Tensor, cp_rank: int, cp_size: int)
     """Return CP rank ``cp_rank``'s part of a ``[mbs, seq]`` tensor.
 
     The sequence is cut into ``2*cp_size`` equal chunks; the rank keeps chunks
-    ``cp_rank`` and ``2*cp_size-1-cp_rank`` (in that order), which balances
+    ``cp_rank`` and ``2*cp_size-1-cp_rank`` (in that order, see
+    ``ppctl.parallel.layout.context_parallel_slices``), which balances
     causal-attention work across CP ranks. Identity for ``cp_size == 1``.
     """
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank={cp_rank} out of range for cp_size={cp_size}")
-    if cp_size == 1:
+    if cp_size == 1 and cp_rank == 0:
         return tensor
-    seq_length = tensor.shape[1]
-    if seq_length % (2 * cp_size) != 0:
-        raise ValueError(f"sequence length {seq_length} must be a multiple of 2*cp_size={2 * cp_size}")
-    chunks = tensor.chunk(2 * cp_size, dim=1)
-    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=1)
+    try:
+        pieces = context_parallel_slices(tensor.shape[1], cp_rank, cp_size)
+    except LayoutError as error:
+        raise ValueError(str(error)) from None
+    return torch.cat([tensor[:, piece.start:piece.stop] for piece in pieces], dim=1)

@@ -7,6 +7,10 @@ receive. Which fields a rank needs comes from its stages' I/O specs
 (``ppctl.pipeline.stage.StageIO.fields``): the first stage reads tokens and position
 ids, the last labels and the loss mask, a middle stage position ids under rotary
 embeddings and otherwise nothing (no read, no broadcast).
+
+With context parallelism every rank then keeps its CP rank's tokens of each field
+(``slice_for_context_parallel``): chunks r and 2*cp-1-r of the sequence. Position ids
+stay global, so positions are right on every stage.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from ppctl.data.dataset import (
-    Microbatch, WindowDataset, global_loss_tokens, microbatches_per_dp_rank, step_microbatches,
+    Microbatch, WindowDataset, global_loss_tokens, microbatches_per_dp_rank, slice_for_context_parallel,
+    step_microbatches,
 )
 
 ALL_FIELDS = ("tokens", "position_ids", "labels", "loss_mask")
@@ -29,12 +34,15 @@ class PipelineDataIterator:
     ``tp_src_rank`` the global rank of TP rank 0 in it, ``is_tp_src`` whether
     this rank is that source. ``fields``: the microbatch fields this rank's stages
     read (any of ``ALL_FIELDS``). Non-source ranks never read ``dataset``.
+    ``cp_rank`` / ``cp_size``: every field is cut to that CP rank's tokens after the
+    broadcast (the loss-token count stays the whole global batch's).
     """
 
     def __init__(
         self, dataset: WindowDataset, seed: int, global_batch_size: int, micro_batch_size: int,
         seq_length: int, dp_rank: int, dp_size: int, tp_group: dist.ProcessGroup | None,
         tp_src_rank: int, is_tp_src: bool, fields: tuple[str, ...], device: str = "cpu",
+        cp_rank: int = 0, cp_size: int = 1,
     ):
         if tp_group is None and not is_tp_src:
             raise ValueError("a rank without a TP group (tp=1) must be its own TP source; got is_tp_src=False")
@@ -45,6 +53,9 @@ class PipelineDataIterator:
         if set(fields) - set(ALL_FIELDS):
             raise ValueError(f"unknown microbatch fields {sorted(set(fields) - set(ALL_FIELDS))}; "
                              f"known: {', '.join(ALL_FIELDS)}")
+        if not 0 <= cp_rank < cp_size:
+            raise ValueError(f"cp_rank={cp_rank} out of range for cp_size={cp_size}")
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         self.dataset = dataset
         self.seed = seed
         self.global_batch_size = global_batch_size
@@ -63,9 +74,16 @@ class PipelineDataIterator:
         """Return this rank's microbatches of ``step``; fields its stage does not need are None."""
         if not self.needed_fields:
             return [Microbatch(None, None, None, None) for _ in range(self.num_microbatches)]
-        if self.is_tp_src:
-            return self._read_and_send(step)
-        return self._receive()
+        microbatches = self._read_and_send(step) if self.is_tp_src else self._receive()
+        return [self._context_parallel_part(microbatch) for microbatch in microbatches]
+
+    def _context_parallel_part(self, microbatch: Microbatch) -> Microbatch:
+        """This CP rank's tokens of every field present (the whole microbatch when cp=1)."""
+        if self.cp_size == 1:
+            return microbatch
+        return Microbatch(**{name: None if value is None else slice_for_context_parallel(value, self.cp_rank,
+                                                                                          self.cp_size)
+                             for name, value in vars(microbatch).items()})
 
     def global_loss_tokens(self, step: int) -> float:
         """Return the loss-mask sum over the whole global batch ``step`` (last-stage ranks only).

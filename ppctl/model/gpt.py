@@ -17,6 +17,7 @@ from torch import nn
 
 from ppctl.model import init as param_init
 from ppctl.model.layers import Embedding, TransformerLayer, rotary_cos_sin
+from ppctl.parallel.context_parallel import CPGroup
 from ppctl.parallel.tensor_parallel import (
     ColumnParallelLinear,
     TPGroup,
@@ -98,15 +99,16 @@ class GPTChunk(nn.Module):
     ``layer_ids`` are the global ids of the transformer layers it runs, in order;
     ``pre_process`` adds the embedding, ``post_process`` the final norm, output layer
     and loss. Parameters are initialised from ``seed`` independently of the layout
-    (see ``ppctl.model.init``).
+    (see ``ppctl.model.init``). ``cp``: the context-parallel group attention reaches
+    the rest of the sequence through (one rank by default).
     """
 
     def __init__(self, config: GPTConfig, layer_ids: Sequence[int], pre_process: bool, post_process: bool,
-                 tp: TPGroup, seed: int, dtype: torch.dtype = torch.float32):
+                 tp: TPGroup, seed: int, dtype: torch.dtype = torch.float32, cp: CPGroup | None = None):
         super().__init__()
         check_tp_divides(config, tp.size)
         self.layer_ids = _checked_layer_ids(layer_ids, config.num_layers)
-        self.config, self.tp = config, tp
+        self.config, self.tp, self.cp = config, tp, cp or CPGroup.single()
         self.pre_process, self.post_process = pre_process, post_process
         self.shares_output_weight = pre_process and post_process and config.tie_embeddings
 
@@ -115,7 +117,7 @@ class GPTChunk(nn.Module):
                                        config.position_embedding == "learned", tp, dtype)
         self.layers = nn.ModuleDict({
             str(layer_id): TransformerLayer(config.hidden_size, config.num_heads, config.ffn_hidden_size,
-                                            config.norm_epsilon, tp, dtype)
+                                            config.norm_epsilon, tp, dtype, self.cp)
             for layer_id in self.layer_ids
         })
         if post_process:
@@ -138,15 +140,16 @@ class GPTChunk(nn.Module):
         """Run the chunk.
 
         ``inputs``: token ids ``[batch, seq]`` (int64) with ``pre_process``, else hidden
-        states ``[batch, seq, hidden]``. ``position_ids [batch, seq]``: positions of the
-        tokens (default ``0..seq-1``; pass them explicitly when the sequence is sliced).
+        states ``[batch, seq, hidden]`` (``seq / tp`` tokens with sequence parallelism).
+        ``seq`` is this CP rank's part of the sequence. ``position_ids [batch, seq]``:
+        positions of the tokens (default ``0..seq-1``; pass them when the sequence is sliced).
         Returns per-token losses ``[batch, seq]`` (float32, float64 for a float64 model)
         when ``post_process`` and ``labels`` are given, this rank's logits shard
         ``[batch, seq, padded_vocab/tp]`` when ``post_process`` alone (columns at ids >=
         ``vocab_size`` are padding, not classes), else hidden states.
         """
-        if position_ids is None:
-            position_ids = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape[0], -1)
+        if position_ids is None and self._reads_positions():
+            position_ids = self._whole_sequence_positions(inputs)
         hidden = self.embedding(inputs, position_ids) if self.pre_process else inputs
         rotary = self._rotary(position_ids, hidden.dtype)
         for layer in self.layers.values():
@@ -172,10 +175,20 @@ class GPTChunk(nn.Module):
             return self.output_layer.weight
         return None
 
+    def _reads_positions(self) -> bool:
+        return self.pre_process or (self.config.position_embedding == "rope" and bool(self.layer_ids))
+
+    def _whole_sequence_positions(self, inputs: torch.Tensor) -> torch.Tensor:
+        """``0..seq-1`` for each sequence: right only when the chunk sees whole sequences."""
+        if self.cp.size > 1 or self.tp.sequence_parallel:
+            raise ValueError("GPTChunk: a sliced sequence (CP or SP) needs explicit position_ids")
+        return torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape[0], -1)
+
     def _output_weight(self) -> torch.Tensor:
         return self.embedding.word.weight if self.shares_output_weight else self.output_layer.weight
 
-    def _rotary(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _rotary(self, position_ids: torch.Tensor | None,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.config.position_embedding != "rope" or not self.layer_ids:
             return None
         return rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_base, dtype)

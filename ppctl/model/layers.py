@@ -1,8 +1,12 @@
 """GPT building blocks with Megatron tensor parallelism: embedding, attention, MLP, transformer layer.
 
 Activations are ``[batch, seq, hidden]`` and replicated across TP ranks between
-blocks. Inside attention each TP rank owns ``num_heads / tp`` heads; inside the MLP
-it owns ``ffn_hidden_size / tp`` features. No dropout: runs are deterministic.
+blocks (with sequence parallelism each TP rank holds ``seq / tp`` of them). Inside
+attention each TP rank owns ``num_heads / tp`` heads over the whole (CP-local)
+sequence; inside the MLP it owns ``ffn_hidden_size / tp`` features. With context
+parallelism the sequence is this CP rank's tokens and attention reaches the rest of
+it through the CP group (``ppctl.parallel.context_parallel``). No dropout: runs are
+deterministic.
 """
 
 from __future__ import annotations
@@ -11,11 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ppctl.parallel.context_parallel import CPGroup, context_parallel_attention
 from ppctl.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TPGroup,
     VocabParallelEmbedding,
+    sequence_slice,
 )
 
 
@@ -46,26 +52,29 @@ class Embedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, max_seq_length: int, learned_positions: bool,
                  tp: TPGroup, dtype: torch.dtype):
         super().__init__()
+        self.tp = tp
         self.word = VocabParallelEmbedding(vocab_size, hidden_size, tp, dtype=dtype)
         self.position = nn.Embedding(max_seq_length, hidden_size, dtype=dtype) if learned_positions else None
 
     def forward(self, token_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Map ``token_ids [batch, seq]`` to hidden states ``[batch, seq, hidden]``."""
+        """Map ``token_ids [batch, seq]`` to hidden states ``[batch, seq, hidden]`` (``seq / tp`` of them with SP)."""
         hidden = self.word(token_ids)
         if self.position is not None:
-            hidden = hidden + self.position(position_ids)
+            hidden = hidden + self.position(sequence_slice(position_ids, self.tp))
         return hidden
 
 
 class CausalSelfAttention(nn.Module):
-    """Causal multi-head self-attention; heads split across TP ranks.
+    """Causal multi-head self-attention; heads split across TP ranks, the sequence across CP ranks.
 
     ``qkv`` is column-parallel with local rows ``[q heads of this rank; k heads; v heads]``,
     ``proj`` is row-parallel and all-reduces the per-rank partial outputs.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, tp: TPGroup, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, num_heads: int, tp: TPGroup, dtype: torch.dtype,
+                 cp: CPGroup | None = None):
         super().__init__()
+        self.cp = cp or CPGroup.single()
         self.local_heads = num_heads // tp.size
         self.head_dim = hidden_size // num_heads
         # No QKV bias: the key bias has an exactly zero gradient (softmax ignores a shift shared by
@@ -76,12 +85,13 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """Attend causally over ``hidden [batch, seq, hidden]``; ``rotary`` is ``(cos, sin)`` or None."""
-        batch, seq, _ = hidden.shape
-        qkv = self.qkv(hidden).view(batch, seq, 3, self.local_heads, self.head_dim)
+        qkv = self.qkv(hidden)  # the whole (CP-local) sequence, also under SP
+        batch, seq = qkv.shape[:2]
+        qkv = qkv.view(batch, seq, 3, self.local_heads, self.head_dim)
         query, key, value = (part.transpose(1, 2) for part in qkv.unbind(dim=2))  # [batch, heads, seq, head_dim]
         if rotary is not None:
             query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
-        attended = F.scaled_dot_product_attention(query, key, value, is_causal=True)
+        attended = context_parallel_attention(query, key, value, self.cp)
         attended = attended.transpose(1, 2).reshape(batch, seq, self.local_heads * self.head_dim)
         return self.proj(attended)
 
@@ -103,10 +113,10 @@ class TransformerLayer(nn.Module):
     """Pre-norm transformer layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, norm_epsilon: float,
-                 tp: TPGroup, dtype: torch.dtype):
+                 tp: TPGroup, dtype: torch.dtype, cp: CPGroup | None = None):
         super().__init__()
         self.attn_norm = nn.LayerNorm(hidden_size, eps=norm_epsilon, dtype=dtype)
-        self.attention = CausalSelfAttention(hidden_size, num_heads, tp, dtype)
+        self.attention = CausalSelfAttention(hidden_size, num_heads, tp, dtype, cp)
         self.mlp_norm = nn.LayerNorm(hidden_size, eps=norm_epsilon, dtype=dtype)
         self.mlp = MLP(hidden_size, ffn_hidden_size, tp, dtype)
 

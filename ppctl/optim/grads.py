@@ -1,9 +1,12 @@
 """The gradient path of a step: finalize (reduce), measure the global norm, clip; and the optimizer.
 
 ``finalize_gradients`` is the one place gradients are reduced after the last backward:
-once per step over the ``dp_cp`` group (each rank's loss is already divided by the
-global batch's token count, so a SUM gives the full-batch gradient), and across the
-``embedding`` group for word embeddings tied between the first and last stage.
+over the TP group for the TP-replicated parameters under sequence parallelism (each
+TP rank saw only its tokens), once per step over the ``dp_cp`` group (each rank's loss
+is already divided by the global batch's token count, so a SUM gives the full-batch
+gradient: CP ranks hold different tokens of the same sequences, DP ranks different
+sequences), and across the ``embedding`` group for word embeddings tied between the
+first and last stage.
 The global norm counts every parameter exactly once: TP-replicated parameters on TP
 rank 0 only, a tied output weight only on the first stage, every PP stage included.
 """
@@ -45,11 +48,24 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
 
 
 def finalize_gradients(chunks: Mapping[int, torch.nn.Module], context) -> None:
-    """Reduce gradients once per step: DP/CP replicas, then the copies of tied embeddings."""
+    """Reduce gradients once per step: SP's token shares, DP/CP replicas, then the copies of tied embeddings."""
+    reduce_sequence_parallel_gradients(chunks, context)
     grads = [param.grad for chunk in chunks.values() for param in chunk.parameters() if param.grad is not None]
     if context.size("dp_cp") > 1:
         all_reduce_coalesced(grads, context.groups["dp_cp"])
     reduce_tied_embeddings(chunks, context)
+
+
+def reduce_sequence_parallel_gradients(chunks: Mapping[int, torch.nn.Module], context) -> None:
+    """Sum over TP the gradients of TP-replicated parameters (norms, row-parallel biases, positions) under SP.
+
+    With sequence parallelism they act on each TP rank's own tokens, so each rank's
+    gradient is a partial sum (Megatron-LM all-reduces its layer-norm gradients the same way).
+    """
+    grads = [param.grad for chunk in chunks.values() if chunk.tp.sequence_parallel
+             for name, param in chunk.named_parameters() if is_tp_replicated(name) and param.grad is not None]
+    if grads:
+        all_reduce_coalesced(grads, context.groups["tp"])
 
 
 def reduce_tied_embeddings(chunks: Mapping[int, torch.nn.Module], context) -> None:

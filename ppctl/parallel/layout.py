@@ -335,3 +335,36 @@ def layer_map(
         )
         chunks_seen[pp_rank] += 1
     return dict(sorted(result.items()))
+
+
+# --- context parallelism: which tokens each CP rank holds ----------------------------------
+
+# How attention reaches the other CP ranks' tokens: keys and values all-gathered, passed
+# around a ring block by block, or an all-to-all from sequence-split to head-split.
+CP_COMM_MODES = ("allgather", "ring", "a2a")
+
+
+def context_parallel_chunks(cp_rank: int, cp_size: int) -> tuple[int, ...]:
+    """The sequence chunks (of ``2 * cp_size`` equal ones) CP rank ``cp_rank`` holds, in order.
+
+    Rank r keeps chunks r and 2*cp-1-r: under a causal mask the early chunk has little
+    to attend to and the late one much, so every rank does the same attention work.
+    One chunk (0,) when cp_size is 1.
+    """
+    if not 0 <= cp_rank < cp_size:
+        raise LayoutError(f"cp_rank={cp_rank} out of range for cp_size={cp_size}")
+    return (0,) if cp_size == 1 else (cp_rank, 2 * cp_size - 1 - cp_rank)
+
+
+def context_parallel_slices(seq_length: int, cp_rank: int, cp_size: int) -> tuple[range, ...]:
+    """Token positions ``[start, end)`` of the sequence that CP rank ``cp_rank`` holds, in its local order."""
+    num_chunks = 1 if cp_size == 1 else 2 * cp_size
+    if seq_length % num_chunks:
+        raise LayoutError(f"sequence length {seq_length} must be a multiple of 2*cp = {num_chunks}")
+    chunk = seq_length // num_chunks
+    return tuple(range(index * chunk, (index + 1) * chunk) for index in context_parallel_chunks(cp_rank, cp_size))
+
+
+def context_parallel_positions(seq_length: int, cp_rank: int, cp_size: int) -> list[int]:
+    """The global sequence index of each token CP rank ``cp_rank`` holds, in its local order."""
+    return [position for piece in context_parallel_slices(seq_length, cp_rank, cp_size) for position in piece]

@@ -8,9 +8,16 @@ row-parallel linear splits its input features (weight columns) and all-reduces i
 partial outputs. Activations outside the regions are replicated on every TP rank, and
 so are their gradients.
 
-Sequence parallelism will replace the two region functions by all-gather /
-reduce-scatter along the sequence dimension; the layers call them in exactly one
-place each (``_enter_region`` / ``_leave_region``) so that swap stays local.
+With sequence parallelism (``TPGroup.sequence_parallel``, Megatron-LM's
+``--sequence-parallel``) the activations outside the regions are split along the
+sequence instead of replicated: each TP rank holds ``seq / tp`` tokens of the norms
+and residual stream. A region is then entered by an all-gather along the sequence
+(reduce-scatter of the gradient) and left by a reduce-scatter (all-gather of the
+gradient): the same bytes as the all-reduce, a tp-th of the activation memory.
+``enter_tp_region`` / ``leave_tp_region`` pick the pair; every layer goes through them.
+Parameters that act on the split sequence (norms, row-parallel biases, the learned
+position table: the TP-replicated ones) then see only their rank's tokens, so their
+gradients are summed over TP after the backward (``ppctl.optim.grads``).
 """
 
 from __future__ import annotations
@@ -33,10 +40,13 @@ class TPGroup:
     group: object | None
     size: int
     rank: int
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"TPGroup: rank must be in [0, size) and size >= 1, got rank={self.rank} size={self.size}")
+        if self.sequence_parallel and self.size == 1:
+            raise ValueError("TPGroup: sequence parallelism needs more than one TP rank")
 
     @staticmethod
     def single() -> "TPGroup":
@@ -79,59 +89,89 @@ def _split_last_dim(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return tp.shard(tensor, dim=-1).contiguous()
 
 
+SEQUENCE_DIM = 1  # activations are [batch, seq, hidden]
+
+# torch 2.13 renamed the single-tensor collectives (the old names warn); older versions
+# have only the old names. Same arguments: (output, input, group=...).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather_sequence(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Concatenate every TP rank's sequence slice, in rank order."""
+    leading = tensor.movedim(SEQUENCE_DIM, 0).contiguous()
+    gathered = leading.new_empty((tp.size * leading.shape[0], *leading.shape[1:]))
+    all_gather_single(gathered, leading, group=tp.group)
+    return gathered.movedim(0, SEQUENCE_DIM)
+
+
+def _reduce_scatter_sequence(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Sum over TP ranks and keep this rank's slice of the sequence."""
+    leading = tensor.movedim(SEQUENCE_DIM, 0).contiguous()
+    if leading.shape[0] % tp.size:
+        raise ValueError(f"sequence length {leading.shape[0]} not divisible by tp={tp.size}")
+    scattered = leading.new_empty((leading.shape[0] // tp.size, *leading.shape[1:]))
+    reduce_scatter_single(scattered, leading, group=tp.group)
+    return scattered.movedim(0, SEQUENCE_DIM)
+
+
 # ---------------------------------------------------------------------------
 # Autograd regions
 # ---------------------------------------------------------------------------
 
-class _CopyToTPRegion(torch.autograd.Function):
-    """Identity forward; all-reduce of the gradient backward."""
+def _region(name: str, forward, backward, doc: str) -> type:
+    """An autograd Function applying ``forward(tensor, tp)`` and, to the gradient, ``backward(grad, tp)``."""
 
-    @staticmethod
-    def forward(ctx, tensor, tp):
+    def forward_with_context(ctx, tensor, tp):
         ctx.tp = tp
-        return tensor.view_as(tensor)
+        return forward(tensor, tp)
 
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _all_reduce(grad_output, ctx.tp), None
+    def backward_with_context(ctx, grad_output):
+        return backward(grad_output, ctx.tp), None
 
-
-class _ReduceFromTPRegion(torch.autograd.Function):
-    """All-reduce forward; identity backward."""
-
-    @staticmethod
-    def forward(ctx, tensor, tp):
-        return _all_reduce(tensor, tp)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return grad_output, None
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward_with_context),
+                                                   "backward": staticmethod(backward_with_context), "__doc__": doc})
 
 
-class _GatherFromTPRegion(torch.autograd.Function):
-    """All-gather along the last dim forward; keep this rank's slice of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, tensor, tp):
-        ctx.tp = tp
-        return _all_gather_last_dim(tensor, tp)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _split_last_dim(grad_output, ctx.tp), None
+def _identity(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return tensor.view_as(tensor)  # a new tensor object, as autograd needs
 
 
-class _ScatterToTPRegion(torch.autograd.Function):
-    """Keep this rank's slice along the last dim forward; all-gather the gradient backward."""
+_CopyToTPRegion = _region("_CopyToTPRegion", _identity, _all_reduce,
+                          "Identity forward; all-reduce of the gradient backward.")
+_ReduceFromTPRegion = _region("_ReduceFromTPRegion", _all_reduce, _identity,
+                              "All-reduce forward; identity backward.")
+_GatherFromTPRegion = _region("_GatherFromTPRegion", _all_gather_last_dim, _split_last_dim,
+                              "All-gather along the last dim forward; keep this rank's slice of the gradient.")
+_ScatterToTPRegion = _region("_ScatterToTPRegion", _split_last_dim, _all_gather_last_dim,
+                             "Keep this rank's slice along the last dim forward; all-gather the gradient.")
+# The consumer of a gathered sequence is a column-parallel layer, whose input gradient on
+# each rank is a partial sum: the backward reduce-scatter both sums it and hands each rank its tokens.
+_GatherFromSequenceParallelRegion = _region(
+    "_GatherFromSequenceParallelRegion", _all_gather_sequence, _reduce_scatter_sequence,
+    "All-gather along the sequence forward; reduce-scatter of the gradient backward.")
+_ReduceScatterToSequenceParallelRegion = _region(
+    "_ReduceScatterToSequenceParallelRegion", _reduce_scatter_sequence, _all_gather_sequence,
+    "Sum partial results and keep this rank's tokens forward; all-gather the gradient backward.")
 
-    @staticmethod
-    def forward(ctx, tensor, tp):
-        ctx.tp = tp
-        return _split_last_dim(tensor, tp)
 
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _all_gather_last_dim(grad_output, ctx.tp), None
+def enter_tp_region(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """The input of a column-parallel layer: replicated (copy) or, with SP, gathered along the sequence."""
+    if tp.sequence_parallel:
+        return _GatherFromSequenceParallelRegion.apply(tensor, tp)
+    return copy_to_tp_region(tensor, tp)
+
+
+def leave_tp_region(partial: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Sum per-rank partial results: all-reduced or, with SP, reduce-scattered along the sequence."""
+    if tp.sequence_parallel:
+        return _ReduceScatterToSequenceParallelRegion.apply(partial, tp)
+    return reduce_from_tp_region(partial, tp)
+
+
+def sequence_slice(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """This rank's tokens of a ``[batch, seq, ...]`` tensor under SP (the whole tensor without SP)."""
+    return tp.shard(tensor, dim=SEQUENCE_DIM) if tp.sequence_parallel else tensor
 
 
 def copy_to_tp_region(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
@@ -162,18 +202,20 @@ def column_parallel_linear(inputs: torch.Tensor, weight: torch.Tensor, bias: tor
                            tp: TPGroup) -> torch.Tensor:
     """``inputs @ weight.T + bias`` where ``weight``/``bias`` hold this rank's output rows.
 
-    ``inputs`` is replicated across TP ranks; the result is this rank's slice of the
-    output features. Used by ColumnParallelLinear and by a tied output layer.
+    ``inputs`` is replicated across TP ranks (with SP: this rank's tokens, gathered
+    here); the result is this rank's slice of the output features for the whole
+    sequence. Used by ColumnParallelLinear and by a tied output layer.
     """
-    return F.linear(copy_to_tp_region(inputs, tp), weight, bias)
+    return F.linear(enter_tp_region(inputs, tp), weight, bias)
 
 
 class ColumnParallelLinear(torch.nn.Module):
     """Linear layer whose output features (weight rows, and bias) are split across TP ranks.
 
     ``weight`` is ``[out_features / tp, in_features]``: rank r holds rows
-    ``[r * out/tp, (r+1) * out/tp)`` of the full weight. The input is replicated; the
-    output is this rank's feature slice, or the full output when ``gather_output``.
+    ``[r * out/tp, (r+1) * out/tp)`` of the full weight. The input is replicated (with SP: this
+    rank's tokens, gathered here); the output is this rank's feature slice for the whole
+    sequence, or the full output when ``gather_output``.
     Parameters start at zero; the model fills them (see ``ppctl.model.gpt``).
     """
 
@@ -190,12 +232,8 @@ class ColumnParallelLinear(torch.nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Return this rank's slice of the output features (all of them if ``gather_output``)."""
-        outputs = F.linear(self._enter_region(inputs), self.weight, self.bias)
+        outputs = column_parallel_linear(inputs, self.weight, self.bias, self.tp)
         return gather_from_tp_region(outputs, self.tp) if self.gather_output else outputs
-
-    def _enter_region(self, inputs: torch.Tensor) -> torch.Tensor:
-        # Sequence parallelism will all-gather along the sequence dim here.
-        return copy_to_tp_region(inputs, self.tp)
 
 
 class RowParallelLinear(torch.nn.Module):
@@ -204,7 +242,8 @@ class RowParallelLinear(torch.nn.Module):
     ``weight`` is ``[out_features, in_features / tp]``: rank r holds columns
     ``[r * in/tp, (r+1) * in/tp)`` of the full weight. The input is this rank's feature
     slice (or the full input, split here, unless ``input_is_parallel``); partial outputs
-    are all-reduced, then the bias (replicated on every TP rank) is added once.
+    are all-reduced (with SP: reduce-scattered to each rank's tokens), then the bias
+    (replicated on every TP rank) is added once.
     """
 
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = True,
@@ -218,22 +257,19 @@ class RowParallelLinear(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Return the full (replicated) output features."""
+        """Return the full output features (replicated, or this rank's tokens with SP)."""
         if not self.input_is_parallel:
             inputs = scatter_to_tp_region(inputs, self.tp)
-        outputs = self._leave_region(F.linear(inputs, self.weight))
+        outputs = leave_tp_region(F.linear(inputs, self.weight), self.tp)
         return outputs if self.bias is None else outputs + self.bias
-
-    def _leave_region(self, partial_outputs: torch.Tensor) -> torch.Tensor:
-        # Sequence parallelism will reduce-scatter along the sequence dim here.
-        return reduce_from_tp_region(partial_outputs, self.tp)
 
 
 class VocabParallelEmbedding(torch.nn.Module):
     """Token embedding whose vocabulary rows are split into contiguous ranges across TP ranks.
 
     Each rank looks up the ids it owns, writes zeros for the others, and the partial
-    embeddings are all-reduced so that every TP rank holds the full, replicated result.
+    embeddings are all-reduced so that every TP rank holds the full, replicated result
+    (with SP: reduce-scattered, so each rank holds its tokens' embeddings).
     """
 
     def __init__(self, vocab_size: int, embedding_dim: int, tp: TPGroup, dtype: torch.dtype = torch.float32):
@@ -249,11 +285,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         not_mine = (token_ids < self.vocab_start) | (token_ids >= self.vocab_end)
         local_ids = (token_ids - self.vocab_start).masked_fill(not_mine, 0)
         partial = F.embedding(local_ids, self.weight).masked_fill(not_mine.unsqueeze(-1), 0.0)
-        return self._leave_region(partial)
-
-    def _leave_region(self, partial: torch.Tensor) -> torch.Tensor:
-        # Sequence parallelism will reduce-scatter along the sequence dim here.
-        return reduce_from_tp_region(partial, self.tp)
+        return leave_tp_region(partial, self.tp)
 
 
 # ---------------------------------------------------------------------------

@@ -31,13 +31,16 @@ class PipelineTransport:
         self.receive_spec = receive_spec
         self.device = device
         self.pending_receives: dict[Message, tuple[list, torch.Tensor]] = {}
-        self.pending_sends: list[object] = []
+        self.pending_sends: list[tuple[object, torch.Tensor]] = []  # (work, payload kept alive until done)
 
     def post(self, sends: Sequence[tuple[Message, torch.Tensor]], receives: Sequence[Message]) -> None:
         """Issue ``sends`` then ``receives`` as one batch; nothing blocks here."""
-        operations = []
+        operations, payloads = [], []
         for message, tensor in sends:
-            operations.append(dist.P2POp(dist.isend, tensor.detach(), self.peer_rank(message.dst_rank)))
+            # A stage may hand over a strided view (a sequence-parallel reduce-scatter with
+            # micro_batch_size > 1, for one); the wire needs contiguous memory.
+            payloads.append(tensor.detach().contiguous())
+            operations.append(dist.P2POp(dist.isend, payloads[-1], self.peer_rank(message.dst_rank)))
         new_buffers = []
         for message in receives:
             if message in self.pending_receives:
@@ -52,10 +55,10 @@ class PipelineTransport:
         if len(works) != len(operations):
             # A coalescing backend (NCCL) returns one work for the whole batch: every
             # receive of the batch then waits on it.
-            send_works, receive_works = list(works), [works] * len(new_buffers)
+            send_works, receive_works = works[:1] * len(sends), [works] * len(new_buffers)
         else:
             send_works, receive_works = works[: len(sends)], [[work] for work in works[len(sends):]]
-        self.pending_sends.extend(send_works)
+        self.pending_sends.extend(zip(send_works, payloads))
         for (message, buffer), batch_works in zip(new_buffers, receive_works):
             self.pending_receives[message] = (batch_works, buffer)
         self._drop_completed_sends()
@@ -70,11 +73,11 @@ class PipelineTransport:
         return buffer
 
     def _drop_completed_sends(self) -> None:
-        self.pending_sends = [work for work in self.pending_sends if not work.is_completed()]
+        self.pending_sends = [(work, payload) for work, payload in self.pending_sends if not work.is_completed()]
 
     def finish(self) -> None:
         """Wait for every outstanding send; the step's buffers are then free."""
-        for work in self.pending_sends:
+        for work, _payload in self.pending_sends:
             work.wait()
         self.pending_sends.clear()
         if self.pending_receives:

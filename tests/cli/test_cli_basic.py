@@ -13,16 +13,32 @@ def test_inspect_layout_json_matches_layout(ppctl):
                    "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert set(report) == {"world_size", "order", "sizes", "groups", "ranks", "layers"}
+    assert set(report) == {"world_size", "order", "sizes", "sequence", "groups", "ranks", "layers"}
     layout = ParallelLayout(tp=2, pp=4, dp=2)
     assert report["world_size"] == 16 and report["order"] == "tp-cp-dp-pp"
     assert report["sizes"] == {"tp": 2, "cp": 1, "dp": 2, "pp": 4, "vpp": 1}
     assert set(report["groups"]) == set(GROUP_NAMES)
     for name in GROUP_NAMES:
         assert report["groups"][name] == layout.groups(name)
-    assert report["ranks"][5] == {"rank": 5, **layout.coords(5)}
+    assert report["ranks"][5] == {"rank": 5, **layout.coords(5), "tokens": [[0, 64]], "residual_tokens": [[0, 64]]}
     assert [entry["layers"] for entry in report["layers"]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert report["layers"][0]["pre_process"] and report["layers"][-1]["post_process"]
+
+
+@pytest.mark.timeout(60)
+def test_inspect_layout_shows_cp_groups_and_each_rank_sequence_slices(ppctl):
+    args = ["parallel.tp=2", "parallel.cp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
+            "parallel.cp_comm=ring", "trainer.seq_length=16"]
+    report = json.loads(ppctl("inspect-layout", *args, "--json").stdout)
+    assert report["groups"]["cp"] == ParallelLayout(tp=2, cp=2, pp=2).groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert report["sequence"] == {"seq_length": 16, "cp_comm": "ring", "sequence_parallel": True, "message_tokens": 4}
+    by_coords = {(r["tp"], r["cp"]): (r["tokens"], r["residual_tokens"]) for r in report["ranks"]}
+    # CP rank 0 holds chunks 0 and 3 of 4 (tokens 0-3 and 12-15); SP gives TP rank 1 the second half of those.
+    assert by_coords[0, 0] == ([[0, 4], [12, 16]], [[0, 4]])
+    assert by_coords[1, 0] == ([[0, 4], [12, 16]], [[12, 16]])
+    assert by_coords[1, 1] == ([[4, 12]], [[8, 12]])
+    text = ppctl("inspect-layout", *args).stdout
+    assert "attention: ring" in text and "4 tokens of each sequence per pipeline message" in text and "0-3 12-15" in text
 
 
 @pytest.mark.timeout(60)

@@ -20,6 +20,11 @@ CASES = {
     "tp2-pp2-dp2-masked": (["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"], MASKED),
     # tp=4 pads the 257-id vocabulary to 512 rows where one process pads it to 320.
     "tp4": (["parallel.tp=4", "parallel.pp=1"], ["model.num_heads=4"]),
+    # The issue's own command in each context-parallel mode; ring and a2a with sequence parallelism too.
+    **{f"tp2-cp2-pp2-{comm}{'-sp' if sp else ''}": (
+        ["parallel.tp=2", "parallel.cp=2", "parallel.pp=2", "schedule=1f1b", f"parallel.cp_comm={comm}",
+         f"parallel.sequence_parallel={str(sp).lower()}"], MASKED)
+       for comm, sp in (("allgather", False), ("ring", True), ("a2a", True))},
 }
 
 

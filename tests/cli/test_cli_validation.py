@@ -36,6 +36,9 @@ BAD_CONFIGS = [
     (["model.hidden_size=30"], "model.hidden_size=30 must be divisible by model.num_heads=4"),
     (["parallel.nope=1"], "nope"),
     (["parallel.tp=two"], "tp"),
+    (["parallel.cp=2", "parallel.cp_comm=a2a", "model.num_heads=2", "model.hidden_size=64", "parallel.tp=2"],
+     "model.num_heads=2 must be divisible by parallel.tp * parallel.cp = 4"),
+    (["parallel.cp_comm=p2p"], "parallel.cp_comm='p2p' must be one of allgather, ring, a2a"),
 ]
 
 

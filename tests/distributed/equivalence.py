@@ -35,23 +35,42 @@ def single_process_overrides(overrides: list[str]) -> list[str]:
     return [item for item in overrides if not item.lstrip("+~").startswith("parallel")] + ["parallel=single"]
 
 
+def _record_message_bytes(trainer) -> set[int]:
+    """Make the trainer's transport note the bytes of every pipeline message it sends; return the record."""
+    sent: set[int] = set()
+    post = trainer.runtime.transport.post
+
+    def recording_post(sends, receives):
+        sent.update(tensor.numel() * tensor.element_size() for _message, tensor in sends)
+        return post(sends, receives)
+
+    trainer.runtime.transport.post = recording_post
+    return sent
+
+
 def _train_runs(rank, world_size, runs, schedule_builder=None):
     """Worker: for each override list, train STEPS steps; return losses, norms and this rank's shards.
 
+    Runs may use different layouts of the same world size: each layout's groups are built once.
     Before training, the forward-only path evaluates batch 0 (it must give step 0's loss).
-    ``schedule_builder(config)``, when given, replaces the configured schedule.
+    ``schedule_builder(config)``, when given, replaces the configured schedule. The bytes
+    of every pipeline message sent are recorded too.
     """
     from ppctl.config import compose_config, layout_of, validate
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.train import Trainer
 
-    context, results = None, []
+    contexts, results = {}, []
     for overrides in runs:
         config = compose_config(overrides)
         validate(config)
-        context = context or build_parallel_context(layout_of(config), 60)
+        layout = layout_of(config)
+        if layout not in contexts:
+            contexts[layout] = build_parallel_context(layout, 60)
+        context = contexts[layout]
         schedule = schedule_builder(config) if schedule_builder is not None else None
         trainer = Trainer(config, context, schedule=schedule)
+        message_bytes = _record_message_bytes(trainer)
         eval_loss = trainer.evaluate(0)
         losses, norms, first_gradients = [], [], None
         for step in range(STEPS):
@@ -64,7 +83,7 @@ def _train_runs(rank, world_size, runs, schedule_builder=None):
             norms.append(grad_norm)
         shards = {name: param.detach().clone() for name, param in trainer.named_parameters().items()}
         results.append({"losses": losses, "norms": norms, "gradients": first_gradients, "shards": shards,
-                        "eval_loss": eval_loss,
+                        "eval_loss": eval_loss, "message_bytes": message_bytes,
                         "tp_rank": context.coords["tp"], "tp": context.layout.tp})
     return results
 
@@ -120,10 +139,12 @@ def _compare_scalars(label: str, overrides, actual: list[float], expected: list[
         assert abs(got - want) <= tolerance * abs(want), f"{overrides}: step {step} {label} {got} != {want}"
 
 
-def assert_equivalent(runs: list[list[str]], world_size: int, timeout: float = 240, schedule_builder=None) -> None:
-    """Train every run (same layout, e.g. several schedules) in one launch; compare each with one process.
+def assert_equivalent(runs: list[list[str]], world_size: int, timeout: float = 240,
+                      schedule_builder=None) -> list[list[dict]]:
+    """Train every run (layouts of one world size, several schedules) in one launch; compare each with one process.
 
     ``schedule_builder(config) -> Schedule`` (module level, picklable) replaces the configured schedule.
+    Returns every rank's results (per run: losses, norms, gradients, shards, message_bytes).
     """
     from ppctl.config import compose_config, validate
     from ppctl.reference import run_reference
@@ -149,3 +170,4 @@ def assert_equivalent(runs: list[list[str]], world_size: int, timeout: float = 2
                          vocab, elementwise, tolerance)
         _compare_tensors("parameter", overrides, per_rank, index, "shards", reference.parameters,
                          vocab, elementwise, tolerance)
+    return per_rank

@@ -70,7 +70,13 @@ RULES = [
     (["model.hidden_size=66"], "model.hidden_size=66 must be divisible by model.num_heads=4"),
     (["parallel.cp=2", "trainer.seq_length=30"], "trainer.seq_length=30 must be divisible by 2 * parallel.cp = 4"),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "trainer.seq_length=31", "model.max_seq_length=64"],
-     "must be divisible by parallel.tp=2 with sequence parallelism"),
+     "trainer.seq_length=31 must be divisible by parallel.cp * parallel.tp = 2 with sequence parallelism"),
+    # seq 36 splits into 2*cp = 4 chunks, but a CP rank's 18 tokens do not split over tp=4.
+    (["parallel.tp=4", "parallel.cp=2", "parallel.sequence_parallel=true", "trainer.seq_length=36"],
+     "trainer.seq_length=36 must be divisible by parallel.cp * parallel.tp = 8 with sequence parallelism"),
+    (["parallel.cp_comm=ulysses"], "parallel.cp_comm='ulysses' must be one of allgather, ring, a2a"),
+    (["parallel.tp=2", "parallel.cp=4", "parallel.cp_comm=a2a", "model.num_heads=4"],
+     "parallel.cp_comm=a2a splits heads over tp*cp: model.num_heads=4 must be divisible by parallel.tp * parallel.cp = 8"),
     (["trainer.global_batch_size=6", "trainer.micro_batch_size=4"],
      "trainer.global_batch_size=6 must be divisible by trainer.micro_batch_size * parallel.dp = 4"),
     (["parallel.dp=2", "trainer.global_batch_size=6", "trainer.micro_batch_size=2"],
@@ -162,5 +168,4 @@ def test_vocab_padding():
 def test_unimplemented_features_refused_before_start():
     with pytest.raises(ConfigError, match="not implemented yet"):
         check_runnable(composed("schedule=dualpipe"))
-    with pytest.raises(ConfigError, match="context parallelism"):
-        check_runnable(composed("parallel.cp=2"))
+    check_runnable(composed("parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"))

@@ -14,7 +14,7 @@ from ppctl.data.dataset import (  # noqa: E402
     SyntheticDataset, TokenWindowDataset, build_dataset, global_batch_sample_ids, global_loss_tokens,
     slice_for_context_parallel, step_microbatches,
 )
-from ppctl.data.iterator import PipelineDataIterator  # noqa: E402
+from ppctl.data.iterator import ALL_FIELDS, PipelineDataIterator  # noqa: E402
 from ppctl.data.prepare import prepare_tokens, read_sidecar, stdlib_source_files  # noqa: E402
 from ppctl.data.tokenizer import build_tokenizer  # noqa: E402
 
@@ -262,5 +262,21 @@ def test_context_parallel_slicing():
     parts = [slice_for_context_parallel(tensor, cp_rank, 4) for cp_rank in range(4)]
     assert [part[0].tolist() for part in parts] == [[0, 7], [1, 6], [2, 5], [3, 4]]
     assert sorted(torch.cat(parts, dim=1)[1].tolist()) == list(range(8, 16))
-    with pytest.raises(ValueError, match="multiple of 2\\*cp_size=6"):
+    with pytest.raises(ValueError, match="multiple of 2\\*cp = 6"):
         slice_for_context_parallel(tensor, 0, 3)
+
+
+def test_iterator_keeps_each_cp_rank_tokens_of_every_field_and_the_global_token_count():
+    dataset = build_dataset("synthetic", None, Path("."), 8, vocab_size=16, seed=3, eod_mask_loss=True)
+    whole = PipelineDataIterator(dataset, 4, 8, 2, 8, 0, 1, None, 0, True, ALL_FIELDS)
+    parts = [PipelineDataIterator(dataset, 4, 8, 2, 8, 0, 1, None, 0, True, ALL_FIELDS, cp_rank=rank, cp_size=2)
+             for rank in range(2)]
+    for name in ALL_FIELDS:
+        full = getattr(whole.microbatches(1)[2], name)
+        halves = [getattr(part.microbatches(1)[2], name) for part in parts]
+        assert halves[0].shape == (2, 4)
+        assert torch.equal(halves[0], torch.cat([full[:, 0:2], full[:, 6:8]], dim=1)), name
+        assert torch.equal(halves[1], full[:, 2:6]), name
+    # positions stay global: CP rank 1 holds tokens 2..5 of each sequence
+    assert parts[1].microbatches(0)[0].position_ids[0].tolist() == [2, 3, 4, 5]
+    assert {part.global_loss_tokens(1) for part in parts} == {whole.global_loss_tokens(1)}

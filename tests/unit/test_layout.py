@@ -8,6 +8,9 @@ from ppctl.parallel.layout import (
     GROUP_NAMES,
     LayoutError,
     ParallelLayout,
+    context_parallel_chunks,
+    context_parallel_positions,
+    context_parallel_slices,
     layer_map,
     looped_placement,
     parse_pipeline_layout,
@@ -163,3 +166,26 @@ def test_looped_placement_is_the_default_and_a_bad_placement_is_refused():
     assert layout.embedding_pp_ranks == [0, 3] and layout.last_stage_rank == 3
     with pytest.raises(LayoutError, match="does not put 2 of 8 stages on each of 4 pp ranks"):
         ParallelLayout(pp=4, vpp=2, placement=(0, 0, 1, 1, 2, 2, 3, 0))
+
+
+# --- context parallelism: the tokens of each CP rank ---------------------------------------
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+def test_context_parallel_slices_cover_the_sequence_once_with_equal_causal_work(cp):
+    seq_length = 2 * cp * 3
+    held = [context_parallel_positions(seq_length, rank, cp) for rank in range(cp)]
+    assert sorted(itertools.chain(*held)) == list(range(seq_length))
+    assert {len(positions) for positions in held} == {seq_length // cp}
+    # Under a causal mask token i attends to i + 1 keys: every rank must do the same work.
+    assert len({sum(position + 1 for position in positions) for positions in held}) == 1
+
+
+def test_context_parallel_chunks_and_slices_by_example():
+    assert context_parallel_chunks(0, 1) == (0,)
+    assert [context_parallel_chunks(rank, 4) for rank in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert context_parallel_slices(16, 1, 2) == (range(4, 8), range(8, 12))
+    assert context_parallel_positions(8, 0, 2) == [0, 1, 6, 7]
+    with pytest.raises(LayoutError, match="sequence length 12 must be a multiple of 2\\*cp = 8"):
+        context_parallel_slices(12, 0, 4)
+    with pytest.raises(LayoutError, match="cp_rank=2 out of range"):
+        context_parallel_chunks(2, 2)
