@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
+from ppctl.optim.lr import DECAY_STYLES
 from ppctl.parallel.layout import CP_COMM_MODES, LayoutError, ParallelLayout, split_layers
 
 PACKAGE_CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -102,9 +103,22 @@ class DataConfig:
 class OptimizerConfig:
     """AdamW settings; ``clip_grad`` <= 0 disables clipping."""
 
-    name: str = setting("adamw", "`torch.optim.AdamW` (weight decay on matrices only)")
-    lr: float = setting(0.003, "learning rate")
+    name: str = setting(
+        "adamw", "`torch.optim.AdamW` (weight decay on weight matrices only: never on norms and biases, on "
+        "embeddings only with `decay_embeddings`)")
+    lr: float = setting(0.003, "peak learning rate (reached at the end of the warm-up)")
+    warmup_steps: int = setting(
+        0, "linear warm-up steps: the n-th step (counted from 1, as on the console) uses lr * n / warmup_steps")
+    lr_decay_style: str = setting(
+        "constant", "after the warm-up: `constant` (lr), `linear` or `cosine` (from lr down to `min_lr` over the "
+        "steps from `warmup_steps` to `decay_steps`, as Megatron-LM)")
+    min_lr: float = setting(0.0, "the learning rate the decay ends at (0 <= min_lr <= lr)")
+    decay_steps: Optional[int] = setting(
+        None, "the lr is `min_lr` once this many steps are done (default `trainer.max_steps`); greater than "
+        "`warmup_steps`")
     weight_decay: float = setting(0.01, "AdamW weight decay")
+    decay_embeddings: bool = setting(
+        False, "weight decay also on the word and position embeddings and the output layer")
     beta1: float = setting(0.9, "AdamW beta1 (first-moment decay)")
     beta2: float = setting(0.95, "AdamW beta2 (second-moment decay)")
     eps: float = setting(1e-8, "AdamW epsilon")
@@ -312,6 +326,7 @@ def validate(config: PpctlConfig) -> DerivedSizes:
     _check_batch(config, layout)
     _check_schedule(config)
     _check_misc(config)
+    _check_lr_schedule(config)
     _check_schedule_plan(config)
     return DerivedSizes(
         world_size=layout.world_size,
@@ -534,6 +549,24 @@ def _check_misc(config: PpctlConfig) -> None:
         0 <= config.launcher.node_rank < config.launcher.nnodes,
         f"launcher.node_rank={config.launcher.node_rank} must be in 0..launcher.nnodes-1",
     )
+
+
+def _check_lr_schedule(config: PpctlConfig) -> None:
+    """The learning-rate schedule's settings (see ``ppctl.optim.lr``)."""
+    optimizer = config.optimizer
+    _require(optimizer.lr_decay_style in DECAY_STYLES,
+             f"optimizer.lr_decay_style={optimizer.lr_decay_style!r} must be one of {', '.join(DECAY_STYLES)}")
+    _require(optimizer.warmup_steps >= 0, f"optimizer.warmup_steps={optimizer.warmup_steps} must be >= 0")
+    _require(0 <= optimizer.min_lr <= optimizer.lr,
+             f"optimizer.min_lr={optimizer.min_lr} must be >= 0 and <= optimizer.lr={optimizer.lr}")
+    if optimizer.decay_steps is not None:
+        _require(optimizer.decay_steps > optimizer.warmup_steps,
+                 f"optimizer.decay_steps={optimizer.decay_steps} must be greater than "
+                 f"optimizer.warmup_steps={optimizer.warmup_steps}")
+    else:  # the decay defaults to the whole run, which must outlast the warm-up too
+        _require(config.trainer.max_steps > optimizer.warmup_steps,
+                 f"optimizer.warmup_steps={optimizer.warmup_steps} must be less than optimizer.decay_steps "
+                 f"(default trainer.max_steps={config.trainer.max_steps})")
 
 
 def num_microbatches(config: PpctlConfig) -> int:

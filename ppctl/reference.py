@@ -2,7 +2,8 @@
 
 No pipeline, no runtime, no process group: one ``GPTChunk`` holding every layer takes
 the whole global batch in one forward, the mean token loss is back-propagated, the
-gradient clipped with ``torch.nn.utils.clip_grad_norm_`` and AdamW steps. Equivalence
+gradient clipped with ``torch.nn.utils.clip_grad_norm_`` and AdamW steps at the learning
+rate of the configured schedule, with the same weight-decay groups as the workers. Equivalence
 tests compare every layout and schedule against it; the pp=1 overhead benchmark
 times it against ``ppctl train``.
 """
@@ -18,6 +19,7 @@ from ppctl.data.dataset import build_microbatch, global_batch_sample_ids
 from ppctl.factory import dataset_of, gpt_config, parameter_dtype
 from ppctl.model.gpt import GPTChunk
 from ppctl.optim.grads import build_optimizer
+from ppctl.optim.lr import learning_rate, lr_schedule_of, set_learning_rate
 from ppctl.parallel.tensor_parallel import TPGroup
 
 
@@ -62,10 +64,12 @@ def run_reference(config: PpctlConfig, steps: int | None = None) -> ReferenceRun
     trainer = config.trainer
     model = reference_model(config)
     optimizer = build_optimizer([model], config.optimizer)
+    schedule = lr_schedule_of(config)
     dataset = dataset_of(config)
     losses, norms, first_gradients = [], [], {}
     for step in range(trainer.max_steps if steps is None else steps):
         ids = global_batch_sample_ids(trainer.seed, step, trainer.global_batch_size, len(dataset))
+        set_learning_rate(optimizer, learning_rate(step, schedule))
         loss, norm = reference_step(model, optimizer, build_microbatch(dataset, ids), config.optimizer.clip_grad,
                                     first_gradients if step == 0 else None)
         losses.append(loss)

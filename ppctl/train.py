@@ -19,6 +19,7 @@ from ppctl.data.iterator import PipelineDataIterator
 from ppctl.factory import dataset_of, gpt_config, parameter_dtype
 from ppctl.model.gpt import GPTChunk
 from ppctl.optim.grads import build_optimizer, clip_gradients, finalize_gradients, global_grad_norm
+from ppctl.optim.lr import learning_rate, lr_schedule_of, set_learning_rate
 from ppctl.parallel.context_parallel import CPGroup
 from ppctl.parallel.groups import ParallelContext
 from ppctl.parallel.tensor_parallel import TPGroup
@@ -125,6 +126,7 @@ class Trainer:
         fields = tuple(sorted({name for stage in self.stages.values() for name in stage.io.fields}))
         self.data = build_data(config, context, fields)
         self.optimizer = build_optimizer(self.chunks.values(), config.optimizer)
+        self.lr_schedule = lr_schedule_of(config)
         self.tracer = Tracer(context.rank) if config.trainer.trace else None
         transport = PipelineTransport(context.pp_peer, self._receive_spec, context.device)
         self.runtime = PipelineRuntime(self.stages, transport, self.tracer, release_outputs, track_memory)
@@ -158,7 +160,7 @@ class Trainer:
         """Run one global batch through the schedule and update the parameters."""
         started = time.perf_counter()
         loss, grad_norm = self.compute_gradients(step)
-        self.apply_gradients(grad_norm)
+        self.apply_gradients(step, grad_norm)
         elapsed = time.perf_counter() - started
         tokens = self.config.trainer.global_batch_size * self.config.trainer.seq_length
         return StepResult(step, loss, grad_norm, self.optimizer.param_groups[0]["lr"], elapsed, tokens / elapsed,
@@ -197,9 +199,10 @@ class Trainer:
         """The global batch's mean token loss on the loss ranks (summed over DP), None elsewhere."""
         return self._reduce_loss(float(state.loss_sum) / normalizer) if self.holds_loss else None
 
-    def apply_gradients(self, grad_norm: float) -> None:
-        """Clip by the global norm and take the optimizer step."""
+    def apply_gradients(self, step: int, grad_norm: float) -> None:
+        """Clip by the global norm and take optimizer step ``step`` at the schedule's learning rate."""
         clip_gradients(self.chunks, grad_norm, self.config.optimizer.clip_grad)
+        set_learning_rate(self.optimizer, learning_rate(step, self.lr_schedule))
         self.optimizer.step()
 
     def _reduce_loss(self, local_loss: float) -> float:

@@ -23,12 +23,29 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from ppctl.model.init import is_tp_replicated
 
 
+# AdamW's decoupled decay shrinks every row of a table each step, also the rows of tokens
+# (or positions) a batch never touched, so the embeddings and the output layer (which may be
+# the word embedding itself) are left out unless ``optimizer.decay_embeddings`` asks for it.
+EMBEDDING_PARAMETERS = ("embedding.word.weight", "embedding.position.weight", "output_layer.weight")
+
+
+def decays(name: str, param: torch.Tensor, settings) -> bool:
+    """Whether AdamW's weight decay applies to parameter ``name``.
+
+    Weight matrices only: never norms or biases (vectors), and the embeddings and the
+    output layer only with ``settings.decay_embeddings``.
+    """
+    if param.dim() < 2:
+        return False
+    return settings.decay_embeddings or name not in EMBEDDING_PARAMETERS
+
+
 def build_optimizer(chunks: Iterable[torch.nn.Module], settings) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (not on biases, norms or other vectors)."""
+    """AdamW with weight decay where ``decays`` says (weight matrices; embeddings only if configured)."""
     decay, no_decay = [], []
     for chunk in chunks:
-        for param in chunk.parameters():
-            (decay if param.dim() >= 2 else no_decay).append(param)
+        for name, param in chunk.named_parameters():
+            (decay if decays(name, param, settings) else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": settings.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps,

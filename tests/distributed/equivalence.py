@@ -78,7 +78,7 @@ def _train_runs(rank, world_size, runs, schedule_builder=None):
             if step == 0:
                 first_gradients = {name: param.grad.detach().clone()
                                    for name, param in trainer.named_parameters().items()}
-            trainer.apply_gradients(grad_norm)
+            trainer.apply_gradients(step, grad_norm)
             losses.append(loss)
             norms.append(grad_norm)
         shards = {name: param.detach().clone() for name, param in trainer.named_parameters().items()}

@@ -94,6 +94,14 @@ RULES = [
     (["launcher.inject_fault=boom"], "launcher.inject_fault must look like"),
     (["optimizer.lr=-1"], "optimizer.lr=-1.0 must be positive"),
     (["trainer.seed=-3"], "trainer.seed=-3 must be >= 0"),
+    (["optimizer.lr_decay_style=step"], "optimizer.lr_decay_style='step' must be one of constant, linear, cosine"),
+    (["optimizer.warmup_steps=-1"], "optimizer.warmup_steps=-1 must be >= 0"),
+    (["optimizer.min_lr=-0.1"], "optimizer.min_lr=-0.1 must be >= 0 and <= optimizer.lr=0.003"),
+    (["optimizer.min_lr=0.01"], "optimizer.min_lr=0.01 must be >= 0 and <= optimizer.lr=0.003"),
+    (["optimizer.warmup_steps=10", "optimizer.decay_steps=10"],
+     "optimizer.decay_steps=10 must be greater than optimizer.warmup_steps=10"),
+    (["optimizer.warmup_steps=200"],
+     "optimizer.warmup_steps=200 must be less than optimizer.decay_steps (default trainer.max_steps=200)"),
 ]
 
 

@@ -1,0 +1,44 @@
+"""A learning-rate schedule and the weight-decay groups train a pipeline exactly like one process.
+
+The harness trains 3 steps (0, 1, 2). With warm-up 2 and decay over 3 steps those use
+lr/2, lr, lr (warm-up, then the decay's first step at the peak); with no warm-up and
+cosine decay over 2 steps they use lr, the midpoint of lr and min_lr, then min_lr, so
+both phases are exercised. ``Trainer.train_step`` reports the lr each step used.
+"""
+
+import pytest
+
+from ppctl.testing import run_workers
+from tests.distributed.equivalence import BASE, assert_equivalent
+
+LAYOUT = ["parallel.tp=1", "parallel.pp=2", "parallel.dp=1", "schedule=1f1b"]
+WARMUP_THEN_COSINE = ["optimizer.warmup_steps=2", "optimizer.lr_decay_style=cosine", "optimizer.decay_steps=3",
+                      "optimizer.min_lr=0.001"]
+COSINE_TO_MINIMUM = ["optimizer.lr_decay_style=cosine", "optimizer.decay_steps=2", "optimizer.min_lr=0.001",
+                     "model.tie_embeddings=true", "optimizer.decay_embeddings=true"]
+
+
+@pytest.mark.timeout(300)
+def test_scheduled_lr_and_decay_groups_match_single_process():
+    runs = [BASE + LAYOUT + WARMUP_THEN_COSINE, BASE + LAYOUT + COSINE_TO_MINIMUM]
+    assert_equivalent(runs, world_size=2)
+
+
+def _step_learning_rates(rank, world_size, overrides):
+    """Worker: train 3 steps with ``train_step``; return the lr each ``StepResult`` reports."""
+    from ppctl.config import compose_config, layout_of, validate
+    from ppctl.parallel.groups import build_parallel_context
+    from ppctl.train import Trainer
+
+    config = compose_config(overrides)
+    validate(config)
+    trainer = Trainer(config, build_parallel_context(layout_of(config), 60))
+    return [trainer.train_step(step).lr for step in range(3)]
+
+
+@pytest.mark.timeout(300)
+def test_step_result_reports_the_lr_of_its_step():
+    lr, min_lr = 0.01, 0.001  # BASE sets optimizer.lr=0.01
+    per_rank = run_workers(_step_learning_rates, 2, BASE + LAYOUT + COSINE_TO_MINIMUM, timeout=240)
+    for reported in per_rank:
+        assert reported == pytest.approx([lr, (lr + min_lr) / 2, min_lr])
