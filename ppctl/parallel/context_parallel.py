@@ -6,8 +6,9 @@ sequence and its keys and values only part of what they must attend to. Three wa
 reach the other ranks' keys and values (``CPGroup.comm``):
 
 * ``allgather`` (Megatron-LM's all-gather CP): every rank gathers all keys and values,
-  attends with its own queries under a causal mask by global token index, and the
-  key/value gradients are reduce-scattered back to their owners.
+  puts them in sequence order and attends with each of its query chunks to the keys
+  up to that chunk's end under a causal mask by global token index; the key/value
+  gradients are reduce-scattered back to their owners.
 * ``ring`` (ring attention): each rank's key/value block travels around the CP ring;
   a rank attends to one block at a time, merges the partial results by log-sum-exp and
   posts the exchange of the next block before computing the current one. The backward
@@ -155,39 +156,30 @@ def _rank_major_positions(local_seq: int, cp: CPGroup, device) -> torch.Tensor:
     return torch.tensor(positions, dtype=torch.long, device=device)
 
 
-def _local_positions(local_seq: int, cp: CPGroup, device) -> torch.Tensor:
-    """Global sequence index of each of this rank's tokens."""
-    return torch.tensor(context_parallel_positions(local_seq * cp.size, cp.rank, cp.size), dtype=torch.long,
-                        device=device)
-
-
 # ---------------------------------------------------------------------------
 # allgather: gather keys and values, reduce-scatter their gradients
 # ---------------------------------------------------------------------------
 
 class _GatherKeyValue(torch.autograd.Function):
-    """All-gather keys and values in one message forward; reduce-scatter their gradients backward.
+    """All-gather the packed keys and values (one message) forward; reduce-scatter their gradient backward.
 
-    Keys and values travel sequence-first (``[seq, 2, batch, heads, head_dim]``) so the
-    gathered tokens of all ranks follow one another along the sequence and the returned
-    ``[batch, heads, cp * local_seq, head_dim]`` tensors are views, not copies.
+    ``packed`` is sequence-first (``[local_seq, 2, batch, heads, head_dim]``), so the
+    result holds every rank's tokens one rank after another along dim 0.
     """
 
     @staticmethod
-    def forward(ctx, key, value, cp):
+    def forward(ctx, packed, cp):
         ctx.cp = cp
-        packed = _pack_sequence_first(key, value)
         gathered = packed.new_empty((cp.size * packed.shape[0], *packed.shape[1:]))
-        all_gather_single(gathered, packed, group=cp.group)
-        return _unpack_sequence_first(gathered)
+        all_gather_single(gathered, packed.contiguous(), group=cp.group)
+        return gathered
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_key, grad_value):
-        packed = _pack_sequence_first(grad_key, grad_value)
-        scattered = packed.new_empty((packed.shape[0] // ctx.cp.size, *packed.shape[1:]))
-        reduce_scatter_single(scattered, packed, group=ctx.cp.group)
-        return (*_unpack_sequence_first(scattered), None)
+    def backward(ctx, grad_gathered):
+        scattered = grad_gathered.new_empty((grad_gathered.shape[0] // ctx.cp.size, *grad_gathered.shape[1:]))
+        reduce_scatter_single(scattered, grad_gathered.contiguous(), group=ctx.cp.group)
+        return scattered, None
 
 
 def _pack_sequence_first(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -201,13 +193,25 @@ def _unpack_sequence_first(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def _allgather_attention(query, key, value, cp: CPGroup) -> torch.Tensor:
-    """Local queries over the gathered keys/values, masked by global index (query index >= key index)."""
-    all_keys, all_values = _GatherKeyValue.apply(key, value, cp)
+    """Each local query chunk over the gathered keys/values up to its own end, causal by global index.
+
+    The keys are put in sequence order once; a query chunk ending at token e then needs
+    keys ``[0, e)`` only (as Megatron-LM's all-gather CP does), so a rank computes the
+    causal work and not all ``seq/cp x seq`` scores.
+    """
     local_seq = query.shape[SEQUENCE_DIM]
-    query_positions = _local_positions(local_seq, cp, query.device)
-    key_positions = _rank_major_positions(local_seq, cp, query.device)
-    visible = query_positions.unsqueeze(1) >= key_positions.unsqueeze(0)  # [local_seq, seq], True = attend
-    return F.scaled_dot_product_attention(query, all_keys, all_values, attn_mask=visible)
+    gathered = _GatherKeyValue.apply(_pack_sequence_first(key, value), cp)  # tokens rank-major
+    rank_major = _rank_major_positions(local_seq, cp, query.device)
+    keys, values = _unpack_sequence_first(_Reorder.apply(gathered, torch.argsort(rank_major), rank_major))
+    chunk = local_seq // 2
+    outputs = []
+    for local_index, global_chunk in enumerate(context_parallel_chunks(cp.rank, cp.size)):
+        first, end = global_chunk * chunk, (global_chunk + 1) * chunk
+        # Query row i is token first + i: it sees key j when j <= first + i.
+        visible = torch.ones(chunk, end, dtype=torch.bool, device=query.device).tril_(first)
+        outputs.append(F.scaled_dot_product_attention(_chunk(query, local_index), keys[..., :end, :],
+                                                      values[..., :end, :], attn_mask=visible))
+    return torch.cat(outputs, dim=SEQUENCE_DIM)
 
 
 # ---------------------------------------------------------------------------
