@@ -124,7 +124,17 @@ class OptimizerConfig:
     eps: float = setting(1e-8, "AdamW epsilon")
     clip_grad: float = setting(
         1.0, "clip the global gradient norm (every parameter counted once across TP/PP/DP); <= 0 disables")
-    distributed: bool = setting(False, "distributed optimizer (later issue)")
+    distributed: bool = setting(
+        False, "distributed optimizer (ZeRO-1 as Megatron-Core): gradients reduce-scattered over dp*cp, each rank "
+        "keeps the fp32 main parameters and AdamW state of its shard only, parameters all-gathered after the step")
+    bucket_size: int = setting(
+        4_000_000, "elements per gradient bucket of the distributed optimizer (each padded to split evenly over dp*cp)")
+    overlap_grad_reduce: bool = setting(
+        True, "distributed optimizer: reduce-scatter each bucket as soon as its last gradient is ready, "
+        "overlapping the rest of the backward")
+    overlap_param_gather: bool = setting(
+        True, "distributed optimizer: all-gather the updated parameters bucket by bucket in the background, "
+        "each waited for just before the first forward that uses it")
 
 
 @dataclass
@@ -370,6 +380,7 @@ POSITIVE_FIELDS = {
     "parallel": ("tp", "pp", "vpp", "dp", "cp"),
     "trainer": ("max_steps", "global_batch_size", "micro_batch_size", "seq_length", "log_every"),
     "launcher": ("nnodes", "timeout_s"),
+    "optimizer": ("bucket_size",),
 }
 
 
@@ -515,7 +526,6 @@ def check_runnable(config: PpctlConfig) -> None:
     spec = SCHEDULE_SPECS[config.schedule.name]
     _require(spec.implemented, f"schedule.name={config.schedule.name} is not implemented yet; "
              f"available: {', '.join(n for n, s in SCHEDULE_SPECS.items() if s.implemented)}")
-    _require(not config.optimizer.distributed, "optimizer.distributed=true is not implemented yet")
     _require(
         config.trainer.precision in PRECISIONS_READY,
         f"trainer.precision={config.trainer.precision} is not implemented yet; use one of {', '.join(PRECISIONS_READY)}",

@@ -1,8 +1,9 @@
 """The training loop: one ``Trainer`` per worker, built once from the config and the parallel context.
 
 A step is: this rank's schedule actions (the runtime walks its communication plan) ->
-``finalize_gradients`` (DP/CP reduction, tied embeddings) -> global grad norm and
-clipping -> ``torch.optim.AdamW`` -> the loss reduced to the rank that logs it.
+the optimizer's gradient sync (SP, DP/CP reduction, tied embeddings; overlapped with
+the backward by the distributed optimizer) -> global grad norm and clipping ->
+``torch.optim.AdamW`` (sharded or not) -> the loss reduced to the rank that logs it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ppctl.config import PpctlConfig, num_microbatches
 from ppctl.data.iterator import PipelineDataIterator
 from ppctl.factory import dataset_of, gpt_config, parameter_dtype
 from ppctl.model.gpt import GPTChunk
-from ppctl.optim.grads import build_optimizer, clip_gradients, finalize_gradients, global_grad_norm
+from ppctl.optim.optimizer import build_trainer_optimizer
 from ppctl.optim.lr import learning_rate, lr_schedule_of, set_learning_rate
 from ppctl.parallel.context_parallel import CPGroup
 from ppctl.parallel.groups import ParallelContext
@@ -125,7 +126,7 @@ class Trainer:
         self.padded_vocab_size = gpt_config(config).padded_vocab_size
         fields = tuple(sorted({name for stage in self.stages.values() for name in stage.io.fields}))
         self.data = build_data(config, context, fields)
-        self.optimizer = build_optimizer(self.chunks.values(), config.optimizer)
+        self.optimizer = build_trainer_optimizer(self.chunks, context, config.optimizer, self.data.num_microbatches)
         self.lr_schedule = lr_schedule_of(config)
         self.tracer = Tracer(context.rank) if config.trainer.trace else None
         transport = PipelineTransport(context.pp_peer, self._receive_spec, context.device)
@@ -153,8 +154,14 @@ class Trainer:
         return [param for chunk in self.chunks.values() for param in chunk.parameters()]
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
-        """Global parameter name -> this rank's shard (names are layout independent)."""
+        """Global parameter name -> this rank's shard (names are layout independent), up to date."""
+        self.optimizer.sync_parameters()
         return {name: param for chunk in self.chunks.values() for name, param in chunk.named_parameters()}
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """Global parameter name -> this rank's shard of its reduced gradient (collective with the
+        distributed optimizer, which gathers them from the ``dp_cp`` shards)."""
+        return self.optimizer.full_gradients()
 
     def train_step(self, step: int) -> StepResult:
         """Run one global batch through the schedule and update the parameters."""
@@ -171,15 +178,14 @@ class Trainer:
 
         The loss is the global batch's mean token loss on the ranks that hold the last stage, else None.
         """
-        self.optimizer.zero_grad(set_to_none=False)
+        self.optimizer.zero_grad()
         microbatches, normalizer = self._batch(step)
         if self.tracer is not None:
             self.tracer.start_step()
         state = self.runtime.run(self.program, microbatches, MaskedTokenLoss(normalizer))
         self.last_step_state = state
-        finalize_gradients(self.chunks, self.context)
-        grad_norm = global_grad_norm(self.chunks, self.context)
-        return self._mean_loss(state, normalizer), grad_norm
+        self.optimizer.finish_grad_sync()
+        return self._mean_loss(state, normalizer), self.optimizer.grad_norm()
 
     def evaluate(self, step: int) -> float | None:
         """Mean token loss of global batch ``step`` through the forward-only schedule; nothing is kept or changed.
@@ -201,7 +207,7 @@ class Trainer:
 
     def apply_gradients(self, step: int, grad_norm: float) -> None:
         """Clip by the global norm and take optimizer step ``step`` at the schedule's learning rate."""
-        clip_gradients(self.chunks, grad_norm, self.config.optimizer.clip_grad)
+        self.optimizer.clip(grad_norm, self.config.optimizer.clip_grad)
         set_learning_rate(self.optimizer, learning_rate(step, self.lr_schedule))
         self.optimizer.step()
 

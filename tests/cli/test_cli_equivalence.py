@@ -18,6 +18,10 @@ BASE = ["data=synthetic", "trainer.seq_length=16", "trainer.global_batch_size=8"
 MASKED = ["model.vocab_size=16", "data.eod_mask_loss=true"]
 CASES = {
     "tp2-pp2-dp2-masked": (["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"], MASKED),
+    # The distributed optimizer's own command, with tied embeddings summed before the reduce-scatter.
+    "tp2-pp2-dp2-distributed-tied": (["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"],
+                                     ["optimizer.distributed=true", "model.tie_embeddings=true",
+                                      "optimizer.clip_grad=1.0"]),
     # tp=4 pads the 257-id vocabulary to 512 rows where one process pads it to 320.
     "tp4": (["parallel.tp=4", "parallel.pp=1"], ["model.num_heads=4"]),
     # The issue's own command in each context-parallel mode; ring and a2a with sequence parallelism too.

@@ -76,14 +76,14 @@ def _train_runs(rank, world_size, runs, schedule_builder=None):
         for step in range(STEPS):
             loss, grad_norm = trainer.compute_gradients(step)
             if step == 0:
-                first_gradients = {name: param.grad.detach().clone()
-                                   for name, param in trainer.named_parameters().items()}
+                first_gradients = {name: grad.detach().clone() for name, grad in trainer.gradients().items()}
             trainer.apply_gradients(step, grad_norm)
             losses.append(loss)
             norms.append(grad_norm)
         shards = {name: param.detach().clone() for name, param in trainer.named_parameters().items()}
         results.append({"losses": losses, "norms": norms, "gradients": first_gradients, "shards": shards,
                         "eval_loss": eval_loss, "message_bytes": message_bytes,
+                        "optimizer_bytes": trainer.optimizer.state_bytes(),
                         "tp_rank": context.coords["tp"], "tp": context.layout.tp})
     return results
 

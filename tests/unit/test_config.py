@@ -176,4 +176,4 @@ def test_vocab_padding():
 def test_unimplemented_features_refused_before_start():
     with pytest.raises(ConfigError, match="not implemented yet"):
         check_runnable(composed("schedule=dualpipe"))
-    check_runnable(composed("parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"))
+    check_runnable(composed("parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "optimizer.distributed=true"))

@@ -1,0 +1,352 @@
+"""The distributed optimizer (ZeRO-1, as Megatron-Core's): gradients and optimizer state sharded over ``dp_cp``.
+
+Layout. Every parameter of a rank's chunks gets a slot in two flat buffers of one
+layout: ``grad_data`` (fp32 main gradients) and ``param_data`` (the parameters
+themselves: each ``param.data`` becomes a view into it). Parameters are laid out in
+roughly the order the backward finishes them (last stage first, last layer first) and
+grouped into buckets of about ``bucket_size`` elements, each padded to split evenly over
+the D ranks of ``dp_cp``; rank i owns the i-th of the D equal shards of every bucket.
+
+A step.
+1. Each parameter's gradient is added into its fp32 slot as autograd accumulates it
+   (a post-accumulate hook), then dropped. When a parameter has received all of this
+   step's microbatches it is final; when a bucket's parameters are all final, the
+   bucket is reduce-scattered over ``dp_cp`` in place, asynchronously, while the
+   backward goes on (``overlap_grad_reduce``; otherwise all buckets after the last
+   backward). Buckets are launched in index order, the same on every rank.
+2. The copies of a tied word embedding are summed first (the last bucket holds them and
+   is reduced only after that sum: summing after the reduce-scatter would add shards of
+   different elements, since the first and last stage have different buffers).
+3. Each rank then holds the fully reduced gradient of its shards only. fp32 main
+   parameters of those shards (pieces of parameters) are stepped by ``torch.optim.AdamW``
+   (foreach); the norm and clipping use the same shards, each element counted once.
+4. The updated shards are written into ``param_data`` and every bucket is all-gathered
+   in place (``overlap_param_gather``: in the background, each bucket waited for by a
+   forward pre-hook of the modules that own its parameters).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from ppctl.model.init import is_tp_replicated
+from ppctl.optim.grads import all_reduce_coalesced
+from ppctl.parallel.tensor_parallel import all_gather_single, reduce_scatter_single
+
+
+@dataclass
+class Slot:
+    """Where one parameter lives in the flat buffers: elements ``[start, end)``, in bucket ``bucket``."""
+
+    name: str
+    param: torch.nn.Parameter
+    start: int
+    end: int
+    bucket: int
+    sequence_parallel: bool  # acts on this TP rank's tokens only (a TP-replicated parameter under SP)
+    microbatches_seen: int = 0
+
+
+@dataclass
+class Bucket:
+    """Buffer elements ``[start, end)`` (padded to a multiple of the ``dp_cp`` size) and the parameters in it."""
+
+    index: int
+    start: int
+    end: int
+    slots: list[Slot]
+    pending: int = 0                 # parameters still waiting for a microbatch's gradient this step
+    grad_work: object | None = None  # the reduce-scatter in flight
+    param_work: object | None = None  # the all-gather in flight
+    launched: bool = False
+
+    def shard(self, shard_rank: int, num_shards: int) -> tuple[int, int]:
+        """The buffer range this bucket's shard ``shard_rank`` covers."""
+        size = (self.end - self.start) // num_shards
+        return self.start + shard_rank * size, self.start + (shard_rank + 1) * size
+
+
+@dataclass
+class Piece:
+    """The part of one parameter that falls in this rank's shard: buffer ``[start, end)``, its fp32 main copy."""
+
+    slot: Slot
+    start: int
+    end: int
+    main: torch.Tensor = field(repr=False)
+
+
+def ordered_parameters(chunks: Mapping[int, torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter, bool]]:
+    """``(name, param, sequence_parallel)`` of every chunk, last stage and last parameter first.
+
+    That is about the order in which the backward finishes them. ``sequence_parallel``:
+    the parameter sees only this TP rank's tokens (TP-replicated, under SP).
+    """
+    ordered, seen = [], set()
+    for stage in sorted(chunks, reverse=True):
+        chunk = chunks[stage]
+        for name, param in reversed(list(chunk.named_parameters())):
+            if id(param) not in seen:
+                seen.add(id(param))
+                ordered.append((name, param, chunk.tp.sequence_parallel and is_tp_replicated(name)))
+    return ordered
+
+
+def tied_copies(chunks: Mapping[int, torch.nn.Module], context) -> list[torch.nn.Parameter]:
+    """The copies of a tied word embedding on this rank whose gradients must be summed with other copies."""
+    copies = [chunk.embedding_weight_for_tying() for chunk in chunks.values()]
+    copies = [param for param in copies if param is not None]
+    return copies if len(copies) > 1 or context.size("embedding") > 1 else []
+
+
+def plan_buckets(sizes: list[int], late: list[bool], bucket_size: int, num_shards: int) -> list[tuple[int, int, list[int]]]:
+    """Group parameters (in order) into buckets: ``(start, end, parameter indices)``, each padded to ``num_shards``.
+
+    A bucket closes once it holds ``bucket_size`` elements; the ``late`` parameters
+    (tied embedding copies) form the last bucket on their own.
+    """
+    groups, current, current_size = [], [], 0
+    for index, size in enumerate(sizes):
+        if late[index]:
+            continue
+        current.append(index)
+        current_size += size
+        if current_size >= bucket_size:
+            groups.append(current)
+            current, current_size = [], 0
+    groups += [group for group in (current, [i for i, is_late in enumerate(late) if is_late]) if group]
+    buckets, start = [], 0
+    for group in groups:
+        used = sum(sizes[index] for index in group)
+        end = start + math.ceil(used / num_shards) * num_shards
+        buckets.append((start, end, group))
+        start = end
+    return buckets
+
+
+class DistributedOptimizer:
+    """Sharded gradients, fp32 main parameters and AdamW state over ``dp_cp`` for this rank's chunks."""
+
+    def __init__(self, chunks: Mapping[int, torch.nn.Module], context, settings, num_microbatches: int,
+                 decays=None):
+        self.chunks, self.context, self.settings = chunks, context, settings
+        self.num_microbatches = num_microbatches
+        self.group = context.groups["dp_cp"] if context.size("dp_cp") > 1 else None
+        self.num_shards, self.shard_rank = max(context.size("dp_cp"), 1), context.index("dp_cp")
+        self.tied = tied_copies(chunks, context)
+        self._build_buffers(ordered_parameters(chunks))
+        self.pieces = self._shard_pieces()
+        self.optimizer = self._build_adamw(decays or (lambda name, param: param.dim() >= 2))
+        self._hooks = [slot.param.register_post_accumulate_grad_hook(self._accumulate) for slot in self.slots]
+        self._hooks += self._register_gather_waits()
+        self.next_launch = 0
+        self.zero_grad()
+
+    # --- layout ---------------------------------------------------------------------------
+
+    def _build_buffers(self, named: list[tuple[str, torch.nn.Parameter, bool]]) -> None:
+        """Lay the parameters out in buckets; move every parameter into ``param_data``."""
+        tied_ids = {id(param) for param in self.tied}
+        plan = plan_buckets([param.numel() for _, param, _ in named], [id(param) in tied_ids for _, param, _ in named],
+                            self.settings.bucket_size, self.num_shards)
+        total = plan[-1][1] if plan else 0
+        device, dtype = named[0][1].device, named[0][1].dtype
+        self.grad_data = torch.zeros(total, dtype=torch.float32 if dtype != torch.float64 else dtype, device=device)
+        self.param_data = torch.zeros(total, dtype=dtype, device=device)
+        self.slots, self.buckets, self.slot_of = [], [], {}
+        for index, (start, end, members) in enumerate(plan):
+            bucket = Bucket(index, start, end, [])
+            offset = start
+            for member in members:
+                name, param, sequence_parallel = named[member]
+                slot = Slot(name, param, offset, offset + param.numel(), index, sequence_parallel)
+                self.param_data[slot.start:slot.end].copy_(param.detach().reshape(-1))
+                param.data = self.param_data[slot.start:slot.end].view_as(param)
+                bucket.slots.append(slot)
+                self.slots.append(slot)
+                self.slot_of[param] = slot
+                offset = slot.end
+            self.buckets.append(bucket)
+
+    def _shard_pieces(self) -> list[Piece]:
+        """This rank's shard of every bucket, cut at parameter boundaries, each with an fp32 main copy."""
+        pieces = []
+        for bucket in self.buckets:
+            shard_start, shard_end = bucket.shard(self.shard_rank, self.num_shards)
+            for slot in bucket.slots:
+                start, end = max(slot.start, shard_start), min(slot.end, shard_end)
+                if start < end:
+                    main = self.param_data[start:end].detach().clone().to(self.grad_data.dtype)
+                    main.grad = self.grad_data[start:end]
+                    pieces.append(Piece(slot, start, end, main))
+        return pieces
+
+    def _build_adamw(self, decays) -> torch.optim.Optimizer:
+        settings = self.settings
+        decay = [piece.main for piece in self.pieces if decays(piece.slot.name, piece.slot.param)]
+        no_decay = [piece.main for piece in self.pieces if not decays(piece.slot.name, piece.slot.param)]
+        groups = [{"params": decay, "weight_decay": settings.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps,
+                                 foreach=True)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The AdamW parameter groups (their ``lr`` is what a step uses)."""
+        return self.optimizer.param_groups
+
+    # --- gradients --------------------------------------------------------------------------
+
+    def zero_grad(self) -> None:
+        """Start a step: empty main gradients, every parameter waiting for all its microbatches."""
+        self.grad_data.zero_()
+        for slot in self.slots:
+            slot.microbatches_seen = 0
+        for bucket in self.buckets:
+            bucket.pending, bucket.launched, bucket.grad_work = len(bucket.slots), False, None
+        self.next_launch = 0
+
+    def _accumulate(self, param: torch.nn.Parameter) -> None:
+        """Post-accumulate hook: add the gradient into its fp32 slot; launch the buckets that became complete."""
+        slot = self.slot_of[param]
+        self.grad_data[slot.start:slot.end].add_(param.grad.reshape(-1))
+        param.grad = None
+        slot.microbatches_seen += 1
+        if slot.microbatches_seen == self.num_microbatches:
+            self.buckets[slot.bucket].pending -= 1
+            if self.settings.overlap_grad_reduce:
+                self._launch_ready_buckets(include_late=False)
+
+    def _launch_ready_buckets(self, include_late: bool) -> None:
+        """Reduce-scatter complete buckets in index order (the same order on every rank of ``dp_cp``)."""
+        while self.next_launch < len(self.buckets):
+            bucket = self.buckets[self.next_launch]
+            is_late = bool(self.tied) and bucket.index == len(self.buckets) - 1
+            if not include_late and (bucket.pending or is_late):
+                return
+            self._reduce_scatter(bucket)
+            self.next_launch += 1
+
+    def _reduce_scatter(self, bucket: Bucket) -> None:
+        if self.group is not None:
+            data = self.grad_data[bucket.start:bucket.end]
+            start, end = bucket.shard(self.shard_rank, self.num_shards)
+            bucket.grad_work = reduce_scatter_single(self.grad_data[start:end], data, group=self.group,
+                                                     async_op=True)
+        bucket.launched = True
+
+    def finish_grad_sync(self) -> None:
+        """After the last backward: sum tied copies, reduce what is left, wait, then SP's TP sums on the shards."""
+        self._sum_tied_copies()
+        self._launch_ready_buckets(include_late=True)
+        for bucket in self.buckets:
+            if bucket.grad_work is not None:
+                bucket.grad_work.wait()
+                bucket.grad_work = None
+        self._sum_sequence_parallel_shards()
+
+    def _sum_tied_copies(self) -> None:
+        """Give every copy of a tied embedding the sum of all copies' (not yet DP-reduced) gradients."""
+        if not self.tied:
+            return
+        grads = [self.grad_data[self.slot_of[p].start:self.slot_of[p].end] for p in self.tied]
+        if len(grads) > 1:
+            total = torch.stack(grads).sum(dim=0)
+            for grad in grads:
+                grad.copy_(total)
+        if self.context.size("embedding") > 1:
+            dist.all_reduce(grads[0], group=self.context.groups["embedding"])
+            for grad in grads[1:]:
+                grad.copy_(grads[0])
+
+    def _sum_sequence_parallel_shards(self) -> None:
+        """Under SP, sum over TP the shard gradients of TP-replicated parameters (same layout on every TP rank)."""
+        grads = [piece.main.grad for piece in self.pieces if piece.slot.sequence_parallel]
+        if grads:
+            all_reduce_coalesced(grads, self.context.groups["tp"])
+
+    def grad_norm(self) -> float:
+        """The global L2 gradient norm from the shards: each element of the model counted once over all ranks."""
+        squares = torch.zeros((), dtype=torch.float64, device=self.grad_data.device)
+        for piece in self.pieces:
+            if self._counted(piece.slot):
+                squares += piece.main.grad.double().pow(2).sum()
+        squares = squares.reshape(1)
+        dist.all_reduce(squares)
+        return math.sqrt(float(squares.item()))
+
+    def _counted(self, slot: Slot) -> bool:
+        if is_tp_replicated(slot.name) and self.context.coords["tp"] != 0:
+            return False
+        # The tied output weight on the last stage is a copy of the first stage's word embedding.
+        return not (slot.name == "output_layer.weight" and any(slot.param is copy for copy in self.tied))
+
+    def clip(self, grad_norm: float, max_norm: float) -> None:
+        """Scale the shard gradients by ``max_norm / (norm + 1e-6)`` when that is below 1."""
+        if max_norm > 0 and grad_norm + 1e-6 > max_norm:
+            for piece in self.pieces:
+                piece.main.grad.mul_(max_norm / (grad_norm + 1e-6))
+
+    # --- parameters ------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """AdamW on the fp32 shards, written back into ``param_data``, then every bucket all-gathered."""
+        self.optimizer.step()
+        for piece in self.pieces:
+            self.param_data[piece.start:piece.end].copy_(piece.main)
+        for bucket in self.buckets:
+            start, end = bucket.shard(self.shard_rank, self.num_shards)
+            if self.group is not None:
+                bucket.param_work = all_gather_single(self.param_data[bucket.start:bucket.end],
+                                                      self.param_data[start:end], group=self.group, async_op=True)
+        if not self.settings.overlap_param_gather:
+            self.sync_parameters()
+
+    def sync_parameters(self) -> None:
+        """Wait for every parameter all-gather in flight (before reading parameters outside a forward)."""
+        for bucket in self.buckets:
+            self._wait_param_gather(bucket)
+
+    def _wait_param_gather(self, bucket: Bucket) -> None:
+        if bucket.param_work is not None:
+            bucket.param_work.wait()
+            bucket.param_work = None
+
+    def _register_gather_waits(self) -> list:
+        """A forward pre-hook on each module owning parameters: wait for their buckets' all-gathers."""
+        handles = []
+        for chunk in self.chunks.values():
+            for module in chunk.modules():
+                buckets = sorted({self.slot_of[param].bucket for param in module.parameters(recurse=False)})
+                if buckets:
+                    handles.append(module.register_forward_pre_hook(self._waiter(buckets)))
+        return handles
+
+    def _waiter(self, bucket_indices: list[int]):
+        def wait_for_parameters(_module, _inputs):
+            for index in bucket_indices:
+                self._wait_param_gather(self.buckets[index])
+        return wait_for_parameters
+
+    # --- inspection ------------------------------------------------------------------------
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Every parameter's reduced gradient, gathered from the shards (for tests and debugging; collective)."""
+        full = self.grad_data.clone()
+        if self.group is not None:
+            for bucket in self.buckets:
+                start, end = bucket.shard(self.shard_rank, self.num_shards)
+                all_gather_single(full[bucket.start:bucket.end], full[start:end].clone(), group=self.group)
+        return {slot.name: full[slot.start:slot.end].view_as(slot.param).to(slot.param.dtype) for slot in self.slots}
+
+    def state_bytes(self) -> int:
+        """Bytes of fp32 main parameters and AdamW state this rank holds."""
+        tensors = [piece.main for piece in self.pieces]
+        tensors += [value for state in self.optimizer.state.values() for value in state.values()
+                    if isinstance(value, torch.Tensor) and value.dim() > 0]
+        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)

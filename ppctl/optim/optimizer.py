@@ -1,0 +1,72 @@
+"""The trainer's optimizer, one interface for both paths: plain (replicated) or distributed (sharded).
+
+A step calls ``zero_grad``, runs the backward, then ``finish_grad_sync`` (every
+reduction), ``grad_norm``, ``clip`` and ``step``. ``PlainOptimizer`` keeps the
+classic path: gradients all-reduced over ``dp_cp`` and a full ``torch.optim.AdamW``
+on every rank; ``DistributedOptimizer`` shards gradients, fp32 main parameters and
+AdamW state over ``dp_cp`` (``ppctl.optim.distributed``).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from ppctl.optim.distributed import DistributedOptimizer
+from ppctl.optim.grads import build_optimizer, clip_gradients, decays, finalize_gradients, global_grad_norm
+
+
+class PlainOptimizer:
+    """Gradients all-reduced over ``dp_cp`` (and tied / SP sums), AdamW over every parameter of this rank."""
+
+    def __init__(self, chunks: Mapping[int, torch.nn.Module], context, settings):
+        self.chunks, self.context = chunks, context
+        self.optimizer = build_optimizer(chunks.values(), settings)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The AdamW parameter groups (their ``lr`` is what a step uses)."""
+        return self.optimizer.param_groups
+
+    def zero_grad(self) -> None:
+        """Start a step with zero gradients (kept allocated)."""
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def finish_grad_sync(self) -> None:
+        """Every reduction of the step's gradients (``ppctl.optim.grads.finalize_gradients``)."""
+        finalize_gradients(self.chunks, self.context)
+
+    def grad_norm(self) -> float:
+        """The global gradient norm, each parameter counted once."""
+        return global_grad_norm(self.chunks, self.context)
+
+    def clip(self, grad_norm: float, max_norm: float) -> None:
+        """Scale the gradients so their global norm is at most ``max_norm``."""
+        clip_gradients(self.chunks, grad_norm, max_norm)
+
+    def step(self) -> None:
+        """The AdamW step."""
+        self.optimizer.step()
+
+    def sync_parameters(self) -> None:
+        """Nothing in flight on this path."""
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Every parameter's reduced gradient."""
+        return {name: param.grad for chunk in self.chunks.values() for name, param in chunk.named_parameters()}
+
+    def state_bytes(self) -> int:
+        """Bytes of the fp32 main parameters (the parameters themselves here) and AdamW state."""
+        tensors = [param for group in self.param_groups for param in group["params"]]
+        tensors += [value for state in self.optimizer.state.values() for value in state.values()
+                    if isinstance(value, torch.Tensor) and value.dim() > 0]
+        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def build_trainer_optimizer(chunks: Mapping[int, torch.nn.Module], context, settings, num_microbatches: int):
+    """The distributed optimizer when ``settings.distributed``, else the plain one."""
+    if settings.distributed:
+        return DistributedOptimizer(chunks, context, settings, num_microbatches,
+                                    decays=lambda name, param: decays(name, param, settings))
+    return PlainOptimizer(chunks, context, settings)

@@ -1,0 +1,60 @@
+"""The distributed optimizer trains exactly like one process, and holds 1/(dp*cp) of the optimizer memory.
+
+Each run is compared with the single-process run as a user would launch it (per-step
+loss and grad norm with clipping active, the forward-only loss, step-0 gradients
+gathered from the shards, final parameters). Bucket sizes small enough that every
+parameter is a bucket of its own and most are cut between two ranks' shards.
+"""
+
+import pytest
+
+from tests.distributed.equivalence import BASE, FP64, MASKED, assert_equivalent
+
+DISTRIBUTED = ["optimizer.distributed=true"]
+TINY_BUCKETS = ["optimizer.bucket_size=100"]
+NO_OVERLAP = ["optimizer.overlap_grad_reduce=false", "optimizer.overlap_param_gather=false"]
+TIED = ["model.tie_embeddings=true", "model.position_embedding=rope"]
+# Clipping active at every step: the norms of these runs are well above 0.1.
+CLIP = ["optimizer.clip_grad=0.1"]
+
+
+def parallel(tp=1, cp=1, pp=1, dp=1, vpp=1, schedule="1f1b"):
+    """The overrides of one layout."""
+    return [f"parallel.tp={tp}", f"parallel.cp={cp}", f"parallel.pp={pp}", f"parallel.dp={dp}",
+            f"parallel.vpp={vpp}", f"schedule={schedule}"]
+
+
+def state_bytes(per_rank: list, index: int) -> int:
+    """The optimizer memory (main parameters and AdamW state) of run ``index`` on rank 0."""
+    return per_rank[0][index]["optimizer_bytes"]
+
+
+@pytest.mark.timeout(300)
+def test_dp2_with_and_without_overlap_and_tiny_buckets():
+    runs = [BASE + parallel(dp=2) + CLIP,
+            BASE + parallel(dp=2) + CLIP + DISTRIBUTED,
+            BASE + parallel(dp=2) + CLIP + DISTRIBUTED + TINY_BUCKETS,
+            BASE + parallel(dp=2) + CLIP + DISTRIBUTED + TINY_BUCKETS + NO_OVERLAP + MASKED,
+            BASE + parallel(dp=2) + CLIP + DISTRIBUTED + TINY_BUCKETS + FP64]
+    per_rank = assert_equivalent(runs, world_size=2)
+    plain = state_bytes(per_rank, 0)
+    for index in (1, 2):
+        assert abs(state_bytes(per_rank, index) / plain - 1 / 2) < 0.01, (index, state_bytes(per_rank, index), plain)
+
+
+@pytest.mark.timeout(400)
+def test_four_ranks_dp4_interleaved_and_context_parallel():
+    runs = [BASE + parallel(dp=4) + CLIP,
+            BASE + parallel(dp=4) + CLIP + DISTRIBUTED + TINY_BUCKETS,
+            BASE + parallel(pp=2, vpp=2, dp=2, schedule="interleaved_1f1b") + CLIP + DISTRIBUTED + TIED,
+            BASE + parallel(cp=2, dp=2) + CLIP + DISTRIBUTED + TINY_BUCKETS + MASKED]
+    per_rank = assert_equivalent(runs, world_size=4)
+    assert abs(state_bytes(per_rank, 1) / state_bytes(per_rank, 0) - 1 / 4) < 0.02
+
+
+@pytest.mark.timeout(600)
+def test_tp2_pp2_dp2_with_tied_embeddings_and_sequence_parallelism():
+    runs = [BASE + parallel(tp=2, pp=2, dp=2) + CLIP + DISTRIBUTED + TIED + MASKED,
+            BASE + parallel(tp=2, pp=2, dp=2) + CLIP + DISTRIBUTED + TINY_BUCKETS + TIED
+            + ["parallel.sequence_parallel=true"]]
+    assert_equivalent(runs, world_size=8, timeout=500)
