@@ -151,6 +151,9 @@ class TrainerConfig:
     log_every: int = setting(10, "console line every N steps (and the first and last)")
     tensorboard: bool = setting(True, "write TensorBoard event files")
     trace: bool = setting(False, "record per-rank action timelines")
+    stop_on_nonfinite: bool = setting(
+        False, "stop with a one-line error at the first non-finite gradient norm (default: skip that step, "
+        "count it in `train/skipped_steps`)")
 
 
 @dataclass

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ppctl.config import PpctlConfig, to_yaml
 
-SCALARS = ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "bubble_ratio_measured")
+SCALARS = ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "bubble_ratio_measured", "skipped_steps")
 
 
 class TrainingLogger:
@@ -45,6 +45,9 @@ class TrainingLogger:
         step = result.step + 1
         if step == 1 or step == trainer.max_steps or step % trainer.log_every == 0:
             print(format_step(result, trainer.max_steps), flush=True)
+        if result.skipped:
+            print(f"step {step}: gradient norm {result.grad_norm}: step skipped, nothing updated "
+                  f"({result.skipped_steps} skipped so far)", flush=True)
 
     def add_trace(self, step: int, snapshots: list[dict]) -> None:
         """Keep every step's gathered per-rank timeline for the trace files."""

@@ -8,6 +8,7 @@ the backward by the distributed optimizer) -> global grad norm and clipping ->
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,10 @@ from ppctl.pipeline.trace import Tracer
 from ppctl.stages import MaskedTokenLoss, build_stages
 
 
+class NonFiniteGradients(RuntimeError):
+    """The gradient norm of a step was not finite and the run was asked to stop on it."""
+
+
 @dataclass
 class StepResult:
     """What one step measured. ``loss`` is the global batch's mean token loss (None off the loss ranks)."""
@@ -45,6 +50,8 @@ class StepResult:
     step_time_s: float
     tokens_per_s: float
     bubble_ratio_measured: float | None = None
+    skipped: bool = False      # the gradient norm was not finite: nothing was updated
+    skipped_steps: int = 0     # skipped steps so far in this run
 
 
 def to_device(microbatch, device: str):
@@ -128,6 +135,7 @@ class Trainer:
         self.data = build_data(config, context, fields)
         self.optimizer = build_trainer_optimizer(self.chunks, context, config.optimizer, self.data.num_microbatches)
         self.lr_schedule = lr_schedule_of(config)
+        self.skipped_steps = 0
         self.tracer = Tracer(context.rank) if config.trainer.trace else None
         transport = PipelineTransport(context.pp_peer, self._receive_spec, context.device)
         self.runtime = PipelineRuntime(self.stages, transport, self.tracer, release_outputs, track_memory)
@@ -167,11 +175,11 @@ class Trainer:
         """Run one global batch through the schedule and update the parameters."""
         started = time.perf_counter()
         loss, grad_norm = self.compute_gradients(step)
-        self.apply_gradients(step, grad_norm)
+        applied = self.apply_gradients(step, grad_norm)
         elapsed = time.perf_counter() - started
         tokens = self.config.trainer.global_batch_size * self.config.trainer.seq_length
         return StepResult(step, loss, grad_norm, self.optimizer.param_groups[0]["lr"], elapsed, tokens / elapsed,
-                          self._measured_bubble())
+                          self._measured_bubble(), skipped=not applied, skipped_steps=self.skipped_steps)
 
     def compute_gradients(self, step: int) -> tuple[float | None, float]:
         """Forward and backward of global batch ``step``: reduced gradients; returns (loss, global grad norm).
@@ -205,11 +213,23 @@ class Trainer:
         """The global batch's mean token loss on the loss ranks (summed over DP), None elsewhere."""
         return self._reduce_loss(float(state.loss_sum) / normalizer) if self.holds_loss else None
 
-    def apply_gradients(self, step: int, grad_norm: float) -> None:
-        """Clip by the global norm and take optimizer step ``step`` at the schedule's learning rate."""
+    def apply_gradients(self, step: int, grad_norm: float) -> bool:
+        """Clip by the global norm and take optimizer step ``step`` at the schedule's learning rate.
+
+        A non-finite norm (the same on every rank) skips the step: no parameter and no
+        optimizer state changes. Returns whether the step was taken; raises
+        ``NonFiniteGradients`` instead with ``trainer.stop_on_nonfinite``.
+        """
+        if not math.isfinite(grad_norm):
+            if self.config.trainer.stop_on_nonfinite:
+                raise NonFiniteGradients(f"step {step}: the gradient norm is {grad_norm}; stopping "
+                                         "(trainer.stop_on_nonfinite=true)")
+            self.skipped_steps += 1
+            return False
         self.optimizer.clip(grad_norm, self.config.optimizer.clip_grad)
         set_learning_rate(self.optimizer, learning_rate(step, self.lr_schedule))
         self.optimizer.step()
+        return True
 
     def _reduce_loss(self, local_loss: float) -> float:
         """Sum the per-DP-rank shares (each already divided by the global token count)."""
