@@ -147,7 +147,9 @@ class TrainerConfig:
     seq_length: int = setting(64, "tokens per sequence (<= model.max_seq_length)")
     seed: int = setting(1234, "model initialisation and sample order")
     out_dir: Optional[str] = setting(None, "run directory (default `runs/<timestamp>`)")
-    precision: str = setting("fp32", "`fp32` or `fp64` (`bf16`, `fp16`: later issue)")
+    precision: str = setting(
+        "fp32", "`fp32`, `fp64` or `bf16` (bf16 parameters, activations and messages; fp32 main parameters, "
+        "gradient accumulation, loss and softmax statistics); `fp16`: later")
     log_every: int = setting(10, "console line every N steps (and the first and last)")
     tensorboard: bool = setting(True, "write TensorBoard event files")
     trace: bool = setting(False, "record per-rank action timelines")
@@ -285,8 +287,8 @@ def load_config_file(path: str | os.PathLike) -> PpctlConfig:
 # ---------------------------------------------------------------------------
 
 POSITION_EMBEDDINGS = ("learned", "rope")
-PRECISIONS_READY = ("fp32", "fp64")
-PRECISIONS_LATER = ("bf16", "fp16")
+PRECISIONS_READY = ("fp32", "fp64", "bf16")
+PRECISIONS_LATER = ("fp16",)
 DATA_SOURCES = ("python_stdlib", "text_file", "synthetic")
 BACKENDS = ("auto", "gloo", "nccl")
 

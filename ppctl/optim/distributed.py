@@ -130,14 +130,20 @@ def plan_buckets(sizes: list[int], late: list[bool], bucket_size: int, num_shard
 
 
 class DistributedOptimizer:
-    """Sharded gradients, fp32 main parameters and AdamW state over ``dp_cp`` for this rank's chunks."""
+    """Sharded gradients, fp32 main parameters and AdamW state over ``dp_cp`` for this rank's chunks.
+
+    ``shard=False`` keeps the same buffers, fp32 main gradients and fp32 main parameters
+    but all-reduces every bucket and steps every parameter on every rank: the plain path
+    of a bf16 model (Megatron's mixed-precision optimizer without sharding).
+    """
 
     def __init__(self, chunks: Mapping[int, torch.nn.Module], context, settings, num_microbatches: int,
-                 decays=None):
+                 decays=None, shard: bool = True):
         self.chunks, self.context, self.settings = chunks, context, settings
         self.num_microbatches = num_microbatches
         self.group = context.groups["dp_cp"] if context.size("dp_cp") > 1 else None
-        self.num_shards, self.shard_rank = max(context.size("dp_cp"), 1), context.index("dp_cp")
+        self.sharded = shard
+        self.num_shards, self.shard_rank = (max(context.size("dp_cp"), 1), context.index("dp_cp")) if shard else (1, 0)
         self.tied = tied_copies(chunks, context)
         self._build_buffers(ordered_parameters(chunks))
         self.pieces = self._shard_pieces()
@@ -233,11 +239,14 @@ class DistributedOptimizer:
             self.next_launch += 1
 
     def _reduce_scatter(self, bucket: Bucket) -> None:
-        if self.group is not None:
-            data = self.grad_data[bucket.start:bucket.end]
+        """Sum the bucket over ``dp_cp`` in the background: into this rank's shard, or all of it unsharded."""
+        data = self.grad_data[bucket.start:bucket.end]
+        if self.group is not None and self.sharded:
             start, end = bucket.shard(self.shard_rank, self.num_shards)
             bucket.grad_work = reduce_scatter_single(self.grad_data[start:end], data, group=self.group,
                                                      async_op=True)
+        elif self.group is not None:
+            bucket.grad_work = dist.all_reduce(data, group=self.group, async_op=True)
         bucket.launched = True
 
     def finish_grad_sync(self) -> None:
@@ -277,7 +286,10 @@ class DistributedOptimizer:
             if self._counted(piece.slot):
                 squares += piece.main.grad.double().pow(2).sum()
         squares = squares.reshape(1)
-        dist.all_reduce(squares)
+        if self.sharded:
+            dist.all_reduce(squares)  # the shards partition the whole model over all ranks
+        elif self.context.size("tp_pp") > 1:
+            dist.all_reduce(squares, group=self.context.groups["tp_pp"])  # every dp_cp replica holds it all
         return math.sqrt(float(squares.item()))
 
     def _counted(self, slot: Slot) -> bool:
@@ -301,7 +313,7 @@ class DistributedOptimizer:
             self.param_data[piece.start:piece.end].copy_(piece.main)
         for bucket in self.buckets:
             start, end = bucket.shard(self.shard_rank, self.num_shards)
-            if self.group is not None:
+            if self.group is not None and self.sharded:
                 bucket.param_work = all_gather_single(self.param_data[bucket.start:bucket.end],
                                                       self.param_data[start:end], group=self.group, async_op=True)
         if not self.settings.overlap_param_gather:
@@ -338,7 +350,7 @@ class DistributedOptimizer:
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's reduced gradient, gathered from the shards (for tests and debugging; collective)."""
         full = self.grad_data.clone()
-        if self.group is not None:
+        if self.group is not None and self.sharded:
             for bucket in self.buckets:
                 start, end = bucket.shard(self.shard_rank, self.num_shards)
                 all_gather_single(full[bucket.start:bucket.end], full[start:end].clone(), group=self.group)

@@ -65,8 +65,12 @@ class PlainOptimizer:
 
 
 def build_trainer_optimizer(chunks: Mapping[int, torch.nn.Module], context, settings, num_microbatches: int):
-    """The distributed optimizer when ``settings.distributed``, else the plain one."""
-    if settings.distributed:
+    """The distributed optimizer when ``settings.distributed``; else the plain one, with fp32 main
+    parameters and gradients (the same buffers, unsharded) when the model is in half precision."""
+    half_precision = any(param.dtype in (torch.bfloat16, torch.float16)
+                         for chunk in chunks.values() for param in chunk.parameters())
+    if settings.distributed or half_precision:
         return DistributedOptimizer(chunks, context, settings, num_microbatches,
-                                    decays=lambda name, param: decays(name, param, settings))
+                                    decays=lambda name, param: decays(name, param, settings),
+                                    shard=settings.distributed)
     return PlainOptimizer(chunks, context, settings)
