@@ -132,6 +132,10 @@ class OptimizerConfig:
     overlap_grad_reduce: bool = setting(
         True, "distributed optimizer: reduce-scatter each bucket as soon as its last gradient is ready, "
         "overlapping the rest of the backward")
+    loss_scale: float = setting(
+        65536.0, "fp16: the initial loss scale (halved on each overflow, which skips that step)")
+    loss_scale_window: int = setting(1000, "fp16: good steps in a row before the loss scale doubles")
+    min_loss_scale: float = setting(1.0, "fp16: the loss scale never goes below this")
     overlap_param_gather: bool = setting(
         True, "distributed optimizer: all-gather the updated parameters bucket by bucket in the background, "
         "each waited for just before the first forward that uses it")
@@ -148,8 +152,8 @@ class TrainerConfig:
     seed: int = setting(1234, "model initialisation and sample order")
     out_dir: Optional[str] = setting(None, "run directory (default `runs/<timestamp>`)")
     precision: str = setting(
-        "fp32", "`fp32`, `fp64` or `bf16` (bf16 parameters, activations and messages; fp32 main parameters, "
-        "gradient accumulation, loss and softmax statistics); `fp16`: later")
+        "fp32", "`fp32`, `fp64`, `bf16` or `fp16` (half-precision parameters, activations and messages; fp32 "
+        "main parameters, gradient accumulation, loss and softmax statistics; fp16 adds dynamic loss scaling)")
     log_every: int = setting(10, "console line every N steps (and the first and last)")
     tensorboard: bool = setting(True, "write TensorBoard event files")
     trace: bool = setting(False, "record per-rank action timelines")
@@ -287,8 +291,8 @@ def load_config_file(path: str | os.PathLike) -> PpctlConfig:
 # ---------------------------------------------------------------------------
 
 POSITION_EMBEDDINGS = ("learned", "rope")
-PRECISIONS_READY = ("fp32", "fp64", "bf16")
-PRECISIONS_LATER = ("fp16",)
+PRECISIONS_READY = ("fp32", "fp64", "bf16", "fp16")
+PRECISIONS_LATER = ()
 DATA_SOURCES = ("python_stdlib", "text_file", "synthetic")
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -385,7 +389,7 @@ POSITIVE_FIELDS = {
     "parallel": ("tp", "pp", "vpp", "dp", "cp"),
     "trainer": ("max_steps", "global_batch_size", "micro_batch_size", "seq_length", "log_every"),
     "launcher": ("nnodes", "timeout_s"),
-    "optimizer": ("bucket_size",),
+    "optimizer": ("bucket_size", "loss_scale_window"),
 }
 
 
@@ -398,6 +402,10 @@ def _check_positive(config: PpctlConfig) -> None:
         value = getattr(config.launcher, name)
         _require(value is None or value >= 1, f"launcher.{name}={value} must be a positive integer")
     _require(config.optimizer.lr > 0, f"optimizer.lr={config.optimizer.lr} must be positive")
+    optimizer = config.optimizer
+    _require(0 < optimizer.min_loss_scale <= optimizer.loss_scale,
+             f"optimizer.min_loss_scale={optimizer.min_loss_scale} must be > 0 and <= "
+             f"optimizer.loss_scale={optimizer.loss_scale}")
     _require(config.trainer.seed >= 0, f"trainer.seed={config.trainer.seed} must be >= 0")
     _require(config.optimizer.weight_decay >= 0, "optimizer.weight_decay must be >= 0")
 

@@ -14,7 +14,7 @@ from ppctl.config import PpctlConfig, padded_vocab_size
 from ppctl.data.dataset import WindowDataset, build_dataset
 from ppctl.model.gpt import GPTConfig
 
-DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def gpt_config(config: PpctlConfig) -> GPTConfig:
@@ -32,7 +32,7 @@ def gpt_config(config: PpctlConfig) -> GPTConfig:
 def parameter_dtype(config: PpctlConfig) -> torch.dtype:
     """The dtype of the model's parameters, activations and pipeline messages (``trainer.precision``).
 
-    With bf16 the optimizer keeps fp32 main parameters and gradients (``ppctl.optim``).
+    With bf16 or fp16 the optimizer keeps fp32 main parameters and gradients (``ppctl.optim``).
     """
     return DTYPES[config.trainer.precision]
 

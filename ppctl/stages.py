@@ -36,14 +36,17 @@ class MaskedTokenLoss:
 
     ``normalizer`` is the loss-token count of the whole global batch (every DP rank's
     share), so summing over microbatches and DP ranks gives the global mean token loss.
-    Returns (the loss to back-propagate, the masked sum to report).
+    ``scale`` multiplies the loss that is back-propagated (fp16 loss scaling; the
+    optimizer divides the gradients by it again). Returns (the loss to back-propagate,
+    the masked sum to report).
     """
 
     normalizer: float
+    scale: float = 1.0
 
     def __call__(self, token_losses: torch.Tensor, microbatch) -> tuple[torch.Tensor, torch.Tensor]:
         masked_sum = (token_losses * microbatch.loss_mask.to(token_losses.dtype)).sum()
-        return masked_sum / self.normalizer, masked_sum
+        return masked_sum * self.scale / self.normalizer, masked_sum  # x * 1.0 is exact: unscaled runs unchanged
 
 
 def chunk_fields(chunk: GPTChunk) -> tuple[str, ...]:

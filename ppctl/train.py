@@ -20,6 +20,8 @@ from ppctl.config import PpctlConfig, num_microbatches
 from ppctl.data.iterator import PipelineDataIterator
 from ppctl.factory import dataset_of, gpt_config, parameter_dtype
 from ppctl.model.gpt import GPTChunk
+from ppctl.optim.grads import clip_coefficient
+from ppctl.optim.loss_scale import DynamicLossScaler
 from ppctl.optim.optimizer import build_trainer_optimizer
 from ppctl.optim.lr import learning_rate, lr_schedule_of, set_learning_rate
 from ppctl.parallel.context_parallel import CPGroup
@@ -109,6 +111,14 @@ def build_data(config: PpctlConfig, context: ParallelContext, fields: tuple[str,
     )
 
 
+def loss_scaler_of(config: PpctlConfig) -> DynamicLossScaler | None:
+    """The dynamic loss scaler of an fp16 run (None otherwise)."""
+    if config.trainer.precision != "fp16":
+        return None
+    settings = config.optimizer
+    return DynamicLossScaler(settings.loss_scale, settings.loss_scale_window, settings.min_loss_scale)
+
+
 class Trainer:
     """Everything one worker needs to train: stages, schedule programs, runtime, data, optimizer.
 
@@ -136,6 +146,8 @@ class Trainer:
         self.optimizer = build_trainer_optimizer(self.chunks, context, config.optimizer, self.data.num_microbatches)
         self.lr_schedule = lr_schedule_of(config)
         self.skipped_steps = 0
+        self.loss_scaler = loss_scaler_of(config)
+        self.loss_scale = 1.0  # the scale the current step's gradients carry
         self.tracer = Tracer(context.rank) if config.trainer.trace else None
         transport = PipelineTransport(context.pp_peer, self._receive_spec, context.device)
         self.runtime = PipelineRuntime(self.stages, transport, self.tracer, release_outputs, track_memory)
@@ -190,10 +202,11 @@ class Trainer:
         microbatches, normalizer = self._batch(step)
         if self.tracer is not None:
             self.tracer.start_step()
-        state = self.runtime.run(self.program, microbatches, MaskedTokenLoss(normalizer))
+        self.loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        state = self.runtime.run(self.program, microbatches, MaskedTokenLoss(normalizer, self.loss_scale))
         self.last_step_state = state
         self.optimizer.finish_grad_sync()
-        return self._mean_loss(state, normalizer), self.optimizer.grad_norm()
+        return self._mean_loss(state, normalizer), self.optimizer.grad_norm() / self.loss_scale
 
     def evaluate(self, step: int) -> float | None:
         """Mean token loss of global batch ``step`` through the forward-only schedule; nothing is kept or changed.
@@ -217,16 +230,23 @@ class Trainer:
         """Clip by the global norm and take optimizer step ``step`` at the schedule's learning rate.
 
         A non-finite norm (the same on every rank) skips the step: no parameter and no
-        optimizer state changes. Returns whether the step was taken; raises
-        ``NonFiniteGradients`` instead with ``trainer.stop_on_nonfinite``.
+        optimizer state changes. With fp16 it is an overflow of the loss scale, which is
+        halved; otherwise ``trainer.stop_on_nonfinite`` raises ``NonFiniteGradients``
+        instead. Returns whether the step was taken.
         """
+        finite = math.isfinite(grad_norm)
+        if self.loss_scaler is not None:
+            overflow = self.loss_scaler.is_overflow(finite)
+            self.loss_scaler.update(finite)
+            finite = finite or overflow  # an overflow is no fault: skip without stopping
+        if not finite and self.config.trainer.stop_on_nonfinite:
+            raise NonFiniteGradients(f"step {step}: the gradient norm is {grad_norm}; stopping "
+                                     "(trainer.stop_on_nonfinite=true)")
         if not math.isfinite(grad_norm):
-            if self.config.trainer.stop_on_nonfinite:
-                raise NonFiniteGradients(f"step {step}: the gradient norm is {grad_norm}; stopping "
-                                         "(trainer.stop_on_nonfinite=true)")
             self.skipped_steps += 1
             return False
-        self.optimizer.clip(grad_norm, self.config.optimizer.clip_grad)
+        # Clipping and undoing the loss scale in one pass over the gradients.
+        self.optimizer.scale_gradients(clip_coefficient(grad_norm, self.config.optimizer.clip_grad) / self.loss_scale)
         set_learning_rate(self.optimizer, learning_rate(step, self.lr_schedule))
         self.optimizer.step()
         return True

@@ -19,7 +19,8 @@ A step.
    different elements, since the first and last stage have different buffers).
 3. Each rank then holds the fully reduced gradient of its shards only. fp32 main
    parameters of those shards (pieces of parameters) are stepped by ``torch.optim.AdamW``
-   (foreach); the norm and clipping use the same shards, each element counted once.
+   (foreach); the norm, clipping and fp16 unscaling use the same shards, each element
+   counted once.
 4. The updated shards are written into ``param_data`` and every bucket is all-gathered
    in place (``overlap_param_gather``: in the background, each bucket waited for by a
    forward pre-hook of the modules that own its parameters).
@@ -298,11 +299,11 @@ class DistributedOptimizer:
         # The tied output weight on the last stage is a copy of the first stage's word embedding.
         return not (slot.name == "output_layer.weight" and any(slot.param is copy for copy in self.tied))
 
-    def clip(self, grad_norm: float, max_norm: float) -> None:
-        """Scale the shard gradients by ``max_norm / (norm + 1e-6)`` when that is below 1."""
-        if max_norm > 0 and grad_norm + 1e-6 > max_norm:
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply the shard gradients by ``factor`` (clipping, fp16 unscaling)."""
+        if factor != 1.0:
             for piece in self.pieces:
-                piece.main.grad.mul_(max_norm / (grad_norm + 1e-6))
+                piece.main.grad.mul_(factor)
 
     # --- parameters ------------------------------------------------------------------------
 

@@ -131,14 +131,24 @@ def global_grad_norm(chunks: Mapping[int, torch.nn.Module], context) -> float:
     return math.sqrt(float(squares.item()))
 
 
-def clip_gradients(chunks: Mapping[int, torch.nn.Module], grad_norm: float, max_norm: float) -> None:
-    """Scale gradients by ``max_norm / (norm + 1e-6)`` when that is below 1 (as torch's clip_grad_norm_)."""
+def clip_coefficient(grad_norm: float, max_norm: float) -> float:
+    """The factor that brings the gradients' norm to at most ``max_norm``: ``max_norm / (norm + 1e-6)``
+    when that is below 1 (as torch's clip_grad_norm_), else 1; ``max_norm <= 0`` disables clipping."""
     if max_norm <= 0:
-        return
-    coefficient = max_norm / (grad_norm + 1e-6)
-    if coefficient >= 1.0:
+        return 1.0
+    return min(max_norm / (grad_norm + 1e-6), 1.0)
+
+
+def scale_gradients(chunks: Mapping[int, torch.nn.Module], factor: float) -> None:
+    """Multiply every gradient of the chunks by ``factor`` (nothing to do for 1)."""
+    if factor == 1.0:
         return
     for chunk in chunks.values():
         for param in chunk.parameters():
             if param.grad is not None:
-                param.grad.mul_(coefficient)
+                param.grad.mul_(factor)
+
+
+def clip_gradients(chunks: Mapping[int, torch.nn.Module], grad_norm: float, max_norm: float) -> None:
+    """Scale gradients by ``max_norm / (norm + 1e-6)`` when that is below 1 (as torch's clip_grad_norm_)."""
+    scale_gradients(chunks, clip_coefficient(grad_norm, max_norm))

@@ -1,7 +1,7 @@
 """The trainer's optimizer, one interface for both paths: plain (replicated) or distributed (sharded).
 
 A step calls ``zero_grad``, runs the backward, then ``finish_grad_sync`` (every
-reduction), ``grad_norm``, ``clip`` and ``step``. ``PlainOptimizer`` keeps the
+reduction), ``grad_norm``, ``scale_gradients`` (clipping, fp16 unscaling) and ``step``. ``PlainOptimizer`` keeps the
 classic path: gradients all-reduced over ``dp_cp`` and a full ``torch.optim.AdamW``
 on every rank; ``DistributedOptimizer`` shards gradients, fp32 main parameters and
 AdamW state over ``dp_cp`` (``ppctl.optim.distributed``).
@@ -14,7 +14,7 @@ from typing import Mapping
 import torch
 
 from ppctl.optim.distributed import DistributedOptimizer
-from ppctl.optim.grads import build_optimizer, clip_gradients, decays, finalize_gradients, global_grad_norm
+from ppctl.optim.grads import build_optimizer, decays, finalize_gradients, global_grad_norm, scale_gradients
 
 
 class PlainOptimizer:
@@ -41,9 +41,9 @@ class PlainOptimizer:
         """The global gradient norm, each parameter counted once."""
         return global_grad_norm(self.chunks, self.context)
 
-    def clip(self, grad_norm: float, max_norm: float) -> None:
-        """Scale the gradients so their global norm is at most ``max_norm``."""
-        clip_gradients(self.chunks, grad_norm, max_norm)
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply every gradient by ``factor`` (clipping, fp16 unscaling)."""
+        scale_gradients(self.chunks, factor)
 
     def step(self) -> None:
         """The AdamW step."""

@@ -1,10 +1,12 @@
-"""bf16 training tracks the fp32 run within bf16 precision, with fp32 main parameters and gradients.
+"""bf16 and fp16 training track the fp32 run within their precision, with fp32 main parameters and gradients.
 
-One launch of 2 workers trains 30 steps of the same model and data in fp32 and in bf16:
-pipelined (pp=2, the plain optimizer with fp32 main copies) and data parallel (dp=2, the
-distributed optimizer). Every step's loss must stay within bf16 precision of the fp32
-run's; parameters, activations and pipeline messages are bf16 (half the bytes per
-message), main parameters, main gradients and the loss are fp32.
+One launch of 2 workers trains 30 steps of the same model and data in fp32, bf16 and
+fp16 (with dynamic loss scaling): pipelined (pp=2, the plain optimizer with fp32 main
+copies) and data parallel (dp=2, the distributed optimizer). Every step's loss must stay
+within the half precision of the fp32 run's; parameters, activations and pipeline
+messages are half precision (half the bytes per message), main parameters, main
+gradients and the loss are fp32. An fp16 run started at a loss scale that overflows
+skips steps, halving the scale each time, until it fits, then trains.
 """
 
 import pytest
@@ -21,7 +23,8 @@ LAYOUTS = {"pp2": ["parallel.pp=2", "parallel.dp=1"], "dp2-distributed": ["paral
                                                                            "optimizer.distributed=true"]}
 # bf16 keeps 8 bits of mantissa (relative rounding 2^-9 ~ 2e-3); 30 steps of AdamW on a tiny model
 # drift a little further apart, but a wrong cast, a bf16 loss or bf16 accumulation shows far above this.
-LOSS_RTOL = 1e-2
+LOSS_RTOL = {"bf16": 1e-2, "fp16": 2e-3}  # fp16 keeps 10 bits of mantissa, bf16 8
+OVERFLOWING_SCALE = 2.0 ** 20  # overflows fp16 (max 65504) in the backward of this model; 2^16 does not
 
 
 def _train(rank, world_size):
@@ -31,7 +34,7 @@ def _train(rank, world_size):
 
     contexts, report = {}, {}
     for name, layout in LAYOUTS.items():
-        for precision in ("fp32", "bf16"):
+        for precision in ("fp32", "bf16", "fp16"):
             config = compose_config(BASE + DATA + layout + [f"trainer.precision={precision}", f"trainer.max_steps={STEPS}"])
             validate(config)
             context = contexts.setdefault(layout_of(config), build_parallel_context(layout_of(config), 60)) \
@@ -45,22 +48,46 @@ def _train(rank, world_size):
                 "param_dtypes": {str(param.dtype) for param in trainer.parameters()},
                 "main_dtypes": {str(param.dtype) for group in mains for param in group},
             }
+    report["overflow"] = _overflowing_fp16(contexts)
     return report
 
 
+def _overflowing_fp16(contexts) -> list[tuple[bool, float]]:
+    """(skipped, loss scale after the step) of 12 fp16 steps started at a scale that overflows."""
+    from ppctl.config import compose_config, layout_of
+    from ppctl.train import Trainer
+
+    config = compose_config(BASE + DATA + LAYOUTS["dp2-distributed"] + [
+        "trainer.precision=fp16", f"optimizer.loss_scale={OVERFLOWING_SCALE}"])
+    trainer = Trainer(config, contexts[layout_of(config)])
+    return [(trainer.train_step(step).skipped, trainer.loss_scaler.scale) for step in range(12)]
+
+
 @pytest.mark.timeout(300)
-def test_bf16_tracks_fp32_with_fp32_main_parameters():
+def test_half_precision_tracks_fp32_with_fp32_main_parameters_and_fp16_backs_off_overflows():
     per_rank = run_workers(_train, 2, timeout=280)
     for name in LAYOUTS:
-        for report in per_rank:
-            fp32, bf16 = report[name, "fp32"], report[name, "bf16"]
-            assert bf16["param_dtypes"] == {"torch.bfloat16"} and bf16["main_dtypes"] == {"torch.float32"}, name
-            if fp32["losses"][0] is None:
-                continue  # not a rank that holds the loss
-            for step, (want, got) in enumerate(zip(fp32["losses"], bf16["losses"], strict=True)):
-                assert abs(got - want) <= LOSS_RTOL * want, f"{name} step {step}: bf16 loss {got} vs fp32 {want}"
-            assert fp32["losses"][-1] < fp32["losses"][0] - 1.0  # the runs really learn
-        sent32 = set().union(*(report[name, "fp32"]["message_bytes"] for report in per_rank))
-        sent16 = set().union(*(report[name, "bf16"]["message_bytes"] for report in per_rank))
-        assert {size // 2 for size in sent32} == sent16, (name, sent32, sent16)
-    assert torch.bfloat16.itemsize == 2
+        for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            _check_half_precision_run(name, precision, dtype, per_rank)
+    for report in per_rank:
+        skipped = [was_skipped for was_skipped, _scale in report["overflow"]]
+        assert skipped[0] and skipped.count(False) >= 6, skipped  # overflows first, then mostly trains
+        scale = OVERFLOWING_SCALE
+        for step, (was_skipped, scale_after) in enumerate(report["overflow"]):
+            scale = scale / 2 if was_skipped else scale  # halved on each overflow, no growth within 1000 steps
+            assert scale_after == scale, (step, report["overflow"])
+
+
+def _check_half_precision_run(name: str, precision: str, dtype: torch.dtype, per_rank: list) -> None:
+    for report in per_rank:
+        fp32, half = report[name, "fp32"], report[name, precision]
+        assert half["param_dtypes"] == {str(dtype)} and half["main_dtypes"] == {"torch.float32"}, name
+        if fp32["losses"][0] is None:
+            continue  # not a rank that holds the loss
+        for step, (want, got) in enumerate(zip(fp32["losses"], half["losses"], strict=True)):
+            assert abs(got - want) <= LOSS_RTOL[precision] * want, (
+                f"{name} step {step}: {precision} loss {got} vs fp32 {want}")
+        assert fp32["losses"][-1] < fp32["losses"][0] - 1.0  # the runs really learn
+    sent32 = set().union(*(report[name, "fp32"]["message_bytes"] for report in per_rank))
+    sent16 = set().union(*(report[name, precision]["message_bytes"] for report in per_rank))
+    assert {size // 2 for size in sent32} == sent16, (name, precision, sent32, sent16)
