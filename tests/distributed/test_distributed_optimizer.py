@@ -35,7 +35,8 @@ def test_dp2_with_and_without_overlap_and_tiny_buckets():
             BASE + parallel(dp=2) + CLIP + DISTRIBUTED,
             BASE + parallel(dp=2) + CLIP + DISTRIBUTED + TINY_BUCKETS,
             BASE + parallel(dp=2) + CLIP + DISTRIBUTED + TINY_BUCKETS + NO_OVERLAP + MASKED,
-            BASE + parallel(dp=2) + CLIP + DISTRIBUTED + TINY_BUCKETS + FP64]
+            BASE + parallel(dp=2) + CLIP + DISTRIBUTED + TINY_BUCKETS + FP64,
+            BASE + parallel(dp=2) + CLIP + DISTRIBUTED + TIED]  # pp=1: one shared weight, nothing to sum
     per_rank = assert_equivalent(runs, world_size=2)
     plain = state_bytes(per_rank, 0)
     for index in (1, 2):
@@ -47,7 +48,8 @@ def test_four_ranks_dp4_interleaved_and_context_parallel():
     runs = [BASE + parallel(dp=4) + CLIP,
             BASE + parallel(dp=4) + CLIP + DISTRIBUTED + TINY_BUCKETS,
             BASE + parallel(pp=2, vpp=2, dp=2, schedule="interleaved_1f1b") + CLIP + DISTRIBUTED + TIED,
-            BASE + parallel(cp=2, dp=2) + CLIP + DISTRIBUTED + TINY_BUCKETS + MASKED]
+            BASE + parallel(cp=2, dp=2) + CLIP + DISTRIBUTED + TINY_BUCKETS + MASKED,
+            BASE + parallel(pp=4) + CLIP + DISTRIBUTED + TIED]  # copies on pp ranks 0 and 3
     per_rank = assert_equivalent(runs, world_size=4)
     assert abs(state_bytes(per_rank, 1) / state_bytes(per_rank, 0) - 1 / 4) < 0.02
 
