@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 from .comm import Column, CommPlan, NumberedPlan, number_plan
 from .replay import Costs, Program, Replay, Step, action_durations, compile_schedule, gc_paused, run
-from .schedules.base import BACKWARD, BACKWARD_INPUT, FORWARD, Action, Schedule, ScheduleError
+from .schedules.base import BACKWARD, BACKWARD_WEIGHT, FORWARD, Action, Schedule, ScheduleError
 
 __all__ = ["Costs", "RankTimeline", "Replay", "SimResult", "TimedAction", "parse_costs", "peak_activations",
            "replay", "simulate"]
@@ -123,17 +123,21 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
 
 
 def peak_activations(rank_actions: Sequence[Action], chunks_per_rank: int) -> float:
-    """Most chunk activations one rank holds at once (forward done, B/BW not yet), in whole-rank units.
+    """Most chunk activations one rank holds at once (forward done, BW or W not yet), in whole-rank units.
 
     One microbatch through one chunk counts ``1 / chunks_per_rank``, so the result is
     comparable across schedules: 1.0 is one microbatch through all of the rank's layers.
+    A split backward's activations count until its W: B frees the input-gradient part
+    only, while W still needs each layer's input and output gradient (the paper's M_W);
+    counting them whole until W is the conservative bound the zero-bubble paper uses
+    for its peak (p M_B for ZB-H1, as 1F1B).
     """
     in_flight = peak = 0
     for action in rank_actions:
         if action.kind == FORWARD:
             in_flight += 1
             peak = max(peak, in_flight)
-        elif action.kind in (BACKWARD, BACKWARD_INPUT):
+        elif action.kind in (BACKWARD, BACKWARD_WEIGHT):
             in_flight -= 1
     return peak / chunks_per_rank
 

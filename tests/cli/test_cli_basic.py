@@ -67,7 +67,7 @@ def test_inspect_layout_at_scale(ppctl):
     (("inspect-layout", "parallel.tpp=2"), "tpp"),
     (("train", "parallel.tp=3"), "model.num_heads=4 must be divisible by parallel.tp=3"),
     (("train", "trainer.global_batch_size=7"), "trainer.global_batch_size=7 must be divisible"),
-    (("train", "schedule=zbv", "parallel.vpp=2"), "not implemented yet"),
+    (("train", "schedule=dualpipev", "parallel.vpp=2"), "not implemented yet"),
     (("inspect-layout", "parallel.tp=3"), "model.num_heads=4 must be divisible by parallel.tp=3"),
     (("inspect-layout", "schedule=zbv", "parallel.pp=2"), "schedule zbv places exactly 2 chunks"),
     (("inspect-schedule", "trainer.global_batch_size=7"), "trainer.global_batch_size=7 must be divisible"),

@@ -29,10 +29,12 @@ IMPLEMENTED = [name for name, spec in SCHEDULE_SPECS.items() if spec.implemented
 
 
 def sweep():
-    """(name, pp, vpp, num_microbatches) over pp 1..8, vpp 1..4 (interleaved only), several counts."""
+    """(name, pp, vpp, num_microbatches) over pp 1..8, vpp 1..4 (interleaved; a V: 2), several counts."""
     for name in IMPLEMENTED:
+        spec = SCHEDULE_SPECS[name]
         for pp in range(1, 9):
-            for vpp in (range(1, 5) if SCHEDULE_SPECS[name].multi_chunk else [1]):
+            vpps = [spec.chunks_per_rank] if spec.chunks_per_rank else range(1, 5) if spec.multi_chunk else [1]
+            for vpp in vpps:
                 for num_microbatches in sorted({1, pp, 2 * pp, 3 * pp + 1, 8, 16}):
                     if SCHEDULE_SPECS[name].microbatch_error(pp, vpp, num_microbatches) is None:
                         yield name, pp, vpp, num_microbatches

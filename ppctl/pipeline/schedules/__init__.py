@@ -14,13 +14,9 @@ from .base import (ACTION_KINDS, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORW
 from .gpipe import GPIPE_SPEC
 from .interleaved import INTERLEAVED_SPEC
 from .one_f_one_b import ONE_F_ONE_B_SPEC
-
-
-def _v_placement(pp: int, chunks_per_rank: int) -> tuple[int, ...]:
-    return v_placement(pp)
-
-
-V_PLACEMENT = "a V: rank r holds stages r and 2*pp-1-r"
+from .zero_bubble import V_PLACEMENT_NAME as V_PLACEMENT
+from .zero_bubble import ZB_H1_SPEC, ZBV_SPEC
+from .zero_bubble import _v_placement
 
 
 def _planned(name: str, multi_chunk: bool, splits_backward: bool, description: str, placement=looped_placement,
@@ -37,9 +33,8 @@ SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
         GPIPE_SPEC,
         ONE_F_ONE_B_SPEC,
         INTERLEAVED_SPEC,
-        _planned("zb_h1", False, True, "zero-bubble H1: 1F1B with the backward split into B and W"),
-        _planned("zbv", True, True, "zero-bubble V: two chunks per rank in a V, B/W split", _v_placement,
-                 chunks_per_rank=2, placement_name=V_PLACEMENT),
+        ZB_H1_SPEC,
+        ZBV_SPEC,
         # DualPipe's placement (two model copies, rank r holds stage r of one and pp-1-r of the other)
         # arrives with the schedule.
         _planned("dualpipe", True, True, "DualPipe: two model copies fed from both ends, B/W split", None),

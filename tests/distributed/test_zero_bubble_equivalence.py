@@ -1,0 +1,50 @@
+"""ZB-H1 and ZB-V train exactly like one process (gloo workers).
+
+Each run is compared with the single-process run by ``assert_equivalent``: per-step loss
+and grad norm, step-0 gradients and final parameters. ZB-V puts both the embedding
+and the output layer on pp rank 0, so the tied-embedding runs sum the two local copies
+there (plain and distributed optimizer).
+"""
+
+import pytest
+
+from tests.distributed import equivalence
+from tests.distributed.equivalence import BASE, FP64, assert_equivalent
+
+TIED = ["model.tie_embeddings=true"]
+
+
+@pytest.fixture
+def single_process_without_v_schedule(monkeypatch):
+    """Drop ``schedule=zbv`` from the one-process reference too.
+
+    The shared harness keeps every non-``parallel`` override, and ``parallel=single``
+    (vpp=1) with a V schedule fails validation (a V holds exactly 2 chunks per rank).
+    One process runs no pipeline schedule anyway, so the reference is the same run
+    without it: what a user would launch on one process.
+    """
+    keep = equivalence.single_process_overrides
+
+    def without_schedule(overrides):
+        return keep([item for item in overrides if not item.startswith("schedule=")])
+
+    monkeypatch.setattr(equivalence, "single_process_overrides", without_schedule)
+
+
+@pytest.mark.timeout(300)
+def test_zb_h1_and_zbv_at_world_size_4_match_single_process(single_process_without_v_schedule):
+    """One launch of four workers: ZB-H1 at tp=2 pp=2 (tied) and at pp=4 (float64), ZB-V at pp=4 (tied)."""
+    zb_h1 = ["parallel.dp=1", "schedule=zb_h1"]
+    zbv = ["parallel.pp=4", "parallel.vpp=2", "parallel.dp=1", "schedule=zbv", "model.num_layers=8"]
+    runs = [BASE + zb_h1 + ["parallel.tp=2", "parallel.pp=2"] + TIED,
+            BASE + zb_h1 + ["parallel.pp=4"] + FP64,
+            BASE + zbv + TIED]
+    assert_equivalent(runs, world_size=4)
+
+
+@pytest.mark.timeout(300)
+def test_zbv_pp2_matches_single_process_with_tied_embeddings_on_rank_0(single_process_without_v_schedule):
+    """Both ends of the V on rank 0: the two tied copies summed there, plain and distributed optimizer."""
+    layout = ["parallel.pp=2", "parallel.vpp=2", "parallel.dp=1", "schedule=zbv"]
+    runs = [BASE + layout + TIED, BASE + layout + TIED + ["optimizer.distributed=true"]]
+    assert_equivalent(runs, world_size=2)
