@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed.equivalence import single_process_overrides
+
 RTOL = 1e-5  # relative difference allowed between a parallel run's logged scalars and one process's
-LAYOUT_PREFIXES = ("parallel", "launcher")  # how a run is split over processes and nodes, not what it computes
 
 
 def scalars(run_dir: Path):
@@ -29,12 +30,6 @@ def scalars(run_dir: Path):
 def series(run_dir: Path, tag: str) -> dict[int, float]:
     """Step -> value of one scalar tag (e.g. ``train/loss``)."""
     return {event.step: event.value for event in scalars(run_dir).Scalars(tag)}
-
-
-def single_process_overrides(overrides: list[str]) -> list[str]:
-    """The same run as one process on one node: no parallel.* or launcher.* setting, ``parallel=single``."""
-    kept = [item for item in overrides if not item.lstrip("+~").startswith(LAYOUT_PREFIXES)]
-    return kept + ["parallel=single"]
 
 
 def assert_same_series(actual_dir: Path, expected_dir: Path, tags=("train/loss", "train/grad_norm"),

@@ -30,9 +30,15 @@ RTOL = 1e-5          # float32: loss and norm relative difference; ||a - e|| / |
 RTOL_FP64 = 1e-10    # float64: every element, max |a - e| / max |e| per tensor
 
 
+# How a run is split over processes, nodes and pipeline ranks, not what it computes: one process
+# runs no pipeline schedule (and a V schedule would refuse its single chunk).
+LAYOUT_PREFIXES = ("parallel", "schedule", "launcher")
+
+
 def single_process_overrides(overrides: list[str]) -> list[str]:
-    """The same run as one process, as a user would ask for it: no parallel.* setting, ``parallel=single``."""
-    return [item for item in overrides if not item.lstrip("+~").startswith("parallel")] + ["parallel=single"]
+    """The same run as one process, as a user would ask for it: no parallel.*, schedule or launcher.*
+    setting, ``parallel=single``."""
+    return [item for item in overrides if not item.lstrip("+~").startswith(LAYOUT_PREFIXES)] + ["parallel=single"]
 
 
 def _record_message_bytes(trainer) -> set[int]:

@@ -1,7 +1,7 @@
 """The stage boundary: a backward split into B and W, run by the runtime, trains like one process.
 
-No configured schedule splits the backward yet (ZB-H1, ZB-V and DualPipe bring their
-own); here 1F1B and interleaved 1F1B are rewritten by hand so that every whole backward
+ZB-H1 and ZB-V split the backward their own way (tests/distributed/test_zero_bubble_equivalence.py);
+here 1F1B and interleaved 1F1B are rewritten by hand so that every whole backward
 becomes an input-gradient B and the weight-gradient Ws all run at the end of the rank's
 step. The runtime dispatches them to the stages' ``backward_input`` and
 ``backward_weight``; losses, grad norms, step-0 gradients and parameters must equal the

@@ -8,31 +8,13 @@ there (plain and distributed optimizer).
 
 import pytest
 
-from tests.distributed import equivalence
 from tests.distributed.equivalence import BASE, FP64, assert_equivalent
 
 TIED = ["model.tie_embeddings=true"]
 
 
-@pytest.fixture
-def single_process_without_v_schedule(monkeypatch):
-    """Drop ``schedule=zbv`` from the one-process reference too.
-
-    The shared harness keeps every non-``parallel`` override, and ``parallel=single``
-    (vpp=1) with a V schedule fails validation (a V holds exactly 2 chunks per rank).
-    One process runs no pipeline schedule anyway, so the reference is the same run
-    without it: what a user would launch on one process.
-    """
-    keep = equivalence.single_process_overrides
-
-    def without_schedule(overrides):
-        return keep([item for item in overrides if not item.startswith("schedule=")])
-
-    monkeypatch.setattr(equivalence, "single_process_overrides", without_schedule)
-
-
 @pytest.mark.timeout(300)
-def test_zb_h1_and_zbv_at_world_size_4_match_single_process(single_process_without_v_schedule):
+def test_zb_h1_and_zbv_at_world_size_4_match_single_process():
     """One launch of four workers: ZB-H1 at tp=2 pp=2 (tied) and at pp=4 (float64), ZB-V at pp=4 (tied)."""
     zb_h1 = ["parallel.dp=1", "schedule=zb_h1"]
     zbv = ["parallel.pp=4", "parallel.vpp=2", "parallel.dp=1", "schedule=zbv", "model.num_layers=8"]
@@ -43,7 +25,7 @@ def test_zb_h1_and_zbv_at_world_size_4_match_single_process(single_process_witho
 
 
 @pytest.mark.timeout(300)
-def test_zbv_pp2_matches_single_process_with_tied_embeddings_on_rank_0(single_process_without_v_schedule):
+def test_zbv_pp2_matches_single_process_with_tied_embeddings_on_rank_0():
     """Both ends of the V on rank 0: the two tied copies summed there, plain and distributed optimizer."""
     layout = ["parallel.pp=2", "parallel.vpp=2", "parallel.dp=1", "schedule=zbv"]
     runs = [BASE + layout + TIED, BASE + layout + TIED + ["optimizer.distributed=true"]]
