@@ -156,7 +156,11 @@ class GPTChunk(nn.Module):
             hidden = layer(hidden, rotary)
         if not self.post_process:
             return hidden
-        logits_shard = column_parallel_linear(self.final_norm(hidden), self._output_weight(), None, self.tp)
+        normed = self.final_norm(hidden)
+        # The output layer runs as a module (its forward pre-hooks fire: the distributed optimizer
+        # waits there for its weight's all-gather); a shared weight is the embedding's, already waited for.
+        logits_shard = (column_parallel_linear(normed, self.embedding.word.weight, None, self.tp)
+                        if self.shares_output_weight else self.output_layer(normed))
         if labels is None:
             return logits_shard
         return vocab_parallel_cross_entropy(logits_shard, labels, self.tp, self.config.vocab_size)
@@ -183,9 +187,6 @@ class GPTChunk(nn.Module):
         if self.cp.size > 1 or self.tp.sequence_parallel:
             raise ValueError("GPTChunk: a sliced sequence (CP or SP) needs explicit position_ids")
         return torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape[0], -1)
-
-    def _output_weight(self) -> torch.Tensor:
-        return self.embedding.word.weight if self.shares_output_weight else self.output_layer.weight
 
     def _rotary(self, position_ids: torch.Tensor | None,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -237,3 +237,17 @@ def test_replicated_parameters():
     assert not param_init.is_tp_replicated("output_layer.weight")
     with pytest.raises(KeyError, match="unknown GPT parameter"):
         param_init.parameter_rule("layers.0.attention.dense.weight")
+
+
+@pytest.mark.parametrize("tie_embeddings", [False, True])
+def test_every_parameter_is_used_through_its_own_module(tie_embeddings):
+    """The distributed optimizer waits for a parameter's all-gather in a forward pre-hook of the module
+    owning it: every parameter-owning module must run as a module before its parameters are used."""
+    config = make_config(tie_embeddings=tie_embeddings, position_embedding="learned")
+    chunk = GPTChunk(config, list(range(config.num_layers)), True, True, TPGroup.single(), SEED)
+    called, owners = [], [module for module in chunk.modules() if list(module.parameters(recurse=False))]
+    for module in owners:
+        module.register_forward_pre_hook(lambda module, _inputs: called.append(module))
+    tokens = torch.randint(0, config.vocab_size, (2, 8))
+    chunk(tokens, labels=tokens).sum()
+    assert set(map(id, called)) == set(map(id, owners))
