@@ -25,6 +25,7 @@ class TrainingLogger:
             self.writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
             self.writer.add_text("config", "```yaml\n" + to_yaml(config) + "\n```", 0)
         print(self._banner(), flush=True)
+        print(self._numerics(), flush=True)
 
     def _banner(self) -> str:
         parallel, trainer = self.config.parallel, self.config.trainer
@@ -33,6 +34,18 @@ class TrainingLogger:
                 f"vpp={parallel.vpp} dp={parallel.dp} cp={parallel.cp}, {schedule.num_microbatches} microbatches "
                 f"of {trainer.micro_batch_size} x {trainer.seq_length} tokens per DP rank, {trainer.max_steps} steps; "
                 f"vocab {self.config.model.vocab_size} padded to {self.trainer.padded_vocab_size}")
+
+    def _numerics(self) -> str:
+        """How the run computes: precision, the optimizer's layout, CP attention, sequence parallelism."""
+        parallel, trainer, optimizer = self.config.parallel, self.config.trainer, self.config.optimizer
+        parts = [f"precision {trainer.precision}" + (f" (loss scale {optimizer.loss_scale:g})"
+                                                     if trainer.precision == "fp16" else "")]
+        parts.append(self.trainer.optimizer.describe())
+        if parallel.cp > 1:
+            parts.append(f"context parallel attention: {parallel.cp_comm}")
+        if parallel.sequence_parallel:
+            parts.append("sequence parallel")
+        return " | ".join(parts)
 
     def log(self, result) -> None:
         """Record one step; print it when it is the first, the last or every ``log_every``-th."""

@@ -348,6 +348,16 @@ class DistributedOptimizer:
 
     # --- inspection ------------------------------------------------------------------------
 
+    def describe(self) -> str:
+        """One phrase for the run's banner: sharding, buckets, overlap."""
+        buckets = f"{len(self.buckets)} bucket{'s' if len(self.buckets) != 1 else ''}"
+        if not self.sharded:
+            return f"optimizer: AdamW on fp32 main copies, {buckets} all-reduced"
+        overlap = [name for name, on in (("gradient reduce-scatter", self.settings.overlap_grad_reduce),
+                                         ("parameter all-gather", self.settings.overlap_param_gather)) if on]
+        return (f"optimizer: distributed over {self.num_shards} dp*cp ranks, {buckets}"
+                + (f", overlapped {' and '.join(overlap)}" if overlap else ""))
+
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's reduced gradient, gathered from the shards (for tests and debugging; collective)."""
         full = self.grad_data.clone()

@@ -52,6 +52,10 @@ class PlainOptimizer:
     def sync_parameters(self) -> None:
         """Nothing in flight on this path."""
 
+    def describe(self) -> str:
+        """One phrase for the run's banner."""
+        return "optimizer: AdamW on every rank, gradients all-reduced"
+
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's reduced gradient."""
         return {name: param.grad for chunk in self.chunks.values() for name, param in chunk.named_parameters()}

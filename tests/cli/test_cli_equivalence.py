@@ -63,4 +63,8 @@ def test_parallel_run_logs_the_single_process_numbers(ppctl, single_run, tmp_pat
     result = ppctl("train", *overrides, f"trainer.out_dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"vocab {model.vocab_size} padded to {padded}" in result.stdout
+    if config.optimizer.distributed:
+        assert "optimizer: distributed over 2 dp*cp ranks" in result.stdout, result.stdout
+    if config.parallel.cp > 1:
+        assert f"context parallel attention: {config.parallel.cp_comm} | sequence parallel" in result.stdout
     assert_same_series(tmp_path, single_run(overrides))
