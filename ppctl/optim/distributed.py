@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ppctl.model.init import is_tp_replicated
-from ppctl.optim.grads import all_reduce_coalesced
+from ppctl.optim.grads import all_reduce_coalesced, optimizer_state_bytes
 from ppctl.parallel.tensor_parallel import all_gather_single, reduce_scatter_single
 
 
@@ -368,8 +368,5 @@ class DistributedOptimizer:
         return {slot.name: full[slot.start:slot.end].view_as(slot.param).to(slot.param.dtype) for slot in self.slots}
 
     def state_bytes(self) -> int:
-        """Bytes of fp32 main parameters and AdamW state this rank holds."""
-        tensors = [piece.main for piece in self.pieces]
-        tensors += [value for state in self.optimizer.state.values() for value in state.values()
-                    if isinstance(value, torch.Tensor) and value.dim() > 0]
-        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+        """Bytes of fp32 main parameters (the shard pieces AdamW steps) and AdamW state this rank holds."""
+        return optimizer_state_bytes(self.optimizer)

@@ -52,6 +52,14 @@ def build_optimizer(chunks: Iterable[torch.nn.Module], settings) -> torch.optim.
                              foreach=False)
 
 
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors an optimizer steps (the fp32 main parameters) and of its state (AdamW's moments)."""
+    tensors = [param for group in optimizer.param_groups for param in group["params"]]
+    tensors += [value for state in optimizer.state.values() for value in state.values()
+                if isinstance(value, torch.Tensor) and value.dim() > 0]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
 def all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
     """Sum ``tensors`` in place across ``group`` with one collective per dtype (one flat buffer)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

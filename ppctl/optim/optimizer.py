@@ -14,7 +14,8 @@ from typing import Mapping
 import torch
 
 from ppctl.optim.distributed import DistributedOptimizer
-from ppctl.optim.grads import build_optimizer, decays, finalize_gradients, global_grad_norm, scale_gradients
+from ppctl.optim.grads import (build_optimizer, decays, finalize_gradients, global_grad_norm, optimizer_state_bytes,
+                               scale_gradients)
 
 
 class PlainOptimizer:
@@ -62,10 +63,7 @@ class PlainOptimizer:
 
     def state_bytes(self) -> int:
         """Bytes of the fp32 main parameters (the parameters themselves here) and AdamW state."""
-        tensors = [param for group in self.param_groups for param in group["params"]]
-        tensors += [value for state in self.optimizer.state.values() for value in state.values()
-                    if isinstance(value, torch.Tensor) and value.dim() > 0]
-        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+        return optimizer_state_bytes(self.optimizer)
 
 
 def build_trainer_optimizer(chunks: Mapping[int, torch.nn.Module], context, settings, num_microbatches: int):

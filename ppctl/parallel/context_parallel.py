@@ -24,6 +24,7 @@ With one CP rank, attention is ``F.scaled_dot_product_attention(..., is_causal=T
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -149,10 +150,19 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _rank_major_positions(local_seq: int, cp: CPGroup, device) -> torch.Tensor:
-    """Global sequence index of each token of every rank's tokens concatenated in CP-rank order."""
-    seq_length = local_seq * cp.size
-    positions = [index for cp_rank in range(cp.size)
-                 for index in context_parallel_positions(seq_length, cp_rank, cp.size)]
+    """Global sequence index of each token of every rank's tokens concatenated in CP-rank order.
+
+    Called by every attention layer for every microbatch: built once per (length, cp size,
+    device) and shared (callers only read it).
+    """
+    return _cached_rank_major_positions(local_seq, cp.size, str(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_rank_major_positions(local_seq: int, cp_size: int, device: str) -> torch.Tensor:
+    seq_length = local_seq * cp_size
+    positions = [index for cp_rank in range(cp_size)
+                 for index in context_parallel_positions(seq_length, cp_rank, cp_size)]
     return torch.tensor(positions, dtype=torch.long, device=device)
 
 
