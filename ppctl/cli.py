@@ -76,8 +76,9 @@ def inspect_layout(
 def inspect_schedule(
     overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
     cost: str = typer.Option("F=1,B=1,W=1,comm=0", "--cost",
-                             help="Cost model: times of F, B, W for one microbatch through all of a rank's layers, "
-                                  "and the latency of one point-to-point message."),
+                             help="Cost model: times of F, B, W for one microbatch through all of a rank's layers "
+                                  "(of one model copy), FB for an overlapped forward-and-backward pair (DualPipe; "
+                                  "unset: F+B+W), and the latency of one point-to-point message."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (see README for the keys)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the timeline picture (.svg or .html)."),
     config_dir: Optional[Path] = CONFIG_DIR_OPTION,
@@ -87,7 +88,8 @@ def inspect_schedule(
     from ppctl.config import validate
     from ppctl.schedule_report import print_schedule, simulate_config
 
-    config = load_config(overrides, config_dir, config_name, validate)
+    # The schedule does not depend on how the model's layers divide into its stages.
+    config = load_config(overrides, config_dir, config_name, lambda loaded: validate(loaded, layer_split=False))
     try:
         result = simulate_config(config, cost)
         if out is not None:

@@ -61,8 +61,9 @@ class ParallelConfig:
 
     tp: int = setting(1, "tensor-parallel size")
     pp: int = setting(2, "pipeline-parallel size (the `single` option sets 1)")
-    vpp: int = setting(1, "model chunks per pipeline rank: several with `interleaved_1f1b`, exactly 2 with "
-                       "the V schedules `zbv` and `dualpipev`, else 1")
+    vpp: Optional[int] = setting(
+        None, "model chunks per pipeline rank: several with `interleaved_1f1b`, exactly 2 with `zbv`, "
+        "`dualpipe` and `dualpipev`; unset: what the schedule places (2 for those three, else 1)")
     dp: int = setting(1, "data-parallel size")
     cp: int = setting(1, "context-parallel size (seq_length divisible by 2*cp)")
     cp_comm: str = setting(
@@ -74,7 +75,7 @@ class ParallelConfig:
     order: str = setting("tp-cp-dp-pp", "rank order, fastest-varying first (Megatron-Core's convention)")
     pipeline_layout: Optional[str] = setting(
         None, "explicit per-stage split in Megatron-LM syntax, e.g. `Ettt|tttt|tttL` (`t*3` repeats); "
-        "default: even split, `num_layers` divisible by pp*vpp")
+        "default: even split, `num_layers` divisible by pp*vpp (by pp with `dualpipe`'s two model copies)")
 
 
 @dataclass
@@ -147,7 +148,7 @@ class TrainerConfig:
 
     max_steps: int = setting(200, "optimizer steps")
     global_batch_size: int = setting(8, "sequences per step; divisible by micro_batch_size * dp")
-    micro_batch_size: int = setting(2, "sequences per microbatch")
+    micro_batch_size: int = setting(1, "sequences per microbatch")
     seq_length: int = setting(64, "tokens per sequence (<= model.max_seq_length)")
     seed: int = setting(1234, "model initialisation and sample order")
     out_dir: Optional[str] = setting(None, "run directory (default `runs/<timestamp>`)")
@@ -191,6 +192,12 @@ class PpctlConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+    def __post_init__(self) -> None:
+        # An unset vpp follows the schedule's placement, so `schedule=zbv parallel.pp=2` needs no vpp.
+        if self.parallel.vpp is None:
+            spec = _schedule_specs().get(self.schedule.name)
+            self.parallel.vpp = spec.chunks_per_rank if spec is not None and spec.chunks_per_rank else 1
 
 
 SCHEMA_GROUPS = {
@@ -320,7 +327,7 @@ def layout_of(config: PpctlConfig) -> ParallelLayout:
     try:
         return ParallelLayout(
             tp=parallel.tp, cp=parallel.cp, dp=parallel.dp, pp=parallel.pp, vpp=parallel.vpp, order=parallel.order,
-            placement=spec.placement(parallel.pp, parallel.vpp),
+            placement=spec.placement(parallel.pp, parallel.vpp), copies=getattr(spec, "copies", 1),
         )
     except LayoutError as error:
         raise ConfigError(str(error)) from None
@@ -331,16 +338,19 @@ def config_layer_map(config: PpctlConfig):
     return layout_of(config).layer_map(config.model.num_layers, config.parallel.pipeline_layout)
 
 
-def validate(config: PpctlConfig) -> DerivedSizes:
+def validate(config: PpctlConfig, layer_split: bool = True) -> DerivedSizes:
     """Check every cross-setting rule; return derived sizes or raise ``ConfigError`` (one line).
 
     Every command runs this before anything starts. An implemented schedule is also
     built and proved by the schedule checker (complete, and it runs under NCCL-like sends).
+    ``layer_split=False`` leaves out whether the model's layers divide into the stages
+    (``inspect-schedule`` draws a schedule, whatever the model).
     """
     _check_positive(config)
     _check_schedule_chunks(config)
     layout = layout_of(config)
-    _check_layer_split(config)
+    if layer_split:
+        _check_layer_split(config, layout)
     _check_model(config)
     _check_batch(config, layout)
     _check_schedule(config)
@@ -357,9 +367,9 @@ def validate(config: PpctlConfig) -> DerivedSizes:
     )
 
 
-def _check_layer_split(config: PpctlConfig) -> None:
+def _check_layer_split(config: PpctlConfig, layout: ParallelLayout) -> None:
     try:
-        split_layers(config.model.num_layers, config.parallel.pp * config.parallel.vpp, config.parallel.pipeline_layout)
+        split_layers(config.model.num_layers, layout.stages_per_copy, config.parallel.pipeline_layout)
     except LayoutError as error:
         raise ConfigError(str(error)) from None
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ppctl.config import PpctlConfig, config_layer_map, layout_of, message_seq_length, padded_vocab_size
+from ppctl.config import (PpctlConfig, config_layer_map, layout_of, message_seq_length, padded_vocab_size,
+                          schedule_spec)
 from ppctl.parallel.layout import GROUP_NAMES, context_parallel_slices
 
 MAX_TABLE_GROUPS = 8
@@ -41,14 +42,16 @@ def layout_report(config: PpctlConfig) -> dict:
         coords = layout.coords(rank)
         ranks.append({"rank": rank, **coords, **sequences[coords["cp"], coords["tp"]]})
     layers = [
-        {"pp_rank": pp_rank, "vp_stage": chunk, "layers": list(stage.layers),
-         "pre_process": stage.pre_process, "post_process": stage.post_process}
+        {"pp_rank": pp_rank, "vp_stage": chunk, "stage": stage.stage, "copy": layout.copy_of(stage.stage),
+         "layers": list(stage.layers), "pre_process": stage.pre_process, "post_process": stage.post_process}
         for (pp_rank, chunk), stage in config_layer_map(config).items()
     ]
     return {
         "world_size": layout.world_size,
         "order": layout.order,
         "sizes": {name: layout.sizes[name] for name in ("tp", "cp", "dp", "pp", "vpp")},
+        "placement": {"stages": list(layout.placement), "copies": layout.copies,
+                      "describe": schedule_spec(config).placement_name},
         "sequence": {"seq_length": config.trainer.seq_length, "cp_comm": config.parallel.cp_comm,
                      "sequence_parallel": config.parallel.sequence_parallel,
                      "message_tokens": message_seq_length(config)},
@@ -74,6 +77,9 @@ def print_layout(report: dict, config: PpctlConfig) -> None:
     console.print(f"sequence {sequence['seq_length']} tokens  cp={sizes['cp']} (attention: {sequence['cp_comm']})  "
                   f"sequence_parallel={sequence['sequence_parallel']}")
     console.print(f"{sequence['message_tokens']} tokens of each sequence per pipeline message")
+    placement = report["placement"]
+    copies = f"; {placement['copies']} parameter copies" if placement["copies"] > 1 else ""
+    console.print(f"placement ({config.schedule.name}): {placement['describe']}{copies}")
     console.print(_groups_table(report))
     if report["world_size"] <= MAX_TABLE_RANKS:
         console.print(_ranks_table(report))
@@ -118,12 +124,14 @@ def _layers_table(report: dict):
     from rich.table import Table
 
     table = Table(title="layer map (global layer ids, 0-based)")
-    for column in ("pp rank", "vp stage", "layers", "holds"):
+    copies = report["placement"]["copies"] > 1
+    for column in ("pp rank", "vp stage", "stage", *(("copy",) if copies else ()), "layers", "holds"):
         table.add_column(column)
     for entry in report["layers"]:
         layers = entry["layers"]
         span = f"{layers[0]}-{layers[-1]}" if len(layers) > 2 else ", ".join(map(str, layers)) or "-"
         holds = " ".join(label for label, flag in (("[cyan]embedding[/]", entry["pre_process"]),
                                                     ("[magenta]loss[/]", entry["post_process"])) if flag)
-        table.add_row(str(entry["pp_rank"]), str(entry["vp_stage"]), span, holds)
+        copy = (str(entry["copy"]),) if copies else ()
+        table.add_row(str(entry["pp_rank"]), str(entry["vp_stage"]), str(entry["stage"]), *copy, span, holds)
     return table

@@ -70,7 +70,9 @@ def gpt_stage_io(chunk: GPTChunk, config: PpctlConfig) -> StageIO:
                    fields=chunk_fields(chunk))
 
 
-def build_stages(chunks: dict[int, GPTChunk], config: PpctlConfig) -> dict[int, PipelineStage]:
-    """Global stage -> ``PipelineStage`` for this rank's chunks."""
-    return {index: PipelineStage(index, chunk, gpt_stage_io(chunk, config), gpt_forward, chunk.post_process)
+def build_stages(chunks: dict[int, GPTChunk], config: PpctlConfig,
+                 split_backward: bool = False) -> dict[int, PipelineStage]:
+    """Global stage -> ``PipelineStage`` for this rank's chunks (``split_backward``: the schedule has B and W)."""
+    return {index: PipelineStage(index, chunk, gpt_stage_io(chunk, config), gpt_forward, chunk.post_process,
+                                 split_backward)
             for index, chunk in chunks.items()}

@@ -92,7 +92,8 @@ def build_chunks(config: PpctlConfig, context: ParallelContext) -> dict[int, GPT
             chunk = GPTChunk(gpt_config(config), stage.layers, stage.pre_process, stage.post_process,
                              tp, config.trainer.seed, dtype, cp)
             chunks[stage.stage] = chunk.to(context.device)
-    return chunks
+    # Model-stage order: DualPipe's mirror ranks then list the same parameters in the same order.
+    return dict(sorted(chunks.items(), key=lambda item: context.layout.model_stage(item[0])))
 
 
 def build_data(config: PpctlConfig, context: ParallelContext, fields: tuple[str, ...]) -> PipelineDataIterator:
@@ -134,16 +135,19 @@ class Trainer:
             schedule = build_schedule(config.schedule.name, layout.pp, layout.vpp, num_microbatches(config))
         else:
             check_schedule(schedule)
-        if schedule.placement != layout.placement:
-            raise RuntimeError(f"schedule {schedule.name} places stages {schedule.placement} but the layout "
-                               f"says {layout.placement}")
+        if schedule.placement != layout.placement or getattr(schedule, "copies", 1) != layout.copies:
+            raise RuntimeError(f"schedule {schedule.name} places stages {schedule.placement} "
+                               f"({getattr(schedule, 'copies', 1)} model copies) but the layout says "
+                               f"{layout.placement} ({layout.copies})")
         self.schedule = schedule
         self.chunks = build_chunks(config, context)
-        self.stages = build_stages(self.chunks, config)
+        self.stages = build_stages(self.chunks, config, schedule.splits_backward)
         self.padded_vocab_size = gpt_config(config).padded_vocab_size
         fields = tuple(sorted({name for stage in self.stages.values() for name in stage.io.fields}))
         self.data = build_data(config, context, fields)
-        self.optimizer = build_trainer_optimizer(self.chunks, context, config.optimizer, self.data.num_microbatches)
+        # Each parameter copy runs its share of the microbatches (DualPipe: half each).
+        self.optimizer = build_trainer_optimizer(self.chunks, context, config.optimizer,
+                                                 self.data.num_microbatches // layout.copies)
         self.lr_schedule = lr_schedule_of(config)
         self.skipped_steps = 0
         self.loss_scaler = loss_scaler_of(config)
@@ -153,7 +157,7 @@ class Trainer:
         self.runtime = PipelineRuntime(self.stages, transport, self.tracer, release_outputs, track_memory)
         self.program = rank_program(plan_communication(schedule), context.pp_rank)
         self._eval_program: RankProgram | None = None
-        self.holds_loss = layout.last_stage_rank == context.pp_rank
+        self.holds_loss = context.pp_rank in layout.loss_pp_ranks
         self.logging_rank = layout.rank(pp=layout.last_stage_rank)
 
     def _receive_spec(self, message: Message) -> TensorSpec:
@@ -252,10 +256,14 @@ class Trainer:
         return True
 
     def _reduce_loss(self, local_loss: float) -> float:
-        """Sum the per-DP-rank shares (each already divided by the global token count)."""
+        """Sum the shares of the replicas (each already divided by the global token count).
+
+        The replicas are the dp x cp ranks, and with DualPipe the mirror pp rank, whose
+        parameter copy computed the loss of the other half of the microbatches.
+        """
         total = torch.tensor([local_loss], dtype=torch.float64, device=self.context.device)
-        if self.context.size("dp_cp") > 1:
-            dist.all_reduce(total, group=self.context.groups["dp_cp"])
+        if self.context.size("replica") > 1:
+            dist.all_reduce(total, group=self.context.groups["replica"])
         return float(total.item())
 
     def _measured_bubble(self) -> float | None:

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from ppctl.model import init as param_init
-from ppctl.model.layers import Embedding, TransformerLayer, rotary_cos_sin
+from ppctl.model.layers import Embedding, LayerNorm, TransformerLayer, rotary_cos_sin
+from ppctl.model.weight_grad import DefersWeightGrads
 from ppctl.parallel.context_parallel import CPGroup
 from ppctl.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -93,14 +94,16 @@ def check_tp_divides(config: GPTConfig, tp_size: int) -> None:
             raise ValueError(f"model.{field}={getattr(config, field)} must be a multiple of parallel.tp={tp_size}")
 
 
-class GPTChunk(nn.Module):
+class GPTChunk(DefersWeightGrads, nn.Module):
     """One pipeline stage chunk of the GPT model on one TP rank.
 
     ``layer_ids`` are the global ids of the transformer layers it runs, in order;
     ``pre_process`` adds the embedding, ``post_process`` the final norm, output layer
     and loss. Parameters are initialised from ``seed`` independently of the layout
     (see ``ppctl.model.init``). ``cp``: the context-parallel group attention reaches
-    the rest of the sequence through (one rank by default).
+    the rest of the sequence through (one rank by default). Its norms and linear layers
+    (the output layer too, tied or not) can defer their weight gradients to a pipeline
+    W: a stage hands them its store (``ppctl.model.weight_grad.attach_weight_grad_store``).
     """
 
     def __init__(self, config: GPTConfig, layer_ids: Sequence[int], pre_process: bool, post_process: bool,
@@ -121,7 +124,7 @@ class GPTChunk(nn.Module):
             for layer_id in self.layer_ids
         })
         if post_process:
-            self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, dtype=dtype)
+            self.final_norm = LayerNorm(config.hidden_size, eps=config.norm_epsilon, dtype=dtype)
             if not self.shares_output_weight:
                 self.output_layer = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size, tp,
                                                          bias=False, dtype=dtype)
@@ -159,7 +162,8 @@ class GPTChunk(nn.Module):
         normed = self.final_norm(hidden)
         # The output layer runs as a module (its forward pre-hooks fire: the distributed optimizer
         # waits there for its weight's all-gather); a shared weight is the embedding's, already waited for.
-        logits_shard = (column_parallel_linear(normed, self.embedding.word.weight, None, self.tp)
+        logits_shard = (column_parallel_linear(normed, self.embedding.word.weight, None, self.tp,
+                                               self.weight_grad_store)
                         if self.shares_output_weight else self.output_layer(normed))
         if labels is None:
             return logits_shard

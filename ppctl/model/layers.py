@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ppctl.model.weight_grad import DefersWeightGrads, layer_norm
 from ppctl.parallel.context_parallel import CPGroup, context_parallel_attention
 from ppctl.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -44,6 +45,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     first_half, second_half = x.chunk(2, dim=-1)
     rotated_half = torch.cat([-second_half, first_half], dim=-1)
     return x * cos + rotated_half * sin
+
+
+class LayerNorm(DefersWeightGrads, nn.LayerNorm):
+    """``nn.LayerNorm`` (same parameters, same math) whose scale and shift gradients a pipeline B can defer to W."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Normalise ``hidden`` over its last dims."""
+        return layer_norm(hidden, self.normalized_shape, self.weight, self.bias, self.eps, self.weight_grad_store)
 
 
 class Embedding(nn.Module):
@@ -115,9 +124,9 @@ class TransformerLayer(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, norm_epsilon: float,
                  tp: TPGroup, dtype: torch.dtype, cp: CPGroup | None = None):
         super().__init__()
-        self.attn_norm = nn.LayerNorm(hidden_size, eps=norm_epsilon, dtype=dtype)
+        self.attn_norm = LayerNorm(hidden_size, eps=norm_epsilon, dtype=dtype)
         self.attention = CausalSelfAttention(hidden_size, num_heads, tp, dtype, cp)
-        self.mlp_norm = nn.LayerNorm(hidden_size, eps=norm_epsilon, dtype=dtype)
+        self.mlp_norm = LayerNorm(hidden_size, eps=norm_epsilon, dtype=dtype)
         self.mlp = MLP(hidden_size, ffn_hidden_size, tp, dtype)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

@@ -1,17 +1,19 @@
-"""The distributed optimizer (ZeRO-1, as Megatron-Core's): gradients and optimizer state sharded over ``dp_cp``.
+"""The distributed optimizer (ZeRO-1, as Megatron-Core's): gradients and optimizer state sharded over the replicas.
 
 Layout. Every parameter of a rank's chunks gets a slot in two flat buffers of one
 layout: ``grad_data`` (fp32 main gradients) and ``param_data`` (the parameters
 themselves: each ``param.data`` becomes a view into it). Parameters are laid out in
 roughly the order the backward finishes them (last stage first, last layer first) and
 grouped into buckets of about ``bucket_size`` elements, each padded to split evenly over
-the D ranks of ``dp_cp``; rank i owns the i-th of the D equal shards of every bucket.
+the D ranks of the ``replica`` group (``dp_cp``, and with DualPipe's two parameter
+copies the mirror pp rank too: the same parameters, other microbatches); rank i owns
+the i-th of the D equal shards of every bucket.
 
 A step.
 1. Each parameter's gradient is added into its fp32 slot as autograd accumulates it
    (a post-accumulate hook), then dropped. When a parameter has received all of this
    step's microbatches it is final; when a bucket's parameters are all final, the
-   bucket is reduce-scattered over ``dp_cp`` in place, asynchronously, while the
+   bucket is reduce-scattered over the replicas in place, asynchronously, while the
    backward goes on (``overlap_grad_reduce``; otherwise all buckets after the last
    backward). Buckets are launched in index order, the same on every rank.
 2. The copies of a tied word embedding are summed first (the last bucket holds them and
@@ -55,7 +57,7 @@ class Slot:
 
 @dataclass
 class Bucket:
-    """Buffer elements ``[start, end)`` (padded to a multiple of the ``dp_cp`` size) and the parameters in it."""
+    """Buffer elements ``[start, end)`` (padded to a multiple of the ``replica`` size) and the parameters in it."""
 
     index: int
     start: int
@@ -83,13 +85,16 @@ class Piece:
 
 
 def ordered_parameters(chunks: Mapping[int, torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter, bool]]:
-    """``(name, param, sequence_parallel)`` of every chunk, last stage and last parameter first.
+    """``(name, param, sequence_parallel)`` of every chunk, last chunk and last parameter first.
 
-    That is about the order in which the backward finishes them. ``sequence_parallel``:
-    the parameter sees only this TP rank's tokens (TP-replicated, under SP).
+    ``chunks`` come in model-stage order (the trainer builds them so): reversed, that is
+    about the order in which the backward finishes them, and it is the same on every
+    rank of the ``replica`` group, DualPipe's mirror ranks included (they hold the same
+    model stages as two different global stages). ``sequence_parallel``: the parameter
+    sees only this TP rank's tokens (TP-replicated, under SP).
     """
     ordered, seen = [], set()
-    for stage in sorted(chunks, reverse=True):
+    for stage in reversed(list(chunks)):
         chunk = chunks[stage]
         for name, param in reversed(list(chunk.named_parameters())):
             if id(param) not in seen:
@@ -131,7 +136,7 @@ def plan_buckets(sizes: list[int], late: list[bool], bucket_size: int, num_shard
 
 
 class DistributedOptimizer:
-    """Sharded gradients, fp32 main parameters and AdamW state over ``dp_cp`` for this rank's chunks.
+    """Sharded gradients, fp32 main parameters and AdamW state over the replicas for this rank's chunks.
 
     ``shard=False`` keeps the same buffers, fp32 main gradients and fp32 main parameters
     but all-reduces every bucket and steps every parameter on every rank: the plain path
@@ -142,9 +147,13 @@ class DistributedOptimizer:
                  decays=None, shard: bool = True):
         self.chunks, self.context, self.settings = chunks, context, settings
         self.num_microbatches = num_microbatches
-        self.group = context.groups["dp_cp"] if context.size("dp_cp") > 1 else None
+        self.group = context.groups["replica"] if context.size("replica") > 1 else None
         self.sharded = shard
-        self.num_shards, self.shard_rank = (max(context.size("dp_cp"), 1), context.index("dp_cp")) if shard else (1, 0)
+        self.num_shards, self.shard_rank = ((max(context.size("replica"), 1), context.index("replica")) if shard
+                                            else (1, 0))
+        # DualPipe's second parameter copy: its elements are the first copy's, counted once in the norm.
+        self.second_copy = {id(param) for stage, chunk in chunks.items() if context.layout.copy_of(stage)
+                            for param in chunk.parameters()}
         self.tied = tied_copies(chunks, context)
         self._build_buffers(ordered_parameters(chunks))
         self.pieces = self._shard_pieces()
@@ -230,7 +239,7 @@ class DistributedOptimizer:
                 self._launch_ready_buckets(include_late=False)
 
     def _launch_ready_buckets(self, include_late: bool) -> None:
-        """Reduce-scatter complete buckets in index order (the same order on every rank of ``dp_cp``)."""
+        """Reduce-scatter complete buckets in index order (the same order on every rank of ``replica``)."""
         while self.next_launch < len(self.buckets):
             bucket = self.buckets[self.next_launch]
             is_late = bool(self.tied) and bucket.index == len(self.buckets) - 1
@@ -240,7 +249,7 @@ class DistributedOptimizer:
             self.next_launch += 1
 
     def _reduce_scatter(self, bucket: Bucket) -> None:
-        """Sum the bucket over ``dp_cp`` in the background: into this rank's shard, or all of it unsharded."""
+        """Sum the bucket over the replicas in the background: into this rank's shard, or all of it unsharded."""
         data = self.grad_data[bucket.start:bucket.end]
         if self.group is not None and self.sharded:
             start, end = bucket.shard(self.shard_rank, self.num_shards)
@@ -296,6 +305,8 @@ class DistributedOptimizer:
     def _counted(self, slot: Slot) -> bool:
         if is_tp_replicated(slot.name) and self.context.coords["tp"] != 0:
             return False
+        if not self.sharded and id(slot.param) in self.second_copy:
+            return False  # sharded, the replica group's shards cover each element of both copies once
         # The tied output weight on the last stage is a copy of the first stage's word embedding.
         return not (slot.name == "output_layer.weight" and any(slot.param is copy for copy in self.tied))
 
@@ -355,7 +366,9 @@ class DistributedOptimizer:
             return f"optimizer: AdamW on fp32 main copies, {buckets} all-reduced"
         overlap = [name for name, on in (("gradient reduce-scatter", self.settings.overlap_grad_reduce),
                                          ("parameter all-gather", self.settings.overlap_param_gather)) if on]
-        return (f"optimizer: distributed over {self.num_shards} dp*cp ranks, {buckets}"
+        copies = self.context.layout.copies
+        over = "dp*cp ranks" if copies == 1 else f"ranks (dp*cp x {copies} parameter copies)"
+        return (f"optimizer: distributed over {self.num_shards} {over}, {buckets}"
                 + (f", overlapped {' and '.join(overlap)}" if overlap else ""))
 
     def full_gradients(self) -> dict[str, torch.Tensor]:

@@ -2,13 +2,15 @@
 
 ``finalize_gradients`` is the one place gradients are reduced after the last backward:
 over the TP group for the TP-replicated parameters under sequence parallelism (each
-TP rank saw only its tokens), once per step over the ``dp_cp`` group (each rank's loss
+TP rank saw only its tokens), once per step over the ``replica`` group (each rank's loss
 is already divided by the global batch's token count, so a SUM gives the full-batch
 gradient: CP ranks hold different tokens of the same sequences, DP ranks different
-sequences), and across the ``embedding`` group for word embeddings tied between the
+sequences, DualPipe's mirror pp rank the other parameter copy, fed the other half of
+the microbatches), and across the ``embedding`` group for word embeddings tied between the
 first and last stage.
 The global norm counts every parameter exactly once: TP-replicated parameters on TP
-rank 0 only, a tied output weight only on the first stage, every PP stage included.
+rank 0 only, a tied output weight only on the first stage, every PP stage included,
+DualPipe's second copy left out.
 """
 
 from __future__ import annotations
@@ -76,8 +78,8 @@ def finalize_gradients(chunks: Mapping[int, torch.nn.Module], context) -> None:
     """Reduce gradients once per step: SP's token shares, DP/CP replicas, then the copies of tied embeddings."""
     reduce_sequence_parallel_gradients(chunks, context)
     grads = [param.grad for chunk in chunks.values() for param in chunk.parameters() if param.grad is not None]
-    if context.size("dp_cp") > 1:
-        all_reduce_coalesced(grads, context.groups["dp_cp"])
+    if context.size("replica") > 1:  # dp x cp (and DualPipe's mirror rank: the other parameter copy)
+        all_reduce_coalesced(grads, context.groups["replica"])
     reduce_tied_embeddings(chunks, context)
 
 
@@ -114,10 +116,16 @@ def reduce_tied_embeddings(chunks: Mapping[int, torch.nn.Module], context) -> No
             grad.copy_(grads[0])
 
 
-def counted_once(chunks: Mapping[int, torch.nn.Module], tp_rank: int) -> list[torch.Tensor]:
-    """The gradients this rank contributes to the global norm (each parameter counted once)."""
-    grads = []
-    for chunk in chunks.values():
+def counted_once(chunks: Mapping[int, torch.nn.Module], context) -> list[torch.Tensor]:
+    """The gradients this rank contributes to the global norm (each parameter counted once).
+
+    Left out: TP-replicated parameters off TP rank 0, the tied output copy of the word
+    embedding, and DualPipe's second parameter copy.
+    """
+    grads, tp_rank = [], context.coords["tp"]
+    for stage, chunk in chunks.items():
+        if context.layout.copy_of(stage):
+            continue
         for name, param in chunk.named_parameters():
             if param.grad is None:
                 continue
@@ -131,7 +139,7 @@ def counted_once(chunks: Mapping[int, torch.nn.Module], tp_rank: int) -> list[to
 
 def global_grad_norm(chunks: Mapping[int, torch.nn.Module], context) -> float:
     """L2 norm of the full model's gradient, identical on every rank."""
-    local = [grad.detach().double().pow(2).sum() for grad in counted_once(chunks, context.coords["tp"])]
+    local = [grad.detach().double().pow(2).sum() for grad in counted_once(chunks, context)]
     squares = torch.stack(local).sum() if local else torch.zeros((), dtype=torch.float64)
     squares = squares.to(context.device).reshape(1)
     if context.size("tp_pp") > 1:

@@ -2,9 +2,9 @@
 
 A step calls ``zero_grad``, runs the backward, then ``finish_grad_sync`` (every
 reduction), ``grad_norm``, ``scale_gradients`` (clipping, fp16 unscaling) and ``step``. ``PlainOptimizer`` keeps the
-classic path: gradients all-reduced over ``dp_cp`` and a full ``torch.optim.AdamW``
+classic path: gradients all-reduced over the replicas (``dp_cp``; DualPipe adds its mirror rank) and a full ``torch.optim.AdamW``
 on every rank; ``DistributedOptimizer`` shards gradients, fp32 main parameters and
-AdamW state over ``dp_cp`` (``ppctl.optim.distributed``).
+AdamW state over the replicas (``ppctl.optim.distributed``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ppctl.optim.grads import (build_optimizer, decays, finalize_gradients, glob
 
 
 class PlainOptimizer:
-    """Gradients all-reduced over ``dp_cp`` (and tied / SP sums), AdamW over every parameter of this rank."""
+    """Gradients all-reduced over the replicas (and tied / SP sums), AdamW over every parameter of this rank."""
 
     def __init__(self, chunks: Mapping[int, torch.nn.Module], context, settings):
         self.chunks, self.context = chunks, context

@@ -59,8 +59,11 @@ def build_parallel_context(layout: ParallelLayout, timeout_s: float, device: str
     timeout = datetime.timedelta(seconds=timeout_s)
     groups, group_ranks = {}, {}
     for name in GROUP_NAMES:
-        groups[name] = _new_groups(layout.groups(name), rank, timeout)
         group_ranks[name] = layout.group_of(name, rank)
+        if name == "replica" and layout.copies == 1:
+            groups[name] = groups["dp_cp"]  # one model copy: the replicas are dp x cp; no second group
+            continue
+        groups[name] = _new_groups(layout.groups(name), rank, timeout)
     context = ParallelContext(layout, rank, layout.coords(rank), groups, group_ranks,
                               _device_mesh(layout, groups, device), device)
     verify_group_membership(context)

@@ -35,7 +35,9 @@ GROUP_DIMENSIONS: dict[str, tuple[str, ...]] = {
     "tp_pp": ("tp", "pp"),
     "tp_cp": ("tp", "cp"),
 }
-GROUP_NAMES = (*GROUP_DIMENSIONS, "embedding")
+# ``embedding``: the ranks holding copies of a tied word embedding; ``replica``: the ranks holding
+# the same parameters (dp x cp, and with DualPipe's two model copies the mirror pp rank too).
+GROUP_NAMES = (*GROUP_DIMENSIONS, "embedding", "replica")
 
 
 class LayoutError(ValueError):
@@ -85,6 +87,9 @@ class ParallelLayout:
 
     ``placement[stage]`` is the pp rank that runs global pipeline stage ``stage``
     (default: looped, ``vpp`` chunks per rank); every pp rank holds ``vpp`` stages.
+    ``copies`` is the number of parameter copies of the model the stages hold (2 for
+    DualPipe): the global stages are cut into ``copies`` runs of ``stages_per_copy``
+    consecutive stages, global stage s running model stage ``s % stages_per_copy``.
     """
 
     tp: int = 1
@@ -94,9 +99,10 @@ class ParallelLayout:
     vpp: int = 1
     order: str = DEFAULT_ORDER
     placement: tuple[int, ...] | None = None
+    copies: int = 1
 
     def __post_init__(self) -> None:
-        for name in (*DIMENSIONS, "vpp"):
+        for name in (*DIMENSIONS, "vpp", "copies"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"parallel.{name}={value!r} must be a positive integer")
@@ -105,11 +111,35 @@ class ParallelLayout:
             object.__setattr__(self, "placement", looped_placement(self.pp, self.vpp))
         _check_placement(tuple(self.placement), self.pp, self.vpp)
         object.__setattr__(self, "placement", tuple(self.placement))
+        if self.num_stages % self.copies:
+            raise LayoutError(f"{self.num_stages} pipeline stages cannot hold {self.copies} model copies")
 
     @property
     def num_stages(self) -> int:
         """Global pipeline stages: pp * vpp."""
         return len(self.placement)
+
+    @property
+    def stages_per_copy(self) -> int:
+        """Model stages: the global stages of one parameter copy (all of them with one copy)."""
+        return self.num_stages // self.copies
+
+    def model_stage(self, stage: int) -> int:
+        """The model stage (which layers) global stage ``stage`` runs."""
+        return stage % self.stages_per_copy
+
+    def copy_of(self, stage: int) -> int:
+        """The parameter copy global stage ``stage`` belongs to (0 with one copy)."""
+        return stage // self.stages_per_copy
+
+    def model_stages_of(self, pp_rank: int) -> tuple[int, ...]:
+        """The model stages ``pp_rank`` holds (of any copy), sorted."""
+        return tuple(sorted({self.model_stage(stage) for stage in self.stages_of(pp_rank)}))
+
+    def replica_pp_ranks(self, pp_rank: int) -> list[int]:
+        """The pp ranks holding the same model stages as ``pp_rank`` (itself, and DualPipe's mirror rank)."""
+        held = self.model_stages_of(pp_rank)
+        return [other for other in range(self.pp) if self.model_stages_of(other) == held]
 
     def stages_of(self, pp_rank: int) -> tuple[int, ...]:
         """The global stages ``pp_rank`` runs, in increasing order (its chunks 0, 1, ...)."""
@@ -126,9 +156,26 @@ class ParallelLayout:
         return self.placement[-1]
 
     @property
+    def loss_pp_ranks(self) -> list[int]:
+        """The pp ranks holding the last stage of some copy (they compute losses)."""
+        return sorted({self.placement[(copy + 1) * self.stages_per_copy - 1] for copy in range(self.copies)})
+
+    @property
     def embedding_pp_ranks(self) -> list[int]:
-        """The pp ranks holding the word embedding or the output layer (one rank when a V puts both on it)."""
-        return sorted({self.first_stage_rank, self.last_stage_rank})
+        """The pp ranks holding a word embedding or an output layer (one rank when a V puts both on it)."""
+        firsts = {self.placement[copy * self.stages_per_copy] for copy in range(self.copies)}
+        return sorted(firsts | set(self.loss_pp_ranks))
+
+    def tied_pp_ranks(self, pp_rank: int) -> list[int]:
+        """The pp ranks whose tied-embedding copies ``pp_rank`` sums with ([] when it holds none).
+
+        With one model copy: the ranks of the first and the last stage. With DualPipe's two
+        copies every such rank holds the embedding of one copy and the output layer of the
+        other: its tie is local, and the replica group sums the copies.
+        """
+        if pp_rank not in self.embedding_pp_ranks:
+            return []
+        return [pp_rank] if self.copies > 1 else self.embedding_pp_ranks
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -179,7 +226,13 @@ class ParallelLayout:
         are listed in the same way over the dimensions they do not span (Megatron's order).
         """
         if name == "embedding":
-            return [self._embedding_ranks(pp_group) for pp_group in self.groups("pp")]
+            return [[pp_group[other] for other in self.tied_pp_ranks(pp_rank)]
+                    for pp_group in self.groups("pp") for pp_rank in self.embedding_pp_ranks
+                    if self.tied_pp_ranks(pp_rank)[0] == pp_rank]
+        if name == "replica" and self.copies == 1:
+            return self.groups("dp_cp")
+        if name == "replica":
+            return [self.group_of("replica", self.rank(**coords)) for coords in self._replica_group_leaders()]
         if name not in GROUP_DIMENSIONS:
             raise LayoutError(f"unknown group {name!r}; known groups: {', '.join(GROUP_NAMES)}")
         spanned = [dim for dim in self.dims if dim in GROUP_DIMENSIONS[name]]
@@ -192,8 +245,11 @@ class ParallelLayout:
         """The group of kind ``name`` that contains ``rank`` (``[]`` for a middle stage and ``embedding``)."""
         coords = self.coords(rank)
         if name == "embedding":
-            candidates = self._embedding_ranks(self.group_of("pp", rank))
-            return candidates if rank in candidates else []
+            pp_group = self.group_of("pp", rank)
+            return [pp_group[other] for other in self.tied_pp_ranks(coords["pp"])]
+        if name == "replica":
+            return sorted(member for pp_rank in self.replica_pp_ranks(coords["pp"])
+                          for member in self.group_of("dp_cp", self.rank(**{**coords, "pp": pp_rank})))
         spanned = GROUP_DIMENSIONS[name]
         base = {dim: (0 if dim in spanned else coords[dim]) for dim in DIMENSIONS}
         strides = self._strides()
@@ -201,8 +257,10 @@ class ParallelLayout:
         spanned_ordered = [dim for dim in self.dims if dim in spanned]
         return [start + offset for offset in _offsets(spanned_ordered, strides, self)]
 
-    def _embedding_ranks(self, pp_group: Sequence[int]) -> list[int]:
-        return [pp_group[pp_rank] for pp_rank in self.embedding_pp_ranks]
+    def _replica_group_leaders(self) -> list[dict[str, int]]:
+        """Coordinates of one rank per replica group: dp = cp = 0, the lowest pp rank of its replicas."""
+        return [{"tp": tp, "pp": pp_rank} for pp_rank in range(self.pp) if self.replica_pp_ranks(pp_rank)[0] == pp_rank
+                for tp in range(self.tp)]
 
     def all_groups(self) -> dict[str, list[list[int]]]:
         """Every group kind -> its list of rank lists."""
@@ -210,7 +268,7 @@ class ParallelLayout:
 
     def layer_map(self, num_layers: int, pipeline_layout: str | None = None) -> dict[tuple[int, int], "StageLayers"]:
         """``{(pp_rank, chunk): StageLayers}``: the model split into stages, placed by this layout."""
-        return layer_map(num_layers, self.pp, self.vpp, self.placement, pipeline_layout)
+        return layer_map(num_layers, self.pp, self.vpp, self.placement, pipeline_layout, self.copies)
 
 
 def _check_placement(placement: tuple[int, ...], pp: int, chunks_per_rank: int) -> None:
@@ -304,7 +362,7 @@ def split_layers(num_layers: int, num_stages: int, pipeline_layout: str | None =
     if num_layers % num_stages:
         raise LayoutError(
             f"model.num_layers={num_layers} must be divisible by the number of pipeline stages "
-            f"{num_stages} (pp * vpp), or give parallel.pipeline_layout"
+            f"{num_stages} (pp * vpp; pp with dualpipe's two copies), or give parallel.pipeline_layout"
         )
     return _consecutive_ranges([num_layers // num_stages] * num_stages)
 
@@ -315,23 +373,28 @@ def layer_map(
     chunks_per_rank: int = 1,
     placement: Sequence[int] | None = None,
     pipeline_layout: str | None = None,
+    copies: int = 1,
 ) -> dict[tuple[int, int], StageLayers]:
     """``{(pp_rank, chunk): StageLayers}``: the split composed with a placement (looped by default).
 
-    ``chunk`` numbers a rank's stages in increasing stage order.
+    ``chunk`` numbers a rank's stages in increasing stage order. With ``copies`` model
+    copies the model is split into ``pp * chunks_per_rank / copies`` model stages and
+    global stage s runs model stage ``s % stages_per_copy`` (DualPipe: copy 1 repeats copy 0).
     """
     num_stages = pp * chunks_per_rank
     placement = tuple(placement) if placement is not None else looped_placement(pp, chunks_per_rank)
     _check_placement(placement, pp, chunks_per_rank)
-    stage_layers = split_layers(num_layers, num_stages, pipeline_layout)
+    stages_per_copy = num_stages // copies
+    stage_layers = split_layers(num_layers, stages_per_copy, pipeline_layout)
     chunks_seen = [0] * pp
     result = {}
     for stage, pp_rank in enumerate(placement):
+        model_stage = stage % stages_per_copy
         result[(pp_rank, chunks_seen[pp_rank])] = StageLayers(
             stage=stage,
-            layers=tuple(stage_layers[stage]),
-            pre_process=stage == 0,
-            post_process=stage == num_stages - 1,
+            layers=tuple(stage_layers[model_stage]),
+            pre_process=model_stage == 0,
+            post_process=model_stage == stages_per_copy - 1,
         )
         chunks_seen[pp_rank] += 1
     return dict(sorted(result.items()))

@@ -18,6 +18,10 @@ gradient): the same bytes as the all-reduce, a tp-th of the activation memory.
 Parameters that act on the split sequence (norms, row-parallel biases, the learned
 position table: the TP-replicated ones) then see only their rank's tokens, so their
 gradients are summed over TP after the backward (``ppctl.optim.grads``).
+
+The linear layers' matmuls and biases run through ``ppctl.model.weight_grad``, so a
+pipeline B can defer their weight gradients to W; that Function does no communication:
+the regions around it stay as they are, and their backward collectives all run in B.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from ppctl.model.weight_grad import DefersWeightGrads, WeightGradStore, add_bias, linear
 
 
 @dataclass(frozen=True)
@@ -199,17 +205,18 @@ def scatter_to_tp_region(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 # ---------------------------------------------------------------------------
 
 def column_parallel_linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           tp: TPGroup) -> torch.Tensor:
+                           tp: TPGroup, store: WeightGradStore | None = None) -> torch.Tensor:
     """``inputs @ weight.T + bias`` where ``weight``/``bias`` hold this rank's output rows.
 
     ``inputs`` is replicated across TP ranks (with SP: this rank's tokens, gathered
     here); the result is this rank's slice of the output features for the whole
-    sequence. Used by ColumnParallelLinear and by a tied output layer.
+    sequence. Used by ColumnParallelLinear and by a tied output layer. With a
+    deferring ``store`` (a pipeline B) the weight and bias gradients wait for W.
     """
-    return F.linear(enter_tp_region(inputs, tp), weight, bias)
+    return linear(enter_tp_region(inputs, tp), weight, bias, store)
 
 
-class ColumnParallelLinear(torch.nn.Module):
+class ColumnParallelLinear(DefersWeightGrads, torch.nn.Module):
     """Linear layer whose output features (weight rows, and bias) are split across TP ranks.
 
     ``weight`` is ``[out_features / tp, in_features]``: rank r holds rows
@@ -232,11 +239,11 @@ class ColumnParallelLinear(torch.nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Return this rank's slice of the output features (all of them if ``gather_output``)."""
-        outputs = column_parallel_linear(inputs, self.weight, self.bias, self.tp)
+        outputs = column_parallel_linear(inputs, self.weight, self.bias, self.tp, self.weight_grad_store)
         return gather_from_tp_region(outputs, self.tp) if self.gather_output else outputs
 
 
-class RowParallelLinear(torch.nn.Module):
+class RowParallelLinear(DefersWeightGrads, torch.nn.Module):
     """Linear layer whose input features (weight columns) are split across TP ranks.
 
     ``weight`` is ``[out_features, in_features / tp]``: rank r holds columns
@@ -260,8 +267,8 @@ class RowParallelLinear(torch.nn.Module):
         """Return the full output features (replicated, or this rank's tokens with SP)."""
         if not self.input_is_parallel:
             inputs = scatter_to_tp_region(inputs, self.tp)
-        outputs = leave_tp_region(F.linear(inputs, self.weight), self.tp)
-        return outputs if self.bias is None else outputs + self.bias
+        outputs = leave_tp_region(linear(inputs, self.weight, None, self.weight_grad_store), self.tp)
+        return outputs if self.bias is None else add_bias(outputs, self.bias, self.weight_grad_store)
 
 
 class VocabParallelEmbedding(torch.nn.Module):

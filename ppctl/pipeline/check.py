@@ -2,11 +2,14 @@
 
 ``check_schedule`` runs, in order:
 
-1. placement: every stage sits on a valid rank, every rank holds ``chunks_per_rank`` stages;
-2. actions: each names a known kind, a valid stage and microbatch, on the rank owning its stage;
-3. completeness: every (stage, microbatch) has exactly one F and exactly one backward
-   (one BW, or one B and one W; never both forms);
-4. order on a rank: F before its B/BW, B before its W;
+1. placement: every stage sits on a valid rank, every rank holds ``chunks_per_rank`` stages,
+   the model copies split the stages and the microbatches evenly;
+2. actions: each names a known kind, a valid stage and microbatch (one that flows through
+   the stage's model copy), on the rank owning its stage;
+3. completeness: every (stage, microbatch of its copy) has exactly one F and exactly one
+   backward (one BW, or one B and one W; never both forms);
+4. order on a rank: F before its B/BW, B before its W; each overlapped pair is an F
+   followed by a backward;
 5. the communication plan: for every pair of ranks, receives are posted in send order;
 6. progress: the plan replayed with NCCL-like sends must finish: each rank's batches
    run one after another and a send completes only once the peer posted its receive.
@@ -53,10 +56,19 @@ def check_placement(schedule: Schedule) -> None:
     if len(set(schedule.placement)) != schedule.pp:
         missing = sorted(set(range(schedule.pp)) - set(schedule.placement))
         raise ScheduleError(f"{schedule.name}: ranks {missing} hold no stage")
+    _check_copies(schedule)
+
+
+def _check_copies(schedule: Schedule) -> None:
+    """The model copies split the stages, each rank's chunks and the microbatches into equal parts."""
+    copies = schedule.copies
+    if copies < 1 or schedule.chunks_per_rank % copies or schedule.num_microbatches % copies:
+        raise ScheduleError(f"{schedule.name}: copies={copies} must be at least 1 and divide chunks_per_rank="
+                            f"{schedule.chunks_per_rank} and num_microbatches={schedule.num_microbatches}")
 
 
 def check_actions(schedule: Schedule) -> None:
-    """Valid actions on the right ranks, each (stage, microbatch) complete, F before B before W."""
+    """Valid actions on the right ranks, each (stage, microbatch) complete, F before B before W, pairs well formed."""
     if len(schedule.actions) != schedule.pp:
         raise ScheduleError(f"{schedule.name}: {len(schedule.actions)} action lists for pp={schedule.pp} ranks")
     for pp_rank, rank_actions in enumerate(schedule.actions):
@@ -66,13 +78,24 @@ def check_actions(schedule: Schedule) -> None:
     _check_complete(schedule)
     for pp_rank, rank_actions in enumerate(schedule.actions):
         _check_rank_order(pp_rank, rank_actions)
+    _check_overlapped(schedule)
 
 
 def _all_valid(schedule: Schedule, pp_rank: int, rank_actions: tuple[Action, ...]) -> bool:
-    """Whether every action has a known kind, a microbatch in range and a stage that ``pp_rank`` holds."""
-    return ({action.kind for action in rank_actions} <= set(ACTION_KINDS)
-            and {action.stage for action in rank_actions} <= set(schedule.stages_of(pp_rank))
-            and {action.microbatch for action in rank_actions} <= set(range(schedule.num_microbatches)))
+    """Whether every action has a known kind, a microbatch of its stage's copy and a stage that ``pp_rank`` holds."""
+    stages = schedule.stages_of(pp_rank)
+    if not ({action.kind for action in rank_actions} <= set(ACTION_KINDS)
+            and {action.stage for action in rank_actions} <= set(stages)):
+        return False
+    if schedule.copies == 1:
+        return {action.microbatch for action in rank_actions} <= set(range(schedule.num_microbatches))
+    microbatches = {stage: set(_microbatches_through(schedule, stage)) for stage in stages}
+    return all(action.microbatch in microbatches[action.stage] for action in rank_actions)
+
+
+def _microbatches_through(schedule: Schedule, stage: int) -> range:
+    """The microbatches that flow through ``stage``: those of its model copy."""
+    return schedule.microbatches_of_copy(schedule.copy_of(stage))
 
 
 def _check_action(schedule: Schedule, pp_rank: int, action: Action) -> None:
@@ -87,6 +110,11 @@ def _check_action(schedule: Schedule, pp_rank: int, action: Action) -> None:
     if schedule.rank_of(action.stage) != pp_rank:
         raise ScheduleError(f"rank {pp_rank}: {action} belongs on rank {schedule.rank_of(action.stage)}, "
                             f"which holds stage {action.stage}")
+    through = _microbatches_through(schedule, action.stage)
+    if action.microbatch not in through:
+        raise ScheduleError(f"rank {pp_rank}: {action} names a microbatch of another model copy; stage "
+                            f"{action.stage} (copy {schedule.copy_of(action.stage)}) runs microbatches "
+                            f"{through.start}..{through.stop - 1}")
 
 
 def _check_complete(schedule: Schedule) -> None:
@@ -96,20 +124,21 @@ def _check_complete(schedule: Schedule) -> None:
         for a in rank_actions:
             by_kind[a.kind].append((a.stage, a.microbatch, a.step))
     steps = sorted({step for keys in by_kind.values() for (_, _, step) in keys}) or [0]
-    if _each_complete_once(by_kind, len(steps) * schedule.num_stages * schedule.num_microbatches):
+    per_step = schedule.num_stages * schedule.num_microbatches // schedule.copies  # each stage: its copy's
+    if _each_complete_once(by_kind, len(steps) * per_step):
         return  # the common case, in a few set operations; else find the first incomplete one below
     counts = Counter((stage, mb, step, kind) for kind, keys in by_kind.items() for stage, mb, step in keys)
     for step in steps:
         for stage in range(schedule.num_stages):
-            for mb in range(schedule.num_microbatches):
+            for mb in _microbatches_through(schedule, stage):
                 _check_one_of_each(schedule, stage, mb, {k: counts[(stage, mb, step, k)] for k in ACTION_KINDS})
 
 
 def _each_complete_once(by_kind: dict[str, list[tuple[int, int, int]]], expected: int) -> bool:
     """Whether each of the ``expected`` (stage, microbatch, step) has one F and one BW, or one B and one W.
 
-    ``by_kind`` holds the (stage, microbatch, step) of valid actions (stages and
-    microbatches in range), so ``expected`` distinct forwards are all of them.
+    ``by_kind`` holds the (stage, microbatch, step) of valid actions (stages in range,
+    microbatches of the stage's copy), so ``expected`` distinct forwards are all of them.
     """
     forwards, whole, inputs, weights = (set(by_kind[kind]) for kind in (FORWARD, BACKWARD, BACKWARD_INPUT,
                                                                          BACKWARD_WEIGHT))
@@ -143,6 +172,25 @@ def _check_rank_order(pp_rank: int, rank_actions: tuple[Action, ...]) -> None:
         if needed is not None and (needed, action.stage, action.microbatch, action.step) not in done:
             raise ScheduleError(f"rank {pp_rank}: {action} comes before its {needed} on this rank")
         done.add((action.kind, action.stage, action.microbatch, action.step))
+
+
+def _check_overlapped(schedule: Schedule) -> None:
+    """Each overlapped pair: one list per rank, sorted indices, an F then a backward, no action in two pairs."""
+    if not schedule.overlapped:
+        return
+    if len(schedule.overlapped) != schedule.pp:
+        raise ScheduleError(f"{schedule.name}: {len(schedule.overlapped)} lists of overlapped pairs for "
+                            f"pp={schedule.pp} ranks")
+    for pp_rank, starts in enumerate(schedule.overlapped):
+        rank_actions = schedule.actions[pp_rank]
+        for previous, index in zip((-2,) + tuple(starts), starts):
+            if index < previous + 2 or not 0 <= index < len(rank_actions) - 1:
+                raise ScheduleError(f"rank {pp_rank}: overlapped pair at action {index} is out of order, "
+                                    f"overlaps the previous pair or runs past the rank's actions")
+            forward, backward = rank_actions[index], rank_actions[index + 1]
+            if forward.kind != FORWARD or backward.kind not in (BACKWARD, BACKWARD_INPUT):
+                raise ScheduleError(f"rank {pp_rank}: overlapped pair at action {index} is {forward} and "
+                                    f"{backward}; a pair is a forward followed by a backward (BW or B)")
 
 
 @gc_paused

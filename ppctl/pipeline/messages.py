@@ -8,9 +8,11 @@ Schedules only list computations; every message follows from stage adjacency:
   produces the one stage s - 1 consumes: a ``grad`` message goes from s to s - 1;
 - ``W`` consumes and produces no message (it needs only its own ``B``, on its rank).
 
-No message comes from or goes to a stage outside ``0 .. num_stages - 1``: the first
-stage's forward and the last stage's backward consume nothing, the last stage's
-forward and the first stage's backward produce nothing.
+Stages are adjacent only within one model copy (``Schedule.copies``; one unless the
+schedule holds several, as DualPipe holds two): no message crosses from one copy to the
+other. The first stage of each copy reads the tokens, so its forward consumes nothing and
+its backward produces nothing; the last stage of each copy computes the loss, so its
+forward produces nothing and its backward consumes nothing.
 """
 
 from __future__ import annotations
@@ -51,14 +53,19 @@ class Message(NamedTuple):
                 f"(rank {self.src_rank}->{self.dst_rank})")
 
 
-def adjacent_stages(action: Action, num_stages: int) -> tuple[Optional[int], Optional[int]]:
-    """(the stage ``action``'s input comes from, the stage its output goes to); None where there is none."""
+def adjacent_stages(action: Action, num_stages: int, stages_per_copy: int) -> tuple[Optional[int], Optional[int]]:
+    """(the stage ``action``'s input comes from, the stage its output goes to); None where there is none.
+
+    ``num_stages`` global stages form copies of ``stages_per_copy`` consecutive stages
+    (one copy: ``stages_per_copy == num_stages``); neighbours lie within the copy.
+    """
     direction = _OUTPUT_STEP.get(action.kind)
-    if direction is None:
+    if direction is None or not 0 <= action.stage < num_stages:
         return None, None
+    first = action.stage - action.stage % stages_per_copy  # the first stage of the action's copy
     source, target = action.stage - direction, action.stage + direction
-    return (source if 0 <= source < num_stages else None,
-            target if 0 <= target < num_stages else None)
+    return (source if first <= source < first + stages_per_copy else None,
+            target if first <= target < first + stages_per_copy else None)
 
 
 def message_between(placement: tuple[int, ...], src_stage: int, dst_stage: int, microbatch: int,
@@ -116,7 +123,7 @@ def _new_message(fields: tuple) -> Message:
 
 def input_message(schedule: Schedule, action: Action) -> Optional[Message]:
     """The message ``action`` consumes, or None (first-stage forward, last-stage backward, W)."""
-    source, _ = adjacent_stages(action, schedule.num_stages)
+    source, _ = adjacent_stages(action, schedule.num_stages, schedule.stages_per_copy)
     if source is None:
         return None
     return message_between(schedule.placement, source, action.stage, action.microbatch, action.step)
@@ -124,7 +131,7 @@ def input_message(schedule: Schedule, action: Action) -> Optional[Message]:
 
 def output_message(schedule: Schedule, action: Action) -> Optional[Message]:
     """The message ``action`` produces, or None (last-stage forward, first-stage backward, W)."""
-    _, target = adjacent_stages(action, schedule.num_stages)
+    _, target = adjacent_stages(action, schedule.num_stages, schedule.stages_per_copy)
     if target is None:
         return None
     return message_between(schedule.placement, action.stage, target, action.microbatch, action.step)

@@ -4,7 +4,9 @@ The renderers take a generic timeline, a list of ``RankTimeline``: the simulator
 produces one, and a measured run produces the same type from real timestamps (with
 optional ``waits`` intervals, drawn hatched as "waiting for communication"). Colours:
 forwards in blues, backwards (B or unsplit BW) in oranges, weight-gradient W in
-purples; a rank's chunks are told apart by shade (chunk 0 darkest).
+purples; a rank's chunks are told apart by shade (chunk 0 darkest). An overlapped
+forward-backward pair (both halves carry one ``pair`` number) is drawn as one box: in
+the terminal one label ``f+b`` across both halves, in the SVG a dark outline around them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ PALETTES = {
 KIND_NAMES = {FORWARD: "forward", BACKWARD_INPUT: "backward (input grad)",
               BACKWARD_WEIGHT: "backward (weight grad)", BACKWARD: "backward"}
 WAIT_COLOUR = "#9aa0a6"
+PAIR_OUTLINE = "#202124"
 SUPPORTED_SUFFIXES = (".svg", ".html")
 
 
@@ -63,27 +66,48 @@ def timeline_end(ranks: Sequence[RankTimeline]) -> float:
 
 
 def simulation_lines(result: SimResult) -> list[str]:
-    """Subtitle lines describing a simulation: sizes, costs, makespan, bubble and peak activations."""
+    """Subtitle lines describing a simulation: sizes, costs, makespan, bubble, peak activations, parameters."""
     costs = result.costs
+    overlapped = "" if costs.FB is None else f" FB={_number(costs.FB)}"
     return [
         f"pp={result.pp} · vpp={result.vpp} · microbatches={result.num_microbatches} · "
-        f"costs F={_number(costs.F)} B={_number(costs.B)} W={_number(costs.W)} comm={_number(costs.comm)}",
+        f"costs F={_number(costs.F)} B={_number(costs.B)} W={_number(costs.W)}{overlapped} "
+        f"comm={_number(costs.comm)}",
         f"makespan {_number(result.makespan)} · bubble ratio {result.bubble_ratio:.1%}",
+        _idle_line(result),
         _peaks_line(result.ranks),
+        _parameters_line(result),
     ]
 
 
+def _parameters_line(result: SimResult) -> str:
+    """The share of the model's parameters each rank holds: copies/pp (DualPipe's two copies: twice 1/pp)."""
+    line = f"parameters per rank: {result.copies}/{result.pp} of the model"
+    if result.copies > 1:
+        line += f" ({result.copies} model copies: {result.copies}x a one-copy schedule's)"
+    return line
+
+
 def _peaks_line(ranks: Sequence[RankTimeline]) -> str:
-    if len(ranks) <= 16:
-        peaks = ", ".join(_number(r.peak_activations) for r in ranks)
-        return f"peak in-flight activations per rank (microbatches): {peaks}"
-    highest = max(ranks, key=lambda r: r.peak_activations)
-    lowest = min(ranks, key=lambda r: r.peak_activations)
-    return (f"peak in-flight activations (microbatches): highest {_number(highest.peak_activations)} "
-            f"on rank {highest.rank}, lowest {_number(lowest.peak_activations)} on rank {lowest.rank}")
+    return _per_rank_line("peak in-flight activations", "(microbatches)", [r.peak_activations for r in ranks])
+
+
+def _idle_line(result: SimResult) -> str:
+    return _per_rank_line("idle time", "(makespan - the rank's compute)", result.idle_times())
+
+
+def _per_rank_line(name: str, unit: str, values: Sequence[float]) -> str:
+    """``name per rank unit: v0, v1, ...``; beyond 16 ranks only the highest and the lowest."""
+    if len(values) <= 16:
+        return f"{name} per rank {unit}: " + ", ".join(_number(value) for value in values)
+    highest = max(range(len(values)), key=values.__getitem__)
+    lowest = min(range(len(values)), key=values.__getitem__)
+    return (f"{name} {unit}: highest {_number(values[highest])} on rank {highest}, "
+            f"lowest {_number(values[lowest])} on rank {lowest}")
 
 
 def _number(value: float) -> str:
+    value = round(value, 9)  # sums of durations: no 1e-15 residues
     return f"{value:.3g}" if value != int(value) else str(int(value))
 
 
@@ -129,6 +153,8 @@ def _terminal_row(timeline: RankTimeline, columns: int, scale: float, plain: boo
     chunks = chunk_indices(timeline)
     for action in timeline.actions:
         _paint_action(cells, action, chunks[action.stage], scale, plain)
+    for forward, backward in overlapped_pairs(timeline):
+        _label_pair(cells, forward, backward, scale, plain)
     row = Text()
     for cell in cells:
         row.append(*(cell or (" ", "")))
@@ -147,6 +173,28 @@ def _paint_action(cells: list, action: TimedAction, chunk: int, scale: float, pl
     text = label.center(span, filler) if span >= len(label) else filler * span
     for offset, column in enumerate(range(first, stop)):
         cells[column] = (text[offset], style)
+
+
+def _label_pair(cells: list, forward: TimedAction, backward: TimedAction, scale: float, plain: bool) -> None:
+    """One label ``f+b`` (the two microbatches) centred across both halves of a pair, each keeping its colour."""
+    first, _ = _column_span(forward.start, forward.end, scale, len(cells))
+    backward_first, stop = _column_span(backward.start, backward.end, scale, len(cells))
+    label = f"{forward.microbatch}+{backward.microbatch}"
+    if stop - first < len(label):
+        return  # too narrow: the halves keep what they show
+    for offset, character in enumerate(label.center(stop - first)):
+        column = first + offset
+        if character == " ":  # the halves' own labels give way to the pair's
+            half = forward if column < backward_first else backward
+            character = half.kind[0] if plain else " "
+        cells[column] = (character, cells[column][1] if cells[column] else "")
+
+
+def overlapped_pairs(timeline: RankTimeline) -> list[tuple[TimedAction, TimedAction]]:
+    """The rank's overlapped pairs: consecutive actions carrying the same ``pair`` number."""
+    actions = timeline.actions
+    return [(first, second) for first, second in zip(actions, actions[1:])
+            if first.pair is not None and first.pair == second.pair]
 
 
 def _column_span(start: float, end: float, scale: float, columns: int) -> tuple[int, int]:
@@ -170,8 +218,16 @@ def _terminal_legend(ranks: Sequence[RankTimeline]) -> Text:
     if any(r.waits for r in ranks):
         legend.append("░", style=WAIT_COLOUR)
         legend.append(" waiting for communication  ")
+    if _has_pairs(ranks):
+        legend.append("f+b", style="bold")
+        legend.append(" overlapped forward f and backward b  ")
     legend.append("numbers: microbatch", style="dim")
     return legend
+
+
+def _has_pairs(ranks: Sequence[RankTimeline]) -> bool:
+    """Whether any rank has an overlapped forward-backward pair."""
+    return any(action.pair is not None for timeline in ranks for action in timeline.actions)
 
 
 # --- SVG / HTML ------------------------------------------------------------------------------
@@ -241,7 +297,19 @@ def _svg_row(timeline: RankTimeline, y: float, height: int, scale: float) -> lis
     chunks = chunk_indices(timeline)
     for action in timeline.actions:
         parts += _svg_action(action, chunks[action.stage], y, height, scale)
+    for forward, backward in overlapped_pairs(timeline):
+        parts.append(_svg_pair(forward, backward, y, height, scale))
     return parts
+
+
+def _svg_pair(forward: TimedAction, backward: TimedAction, y: float, height: int, scale: float) -> str:
+    """A dark outline around both halves of an overlapped pair: one box, as DualPipe draws it."""
+    x, end = LEFT + forward.start * scale, LEFT + backward.end * scale
+    tooltip = (f"overlapped pair: {forward.kind} stage {forward.stage} microbatch {forward.microbatch} + "
+               f"{backward.kind} stage {backward.stage} microbatch {backward.microbatch}: "
+               f"{forward.start:g}-{backward.end:g}")
+    return (f'<rect class="pair" x="{x:.2f}" y="{y}" width="{max(end - x, 0.5):.2f}" height="{height}" '
+            f'fill="none" stroke="{PAIR_OUTLINE}" stroke-width="1.5"><title>{escape(tooltip)}</title></rect>')
 
 
 def _svg_action(action: TimedAction, chunk: int, y: float, height: int, scale: float) -> list[str]:
@@ -298,6 +366,12 @@ def _svg_legend(ranks: Sequence[RankTimeline], y: float) -> list[str]:
         parts.append(f'<rect class="legend" x="{x}" y="{y}" width="14" height="14" fill="url(#wait-hatch)"/>')
         parts.append(f'<text x="{x + 20}" y="{y + 11.5}" font-size="12" fill="#202124">'
                      f'waiting for communication</text>')
+        x += 200
+    if _has_pairs(ranks):
+        parts.append(f'<rect class="legend" x="{x}" y="{y}" width="28" height="14" fill="none" '
+                     f'stroke="{PAIR_OUTLINE}" stroke-width="1.5"/>')
+        parts.append(f'<text x="{x + 34}" y="{y + 11.5}" font-size="12" fill="#202124">'
+                     f'overlapped forward + backward</text>')
     note = "numbers in boxes: microbatch"
     if chunks > 1:
         note += "; darker shade = earlier chunk of the rank"

@@ -23,9 +23,16 @@ Two transports decide when a remote message is there:
   completed. A send whose receive is never posted therefore blocks every later
   batch of its rank, as it would on NCCL.
 
-Cost model: ``Costs.F`` (``B``, ``W``) is the time of one microbatch through ALL the
-layers of a rank; a chunk's action takes that divided by ``chunks_per_rank``; an
-unsplit backward ``BW`` takes ``B + W``.
+Cost model: ``Costs.F`` (``B``, ``W``) is the time of one microbatch through all the
+layers it meets on a rank: all of the rank's layers, or with several model copies
+(DualPipe) the rank's layers of one copy. A chunk's action takes that divided by
+``Schedule.chunks_per_copy`` (the rank's chunks of one copy); an unsplit backward ``BW``
+takes ``B + W``. ``Costs.FB`` is the time of an overlapped pair of a forward and a whole
+backward, in the same unit. Left None, a pair's halves are two plain actions, as the
+runtime runs them today (back to back, no overlap gain). Set, a replay of the bare
+schedule times each pair as one overlapped action (``time_pairs``): its two steps split
+the pair's time in proportion (``pair_durations``), it starts once both halves' inputs
+are in, and both halves' messages leave at its end, as DualPipe runs it.
 """
 
 from __future__ import annotations
@@ -64,26 +71,53 @@ def gc_paused(function: Callable[..., _Result]) -> Callable[..., _Result]:
 
 @dataclass(frozen=True)
 class Costs:
-    """Times of one microbatch through all of a rank's layers, and the point-to-point latency."""
+    """Times of one microbatch through a rank's layers (of one model copy), and the point-to-point latency.
+
+    ``FB`` is the time of one overlapped pair of a forward and a whole backward
+    (DualPipe's F&B) in the same unit; None: no overlap, the halves run as two plain
+    actions (F, then B + W), as the runtime runs them.
+    """
 
     F: float = 1.0
     B: float = 1.0
     W: float = 1.0
     comm: float = 0.0
+    FB: Optional[float] = None
 
     def to_json(self) -> dict:
-        """The costs as a plain dict (keys F, B, W, comm)."""
-        return {"F": self.F, "B": self.B, "W": self.W, "comm": self.comm}
+        """The costs as a plain dict (keys F, B, W, comm; and FB when it is set)."""
+        costs = {"F": self.F, "B": self.B, "W": self.W, "comm": self.comm}
+        if self.FB is not None:
+            costs["FB"] = self.FB
+        return costs
 
 
-def action_durations(chunks_per_rank: int, costs: Costs) -> dict[str, float]:
-    """Action kind -> the time one chunk-level action of that kind takes."""
+def action_durations(chunks_per_copy: int, costs: Costs) -> dict[str, float]:
+    """Action kind -> the time one chunk-level action of that kind takes (``chunks_per_copy``: see the docstring)."""
     return {
-        FORWARD: costs.F / chunks_per_rank,
-        BACKWARD_INPUT: costs.B / chunks_per_rank,
-        BACKWARD_WEIGHT: costs.W / chunks_per_rank,
-        BACKWARD: (costs.B + costs.W) / chunks_per_rank,
+        FORWARD: costs.F / chunks_per_copy,
+        BACKWARD_INPUT: costs.B / chunks_per_copy,
+        BACKWARD_WEIGHT: costs.W / chunks_per_copy,
+        BACKWARD: (costs.B + costs.W) / chunks_per_copy,
     }
+
+
+def pair_durations(chunks_per_copy: int, costs: Costs, backward_kind: str) -> tuple[float, float]:
+    """The durations of an overlapped pair's forward and its backward (``BW``, or ``B``), in that order.
+
+    Both halves are scaled by one factor, so the two steps keep their proportions and
+    sum to the pair's time: ``FB`` for a forward with a whole backward; with a B,
+    ``FB - W``, the pair less the weight gradient that runs later on its own (a rank's
+    total compute then does not depend on whether the paired backward is split).
+    With ``FB`` None the halves keep their own times.
+    """
+    durations = action_durations(chunks_per_copy, costs)
+    forward, backward = durations[FORWARD], durations[backward_kind]
+    if costs.FB is None or forward + backward == 0:
+        return forward, backward
+    pair = costs.FB - (costs.W if backward_kind == BACKWARD_INPUT else 0.0)
+    scale = max(pair, 0.0) / chunks_per_copy / (forward + backward)
+    return forward * scale, backward * scale
 
 
 @dataclass
@@ -128,13 +162,44 @@ def compile_schedule(schedule: Schedule, costs: Costs = Costs()) -> Program:
     """Each action's input and output from stage adjacency; no receives to post (for a buffered replay).
 
     ``Program.messages`` is then an ``AdjacentMessages``: every message numbered once.
+    With ``costs.FB`` set, each overlapped pair is timed as one action (``time_pairs``);
+    the planner compiles with unit costs, so it sees the runtime's plain steps.
     """
     messages = AdjacentMessages(schedule.placement)
-    durations = action_durations(schedule.chunks_per_rank, costs)
-    templates = {(kind, stage): _step_template(Action(kind, stage, 0), schedule.placement, durations)
+    durations = action_durations(schedule.chunks_per_copy, costs)
+    stages_per_copy = schedule.stages_per_copy
+    templates = {(kind, stage): _step_template(Action(kind, stage, 0), schedule.placement, stages_per_copy,
+                                               durations)
                  for kind in ACTION_KINDS for stage in range(schedule.num_stages)}
-    steps = [_schedule_steps(rank_actions, templates, messages, durations) for rank_actions in schedule.actions]
+    steps = [_schedule_steps(rank_actions, templates, messages, stages_per_copy, durations)
+             for rank_actions in schedule.actions]
+    time_pairs(schedule, steps, costs, as_one=True)
     return Program(list(schedule.actions), steps, [() for _ in steps], messages)
+
+
+def time_pairs(schedule: Schedule, steps: list[list[Step]], costs: Costs, as_one: bool) -> None:
+    """With ``costs.FB`` set, give the two steps of each overlapped pair their share of its time (``pair_durations``).
+
+    ``as_one`` times each pair as one overlapped action, as DualPipe runs it: the pair
+    starts once the inputs of both halves are in, and the messages both halves send
+    leave at its end. (Hand-overs on the rank need no moving: their consumers run on
+    the same rank, so after the pair anyway.) Without it the halves stay two steps,
+    as the runtime posts them (a plan replay). With ``FB`` None nothing changes: the
+    halves are two plain actions.
+    """
+    if costs.FB is None:
+        return
+    for pp_rank, rank_steps in enumerate(steps):
+        rank_actions = schedule.actions[pp_rank]
+        for index in schedule.pair_starts(pp_rank):
+            forward_time, backward_time = pair_durations(schedule.chunks_per_copy, costs,
+                                                         rank_actions[index + 1].kind)
+            f_inputs, _, f_output, f_sends, f_post_first, f_prefetch = rank_steps[index]
+            b_inputs, _, b_output, b_sends, b_post_first, b_prefetch = rank_steps[index + 1]
+            if as_one:
+                f_inputs, b_inputs, f_sends, b_sends = f_inputs + b_inputs, (), (), f_sends + b_sends
+            rank_steps[index] = (f_inputs, forward_time, f_output, f_sends, f_post_first, f_prefetch)
+            rank_steps[index + 1] = (b_inputs, backward_time, b_output, b_sends, b_post_first, b_prefetch)
 
 
 # What compiling an action takes from its kind and stage alone: (the stage its input comes
@@ -142,22 +207,24 @@ def compile_schedule(schedule: Schedule, costs: Costs = Costs()) -> Program:
 _Template = tuple[Optional[int], Optional[int], bool, float]
 
 
-def _step_template(action: Action, placement: tuple[int, ...], durations: dict[str, float]) -> _Template:
+def _step_template(action: Action, placement: tuple[int, ...], stages_per_copy: int,
+                   durations: dict[str, float]) -> _Template:
     """The template of ``action``'s kind and stage."""
-    source, target = adjacent_stages(action, len(placement))
+    source, target = adjacent_stages(action, len(placement), stages_per_copy)
     local = target is not None and placement[target] == placement[action.stage]
     return source, target, local, durations[action.kind]
 
 
 def _schedule_steps(rank_actions: Sequence[Action], templates: dict[tuple[str, int], _Template],
-                    messages: AdjacentMessages, durations: dict[str, float]) -> list[Step]:
+                    messages: AdjacentMessages, stages_per_copy: int, durations: dict[str, float]) -> list[Step]:
     """One rank's bare actions: each one's input number, and its output number as a local hand-over or a send."""
     number = messages.number
     steps = []
     for action in rank_actions:
         kind, stage, microbatch, step = action.kind, action.stage, action.microbatch, action.step
         source, target, local, duration = (templates.get((kind, stage))
-                                           or _step_template(action, messages.placement, durations))
+                                           or _step_template(action, messages.placement, stages_per_copy,
+                                                             durations))
         inputs, local_output, sends = (), NO_MESSAGE, ()
         if source is not None:
             inputs = (number((source, stage, microbatch, step)),)

@@ -5,21 +5,23 @@ The replay engine and its two transports (buffered, NCCL-like rendezvous) live i
 and compiles a communication plan into a replay program, each step as the runtime
 runs it (``replay`` with a plan: what the checker needs).
 
-Cost model: ``Costs.F`` (``B``, ``W``) is the time of one microbatch through ALL the
-layers of a rank; a chunk's action takes that divided by ``chunks_per_rank``; an
-unsplit backward ``BW`` takes ``B + W``. Peak activations are counted in the same
-unit: a chunk-level activation in flight counts ``1 / chunks_per_rank``.
+Cost model (``ppctl.pipeline.replay``): ``Costs.F`` (``B``, ``W``, ``FB``) is the time of
+one microbatch through the layers it meets on a rank (all of the rank's layers, or its
+layers of one model copy when it holds several); a chunk's action takes that divided by
+``Schedule.chunks_per_copy``; an unsplit backward ``BW`` takes ``B + W``; the two halves of
+an overlapped pair share ``FB``. Peak activations are counted in the same unit: a
+chunk-level activation in flight counts ``1 / chunks_per_copy``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import add, attrgetter
+from operator import add, attrgetter, itemgetter
 from typing import Optional, Sequence
 
 from .comm import Column, CommPlan, NumberedPlan, number_plan
-from .replay import Costs, Program, Replay, Step, action_durations, compile_schedule, gc_paused, run
+from .replay import Costs, Program, Replay, Step, action_durations, compile_schedule, gc_paused, run, time_pairs
 from .schedules.base import BACKWARD, BACKWARD_WEIGHT, FORWARD, Action, Schedule, ScheduleError
 
 __all__ = ["Costs", "RankTimeline", "Replay", "SimResult", "TimedAction", "parse_costs", "peak_activations",
@@ -27,13 +29,13 @@ __all__ = ["Costs", "RankTimeline", "Replay", "SimResult", "TimedAction", "parse
 
 
 def parse_costs(text: str) -> Costs:
-    """Parse ``"F=1,B=2,W=1,comm=0.1"`` (any subset, any order) into ``Costs``; ValueError if malformed."""
+    """Parse ``"F=1,B=2,W=1,FB=2.5,comm=0.1"`` (any subset, any order) into ``Costs``; ValueError if malformed."""
     values: dict[str, float] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or key not in Costs.__dataclass_fields__:
-            raise ValueError(f"cost {item!r} in {text!r} must be KEY=NUMBER with KEY one of F, B, W, comm")
+            raise ValueError(f"cost {item!r} in {text!r} must be KEY=NUMBER with KEY one of F, B, W, FB, comm")
         try:
             values[key] = float(value)
         except ValueError:
@@ -45,13 +47,18 @@ def parse_costs(text: str) -> Costs:
 
 @dataclass
 class TimedAction:
-    """One action with its start and end time (simulated, or measured by a real run)."""
+    """One action with its start and end time (simulated, or measured by a real run).
+
+    ``pair`` numbers the rank's overlapped forward-backward pairs: both halves of one
+    pair carry its number; None for an action outside a pair.
+    """
 
     kind: str
     stage: int
     microbatch: int
     start: float
     end: float
+    pair: Optional[int] = None
 
 
 @dataclass
@@ -70,7 +77,11 @@ class RankTimeline:
 
 @dataclass
 class SimResult:
-    """The simulated timeline of one step of a schedule under a cost model."""
+    """The simulated timeline of one step of a schedule under a cost model.
+
+    ``copies`` is the number of model copies the schedule holds (DualPipe: 2), so each
+    rank holds ``copies / pp`` of the model's parameters.
+    """
 
     schedule: str
     pp: int
@@ -80,6 +91,12 @@ class SimResult:
     ranks: list[RankTimeline]
     makespan: float
     bubble_ratio: float
+    copies: int = 1
+
+    def idle_times(self) -> list[float]:
+        """Per rank, the makespan less the rank's compute time: its bubble (what DualPipe's table calls one)."""
+        return [self.makespan - sum(action.end - action.start for action in timeline.actions)
+                for timeline in self.ranks]
 
     def to_json(self) -> dict:
         """The result as plain data (the ``inspect-schedule --json`` contract)."""
@@ -96,8 +113,13 @@ class SimResult:
 
 
 def _rank_json(timeline: RankTimeline) -> dict:
-    actions = [{"kind": a.kind, "stage": a.stage, "microbatch": a.microbatch, "start": a.start, "end": a.end}
-               for a in timeline.actions]
+    """One rank of ``SimResult.to_json``; an action in an overlapped pair also has its ``pair`` number."""
+    actions = []
+    for a in timeline.actions:
+        action = {"kind": a.kind, "stage": a.stage, "microbatch": a.microbatch, "start": a.start, "end": a.end}
+        if a.pair is not None:
+            action["pair"] = a.pair
+        actions.append(action)
     return {"rank": timeline.rank, "peak_activations": timeline.peak_activations, "actions": actions}
 
 
@@ -105,28 +127,41 @@ def _rank_json(timeline: RankTimeline) -> dict:
 
 @gc_paused
 def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
-    """Replay ``schedule`` against ``costs``; raises ``ScheduleError`` if it deadlocks."""
-    outcome = replay(schedule, costs=costs)
+    """Replay ``schedule`` against ``costs``; raises ``ScheduleError`` if it deadlocks.
+
+    The bubble ratio is (makespan - the busiest rank's compute) / that compute.
+    """
+    program = compile_schedule(schedule, costs)
+    outcome = run(program, costs.comm)
     if outcome.deadlocked:
         raise ScheduleError(f"{schedule.name}: {outcome.deadlock_message()}")
-    ranks = []
-    for pp_rank, rank_actions in enumerate(schedule.actions):
-        timed = [TimedAction(action.kind, action.stage, action.microbatch, start, end)
-                 for action, start, end in zip(rank_actions, outcome.starts[pp_rank], outcome.ends[pp_rank])]
-        ranks.append(RankTimeline(pp_rank, timed, peak_activations(rank_actions, schedule.chunks_per_rank)))
+    ranks = [RankTimeline(pp_rank, _timed_actions(schedule, pp_rank, outcome),
+                          peak_activations(rank_actions, schedule.chunks_per_copy))
+             for pp_rank, rank_actions in enumerate(schedule.actions)]
     makespan = max((ends[-1] for ends in outcome.ends if ends), default=0.0)
-    durations = action_durations(schedule.chunks_per_rank, costs)
-    busiest = max(sum(durations[action.kind] for action in rank_actions) for rank_actions in schedule.actions)
+    busiest = max(sum(map(itemgetter(1), rank_steps)) for rank_steps in program.steps)  # (inputs, duration, ...)
     bubble_ratio = (makespan - busiest) / busiest if busiest > 0 else 0.0
     return SimResult(schedule.name, schedule.pp, schedule.chunks_per_rank, schedule.num_microbatches,
-                     costs, ranks, makespan, bubble_ratio)
+                     costs, ranks, makespan, bubble_ratio, schedule.copies)
 
 
-def peak_activations(rank_actions: Sequence[Action], chunks_per_rank: int) -> float:
+def _timed_actions(schedule: Schedule, pp_rank: int, outcome: Replay) -> list[TimedAction]:
+    """``pp_rank``'s actions with their replayed times, each half of an overlapped pair with the pair's number."""
+    timed = [TimedAction(action.kind, action.stage, action.microbatch, start, end)
+             for action, start, end in zip(schedule.actions[pp_rank], outcome.starts[pp_rank], outcome.ends[pp_rank])]
+    for number, index in enumerate(schedule.pair_starts(pp_rank)):
+        timed[index].pair = timed[index + 1].pair = number
+    return timed
+
+
+def peak_activations(rank_actions: Sequence[Action], chunks_per_copy: int) -> float:
     """Most chunk activations one rank holds at once (forward done, BW or W not yet), in whole-rank units.
 
-    One microbatch through one chunk counts ``1 / chunks_per_rank``, so the result is
-    comparable across schedules: 1.0 is one microbatch through all of the rank's layers.
+    One microbatch through one chunk counts ``1 / chunks_per_copy``, so the result is
+    comparable across schedules: 1.0 is one microbatch through all of the rank's layers
+    (of one model copy: a DualPipe chunk counts 1, as each microbatch meets one of a
+    rank's two chunks). An overlapped pair counts its forward before its backward frees
+    anything: both halves' activations are alive while the pair runs.
     A split backward's activations count until its W: B frees the input-gradient part
     only, while W still needs each layer's input and output gradient (the paper's M_W);
     counting them whole until W is the conservative bound the zero-bubble paper uses
@@ -139,7 +174,7 @@ def peak_activations(rank_actions: Sequence[Action], chunks_per_rank: int) -> fl
             peak = max(peak, in_flight)
         elif action.kind in (BACKWARD, BACKWARD_WEIGHT):
             in_flight -= 1
-    return peak / chunks_per_rank
+    return peak / chunks_per_copy
 
 
 # --- replaying a plan -----------------------------------------------------------------------
@@ -167,9 +202,10 @@ def compile_plan(schedule: Schedule, plan: NumberedPlan, costs: Costs = Costs())
     """Each step as the runtime runs it: post missing waits, wait, compute, send and prefetch."""
     if plan.local_outputs is None:
         raise ValueError("a replay needs the plan numbered with its schedule (its local hand-overs)")
-    durations = action_durations(schedule.chunks_per_rank, costs)
+    durations = action_durations(schedule.chunks_per_copy, costs)
     initial = [plan.initial_receives(pp_rank) for pp_rank in range(plan.num_ranks)]
     steps = [_compiled_steps(plan, pp_rank, initial[pp_rank], durations) for pp_rank in range(plan.num_ranks)]
+    time_pairs(schedule, steps, costs, as_one=False)  # the runtime's steps, only their times
     return Program(plan.actions, steps, initial, plan.messages)
 
 

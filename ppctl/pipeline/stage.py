@@ -14,6 +14,13 @@ side:
   ``loss_fn`` or Megatron's ``forward_step_func``). It is given per step, so the step's
   normaliser can change.
 
+A split backward is real: the stage owns a ``WeightGradStore`` and hands it to the
+layers of its chunk that can defer their weight gradients (``ppctl.model.weight_grad``).
+B runs the autograd graph once, for the input gradient, with the store deferring: those
+layers stash what their weight gradients need (keyed by the microbatch) instead of
+computing them, and the graph is freed. W computes the weight gradients from the stash
+and accumulates them through autograd. A whole backward computes them at once.
+
 Each stage has an I/O spec: the shape and dtype of the activation it receives and the
 one it sends (the gradients flowing back have the same), and which microbatch fields
 its forward reads. Receive buffers are allocated from it, and the data iterator reads
@@ -27,6 +34,8 @@ from typing import Any, Callable
 
 import torch
 from torch.autograd import Variable
+
+from ppctl.model.weight_grad import ComputedWeightGrads, WeightGradStore, attach_weight_grad_store
 
 ForwardFn = Callable[[torch.nn.Module, "torch.Tensor | None", Any], torch.Tensor]
 LossFn = Callable[[torch.Tensor, Any], "tuple[torch.Tensor, torch.Tensor]"]
@@ -93,13 +102,18 @@ class PipelineStage:
     optimizer step, 0 except for schedules that run across steps).
     """
 
-    def __init__(self, index: int, module: torch.nn.Module, io: StageIO, forward_fn: ForwardFn, is_last: bool):
+    def __init__(self, index: int, module: torch.nn.Module, io: StageIO, forward_fn: ForwardFn, is_last: bool,
+                 split_backward: bool = False):
         self.index, self.module, self.io = index, module, io
         self.forward_fn, self.is_last = forward_fn, is_last
         self.is_first = io.input is None
         self.inputs: dict[tuple[int, int], torch.Tensor | None] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        # First stage only: B has no input gradient to make, so W runs the whole backward from here.
         self.pending_weight: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.weight_grads = WeightGradStore()
+        if split_backward:  # only then: the layers' split ops cost a small model's backward time
+            attach_weight_grad_store(module, self.weight_grads)
         self._weights = tuple(param for param in module.parameters() if param.requires_grad)
 
     def forward(self, key: tuple[int, int], microbatch, stage_input: torch.Tensor | None,
@@ -126,26 +140,33 @@ class PipelineStage:
         return None if stage_input is None else stage_input.grad
 
     def backward_input(self, key: tuple[int, int], grad_output: torch.Tensor | None) -> torch.Tensor | None:
-        """B of a split backward: the input gradient only; the graph is kept for the W that follows.
+        """B of a split backward: the input gradient only; weight-gradient work is stashed for W, the graph freed.
 
-        The first stage has no input gradient to send: its B only hands the graph to W.
+        Layers that can defer stash their work; gradients of any other parameter are
+        computed here (not accumulated) and kept for W, so B never touches ``param.grad``.
         """
         output, stage_input = self.outputs.pop(key), self.inputs.pop(key)
-        self.pending_weight[key] = (output, grad_output)
         if stage_input is None:
+            # The first stage has no input gradient to send, and its word/position embeddings
+            # cannot defer: its B only hands the graph to W, which runs the whole backward.
+            self.pending_weight[key] = (output, grad_output)
             return None
-        (grad_input,) = run_backward(output, grad_output, inputs=(stage_input,), keep_graph=True, accumulate=False)
+        with self.weight_grads.defer(key):
+            grad_input, *weight_grads = run_backward(output, grad_output, inputs=(stage_input, *self._weights),
+                                                     accumulate=False)
+            if any(grad is not None for grad in weight_grads):
+                self.weight_grads.stash(ComputedWeightGrads(self._weights, tuple(weight_grads)))
         return grad_input
 
     def backward_weight(self, key: tuple[int, int]) -> None:
-        """W of a split backward: accumulate the weight gradients of a microbatch whose B has run.
-
-        This generic split walks the kept graph a second time for the weights (numerically
-        the whole backward's gradients); it holds the whole graph between B and W.
-        """
-        output, grad_output = self.pending_weight.pop(key)
-        if self._weights:
-            run_backward(output, grad_output, inputs=self._weights)
+        """W of a split backward: accumulate the weight gradients of a microbatch whose B has run."""
+        if key in self.pending_weight:
+            output, grad_output = self.pending_weight.pop(key)
+            run_backward(output, grad_output)
+        elif key in self.weight_grads:
+            self.weight_grads.accumulate(key)
+        else:
+            raise RuntimeError(f"stage {self.index}: W of microbatch {key} before its B (backward_input)")
 
     @torch.no_grad()
     def forward_only(self, microbatch, stage_input: torch.Tensor | None,
@@ -164,10 +185,10 @@ class PipelineStage:
         return spec
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """Every tensor kept between a forward and its backward (for memory accounting)."""
+        """Every tensor kept between a forward and its backward, or a B and its W (for memory accounting)."""
         kept = [t for t in self.inputs.values() if t is not None] + list(self.outputs.values())
-        return kept + [output for output, _ in self.pending_weight.values()]
+        return kept + [output for output, _ in self.pending_weight.values()] + self.weight_grads.held_tensors()
 
     def holds_work(self) -> bool:
         """Whether some forward still waits for its backward (or some B for its W)."""
-        return bool(self.outputs or self.pending_weight)
+        return bool(self.outputs or self.pending_weight or self.weight_grads.pending())

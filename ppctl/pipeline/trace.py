@@ -82,8 +82,12 @@ def _laid_out_in_sequence(all_traces: list[tuple[int, list[dict]]]) -> list[tupl
     return shifted
 
 
-def measured_timelines(snapshots: list[dict], pipeline_ranks: list[int], chunks_per_rank: int):
-    """``RankTimeline`` rows (one per pipeline rank, in ms) from one step's gathered snapshots."""
+def measured_timelines(snapshots: list[dict], pipeline_ranks: list[int], chunks_per_copy: int):
+    """``RankTimeline`` rows (one per pipeline rank, in ms) from one step's gathered snapshots.
+
+    ``chunks_per_copy`` is the schedule's (``Schedule.chunks_per_copy``): the unit of
+    peak activations. An overlapped pair shows as its two halves, as measured.
+    """
     from ppctl.pipeline.schedules import Action
     from ppctl.pipeline.simulate import RankTimeline, TimedAction, peak_activations
 
@@ -95,20 +99,22 @@ def measured_timelines(snapshots: list[dict], pipeline_ranks: list[int], chunks_
                    for kind, stage, mb, start, end in snapshot["actions"]]
         plain = [Action(a.kind, a.stage, a.microbatch) for a in actions]
         waits = [(start * 1e3, end * 1e3) for start, end in snapshot["waits"]]
-        rows.append(RankTimeline(pp_rank, actions, peak_activations(plain, chunks_per_rank), waits))
+        rows.append(RankTimeline(pp_rank, actions, peak_activations(plain, chunks_per_copy), waits))
     return rows
 
 
-def costs_from_measurement(rows, chunks_per_rank: int):
-    """A cost model (ms per microbatch through a whole rank) from the measured mean action times."""
+def costs_from_measurement(rows, chunks_per_copy: int):
+    """A cost model (ms per microbatch through a rank's layers of one copy) from the measured mean action times."""
     from ppctl.pipeline.simulate import Costs
 
     durations: dict[str, list[float]] = {}
     for row in rows:
         for action in row.actions:
             durations.setdefault(action.kind, []).append(action.end - action.start)
-    mean = {kind: sum(values) / len(values) * chunks_per_rank for kind, values in durations.items()}
-    backward = mean.get("BW", mean.get("B", 0.0))
+    mean = {kind: sum(values) / len(values) * chunks_per_copy for kind, values in durations.items()}
+    # B: the measured input-gradient half where the schedule splits backwards (DualPipe splits only
+    # some), else a whole backward's time (its W is then 0, so a simulated BW takes B + W = BW)
+    backward = mean["B"] if "B" in mean else mean.get("BW", 0.0)
     return Costs(F=mean.get("F", 0.0), B=backward, W=mean.get("W", 0.0))
 
 
@@ -129,7 +135,7 @@ def write_trace_files(all_traces: list[tuple[int, list[dict]]], trainer, run_dir
     schedule, context = trainer.schedule, trainer.context
     replica = context.layout.rank(**{**context.coords, "pp": 0})
     pipeline_ranks = context.layout.group_of("pp", replica)
-    rows = measured_timelines(snapshots, pipeline_ranks, schedule.chunks_per_rank)
+    rows = measured_timelines(snapshots, pipeline_ranks, schedule.chunks_per_copy)
     makespan = max(action.end for row in rows for action in row.actions)
     busiest = max(sum(a.end - a.start for a in row.actions) for row in rows)
     title = f"{schedule.name}: measured step {step} (pp={schedule.pp}, {schedule.num_microbatches} microbatches)"
@@ -137,7 +143,7 @@ def write_trace_files(all_traces: list[tuple[int, list[dict]]], trainer, run_dir
              "(makespan - busiest rank's compute) / that compute; grey = waiting for a message"]
     write_timeline(rows, run_dir / "timeline.svg", title, lines, time_label="ms")
 
-    predicted = simulate(schedule, costs_from_measurement(rows, schedule.chunks_per_rank))
+    predicted = simulate(schedule, costs_from_measurement(rows, schedule.chunks_per_copy))
     title = f"{schedule.name}: simulated with the measured mean action times"
     lines = [f"makespan {predicted.makespan:.1f} ms; bubble ratio {predicted.bubble_ratio:.3f}"]
     write_timeline(predicted.ranks, run_dir / "timeline_simulated.svg", title, lines, time_label="ms")

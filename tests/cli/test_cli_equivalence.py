@@ -18,10 +18,12 @@ BASE = ["data=synthetic", "trainer.seq_length=16", "trainer.global_batch_size=8"
 MASKED = ["model.vocab_size=16", "data.eod_mask_loss=true"]
 CASES = {
     "tp2-pp2-dp2-masked": (["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"], MASKED),
-    # The distributed optimizer's own command, with tied embeddings summed before the reduce-scatter.
-    "tp2-pp2-dp2-distributed-tied": (["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"],
-                                     ["optimizer.distributed=true", "model.tie_embeddings=true",
-                                      "optimizer.clip_grad=1.0"]),
+    # DualPipe with the distributed optimizer: the two parameter copies (mirror pp ranks) and the dp
+    # replicas share the shards; tied embeddings summed on each end rank before the reduce-scatter.
+    "tp2-pp2-dp2-dualpipe-distributed-tied": (
+        ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "schedule=dualpipe"],
+        ["optimizer.distributed=true", "model.tie_embeddings=true", "optimizer.clip_grad=1.0",
+         "trainer.micro_batch_size=1"]),
     # tp=4 pads the 257-id vocabulary to 512 rows where one process pads it to 320.
     "tp4": (["parallel.tp=4", "parallel.pp=1"], ["model.num_heads=4"]),
     # The context-parallel command with ring attention and sequence parallelism (the other cp_comm
@@ -64,7 +66,7 @@ def test_parallel_run_logs_the_single_process_numbers(ppctl, single_run, tmp_pat
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"vocab {model.vocab_size} padded to {padded}" in result.stdout
     if config.optimizer.distributed:
-        assert "optimizer: distributed over 2 dp*cp ranks" in result.stdout, result.stdout
+        assert "optimizer: distributed over 4 ranks (dp*cp x 2 parameter copies)" in result.stdout, result.stdout
     if config.parallel.cp > 1:
         assert f"context parallel attention: {config.parallel.cp_comm} | sequence parallel" in result.stdout
     assert_same_series(tmp_path, single_run(overrides))

@@ -15,10 +15,13 @@ TIED = ["model.tie_embeddings=true"]
 
 @pytest.mark.timeout(300)
 def test_zb_h1_and_zbv_at_world_size_4_match_single_process():
-    """One launch of four workers: ZB-H1 at tp=2 pp=2 (tied) and at pp=4 (float64), ZB-V at pp=4 (tied)."""
+    """One launch of four workers: ZB-H1 at tp=2 pp=2 (tied; and float64 with sequence parallelism) and at
+    pp=4 (float64), ZB-V at pp=4 (tied). B defers the linears' and norms' weight gradients to W, so the
+    SP run checks that the split keeps the TP regions' collectives right."""
     zb_h1 = ["parallel.dp=1", "schedule=zb_h1"]
     zbv = ["parallel.pp=4", "parallel.vpp=2", "parallel.dp=1", "schedule=zbv", "model.num_layers=8"]
     runs = [BASE + zb_h1 + ["parallel.tp=2", "parallel.pp=2"] + TIED,
+            BASE + zb_h1 + ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"] + FP64,
             BASE + zb_h1 + ["parallel.pp=4"] + FP64,
             BASE + zbv + TIED]
     assert_equivalent(runs, world_size=4)

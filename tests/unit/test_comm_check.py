@@ -29,13 +29,20 @@ IMPLEMENTED = [name for name, spec in SCHEDULE_SPECS.items() if spec.implemented
 
 
 def sweep():
-    """(name, pp, vpp, num_microbatches) over pp 1..8, vpp 1..4 (interleaved; a V: 2), several counts."""
+    """(name, pp, vpp, num_microbatches) over pp 1..8, vpp 1..4 (interleaved; a V: 2), several counts.
+
+    Each count its schedule allows; a schedule refusing a single microbatch (DualPipe's need at
+    least 2*pp, dualpipe an even count) also gets 2*pp+1 and 2*pp+2, its smallest counts.
+    """
     for name in IMPLEMENTED:
         spec = SCHEDULE_SPECS[name]
         for pp in range(1, 9):
             vpps = [spec.chunks_per_rank] if spec.chunks_per_rank else range(1, 5) if spec.multi_chunk else [1]
             for vpp in vpps:
-                for num_microbatches in sorted({1, pp, 2 * pp, 3 * pp + 1, 8, 16}):
+                counts = {1, pp, 2 * pp, 3 * pp + 1, 8, 16}
+                if spec.microbatch_error(pp, vpp, 1) is not None:
+                    counts |= {2 * pp + 1, 2 * pp + 2}
+                for num_microbatches in sorted(counts):
                     if SCHEDULE_SPECS[name].microbatch_error(pp, vpp, num_microbatches) is None:
                         yield name, pp, vpp, num_microbatches
 

@@ -144,12 +144,29 @@ def test_every_command_validates_batch_rules_even_at_scale():
     assert validate(config).world_size == 16384
 
 
-def test_v_placement_schedules_need_two_chunks_and_dualpipe_placement_is_not_known_yet():
+def test_v_and_bidirectional_schedules_take_two_chunks_unless_told_otherwise():
+    for name in ("zbv", "dualpipe", "dualpipev"):
+        config = composed(f"schedule={name}", "parallel.pp=2")  # the commands, as typed
+        assert config.parallel.vpp == 2
+        validate(config)
     with pytest.raises(ConfigError, match=r"parallel.vpp=1: schedule zbv places exactly 2 chunks .* set parallel.vpp=2"):
-        validate(composed("schedule=zbv", "parallel.pp=2"))
-    validate(composed("schedule=zbv", "parallel.pp=2", "parallel.vpp=2"))
-    with pytest.raises(ConfigError, match="schedule dualpipe: its stage placement is not implemented yet"):
-        validate(composed("schedule=dualpipe", "parallel.pp=4"))
+        validate(composed("schedule=zbv", "parallel.pp=2", "parallel.vpp=1"))
+    assert composed("schedule=interleaved_1f1b").parallel.vpp == 1
+
+
+def test_dualpipe_needs_an_even_pp_and_enough_microbatches():
+    with pytest.raises(ConfigError, match="schedule dualpipe: .*even"):
+        validate(composed("schedule=dualpipe", "parallel.pp=3", "model.num_layers=6", "trainer.global_batch_size=48"))
+    with pytest.raises(ConfigError, match=r"schedule dualpipe: .*2\*pp"):
+        validate(composed("schedule=dualpipe", "parallel.pp=4", "trainer.global_batch_size=6",
+                          "trainer.micro_batch_size=1"))
+    with pytest.raises(ConfigError, match=r"schedule dualpipev: .*2\*pp"):
+        validate(composed("schedule=dualpipev", "parallel.pp=4", "trainer.global_batch_size=4",
+                          "trainer.micro_batch_size=1", "model.num_layers=8"))
+    # DualPipe splits the model into pp model stages (two copies of each), not 2*pp.
+    with pytest.raises(ConfigError, match=r"num_layers=6 must be divisible .* 4 \(pp \* vpp; pp with dualpipe"):
+        validate(composed("schedule=dualpipe", "parallel.pp=4", "model.num_layers=6", "trainer.global_batch_size=16",
+                          "trainer.micro_batch_size=1"))
 
 
 def test_validation_runs_the_schedule_checker(monkeypatch):
@@ -174,6 +191,4 @@ def test_vocab_padding():
 
 
 def test_unimplemented_features_refused_before_start():
-    with pytest.raises(ConfigError, match="not implemented yet"):
-        check_runnable(composed("schedule=dualpipe"))
     check_runnable(composed("parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "optimizer.distributed=true"))

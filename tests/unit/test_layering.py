@@ -20,6 +20,7 @@ LEVELS = {
     "ppctl.pipeline.check": 0, "ppctl.pipeline.render": 0, "ppctl.data.tokenizer": 0, "ppctl.data.prepare": 0,
     "ppctl.data.dataset": 0, "ppctl.parallel.tensor_parallel": 0, "ppctl.parallel.context_parallel": 0,
     "ppctl.pipeline.stage": 0, "ppctl.testing": 0, "ppctl.optim.lr": 0, "ppctl.optim.loss_scale": 0,
+    "ppctl.model.weight_grad": 0,
     "ppctl.config": 1, "ppctl.model": 1, "ppctl.data.iterator": 1, "ppctl.parallel.groups": 1,
     "ppctl.pipeline.p2p": 1, "ppctl.pipeline.trace": 1, "ppctl.pipeline.runtime": 1, "ppctl.optim": 1,
     "ppctl.factory": 2, "ppctl.stages": 3, "ppctl.reference": 3,

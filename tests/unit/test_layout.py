@@ -66,6 +66,7 @@ def test_groups_partition_and_agree_with_coords(shape, order):
             for dim in {"tp", "cp", "dp", "pp"} - dims:
                 assert len({c[dim] for c in coords}) == 1  # fixed dims are constant
             assert len({tuple(c[d] for d in sorted(dims)) for c in coords}) == len(group)
+    assert layout.groups("replica") == layout.groups("dp_cp")  # one parameter copy: the replicas are dp x cp
 
 
 def test_order_changes_which_ranks_are_neighbours():
@@ -166,6 +167,40 @@ def test_looped_placement_is_the_default_and_a_bad_placement_is_refused():
     assert layout.embedding_pp_ranks == [0, 3] and layout.last_stage_rank == 3
     with pytest.raises(LayoutError, match="does not put 2 of 8 stages on each of 4 pp ranks"):
         ParallelLayout(pp=4, vpp=2, placement=(0, 0, 1, 1, 2, 2, 3, 0))
+
+
+@pytest.mark.parametrize("tp, dp, pp", [(1, 1, 2), (2, 2, 4), (1, 3, 6), (2, 1, 8)])
+def test_dualpipe_two_copies_mirror_ranks_hold_the_same_parameters(tp, dp, pp):
+    from ppctl.parallel.layout import v_placement
+
+    layout = ParallelLayout(tp=tp, dp=dp, pp=pp, vpp=2, placement=v_placement(pp), copies=2)
+    assert layout.stages_per_copy == pp and layout.loss_pp_ranks == [0, pp - 1]
+    layers = layout.layer_map(2 * pp)
+    for pp_rank in range(pp):
+        mirror = pp - 1 - pp_rank
+        assert layout.replica_pp_ranks(pp_rank) == sorted({pp_rank, mirror})
+        # copy 0 holds model stage r, copy 1 model stage pp-1-r: the mirror rank holds the same two
+        assert layers[(pp_rank, 0)].stage == pp_rank and layers[(pp_rank, 0)].layers == (2 * pp_rank, 2 * pp_rank + 1)
+        assert layers[(pp_rank, 1)].layers == layers[(mirror, 0)].layers
+        assert layout.copy_of(layers[(pp_rank, 1)].stage) == 1
+        assert layers[(pp_rank, 0)].pre_process == (pp_rank == 0) == layers[(pp_rank, 1)].post_process
+    # replicas: every dp rank of both mirror pp ranks, same tp rank; a partition of the world
+    for group in layout.groups("replica"):
+        coords = [layout.coords(rank) for rank in group]
+        assert len(group) == 2 * dp and len({c["tp"] for c in coords}) == 1
+        assert {c["pp"] for c in coords} == {coords[0]["pp"], pp - 1 - coords[0]["pp"]}
+    assert sorted(itertools.chain(*layout.groups("replica"))) == list(range(layout.world_size))
+    # each end rank holds one copy's embedding and the other's output layer: its tie is local
+    assert layout.embedding_pp_ranks == [0, pp - 1]
+    for rank in range(layout.world_size):
+        tied = layout.group_of("embedding", rank)
+        assert tied == ([rank] if layout.coords(rank)["pp"] in (0, pp - 1) else [])
+    assert len(layout.groups("embedding")) == 2 * tp * dp
+
+
+def test_copies_must_divide_the_stages():
+    with pytest.raises(LayoutError, match="3 pipeline stages cannot hold 2 model copies"):
+        ParallelLayout(pp=3, copies=2)
 
 
 # --- context parallelism: the tokens of each CP rank ---------------------------------------

@@ -139,3 +139,30 @@ def test_nice_step_is_one_two_or_five_times_a_power_of_ten():
 def test_colour_helpers():
     assert text_colour("#ffffff") == "#111111" and text_colour("#1f5fa8") == "#ffffff"
     assert lighten("#000000", 0.5) == "#808080" and lighten("#123456", 0) == "#123456"
+
+
+# --- overlapped pairs and two model copies ----------------------------------------------------------
+
+def test_svg_outlines_each_overlapped_pair_once_and_keeps_one_rect_per_action():
+    result = simulate(build_schedule("dualpipe", 4, 2, 8), Costs(F=1, B=1, W=1, FB=2.5))
+    svg = render_svg(result.ranks, "dualpipe", simulation_lines(result))
+    pairs = sum(len({a.pair for a in rank.actions if a.pair is not None}) for rank in result.ranks)
+    assert pairs > 0 and len(svg_rects(svg, "pair")) == pairs
+    assert len(svg_rects(svg, "action")) == sum(len(rank.actions) for rank in result.ranks)
+    assert "overlapped forward + backward" in svg
+
+
+def test_terminal_labels_a_pair_once_with_both_microbatches():
+    result = simulate(build_schedule("dualpipe", 2, 2, 4))
+    text = render_to_text(result.ranks, width=200)
+    row = next(line for line in text.splitlines() if line.startswith("rank 0"))
+    assert "3+0" in row  # F of microbatch 3 overlapped with the BW of microbatch 0
+    assert "overlapped forward f and backward b" in text
+
+
+def test_simulation_lines_give_idle_time_and_parameters_per_rank():
+    lines = simulation_lines(simulate(build_schedule("dualpipe", 4, 2, 8), Costs(FB=2.5)))
+    assert "FB=2.5" in lines[0]
+    assert "idle time per rank (makespan - the rank's compute): " in lines[2]
+    assert lines[-1] == "parameters per rank: 2/4 of the model (2 model copies: 2x a one-copy schedule's)"
+    assert simulation_lines(simulated("1f1b", 4, 1, 8))[-1] == "parameters per rank: 1/4 of the model"

@@ -16,10 +16,11 @@ def test_parse_costs_reads_any_subset_in_any_order():
     assert parse_costs("F=1,B=2,W=1,comm=0.1") == Costs(1.0, 2.0, 1.0, 0.1)
     assert parse_costs(" comm=0.5 , F=2 ") == Costs(F=2.0, comm=0.5)
     assert parse_costs("") == Costs()
+    assert parse_costs("FB=2.5,F=1") == Costs(F=1.0, FB=2.5) and Costs().FB is None
 
 
 @pytest.mark.parametrize("text, message", [
-    ("F=1,X=2", "'X=2' .* must be KEY=NUMBER with KEY one of F, B, W, comm"),
+    ("F=1,X=2", "'X=2' .* must be KEY=NUMBER with KEY one of F, B, W, FB, comm"),
     ("F1", "'F1' .* must be KEY=NUMBER"),
     ("B=fast", "cost B='fast' .* is not a number"),
     ("W=-1", "cost W=-1.0 .* must not be negative"),

@@ -9,22 +9,12 @@ own module; this package maps names to them. Import from here::
 from __future__ import annotations
 
 from .base import (ACTION_KINDS, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action,
-                   Schedule, ScheduleError, ScheduleSpec, at_least_one_microbatch, looped_placement,
-                   v_placement)
+                   Schedule, ScheduleError, ScheduleSpec, looped_placement, v_placement)
+from .dualpipe import DUALPIPE_SPEC, DUALPIPEV_SPEC
 from .gpipe import GPIPE_SPEC
 from .interleaved import INTERLEAVED_SPEC
 from .one_f_one_b import ONE_F_ONE_B_SPEC
-from .zero_bubble import V_PLACEMENT_NAME as V_PLACEMENT
 from .zero_bubble import ZB_H1_SPEC, ZBV_SPEC
-from .zero_bubble import _v_placement
-
-
-def _planned(name: str, multi_chunk: bool, splits_backward: bool, description: str, placement=looped_placement,
-             **placement_facts) -> ScheduleSpec:
-    """A schedule of a later issue: known to validation (rules, placement), not yet runnable."""
-    return ScheduleSpec(name, implemented=False, multi_chunk=multi_chunk, splits_backward=splits_backward,
-                        description=description, microbatch_error=at_least_one_microbatch, placement=placement,
-                        **placement_facts)
 
 
 SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
@@ -35,11 +25,8 @@ SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
         INTERLEAVED_SPEC,
         ZB_H1_SPEC,
         ZBV_SPEC,
-        # DualPipe's placement (two model copies, rank r holds stage r of one and pp-1-r of the other)
-        # arrives with the schedule.
-        _planned("dualpipe", True, True, "DualPipe: two model copies fed from both ends, B/W split", None),
-        _planned("dualpipev", True, True, "DualPipeV: DualPipe folded onto a V placement", _v_placement,
-                 chunks_per_rank=2, placement_name=V_PLACEMENT),
+        DUALPIPE_SPEC,
+        DUALPIPEV_SPEC,
     )
 }
 

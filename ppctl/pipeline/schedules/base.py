@@ -49,7 +49,18 @@ class Action:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per-rank ordered action lists plus the placement of stages on ranks."""
+    """Per-rank ordered action lists plus the placement of stages on ranks.
+
+    ``copies`` model copies (DualPipe holds 2) split the ``num_stages`` global stages
+    into consecutive runs of ``stages_per_copy``: global stage ``c * stages_per_copy + j``
+    is model stage ``j`` of copy ``c``. The microbatches are split the same way, in
+    ``copies`` consecutive equal runs, and a microbatch flows through the stages of its
+    copy only: the last stage of each copy computes the loss, the first reads the tokens.
+
+    ``overlapped[rank]`` lists, sorted, the indices i such that ``actions[rank][i]`` (an F)
+    and ``actions[rank][i + 1]`` (a backward) form one overlapped forward-backward pair
+    (DualPipe's F&B): shown and timed as one composite action, run as two steps.
+    """
 
     name: str
     pp: int
@@ -57,11 +68,40 @@ class Schedule:
     num_microbatches: int
     placement: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
+    copies: int = 1
+    overlapped: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_stages(self) -> int:
         """Number of global virtual stages (``pp * chunks_per_rank``)."""
         return len(self.placement)
+
+    @property
+    def stages_per_copy(self) -> int:
+        """Global stages of one model copy; a microbatch goes through these, in order."""
+        return self.num_stages // self.copies
+
+    @property
+    def chunks_per_copy(self) -> int:
+        """A rank's chunks of one model copy: the chunks one microbatch passes through on its rank.
+
+        The cost and activation unit is one microbatch through these (``chunks_per_rank``
+        with one copy; 1 for DualPipe, whose two chunks per rank belong to different copies).
+        """
+        return self.chunks_per_rank // self.copies
+
+    def model_stage(self, stage: int) -> int:
+        """The model stage (within its copy) that global ``stage`` holds."""
+        return stage % self.stages_per_copy
+
+    def copy_of(self, stage: int) -> int:
+        """The model copy global ``stage`` belongs to."""
+        return stage // self.stages_per_copy
+
+    def microbatches_of_copy(self, copy: int) -> range:
+        """The microbatches that flow through ``copy``: a consecutive run of ``num_microbatches / copies``."""
+        per_copy = self.num_microbatches // self.copies
+        return range(copy * per_copy, (copy + 1) * per_copy)
 
     def rank_of(self, stage: int) -> int:
         """The pipeline rank that runs ``stage``."""
@@ -88,23 +128,34 @@ class Schedule:
         return any(action.kind in (BACKWARD_INPUT, BACKWARD_WEIGHT) for rank_actions in self.actions
                    for action in rank_actions)
 
+    def pair_starts(self, pp_rank: int) -> tuple[int, ...]:
+        """The indices of ``pp_rank``'s actions that start an overlapped pair (none without pairs)."""
+        return self.overlapped[pp_rank] if self.overlapped else ()
+
     def forward_only(self) -> "Schedule":
-        """The same schedule with its forwards only, in the same order (evaluation: no backward)."""
+        """The same schedule with its forwards only, in the same order (evaluation: no backward, no pairs)."""
         actions = tuple(tuple(action for action in rank_actions if action.kind == FORWARD)
                         for rank_actions in self.actions)
         return Schedule(f"{self.name} (forward only)", self.pp, self.chunks_per_rank, self.num_microbatches,
-                        self.placement, actions)
+                        self.placement, actions, self.copies)
 
     def describe(self) -> str:
-        """One line per rank, actions written compactly (``F3`` forward mb 3, ``c1`` chunk 1)."""
+        """One line per rank, actions written compactly (``F3`` forward mb 3, ``c1`` chunk 1).
+
+        An overlapped pair is one cell, its halves joined by ``+`` (``F3c0+BW1c1``).
+        """
         lines = []
         for pp_rank, rank_actions in enumerate(self.actions):
-            cells = []
-            for action in rank_actions:
-                chunk = f"c{self.chunk_of(action.stage)}" if self.chunks_per_rank > 1 else ""
-                cells.append(f"{action.kind}{action.microbatch}{chunk}")
+            cells = [self._cell(action) for action in rank_actions]
+            for index in reversed(self.pair_starts(pp_rank)):
+                cells[index:index + 2] = ["+".join(cells[index:index + 2])]
             lines.append(f"rank {pp_rank}: " + " ".join(cells))
         return "\n".join(lines)
+
+    def _cell(self, action: Action) -> str:
+        """``action`` written compactly: kind, microbatch, and its chunk when the rank holds several."""
+        chunk = f"c{self.chunk_of(action.stage)}" if self.chunks_per_rank > 1 else ""
+        return f"{action.kind}{action.microbatch}{chunk}"
 
 
 # --- the registry's entry type -------------------------------------------------------
@@ -124,6 +175,8 @@ class ScheduleSpec:
     ranks (None while unknown); the layout (layer map, embedding group, data and
     logging ranks) and the schedule share it. ``chunks_per_rank`` is set when the
     placement fixes it (a V holds exactly 2); ``placement_name`` describes it.
+    ``copies`` is the number of model copies the placement holds (DualPipe: 2; see
+    ``Schedule`` for how stages and microbatches are split between them).
     """
 
     name: str
@@ -136,6 +189,7 @@ class ScheduleSpec:
     placement: Optional[Callable[[int, int], tuple[int, ...]]] = looped_placement
     chunks_per_rank: Optional[int] = None
     placement_name: str = "looped: rank r holds stages r, r+pp, ..."
+    copies: int = 1
 
 
 def at_least_one_microbatch(pp: int, vpp: int, num_microbatches: int) -> Optional[str]:
@@ -150,3 +204,18 @@ def single_chunk_only(name: str, vpp: int) -> None:
     if vpp != 1:
         raise ScheduleError(f"schedule {name} holds one chunk per rank; vpp={vpp} must be 1 "
                             f"(use interleaved_1f1b for vpp > 1)")
+
+
+V_PLACEMENT_NAME = "a V: rank r holds stages r and 2*pp-1-r"
+
+
+def v_placement_of_spec(pp: int, chunks_per_rank: int) -> tuple[int, ...]:
+    """The V placement in the registry's ``(pp, chunks_per_rank)`` form (a V always has 2 chunks)."""
+    return v_placement(pp)
+
+
+def two_chunks_only(name: str, vpp: int) -> None:
+    """Refuse ``vpp != 2`` for a schedule on the V placement."""
+    if vpp != 2:
+        raise ScheduleError(f"schedule {name} places exactly 2 chunks on each rank ({V_PLACEMENT_NAME}); "
+                            f"vpp={vpp} must be 2")

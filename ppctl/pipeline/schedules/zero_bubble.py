@@ -25,10 +25,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .base import (BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Schedule, ScheduleError, ScheduleSpec,
-                   at_least_one_microbatch, looped_placement, single_chunk_only, v_placement)
-
-V_PLACEMENT_NAME = "a V: rank r holds stages r and 2*pp-1-r"
+from .base import (BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, V_PLACEMENT_NAME, Action, Schedule, ScheduleError,
+                   ScheduleSpec, at_least_one_microbatch, looped_placement, single_chunk_only, two_chunks_only,
+                   v_placement, v_placement_of_spec)
 
 
 # --- ZB-H1 -----------------------------------------------------------------------------------
@@ -75,9 +74,7 @@ def zbv(pp: int, vpp: int, num_microbatches: int) -> Schedule:
     while the chunk-1 activations owed to those already started still fit. Raises
     ``ScheduleError`` if the list schedule ever stalls (the tests sweep pp 1..8).
     """
-    if vpp != 2:
-        raise ScheduleError(f"schedule zbv places exactly 2 chunks on each rank ({V_PLACEMENT_NAME}); "
-                            f"vpp={vpp} must be 2")
+    two_chunks_only("zbv", vpp)
     _refuse_bad_count("zbv", pp, vpp, num_microbatches)
     orders = _VListSchedule(pp, num_microbatches).run()
     return Schedule("zbv", pp, 2, num_microbatches, v_placement(pp), tuple(tuple(order) for order in orders))
@@ -195,11 +192,6 @@ def _refuse_bad_count(name: str, pp: int, vpp: int, num_microbatches: int) -> No
         raise ScheduleError(f"schedule {name}: {error}")
 
 
-def _v_placement(pp: int, chunks_per_rank: int) -> tuple[int, ...]:
-    """The V placement in the registry's ``(pp, chunks_per_rank)`` form (a V always has 2 chunks)."""
-    return v_placement(pp)
-
-
 ZB_H1_SPEC = ScheduleSpec(
     name="zb_h1",
     implemented=True,
@@ -218,7 +210,7 @@ ZBV_SPEC = ScheduleSpec(
     description="zero-bubble V: two chunks per rank in a V, B/W split, 1F1B's peak activations",
     microbatch_error=at_least_one_microbatch,
     generate=zbv,
-    placement=_v_placement,
+    placement=v_placement_of_spec,
     chunks_per_rank=2,
     placement_name=V_PLACEMENT_NAME,
 )
