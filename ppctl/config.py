@@ -327,7 +327,7 @@ def layout_of(config: PpctlConfig) -> ParallelLayout:
     try:
         return ParallelLayout(
             tp=parallel.tp, cp=parallel.cp, dp=parallel.dp, pp=parallel.pp, vpp=parallel.vpp, order=parallel.order,
-            placement=spec.placement(parallel.pp, parallel.vpp), copies=getattr(spec, "copies", 1),
+            placement=spec.placement(parallel.pp, parallel.vpp), copies=spec.copies,
         )
     except LayoutError as error:
         raise ConfigError(str(error)) from None

@@ -135,9 +135,9 @@ class Trainer:
             schedule = build_schedule(config.schedule.name, layout.pp, layout.vpp, num_microbatches(config))
         else:
             check_schedule(schedule)
-        if schedule.placement != layout.placement or getattr(schedule, "copies", 1) != layout.copies:
+        if schedule.placement != layout.placement or schedule.copies != layout.copies:
             raise RuntimeError(f"schedule {schedule.name} places stages {schedule.placement} "
-                               f"({getattr(schedule, 'copies', 1)} model copies) but the layout says "
+                               f"({schedule.copies} model copies) but the layout says "
                                f"{layout.placement} ({layout.copies})")
         self.schedule = schedule
         self.chunks = build_chunks(config, context)

@@ -13,7 +13,7 @@ def test_inspect_layout_json_matches_layout(ppctl):
                    "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert set(report) == {"world_size", "order", "sizes", "sequence", "groups", "ranks", "layers"}
+    assert set(report) == {"world_size", "order", "sizes", "placement", "sequence", "groups", "ranks", "layers"}
     layout = ParallelLayout(tp=2, pp=4, dp=2)
     assert report["world_size"] == 16 and report["order"] == "tp-cp-dp-pp"
     assert report["sizes"] == {"tp": 2, "cp": 1, "dp": 2, "pp": 4, "vpp": 1}
@@ -66,11 +66,13 @@ def test_inspect_layout_at_scale(ppctl):
 @pytest.mark.parametrize("args, fragment", [
     (("inspect-layout", "parallel.tpp=2"), "tpp"),
     (("train", "parallel.tp=3"), "model.num_heads=4 must be divisible by parallel.tp=3"),
-    (("train", "trainer.global_batch_size=7"), "trainer.global_batch_size=7 must be divisible"),
-    (("train", "schedule=dualpipev", "parallel.vpp=2"), "not implemented yet"),
+    (("train", "trainer.global_batch_size=7", "trainer.micro_batch_size=2"),
+     "trainer.global_batch_size=7 must be divisible"),
+    (("train", "schedule=dualpipe", "parallel.pp=3", "model.num_layers=6"), "schedule dualpipe: pp=3 must be even"),
     (("inspect-layout", "parallel.tp=3"), "model.num_heads=4 must be divisible by parallel.tp=3"),
-    (("inspect-layout", "schedule=zbv", "parallel.pp=2"), "schedule zbv places exactly 2 chunks"),
-    (("inspect-schedule", "trainer.global_batch_size=7"), "trainer.global_batch_size=7 must be divisible"),
+    (("inspect-layout", "schedule=zbv", "parallel.pp=2", "parallel.vpp=1"), "schedule zbv places exactly 2 chunks"),
+    (("inspect-schedule", "trainer.global_batch_size=7", "trainer.micro_batch_size=2"),
+     "trainer.global_batch_size=7 must be divisible"),
     (("check-cluster", "launcher.nproc_per_node=3"), "launcher.nproc_per_node"),
 ])
 def test_bad_config_exits_2_with_one_line(ppctl, args, fragment, tmp_path):

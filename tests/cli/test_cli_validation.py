@@ -16,10 +16,11 @@ COMMANDS = (["inspect-layout"], ["inspect-schedule"], ["train", "--dry-run"], ["
             ["prepare-data"])
 BAD_CONFIGS = [
     (["parallel.tp=3"], "model.num_heads=4 must be divisible by parallel.tp=3"),
-    (["schedule=zbv", "parallel.pp=2"], "schedule zbv places exactly 2 chunks on each rank"),
-    (["schedule=dualpipe"], "schedule dualpipe: its stage placement is not implemented yet"),
+    (["schedule=zbv", "parallel.pp=2", "parallel.vpp=1"], "schedule zbv places exactly 2 chunks on each rank"),
+    (["schedule=dualpipe", "parallel.pp=4", "trainer.micro_batch_size=2"],
+     "schedule dualpipe: num_microbatches=4 must be even and at least 2*pp = 8"),
     (["schedule=gpipe", "parallel.vpp=2"], "parallel.vpp=2 needs a schedule with several chunks per rank"),
-    (["trainer.global_batch_size=7"], "trainer.global_batch_size=7 must be divisible"),
+    (["trainer.global_batch_size=7", "trainer.micro_batch_size=2"], "trainer.global_batch_size=7 must be divisible"),
     (["parallel.pp=3"], "model.num_layers=4 must be divisible by the number of pipeline stages 3"),
     (["parallel.pipeline_layout=Ett|tXtL"], "unexpected 'X'"),
     (["parallel.order=tp-dp-pp"], "parallel.order='tp-dp-pp' must list each of tp, cp, dp, pp"),
@@ -42,6 +43,11 @@ BAD_CONFIGS = [
 ]
 
 
+# The configs whose only fault is how the model's layers divide into stages.
+LAYER_SPLIT_CONFIGS = {index for index, (overrides, _) in enumerate(BAD_CONFIGS)
+                       if overrides in (["parallel.pp=3"], ["parallel.pipeline_layout=Ett|tXtL"])}
+
+
 def invoke(args: list[str]):
     """Run the CLI in this process; returns the result (exit code, stdout, stderr apart)."""
     return CliRunner().invoke(app, args)
@@ -61,7 +67,20 @@ def assert_refused(command: list[str], overrides: list[str], fragment: str, run_
 def test_bad_config_refused_with_one_line(index, tmp_path):
     # Each config through one command (they rotate); the test below runs a few through all of them.
     overrides, fragment = BAD_CONFIGS[index]
-    assert_refused(COMMANDS[index % len(COMMANDS)], overrides, fragment, tmp_path / "run")
+    command = COMMANDS[index % len(COMMANDS)]
+    if command == ["inspect-schedule"] and index in LAYER_SPLIT_CONFIGS:
+        command = ["inspect-layout"]  # the schedule's picture does not depend on the layer split
+    assert_refused(command, overrides, fragment, tmp_path / "run")
+
+
+@pytest.mark.timeout(60)
+def test_inspect_schedule_draws_a_schedule_whatever_the_layer_split(tmp_path):
+    """The issue's command as typed: 4 layers do not fill dualpipev's 8 stages, yet it draws; train refuses."""
+    result = invoke(["inspect-schedule", "schedule=dualpipev", "parallel.pp=4"])
+    assert result.exit_code == 0, result.stderr
+    assert "dualpipev" in result.stdout and "bubble ratio" in result.stdout and "peak" in result.stdout
+    assert_refused(["train", "--dry-run"], ["schedule=dualpipev", "parallel.pp=4"],
+                   "model.num_layers=4 must be divisible by the number of pipeline stages 8", tmp_path / "run")
 
 
 @pytest.mark.timeout(120)
