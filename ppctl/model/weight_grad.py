@@ -25,7 +25,7 @@ once per parameter per microbatch.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Hashable, Iterator, Sequence
@@ -212,13 +212,13 @@ class _SplitWeightGrad(torch.autograd.Function):
         tensors = ctx.saved_tensors
         saved, weights = tensors[:ctx.num_saved], tensors[ctx.num_saved:]
         grad_input = ctx.op.input_grad(grad_output, saved, weights) if ctx.needs_input_grad[2] else None
-        entry = DeferredWeightGrads(ctx.op, grad_output, saved, weights, tuple(ctx.needs_input_grad[3:]))
-        grad_weights = (None,) * len(weights)
-        if ctx.store is not None and ctx.store.deferring and ctx.op.defers and any(entry.wanted):
-            ctx.store.stash(entry)
-        elif any(entry.wanted):
-            grad_weights = entry.compute()
-        return (None, None, grad_input, *grad_weights)
+        wanted = tuple(ctx.needs_input_grad[3:])
+        if not any(wanted):
+            return (None, None, grad_input, *(None,) * len(weights))
+        if ctx.store is not None and ctx.store.deferring and ctx.op.defers:
+            ctx.store.stash(DeferredWeightGrads(ctx.op, grad_output, saved, weights, wanted))
+            return (None, None, grad_input, *(None,) * len(weights))
+        return (None, None, grad_input, *ctx.op.weight_grads(grad_output, saved, weights, wanted))
 
 
 def split_op(op: SplitOp, inputs: torch.Tensor, weights: Sequence, store: "WeightGradStore | None") -> torch.Tensor:
@@ -315,11 +315,11 @@ class WeightGradStore:
         """
         if key not in self._stashes:
             raise RuntimeError(f"WeightGradStore: W of {key} without its B (no stashed weight gradients)")
-        entries = self._stashes.pop(key)
+        entries = deque(self._stashes.pop(key))
         uses = Counter(id(weight) for entry in entries for weight in entry.targets())
         summed: dict[int, torch.Tensor] = {}
         while entries:
-            entry = entries.pop(0)
+            entry = entries.popleft()
             ready = []
             for weight, grad in zip(entry.weights, entry.compute()):
                 if grad is None:
