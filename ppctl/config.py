@@ -161,6 +161,18 @@ class TrainerConfig:
     stop_on_nonfinite: bool = setting(
         False, "stop with a one-line error at the first non-finite gradient norm (default: skip that step, "
         "count it in `train/skipped_steps`)")
+    eval_every: int = setting(
+        50, "validation loss (`val/loss`, `val/perplexity`) every N steps, through the schedule's forward-only "
+        "path; 0 disables")
+    eval_iters: int = setting(2, "global batches of the validation split per validation loss")
+    checkpoints: bool = setting(
+        True, "write checkpoints under `<run dir>/checkpoints` (every `save_every` steps, at the end, and when "
+        "interrupted by SIGTERM/SIGINT)")
+    save_every: int = setting(0, "also save every N steps; 0: only at the end and when interrupted")
+    keep_last: int = setting(2, "complete checkpoints kept (older ones are deleted after a save)")
+    resume_from: Optional[str] = setting(
+        None, "a run directory (its latest complete checkpoint; logs continue there) or a checkpoint directory; "
+        "any layout, schedule and optimizer sharding")
 
 
 @dataclass
@@ -176,7 +188,12 @@ class LauncherConfig:
     backend: str = setting(
         "auto", "`auto` (NCCL when CUDA has a GPU per local worker, else gloo), `gloo`, `nccl`")
     threads_per_worker: Optional[int] = setting(None, "intra-op threads per worker (default cores / local workers)")
-    timeout_s: int = setting(120, "process-group timeout: a stuck collective fails instead of hanging")
+    timeout_s: int = setting(
+        120, "process-group and point-to-point timeout: a stuck collective or receive fails naming the rank and "
+        "the wait instead of hanging")
+    shutdown_timeout_s: int = setting(
+        60, "after SIGTERM/SIGINT (Ctrl-C): how long workers get to finish the step and save a checkpoint before "
+        "`ppctl` kills what is left")
     inject_fault: Optional[str] = setting(
         None, "testing aid: `RANK:raise` or `RANK:kill` makes that rank fail on purpose")
 
@@ -397,8 +414,9 @@ POSITIVE_FIELDS = {
     "model": ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size", "max_seq_length",
               "make_vocab_size_divisible_by"),
     "parallel": ("tp", "pp", "vpp", "dp", "cp"),
-    "trainer": ("max_steps", "global_batch_size", "micro_batch_size", "seq_length", "log_every"),
-    "launcher": ("nnodes", "timeout_s"),
+    "trainer": ("max_steps", "global_batch_size", "micro_batch_size", "seq_length", "log_every", "eval_iters",
+                "keep_last"),
+    "launcher": ("nnodes", "timeout_s", "shutdown_timeout_s"),
     "optimizer": ("bucket_size", "loss_scale_window"),
 }
 
@@ -417,6 +435,9 @@ def _check_positive(config: PpctlConfig) -> None:
              f"optimizer.min_loss_scale={optimizer.min_loss_scale} must be > 0 and <= "
              f"optimizer.loss_scale={optimizer.loss_scale}")
     _require(config.trainer.seed >= 0, f"trainer.seed={config.trainer.seed} must be >= 0")
+    for name in ("eval_every", "save_every"):
+        value = getattr(config.trainer, name)
+        _require(value >= 0, f"trainer.{name}={value} must be >= 0 (0 disables)")
     _require(config.optimizer.weight_decay >= 0, "optimizer.weight_decay must be >= 0")
 
 
