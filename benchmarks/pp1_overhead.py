@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ppctl.config import compose_config, layout_of, validate  # noqa: E402
 from ppctl.data.dataset import build_dataset, step_microbatches  # noqa: E402
+from ppctl.data.prepare import CorpusSpec  # noqa: E402
 from ppctl.optim.grads import build_optimizer  # noqa: E402
 from ppctl.parallel.groups import build_parallel_context  # noqa: E402
 from ppctl.reference import reference_model  # noqa: E402
@@ -35,7 +36,7 @@ def plain_loop_seconds(config, steps: int, warmup: int) -> float:
     trainer = config.trainer
     model = reference_model(config)
     optimizer = build_optimizer([model], config.optimizer)
-    dataset = build_dataset("synthetic", None, Path("."), trainer.seq_length, config.model.vocab_size, trainer.seed)
+    dataset = build_dataset(CorpusSpec("synthetic"), trainer.seq_length, config.model.vocab_size, trainer.seed)
     tokens = trainer.global_batch_size * trainer.seq_length
     durations = []
     for step in range(warmup + steps):

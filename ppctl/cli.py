@@ -115,7 +115,60 @@ def train(
     from ppctl.config import check_runnable, validate
 
     config = load_config(overrides, config_dir, config_name, lambda c: (validate(c), check_runnable(c)))
+    if config.trainer.resume_from:
+        _resolve_resume(config)
     _launch(config, "train", dry_run)
+
+
+def _resolve_resume(config: PpctlConfig) -> None:
+    """Pin ``trainer.resume_from`` to one verified checkpoint that fits this run (else one line, exit 2).
+
+    Resuming a run directory continues it: its logs, unless ``trainer.out_dir`` says otherwise.
+    """
+    from ppctl.checkpoint.files import (CheckpointError, is_run_dir_checkpoint, read_index, resolve_checkpoint,
+                                        resume_problem)
+
+    location = config.trainer.resume_from
+    try:
+        checkpoint = resolve_checkpoint(location)
+        index = read_index(checkpoint)
+    except CheckpointError as error:
+        fail(str(error))
+    problem = resume_problem(index, vars(config.model), vars(config.trainer), config.trainer.precision,
+                             config.trainer.max_steps)
+    if problem is not None:
+        fail(f"trainer.resume_from={location}: cannot resume from {checkpoint}: {problem}")
+    if is_run_dir_checkpoint(location) and not config.trainer.out_dir:
+        config.trainer.out_dir = str(location)
+    config.trainer.resume_from = str(checkpoint)
+
+
+@app.command("checkpoints")
+def checkpoints(run_dir: Path = typer.Argument(..., help="A run directory (trainer.out_dir of a run).")) -> None:
+    """List a run's checkpoints: step, layout, size, and whether each is complete (the latest is marked)."""
+    from ppctl.checkpoint.files import latest_checkpoint, list_checkpoints
+
+    if not run_dir.is_dir():
+        fail(f"{run_dir}: no such run directory")
+    found = list_checkpoints(run_dir)
+    if not found:
+        typer.echo(f"{run_dir}: no checkpoints")
+        return
+    latest = latest_checkpoint(run_dir)
+    for info in found:
+        typer.echo(describe_checkpoint(info, info.path == latest))
+
+
+def describe_checkpoint(info, is_latest: bool) -> str:
+    """One line of ``ppctl checkpoints``."""
+    size = f"{info.bytes / 2**20:.1f} MiB" if info.bytes >= 2**20 else f"{info.bytes / 2**10:.1f} KiB"
+    if not info.complete:
+        return f"step {info.step:>8}  {size:>10}  incomplete: {info.problem}  {info.path}"
+    layout = info.index["layout"]
+    placement = " ".join(f"{key}={layout[key]}" for key in ("tp", "pp", "vpp", "dp", "cp"))
+    optimizer = "distributed optimizer" if layout["distributed_optimizer"] else "plain optimizer"
+    return (f"step {info.step:>8}  {size:>10}  complete  {placement} {layout['schedule']}, {optimizer}, "
+            f"{info.index['precision']}  ({info.index['reason']}){'  latest' if is_latest else ''}  {info.path}")
 
 
 @app.command("prepare-data")
@@ -124,7 +177,7 @@ def prepare_data(
     config_dir: Optional[Path] = CONFIG_DIR_OPTION,
     config_name: str = CONFIG_NAME_OPTION,
 ) -> None:
-    """Tokenise the configured data source into its cache (``train`` does this itself when needed)."""
+    """Tokenise the configured data source into its cache and check its splits (``train`` does this itself)."""
     from ppctl.config import validate
 
     config = load_config(overrides, config_dir, config_name, validate)
@@ -133,18 +186,25 @@ def prepare_data(
 
 
 def _prepare(config: PpctlConfig) -> str | None:
-    """Prepare the token cache of a file-backed source; one line summary, or None for synthetic data."""
+    """Prepare the token cache of a token-file source and check that each split the run reads holds a window.
+
+    Returns a one-line summary, or None for synthetic data; a source that cannot be
+    prepared exits with status 2 and one line. Progress bars go to stderr when it is a terminal.
+    """
     if config.data.source == "synthetic":
         return None
-    from ppctl.data.prepare import prepare_tokens, read_sidecar
+    from ppctl.data.prepare import CorpusSpec, DataError, prepare_corpus
 
     try:
-        token_file = prepare_tokens(config.data.source, config.data.path, Path(config.data.cache_dir),
-                                    config.data.tokenizer)
+        prepared = prepare_corpus(CorpusSpec.of(config.data), progress=sys.stderr.isatty())
+        prepared.check_split("train", config.trainer.seq_length)
+        if config.trainer.eval_every > 0:
+            prepared.check_split("validation", config.trainer.seq_length)
+    except DataError as error:
+        fail(str(error))
     except (OSError, ValueError) as error:
-        fail(f"data.source={config.data.source}: {error}")
-    sidecar = read_sidecar(token_file)
-    return f"{token_file}: {sidecar['num_tokens']:,} tokens from {sidecar['num_files']} file(s)"
+        fail(f"data.source={config.data.source} data.path={config.data.path}: {error}")
+    return prepared.summary()
 
 
 @app.command("check-cluster")
@@ -162,8 +222,9 @@ def check_cluster(
 
 
 def _launch(config: PpctlConfig, task: str, dry_run: bool) -> None:
+    """Create the run directory, run the workers; a failure exits 1, an interruption 128 + the signal."""
     from ppctl.config import nproc_per_node
-    from ppctl.launch import build_launch_plan, default_run_dir, resolve_backend, run_plan
+    from ppctl.launch import build_launch_plan, default_run_dir, describe_interruption, resolve_backend, run_plan
 
     run_dir = Path(config.trainer.out_dir) if config.trainer.out_dir else default_run_dir()
     config.trainer.out_dir = str(run_dir)
@@ -175,21 +236,29 @@ def _launch(config: PpctlConfig, task: str, dry_run: bool) -> None:
         return
     if task == "train":
         _prepare(config)  # once, here, before any worker starts
-    write_run_dir(config, run_dir)
+    write_run_dir(config, run_dir)  # a directory that cannot be made: one line, exit 2, nothing started
     typer.echo(f"run directory: {run_dir}  ({task}, {backend}, {config.launcher.nnodes} node(s))", err=True)
     result = run_plan(plan)
+    if result.interrupted is not None:
+        resumable = task == "train" and config.trainer.checkpoints
+        typer.echo(describe_interruption(result, run_dir, resumable), err=True)
+        raise typer.Exit(result.exit_code)
     if result.failure:
         fail(result.failure, code=1)
 
 
 def write_run_dir(config: PpctlConfig, run_dir: Path) -> None:
-    """Create the run directory with the resolved ``config.yaml`` and ``layout.json``."""
+    """Create the run directory with the resolved ``config.yaml`` and ``layout.json`` (else one line, exit 2)."""
     from ppctl.config import to_yaml
     from ppctl.layout_report import layout_report
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(config))
-    (run_dir / "layout.json").write_text(json.dumps(layout_report(config), indent=1))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(config))
+        (run_dir / "layout.json").write_text(json.dumps(layout_report(config), indent=1))
+    except OSError as error:
+        where = f" ({error.filename})" if error.filename and Path(error.filename) != run_dir else ""
+        fail(f"trainer.out_dir={run_dir}: cannot create the run directory: {error.strerror or error}{where}")
 
 
 def main() -> None:

@@ -33,17 +33,18 @@ def setting(default: Any, doc: str) -> Any:
 
 @dataclass
 class ModelConfig:
-    """GPT shape. ``vocab_size`` is the tokenizer's; it is padded for TP (see ``padded_vocab_size``)."""
+    """GPT shape. ``vocab_size`` follows the tokenizer unless set; it is padded for TP (see ``padded_vocab_size``)."""
 
     name: str = setting("gpt_tiny", "a label for logs")
     num_layers: int = setting(4, "transformer layers")
     hidden_size: int = setting(64, "width of the residual stream; divisible by `num_heads`")
     num_heads: int = setting(4, "attention heads; divisible by `parallel.tp`")
     ffn_hidden_size: int = setting(256, "MLP inner width; divisible by `parallel.tp`")
-    vocab_size: int = setting(
-        257, "the tokenizer's vocabulary (bytes + end of document); the embedding rows are padded to a "
-        "multiple of `make_vocab_size_divisible_by * tp` (shown by `inspect-layout`), padded rows never "
-        "enter the math")
+    vocab_size: Optional[int] = setting(
+        None, "the classes the model predicts; unset: the tokenizer's (257 for `byte`: bytes + end of document; a "
+        "tokenizer file's size, +1 when it has no end-of-text token; 257 for synthetic data); never smaller than "
+        "the tokenizer's. The embedding rows are padded to a multiple of `make_vocab_size_divisible_by * tp` "
+        "(shown by `inspect-layout`), padded rows never enter the math")
     max_seq_length: int = setting(256, "longest sequence (learned position table size)")
     position_embedding: str = setting("learned", "`learned` or `rope` (rotary)")
     tie_embeddings: bool = setting(
@@ -87,14 +88,27 @@ class ScheduleConfig:
 
 @dataclass
 class DataConfig:
-    """Where samples come from: ``python_stdlib`` (embedded default), ``text_file`` or ``synthetic``."""
+    """Where samples come from: ``python_stdlib`` (embedded default), ``text`` or ``synthetic``."""
 
     source: str = setting(
-        "python_stdlib", "`python_stdlib` (the standard library's source, byte-tokenised), `text_file`, "
-        "`synthetic` (random tokens)")
-    path: Optional[str] = setting(None, "the text file for `text_file`")
-    cache_dir: str = setting("data/cache", "where token files are cached")
-    tokenizer: str = setting("byte", "tokenizer name")
+        "python_stdlib", "`python_stdlib` (the standard library's source, one document per file), `text` (your "
+        "corpus: `data.path`), `synthetic` (random tokens)")
+    path: Optional[str] = setting(
+        None, "for `text`: a file, a folder or a glob of `.txt` (one document per file), `.json`/`.jsonl`, "
+        "`.parquet` or `.csv` files (one document per row), one type at a time; or a hub dataset name "
+        "(`owner/name`, needs the network once)")
+    text_field: str = setting("text", "the field (column) holding the text in json, parquet and csv files")
+    cache_dir: str = setting("data/cache", "where token files and their indexes are cached")
+    tokenizer: str = setting(
+        "byte", "`byte` (UTF-8 bytes, 256 = end of document) or the path of a Hugging Face `tokenizers` JSON file "
+        "(end of document: its own end-of-text token, else a new id)")
+    token_dtype: str = setting(
+        "auto", "dtype of the token file: `auto` (uint16 up to 65,536 ids, else uint32), `uint16`, `uint32`")
+    validation_fraction: float = setting(
+        0.05, "the last fraction of the tokens that forms the validation split (0: none; then set "
+        "`trainer.eval_every=0`)")
+    num_proc: Optional[int] = setting(
+        None, "processes that tokenise (`datasets.map`); unset: 1 below 64 MB of text, else min(4, cores)")
     eod_mask_loss: bool = setting(
         False, "give labels that are the end-of-document id zero loss weight (Megatron-LM's `--eod-mask-loss`); "
         "synthetic data uses its last id, vocab_size - 1, as end of document")
@@ -215,6 +229,9 @@ class PpctlConfig:
         if self.parallel.vpp is None:
             spec = _schedule_specs().get(self.schedule.name)
             self.parallel.vpp = spec.chunks_per_rank if spec is not None and spec.chunks_per_rank else 1
+        # An unset vocabulary follows the tokenizer, so the resolved config.yaml holds the number.
+        if self.model.vocab_size is None:
+            self.model.vocab_size = tokenizer_vocab_size(self.data)
 
 
 SCHEMA_GROUPS = {
@@ -317,7 +334,8 @@ def load_config_file(path: str | os.PathLike) -> PpctlConfig:
 POSITION_EMBEDDINGS = ("learned", "rope")
 PRECISIONS_READY = ("fp32", "fp64", "bf16", "fp16")
 PRECISIONS_LATER = ()
-DATA_SOURCES = ("python_stdlib", "text_file", "synthetic")
+DATA_SOURCES = ("python_stdlib", "text", "synthetic")
+SYNTHETIC_VOCAB_SIZE = 257  # synthetic data's default vocabulary: the byte tokenizer's
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -582,13 +600,7 @@ def _check_misc(config: PpctlConfig) -> None:
         config.trainer.precision in precisions,
         f"trainer.precision={config.trainer.precision!r} must be one of {', '.join(precisions)}",
     )
-    _require(
-        config.data.source in DATA_SOURCES,
-        f"data.source={config.data.source!r} must be one of {', '.join(DATA_SOURCES)}",
-    )
-    if config.data.source == "text_file":
-        _require(bool(config.data.path), "data.source=text_file needs data.path")
-        _require(Path(config.data.path).is_file(), f"data.path={config.data.path}: no such file")
+    _check_data(config)
     _require(
         config.launcher.backend in BACKENDS,
         f"launcher.backend={config.launcher.backend!r} must be one of {', '.join(BACKENDS)}",
@@ -603,6 +615,43 @@ def _check_misc(config: PpctlConfig) -> None:
         0 <= config.launcher.node_rank < config.launcher.nnodes,
         f"launcher.node_rank={config.launcher.node_rank} must be in 0..launcher.nnodes-1",
     )
+
+
+def tokenizer_vocab_size(data: DataConfig) -> int:
+    """The ids the configured tokenizer emits, end of document included (synthetic data: ``SYNTHETIC_VOCAB_SIZE``)."""
+    if data.source == "synthetic":
+        return SYNTHETIC_VOCAB_SIZE
+    from ppctl.data.tokenizer import build_tokenizer
+
+    try:
+        return build_tokenizer(data.tokenizer).vocab_size
+    except (OSError, ValueError) as error:
+        raise ConfigError(str(error)) from None
+
+
+def _check_data(config: PpctlConfig) -> None:
+    """The data source exists, its tokenizer fits the vocabulary and the token dtype, the split can be made."""
+    data, trainer = config.data, config.trainer
+    _require(data.source in DATA_SOURCES, f"data.source={data.source!r} must be one of {', '.join(DATA_SOURCES)}")
+    _require(0 <= data.validation_fraction < 1,
+             f"data.validation_fraction={data.validation_fraction} must be >= 0 and < 1")
+    _require(data.num_proc is None or data.num_proc >= 1, f"data.num_proc={data.num_proc} must be a positive integer")
+    if data.source == "synthetic":
+        return
+    _require(data.validation_fraction > 0 or trainer.eval_every == 0,
+             f"data.validation_fraction={data.validation_fraction} leaves no validation split but "
+             f"trainer.eval_every={trainer.eval_every}; set trainer.eval_every=0 or raise data.validation_fraction")
+    from ppctl.data.prepare import CorpusSpec, token_dtype_for
+
+    vocab_size = tokenizer_vocab_size(data)
+    try:
+        CorpusSpec.of(data).corpus()  # the files exist, are of one type; a hub name is tried when preparing
+        token_dtype_for(data.token_dtype, vocab_size)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    _require(config.model.vocab_size >= vocab_size,
+             f"model.vocab_size={config.model.vocab_size} is smaller than the {vocab_size} ids of data.tokenizer="
+             f"{data.tokenizer}; set model.vocab_size >= {vocab_size} or leave it unset to follow the tokenizer")
 
 
 def _check_lr_schedule(config: PpctlConfig) -> None:

@@ -6,12 +6,11 @@ model and data from here, so neither depends on the other.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from ppctl.config import PpctlConfig, padded_vocab_size
 from ppctl.data.dataset import WindowDataset, build_dataset
+from ppctl.data.prepare import CorpusSpec
 from ppctl.model.gpt import GPTConfig
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -37,8 +36,11 @@ def parameter_dtype(config: PpctlConfig) -> torch.dtype:
     return DTYPES[config.trainer.precision]
 
 
-def dataset_of(config: PpctlConfig) -> WindowDataset:
-    """The configured dataset of ``trainer.seq_length``-token windows (prepared or reused in its cache)."""
+def dataset_of(config: PpctlConfig, split: str = "train") -> WindowDataset:
+    """Split ``split`` (``train`` or ``validation``) of the configured dataset of ``trainer.seq_length``-token windows.
+
+    Token sources are prepared (or reused) in their cache; the windows are cut inside the split.
+    """
     data, trainer = config.data, config.trainer
-    return build_dataset(data.source, data.path, Path(data.cache_dir), trainer.seq_length, config.model.vocab_size,
-                         trainer.seed, data.tokenizer, data.eod_mask_loss)
+    return build_dataset(CorpusSpec.of(data), trainer.seq_length, config.model.vocab_size, trainer.seed, split,
+                         data.eod_mask_loss)

@@ -1,10 +1,19 @@
-"""Start workers with torchrun, watch them, and turn a failure into one line.
+"""Start workers with torchrun, watch them, stop them on a signal, and turn a failure into one line.
 
 ``ppctl train`` and ``ppctl check-cluster`` both come here: the run directory holds
 the resolved ``config.yaml``; every worker (``python -m ppctl.worker``) reads it.
-A worker that raises writes ``errors/rank<N>.txt``; torchrun stops the others; this
-module then reports the first failing rank and its error in one line. Nothing here
-imports torch at module level, so the CLI starts quickly.
+
+Stopping: torchrun runs in its own session, so a terminal's Ctrl-C reaches only ``ppctl``.
+On SIGINT or SIGTERM ``ppctl`` sends SIGTERM to the workers themselves (torchrun, left
+alone, sees them end normally; signalled, it would treat the job as failed and kill them
+after its own shutdown timeout), waits up to ``launcher.shutdown_timeout_s`` for torchrun
+to end, then kills whatever is left; a second signal kills at once. If ``ppctl`` itself is
+killed, the parent-death signal sends torchrun SIGTERM, and torchrun stops its workers
+(giving them ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, set to the same timeout).
+
+Failures: a worker that raises writes ``errors/rank<N>.txt``; torchrun stops the others and
+logs its failure report; this module names the rank that failed first, and why, in one line.
+Nothing here imports torch at module level, so the CLI starts quickly.
 """
 
 from __future__ import annotations
@@ -12,27 +21,34 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import select
 import shlex
 import signal
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ppctl.config import PpctlConfig, nproc_per_node
+from ppctl.interrupt import STOP_SIGNALS, ParentDeathSignal
 
 WORKER_MODULE = "ppctl.worker"
 DEFAULT_RDZV_ID = "ppctl"  # the same on every node (a run directory's timestamp would differ between nodes)
+POLL_S = 0.1  # how often the launcher looks at torchrun and at the signals it received
+DRAIN_S = 5.0  # how long the launcher still copies torchrun's stderr after torchrun ended
 
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """What will be started: the torchrun command, its environment additions, and the run directory."""
+    """What will be started (the torchrun command, its environment additions, the run directory) and how it stops."""
 
     command: list[str]
     env: dict[str, str]
     run_dir: Path
+    shutdown_timeout_s: float = 60.0
+    stop_notice: str = "the workers finish their step"
 
     def printable(self) -> str:
         """The command as one shell line, with its environment settings in front."""
@@ -77,69 +93,324 @@ def build_launch_plan(config: PpctlConfig, run_dir: Path, task: str, backend: st
                     "--rdzv-id", launcher.rdzv_id or DEFAULT_RDZV_ID, "--node-rank", str(launcher.node_rank)]
     command += ["-m", WORKER_MODULE, "--run-dir", str(run_dir), "--task", task, "--backend", backend]
     threads = str(threads_per_worker(config))
-    return LaunchPlan(command=command, env={"OMP_NUM_THREADS": threads, "PPCTL_THREADS": threads}, run_dir=run_dir)
+    # When torchrun itself must stop the workers (ppctl was killed), it gives them as long as ppctl would.
+    env = {"OMP_NUM_THREADS": threads, "PPCTL_THREADS": threads,
+           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(launcher.shutdown_timeout_s)}
+    if task != "train":
+        notice = "the workers end now"
+    elif config.trainer.checkpoints:
+        notice = "the workers finish their step and save a checkpoint"
+    else:
+        notice = "the workers finish their step (trainer.checkpoints=false: nothing is saved)"
+    return LaunchPlan(command=command, env=env, run_dir=run_dir,
+                      shutdown_timeout_s=launcher.shutdown_timeout_s, stop_notice=notice)
 
 
 @dataclass(frozen=True)
 class LaunchResult:
-    """How a launch ended: torchrun's exit code and, on failure, one line naming the failing rank."""
+    """How a launch ended: torchrun's exit code; on failure, one line naming the failing rank.
+
+    ``interrupted`` is the signal ``ppctl`` got (it then forwarded a stop to the workers) and
+    ``killed`` why the job had to be killed after that (None when the workers stopped by themselves).
+    """
 
     returncode: int
     failure: str | None
+    interrupted: int | None = None
+    killed: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """What ``ppctl`` exits with: 128 + the signal when interrupted (130 SIGINT, 143 SIGTERM), else 0 or 1."""
+        if self.interrupted is not None:
+            return 128 + self.interrupted
+        return 0 if self.returncode == 0 else 1
 
 
 def run_plan(plan: LaunchPlan) -> LaunchResult:
-    """Run torchrun; stream workers' stdout, keep stderr in ``launcher.log``; summarise a failure."""
+    """Run torchrun; stream workers' stdout, keep stderr in ``launcher.log``; stop on a signal; summarise a failure."""
     log_path = plan.run_dir / "launcher.log"
     env = {**os.environ, **plan.env, "PYTHONUNBUFFERED": "1"}
-    with open(log_path, "ab") as log_file:
-        process = subprocess.Popen(plan.command, env=env, stderr=subprocess.PIPE, start_new_session=True)
-        copier = threading.Thread(target=_copy_stream, args=(process.stderr, log_file), daemon=True)
-        copier.start()
-        try:
-            returncode = process.wait()
-        except KeyboardInterrupt:
-            _stop(process)
-            returncode = 130
-        copier.join(timeout=5)
-    if returncode == 0:
+    started = time.time()
+    with open(log_path, "ab") as log_file, SignalInbox() as inbox:
+        log_start = log_file.tell()
+        process = subprocess.Popen(plan.command, env=env, stderr=subprocess.PIPE, start_new_session=True,
+                                   preexec_fn=_die_with(os.getpid()))
+        stop = _supervise(process, inbox, plan, log_file)
+    if stop.signum is not None:
+        return LaunchResult(process.returncode, None, interrupted=stop.signum, killed=stop.killed)
+    if process.returncode == 0:
         return LaunchResult(0, None)
-    return LaunchResult(returncode, describe_failure(plan.run_dir, log_path, returncode))
+    return LaunchResult(process.returncode,
+                        describe_failure(plan.run_dir, log_path, process.returncode, log_start, started))
 
 
-def _copy_stream(stream, log_file) -> None:
-    for chunk in iter(lambda: stream.read1(65536), b""):
-        log_file.write(chunk)
-        log_file.flush()
+def _die_with(parent_pid: int):
+    """Popen's ``preexec_fn`` for torchrun: SIGTERM it when ``ppctl`` dies (and do not start if that happened)."""
+    death_signal = ParentDeathSignal(signal.SIGTERM)
+
+    def arm() -> None:
+        if not death_signal.arm(parent_pid):
+            os._exit(1)
+
+    return arm
 
 
-def _stop(process: subprocess.Popen) -> None:
-    """Terminate torchrun and its workers (its own process group), then kill what remains."""
-    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+class SignalInbox:
+    """While the launcher runs torchrun, SIGINT and SIGTERM are only recorded; ``_supervise`` acts on them."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> SignalInbox:
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set from there
+            for signum in STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, lambda signum, frame: self.received.append(signum))
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def take(self) -> list[int]:
+        """The signals received since the last call."""
+        taken, self.received[:] = list(self.received), []
+        return taken
+
+
+@dataclass
+class _Stopping:
+    """The launcher's stop in progress: the first signal, when to give up waiting, why the job was killed."""
+
+    signum: int | None = None
+    deadline: float = 0.0
+    killed: str | None = None
+    signalled: set[int] = field(default_factory=set)  # worker pids already sent SIGTERM
+    next_scan: float = 0.0  # when to look for workers again
+
+
+def _supervise(process: subprocess.Popen, inbox: SignalInbox, plan: LaunchPlan, log_file) -> _Stopping:
+    """Copy torchrun's stderr to the log until it ends, acting on signals every ``POLL_S``.
+
+    All in this one thread: the parent-death signal is sent each time a thread of the parent that
+    holds the child ends, so a second thread here would give torchrun two SIGTERMs when ``ppctl``
+    is killed, and torchrun takes a second one as "kill the workers now".
+    """
+    stop = _Stopping()
+    stderr_fd = process.stderr.fileno()
+    stderr_open, drain_until = True, None
+    while True:
+        if stderr_open and select.select([stderr_fd], [], [], POLL_S)[0]:
+            chunk = os.read(stderr_fd, 65536)
+            log_file.write(chunk)
+            log_file.flush()
+            stderr_open = bool(chunk)
+        elif not stderr_open:
+            time.sleep(POLL_S)
+        if process.poll() is None:
+            _on_signals(stop, inbox.take(), process.pid, plan)
+        elif not stderr_open or (drain_until is not None and time.monotonic() > drain_until):
+            break
+        elif drain_until is None:  # copy what torchrun left in the pipe; a stray holder may keep it open
+            drain_until = time.monotonic() + DRAIN_S
+    process.stderr.close()
+    return stop
+
+
+def _on_signals(stop: _Stopping, received: list[int], torchrun_pid: int, plan: LaunchPlan) -> None:
+    """First signal: SIGTERM the workers (again for any that start later); a second one, or the deadline: kill."""
+    for signum in received:
+        if stop.signum is None:
+            stop.signum, stop.deadline = signum, time.monotonic() + plan.shutdown_timeout_s
+            _say(f"stopping ({signal.Signals(signum).name}): {plan.stop_notice}; waiting up to "
+                 f"{plan.shutdown_timeout_s:g} s (Ctrl-C again to kill them now)")
+        elif stop.killed is None:
+            stop.killed = f"on a second signal ({signal.Signals(signum).name})"
+            kill_job(torchrun_pid)
+    if stop.signum is None or stop.killed is not None:
+        return
+    if time.monotonic() > stop.deadline:
+        stop.killed = f"still running {plan.shutdown_timeout_s:g} s after the stop (launcher.shutdown_timeout_s)"
+        _say(f"the workers are {stop.killed}: killing them")
+        kill_job(torchrun_pid)
+    elif time.monotonic() >= stop.next_scan:
+        stop.signalled |= terminate_workers(torchrun_pid, stop.signalled)
+        stop.next_scan = time.monotonic() + POLL_S
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def read_parent_table(proc: Path = Path("/proc")) -> dict[int, int] | None:
+    """pid -> parent pid of every process, from ``/proc/<pid>/stat``; None where there is no ``/proc``."""
+    if not (proc / "self" / "stat").exists():
+        return None
+    parents = {}
+    for stat in proc.glob("[0-9]*/stat"):
         try:
-            os.killpg(process.pid, sig)
-            process.wait(timeout=wait_s)
-            return
-        except (ProcessLookupError, subprocess.TimeoutExpired):
+            text = stat.read_text()
+        except OSError:  # the process ended while we looked
             continue
+        parents[int(stat.parent.name)] = parent_of_stat(text)
+    return parents
 
 
-_TORCHRUN_FAILURE = re.compile(r"rank\s*:\s*(\d+).*?\n.*?exitcode\s*:\s*(-?\d+)", re.S)
+def parent_of_stat(stat_line: str) -> int:
+    """The parent pid in a ``/proc/<pid>/stat`` line: ``pid (comm) state ppid ...``; comm may hold spaces and ')'."""
+    return int(stat_line[stat_line.rindex(")") + 1:].split()[1])
 
 
-def describe_failure(run_dir: Path, log_path: Path, returncode: int) -> str:
-    """One line: the first rank that failed and why (its exception, or its exit signal)."""
-    error_files = sorted((run_dir / "errors").glob("rank*.txt"), key=lambda path: path.stat().st_mtime)
-    if error_files:
-        first = error_files[0]
-        rank = first.stem.removeprefix("rank")
-        message = first.read_text().strip().splitlines()[0]
-        return f"worker rank {rank} failed: {message} (log: {log_path})"
-    log_text = log_path.read_text(errors="replace") if log_path.exists() else ""
-    root_cause = log_text.find("Root Cause")
-    match = _TORCHRUN_FAILURE.search(log_text, max(root_cause, 0))
-    if match:
-        rank, exitcode = int(match.group(1)), int(match.group(2))
-        cause = f"killed by signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}"
-        return f"worker rank {rank} failed: {cause} (log: {log_path})"
-    return f"torchrun exited with code {returncode} (log: {log_path})"
+def children(parents: dict[int, int], pid: int) -> list[int]:
+    """The pids whose parent is ``pid``, sorted."""
+    return sorted(child for child, parent in parents.items() if parent == pid)
+
+
+def descendants(parents: dict[int, int], pid: int) -> list[int]:
+    """Every pid below ``pid`` in the process tree (children first, then theirs), ``pid`` itself excluded."""
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for parent in frontier for child in children(parents, parent)]
+        found += frontier
+    return found
+
+
+def terminate_workers(torchrun_pid: int, already: set[int]) -> set[int]:
+    """Send SIGTERM to torchrun's workers (its children) not in ``already``; return the pids signalled.
+
+    Only the workers: their own children (if any) stop with them. Without ``/proc`` torchrun itself
+    gets the SIGTERM and stops its workers its own way.
+    """
+    parents = read_parent_table()
+    targets = [torchrun_pid] if parents is None else children(parents, torchrun_pid)
+    signalled = set()
+    for pid in targets:
+        if pid not in already:
+            _send(pid, signal.SIGTERM)
+            signalled.add(pid)
+    return signalled
+
+
+def kill_job(torchrun_pid: int) -> None:
+    """SIGKILL torchrun's descendants (each worker runs in a session of its own) and torchrun's process group."""
+    parents = read_parent_table() or {}
+    for pid in descendants(parents, torchrun_pid):
+        _send(pid, signal.SIGKILL)
+    try:
+        os.killpg(torchrun_pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        _send(torchrun_pid, signal.SIGKILL)
+
+
+def _send(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def describe_interruption(result: LaunchResult, run_dir: Path, resumable: bool) -> str:
+    """One line: the job was interrupted, whether the workers stopped by themselves, and how to resume."""
+    line = f"interrupted by {signal.Signals(result.interrupted).name}"
+    if result.killed is not None:
+        line += f": the workers were killed {result.killed}"
+        stopped_cleanly = False
+    elif result.returncode != 0:
+        line += f": the workers did not stop cleanly (torchrun exit code {result.returncode})"
+        stopped_cleanly = False
+    else:
+        line += ": the workers stopped after their step"
+        stopped_cleanly = True
+    if not resumable:
+        return line
+    if stopped_cleanly:
+        return f"{line} and saved a checkpoint; resume with trainer.resume_from={run_dir}"
+    return f"{line}; resume from the run's latest complete checkpoint, if any, with trainer.resume_from={run_dir}"
+
+
+# A worker whose error says a peer went away failed because another one did (gloo, NCCL).
+PEER_LOST_MARKERS = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited")
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """One failed worker as torchrun's failure report lists it."""
+
+    rank: int
+    exitcode: int
+
+
+_FAILURE_RECORD = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def torchrun_failures(log_text: str) -> list[WorkerExit]:
+    """The failed workers in torchrun's last failure report: its root cause first, then the others."""
+    start = log_text.rfind("Failures:")
+    if start < 0:
+        return []
+    root = log_text.find("Root Cause", start)
+    end = root if root >= 0 else len(log_text)
+    others = [WorkerExit(int(m.group(1)), int(m.group(2))) for m in _FAILURE_RECORD.finditer(log_text, start, end)]
+    first = _FAILURE_RECORD.search(log_text, root) if root >= 0 else None
+    return ([WorkerExit(int(first.group(1)), int(first.group(2)))] if first else []) + others
+
+
+def exit_cause(exitcode: int) -> str:
+    """``killed by signal 9`` or ``exit code 1``."""
+    return f"killed by signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}"
+
+
+def is_consequence(cause: str) -> bool:
+    """Whether a worker's end follows from another's: stopped by torchrun's SIGTERM, or it lost a peer."""
+    return cause == exit_cause(-signal.SIGTERM) or any(marker in cause for marker in PEER_LOST_MARKERS)
+
+
+def first_failure(exits: list[WorkerExit], errors: dict[int, str]) -> tuple[int, str] | None:
+    """The rank that failed first and its cause, or None when nothing names one.
+
+    ``exits``: torchrun's failed workers, its root cause first; ``errors``: rank -> the first line of
+    its error file, oldest first. torchrun's root cause is the failure it saw first, to the second;
+    a peer that lost its connection to a killed rank ends within milliseconds and may come first, so
+    a rank whose end is a consequence of another's (``is_consequence``) is named only if all are.
+    """
+    candidates = [(worker.rank, errors.get(worker.rank) or exit_cause(worker.exitcode)) for worker in exits]
+    listed = {worker.rank for worker in exits}
+    candidates += [(rank, line) for rank, line in errors.items() if rank not in listed]
+    if not candidates:
+        return None
+    primary = [candidate for candidate in candidates if not is_consequence(candidate[1])]
+    return (primary or candidates)[0]
+
+
+def describe_failure(run_dir: Path, log_path: Path, returncode: int, log_start: int = 0,
+                     since: float = 0.0) -> str:
+    """One line: the first rank that failed and why (its exception, or its exit signal).
+
+    Only this launch counts: the log from byte ``log_start`` and error files written after ``since``
+    (a resumed run reuses its run directory).
+    """
+    log_text = ""
+    if log_path.exists():
+        with open(log_path, "rb") as log_file:
+            log_file.seek(log_start)
+            log_text = log_file.read().decode(errors="replace")
+    found = first_failure(torchrun_failures(log_text), error_lines(run_dir, since))
+    if found is None:
+        return f"torchrun exited with code {returncode} (log: {log_path})"
+    rank, cause = found
+    return f"worker rank {rank} failed: {cause} (log: {log_path})"
+
+
+def error_lines(run_dir: Path, since: float = 0.0) -> dict[int, str]:
+    """rank -> the first line of its ``errors/rank<N>.txt`` (written after ``since``, to the second), oldest first."""
+    files = []
+    for path in (run_dir / "errors").glob("rank*.txt"):
+        try:
+            modified, lines = path.stat().st_mtime, path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            continue
+        if modified >= since - 1.0 and lines and path.stem.removeprefix("rank").isdigit():
+            files.append((modified, int(path.stem.removeprefix("rank")), lines[0]))
+    return {rank: line for _, rank, line in sorted(files)}

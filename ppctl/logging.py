@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from ppctl.config import PpctlConfig, to_yaml
@@ -12,20 +13,25 @@ SCALARS = ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "bubble_rat
 class TrainingLogger:
     """Writes ``train/*`` scalars under ``<run_dir>/tensorboard`` and prints a line every ``log_every`` steps."""
 
-    def __init__(self, config: PpctlConfig, run_dir: Path, trainer):
+    def __init__(self, config: PpctlConfig, run_dir: Path, trainer, start_step: int = 0):
         self.config = config
         self.run_dir = Path(run_dir)
         self.trainer = trainer
         self.writer = None
         self.last_trace: tuple[int, list[dict]] | None = None
         self.all_traces: list[tuple[int, list[dict]]] = []
+        self.eta = EtaClock(start_step, config.trainer.max_steps)
         if config.trainer.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
-            self.writer.add_text("config", "```yaml\n" + to_yaml(config) + "\n```", 0)
+            # Resumed in the same run directory: events of steps >= start_step (written after the
+            # checkpoint, before the interruption) are dropped, so no step is logged twice.
+            self.writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=start_step or None)
+            self.writer.add_text("config", "```yaml\n" + to_yaml(config) + "\n```", start_step)
         print(self._banner(), flush=True)
         print(self._numerics(), flush=True)
+        if start_step:
+            print(f"resumed from {config.trainer.resume_from} at step {start_step}", flush=True)
 
     def _banner(self) -> str:
         parallel, trainer = self.config.parallel, self.config.trainer
@@ -56,11 +62,31 @@ class TrainingLogger:
                     self.writer.add_scalar(f"train/{name}", value, result.step)
         trainer = self.config.trainer
         step = result.step + 1
+        self.eta.record(step, result.step_time_s)
         if step == 1 or step == trainer.max_steps or step % trainer.log_every == 0:
-            print(format_step(result, trainer.max_steps), flush=True)
+            print(format_step(result, trainer.max_steps, self.eta.remaining_s()), flush=True)
         if result.skipped:
             print(f"step {step}: gradient norm {result.grad_norm}: step skipped, nothing updated "
                   f"({result.skipped_steps} skipped so far)", flush=True)
+
+    def log_validation(self, step: int, loss: float) -> None:
+        """Record the validation loss taken after step ``step`` (0-based, as ``train/*``) and print it."""
+        perplexity = math.exp(min(loss, 700.0))  # exp overflows a float beyond ~709
+        if self.writer is not None:
+            self.writer.add_scalar("val/loss", loss, step)
+            self.writer.add_scalar("val/perplexity", perplexity, step)
+        print(f"step {step + 1:>5}/{self.config.trainer.max_steps} | validation loss {loss:.4f} | "
+              f"perplexity {perplexity:.2f}", flush=True)
+
+    def saved(self, path: Path, step: int, reason: str) -> None:
+        """Say where the checkpoint taken after ``step`` steps went."""
+        print(f"step {step:>5}/{self.config.trainer.max_steps} | checkpoint saved ({reason}): {path}", flush=True)
+
+    def stopped(self, step: int, signal_name: str, checkpoint: Path | None) -> None:
+        """Say that the run stopped early on a signal, and how to go on (when a checkpoint was saved)."""
+        how = (f"resume with trainer.resume_from={self.run_dir}" if checkpoint is not None
+               else "no checkpoint saved (trainer.checkpoints=false)")
+        print(f"stopped by {signal_name} after step {step}; {how}", flush=True)
 
     def add_trace(self, step: int, snapshots: list[dict]) -> None:
         """Keep every step's gathered per-rank timeline for the trace files."""
@@ -77,10 +103,44 @@ class TrainingLogger:
             write_trace_files(self.all_traces, self.trainer, self.run_dir)
 
 
-def format_step(result, max_steps: int) -> str:
-    """One console line: step, loss, lr, grad norm, tokens/s, step time (and measured bubble if traced)."""
+def format_step(result, max_steps: int, eta_s: float | None = None) -> str:
+    """One console line: step, loss, lr, grad norm, tokens/s, step time (measured bubble if traced, ETA if known)."""
     line = (f"step {result.step + 1:>5}/{max_steps} | loss {result.loss:.4f} | lr {result.lr:.2e} | "
             f"grad norm {result.grad_norm:.3f} | {result.tokens_per_s:,.0f} tok/s | {result.step_time_s * 1e3:.1f} ms")
     if result.bubble_ratio_measured is not None:
         line += f" | bubble {result.bubble_ratio_measured:.2f}"
+    if eta_s is not None:
+        line += f" | eta {format_duration(eta_s)}"
     return line
+
+
+def format_duration(seconds: float) -> str:
+    """``1h02m``, ``3m05s`` or ``42s``."""
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+class EtaClock:
+    """Time left from the mean duration of the steps so far (the first step of a run, which warms up, excluded
+    once others are known)."""
+
+    def __init__(self, start_step: int, max_steps: int):
+        self.start_step, self.max_steps = start_step, max_steps
+        self.durations: list[float] = []
+        self.done = start_step
+
+    def record(self, done: int, step_time_s: float) -> None:
+        """Note that step ``done`` (counted from 1) took ``step_time_s``."""
+        self.done = done
+        self.durations.append(step_time_s)
+
+    def remaining_s(self) -> float | None:
+        """Seconds until ``max_steps`` at the mean pace (None before any step)."""
+        if not self.durations:
+            return None
+        steady = self.durations[1:] or self.durations
+        return (self.max_steps - self.done) * sum(steady) / len(steady)

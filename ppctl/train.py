@@ -9,6 +9,7 @@ the backward by the distributed optimizer) -> global grad norm and clipping ->
 from __future__ import annotations
 
 import math
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,16 +97,18 @@ def build_chunks(config: PpctlConfig, context: ParallelContext) -> dict[int, GPT
     return dict(sorted(chunks.items(), key=lambda item: context.layout.model_stage(item[0])))
 
 
-def build_data(config: PpctlConfig, context: ParallelContext, fields: tuple[str, ...]) -> PipelineDataIterator:
-    """The microbatch iterator: TP rank 0 reads and broadcasts ``fields`` (what this rank's stages read).
+def build_data(config: PpctlConfig, context: ParallelContext, fields: tuple[str, ...],
+               split: str = "train") -> PipelineDataIterator:
+    """The microbatch iterator of a data split: TP rank 0 reads and broadcasts ``fields`` (what this rank's
+    stages read).
 
     Every rank then keeps its CP rank's tokens of each field.
     """
     trainer = config.trainer
     tp_ranks = context.group_ranks["tp"]
     return PipelineDataIterator(
-        dataset_of(config), trainer.seed, trainer.global_batch_size, trainer.micro_batch_size, trainer.seq_length,
-        dp_rank=context.coords["dp"], dp_size=context.layout.dp,
+        dataset_of(config, split), trainer.seed, trainer.global_batch_size, trainer.micro_batch_size,
+        trainer.seq_length, dp_rank=context.coords["dp"], dp_size=context.layout.dp,
         tp_group=context.groups["tp"] if len(tp_ranks) > 1 else None,
         tp_src_rank=tp_ranks[0], is_tp_src=context.rank == tp_ranks[0], fields=fields, device=context.device,
         cp_rank=context.coords["cp"], cp_size=context.layout.cp,
@@ -143,8 +146,9 @@ class Trainer:
         self.chunks = build_chunks(config, context)
         self.stages = build_stages(self.chunks, config, schedule.splits_backward)
         self.padded_vocab_size = gpt_config(config).padded_vocab_size
-        fields = tuple(sorted({name for stage in self.stages.values() for name in stage.io.fields}))
-        self.data = build_data(config, context, fields)
+        self.fields = tuple(sorted({name for stage in self.stages.values() for name in stage.io.fields}))
+        self.data = build_data(config, context, self.fields)
+        self._validation_data: PipelineDataIterator | None = None
         # Each parameter copy runs its share of the microbatches (DualPipe: half each).
         self.optimizer = build_trainer_optimizer(self.chunks, context, config.optimizer,
                                                  self.data.num_microbatches // layout.copies)
@@ -153,7 +157,8 @@ class Trainer:
         self.loss_scaler = loss_scaler_of(config)
         self.loss_scale = 1.0  # the scale the current step's gradients carry
         self.tracer = Tracer(context.rank) if config.trainer.trace else None
-        transport = PipelineTransport(context.pp_peer, self._receive_spec, context.device)
+        transport = PipelineTransport(context.pp_peer, self._receive_spec, context.device,
+                                      timeout_s=config.launcher.timeout_s)
         self.runtime = PipelineRuntime(self.stages, transport, self.tracer, release_outputs, track_memory)
         self.program = rank_program(plan_communication(schedule), context.pp_rank)
         self._eval_program: RankProgram | None = None
@@ -203,7 +208,7 @@ class Trainer:
         The loss is the global batch's mean token loss on the ranks that hold the last stage, else None.
         """
         self.optimizer.zero_grad()
-        microbatches, normalizer = self._batch(step)
+        microbatches, normalizer = self._batch(step, self.data)
         if self.tracer is not None:
             self.tracer.start_step()
         self.loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
@@ -212,19 +217,28 @@ class Trainer:
         self.optimizer.finish_grad_sync()
         return self._mean_loss(state, normalizer), self.optimizer.grad_norm() / self.loss_scale
 
-    def evaluate(self, step: int) -> float | None:
-        """Mean token loss of global batch ``step`` through the forward-only schedule; nothing is kept or changed.
+    def evaluate(self, step: int, data: PipelineDataIterator | None = None) -> float | None:
+        """Mean token loss of global batch ``step`` (of ``data``, default the training data) through the
+        forward-only schedule; nothing is kept or changed.
 
         Returns the loss on the ranks holding the last stage, None elsewhere.
         """
-        microbatches, normalizer = self._batch(step)
+        microbatches, normalizer = self._batch(step, data or self.data)
         state = self.runtime.run(self.eval_program, microbatches, MaskedTokenLoss(normalizer), forward_only=True)
         return self._mean_loss(state, normalizer)
 
-    def _batch(self, step: int) -> tuple[list, float]:
+    def validation_loss(self) -> float | None:
+        """Mean of the losses of validation batches 0 .. ``trainer.eval_iters``-1 (the same batches every time,
+        in every layout) on the loss ranks, None elsewhere."""
+        if self._validation_data is None:
+            self._validation_data = build_data(self.config, self.context, self.fields, split="validation")
+        losses = [self.evaluate(batch, self._validation_data) for batch in range(self.config.trainer.eval_iters)]
+        return sum(losses) / len(losses) if self.holds_loss else None
+
+    def _batch(self, step: int, data: PipelineDataIterator) -> tuple[list, float]:
         """This rank's microbatches of global batch ``step`` and the batch's loss-token count (loss ranks)."""
-        microbatches = [to_device(mb, self.context.device) for mb in self.data.microbatches(step)]
-        return microbatches, self.data.global_loss_tokens(step) if self.holds_loss else 1.0
+        microbatches = [to_device(mb, self.context.device) for mb in data.microbatches(step)]
+        return microbatches, data.global_loss_tokens(step) if self.holds_loss else 1.0
 
     def _mean_loss(self, state, normalizer: float) -> float | None:
         """The global batch's mean token loss on the loss ranks (summed over DP), None elsewhere."""
@@ -277,23 +291,65 @@ class Trainer:
         return float(ratio.item()) / dist.get_world_size()
 
 
-def train(config: PpctlConfig, context: ParallelContext, run_dir: Path) -> list[StepResult]:
-    """The worker's training job: build the trainer, run every step, log from the loss-owning rank."""
+def train(config: PpctlConfig, context: ParallelContext, run_dir: Path, stop=None) -> list[StepResult]:
+    """The worker's training job: build the trainer (resumed from ``trainer.resume_from``), run every step,
+    validate and save as configured, log from the loss-owning rank.
+
+    ``stop`` (``ppctl.interrupt``) says whether this worker was asked to stop: after each step all
+    ranks agree on it, save a checkpoint and return.
+    """
+    from ppctl.checkpoint.state import load_checkpoint
     from ppctl.logging import TrainingLogger
 
     trainer = Trainer(config, context)
-    logger = TrainingLogger(config, run_dir, trainer) if context.rank == trainer.logging_rank else None
+    start = load_checkpoint(trainer, Path(config.trainer.resume_from)) if config.trainer.resume_from else 0
+    logger = (TrainingLogger(config, run_dir, trainer, start_step=start)
+              if context.rank == trainer.logging_rank else None)
     results = []
-    for step in range(config.trainer.max_steps):
+    for step in range(start, config.trainer.max_steps):
         result = trainer.train_step(step)
         if trainer.tracer is not None:
             gather_trace(trainer, run_dir, step, logger)
         if logger is not None:
             logger.log(result)
         results.append(result)
+        stopping = _after_step(trainer, run_dir, step + 1, stop, logger)
+        if stopping:
+            break
     if logger is not None:
         logger.close()
     return results
+
+
+def _after_step(trainer: Trainer, run_dir: Path, done: int, stop, logger) -> bool:
+    """Validate and save when due (``done`` steps taken); return whether every rank agreed to stop."""
+    settings = trainer.config.trainer
+    if settings.eval_every and done % settings.eval_every == 0:
+        validation = trainer.validation_loss()
+        if logger is not None:
+            logger.log_validation(done - 1, validation)
+    stop_signal = stop_agreed(stop, trainer.context) if stop is not None else None
+    reason = (f"interrupted by {stop_signal}" if stop_signal else "end" if done == settings.max_steps
+              else "periodic" if settings.save_every and done % settings.save_every == 0 else None)
+    saved = None
+    if settings.checkpoints and reason is not None:
+        from ppctl.checkpoint.state import save_checkpoint
+
+        saved = save_checkpoint(trainer, run_dir, done, reason, settings.keep_last)
+        if logger is not None:
+            logger.saved(saved, done, reason)
+    if stop_signal and logger is not None:
+        logger.stopped(done, stop_signal, saved)
+    return stop_signal is not None
+
+
+def stop_agreed(stop, context: ParallelContext) -> str | None:
+    """The signal that asked any rank to stop (``"SIGTERM"``), or None: one all-reduce over every rank, so that
+    all ranks stop after the same step, also those the signal did not reach."""
+    number = signal.Signals[stop.signal_name].value if stop.requested else 0
+    agreed = torch.tensor([number], dtype=torch.int64, device=context.device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return signal.Signals(int(agreed.item())).name if agreed.item() else None
 
 
 def gather_trace(trainer: Trainer, run_dir: Path, step: int, logger) -> None:

@@ -2,7 +2,16 @@
 
 Reads the resolved config from the run directory, joins the process group, builds the
 parallel context and runs the task. Any exception is written to ``errors/rank<N>.txt``
-(first line: ``Type: message``) so the launcher can name the failing rank in one line.
+(first line: ``Type: message``) so the launcher can name the failing rank in one line;
+it is written before the process group goes, so it is on disk before the peers fail.
+
+Every worker gets SIGTERM when torchrun dies (Linux's parent-death signal), so none is
+orphaned. A training worker installs a ``StopRequest`` as soon as its process groups exist:
+from then on SIGTERM or SIGINT asks the trainer to stop after its step (with a checkpoint),
+and a second one ends the worker at once. Not before: joining the groups waits on the
+rendezvous store, a wait that a Python signal handler cannot interrupt (a peer that died
+there would hold this worker until the store's timeout), and there is nothing to save yet,
+so until then SIGTERM keeps its default and ends the worker at once.
 """
 
 from __future__ import annotations
@@ -14,6 +23,8 @@ import signal
 import sys
 import traceback
 from pathlib import Path
+
+from ppctl.interrupt import ParentDeathSignal, StopRequest
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
@@ -53,20 +64,26 @@ def run_task(args: argparse.Namespace) -> None:
         device = f"cuda:{local_rank}"
     timeout = datetime.timedelta(seconds=config.launcher.timeout_s)
     dist.init_process_group(args.backend, timeout=timeout)
-    try:
-        context = build_parallel_context(layout_of(config), config.launcher.timeout_s, device.split(":")[0])
-        context.device = device
-        _inject_fault(config.launcher.inject_fault, context.rank)
-        if args.task == "check-cluster":
-            from ppctl.cluster import run_cluster_check
+    context = build_parallel_context(layout_of(config), config.launcher.timeout_s, device.split(":")[0])
+    context.device = device
+    _inject_fault(config.launcher.inject_fault, context.rank)
+    if args.task == "check-cluster":
+        from ppctl.cluster import run_cluster_check
 
-            run_cluster_check(config, context, args.run_dir)
-        else:
-            from ppctl.train import train
+        run_cluster_check(config, context, args.run_dir)
+    else:
+        from ppctl.train import train
 
-            train(config, context, args.run_dir)
-        dist.barrier()
-    finally:
+        stop = StopRequest().install()  # kept to the end: a late SIGTERM must not turn a finished run into a failure
+        train(config, context, args.run_dir, stop=stop)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _leave_process_group() -> None:
+    """Destroy the process group if this worker joined one (after a failure)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -82,12 +99,16 @@ def _write_error(run_dir: Path, rank: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the worker; on any error record it for the launcher and exit non-zero."""
+    parent = os.getppid()  # torchrun; compared again once the parent-death signal is armed
+    if not ParentDeathSignal(signal.SIGTERM).arm(parent):
+        sys.exit("ppctl.worker: the launcher ended before this worker started")
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     try:
         run_task(args)
     except BaseException:
         _write_error(args.run_dir, os.environ.get("RANK", "0"))
         traceback.print_exc()
+        _leave_process_group()
         sys.exit(1)
 
 

@@ -10,16 +10,16 @@ global batch size trains on the same data in the same order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from ppctl.data.prepare import prepare_tokens, read_sidecar
+from ppctl.data.prepare import SPLITS, CorpusSpec, PreparedCorpus, prepare_corpus
 from ppctl.data.tokenizer import build_tokenizer
 from ppctl.parallel.layout import LayoutError, context_parallel_slices
 
 SYNTHETIC_NUM_SAMPLES = 1 << 16
+SYNTHETIC_VALIDATION_SAMPLES = 1024
 
 
 class WindowDataset(torch.utils.data.Dataset):
@@ -54,23 +54,23 @@ class WindowDataset(torch.utils.data.Dataset):
 
 
 class TokenWindowDataset(WindowDataset):
-    """Non-overlapping windows of ``seq_length + 1`` tokens over a prepared token file."""
+    """Non-overlapping windows of ``seq_length + 1`` tokens inside one split of a prepared token file."""
 
-    def __init__(self, token_file: Path, seq_length: int, eod_mask_loss: bool = False):
+    def __init__(self, prepared: PreparedCorpus, seq_length: int, split: str = "train", eod_mask_loss: bool = False):
         if seq_length < 1:
             raise ValueError(f"seq_length must be at least 1, got {seq_length}")
-        self.token_file = Path(token_file)
-        self.metadata = read_sidecar(self.token_file)
+        prepared.check_split(split, seq_length)
+        self.token_file = prepared.token_file
+        self.index = prepared.index
+        self.split = split
         self.seq_length = seq_length
-        self.eod_id = int(self.metadata["eod_id"])
+        self.eod_id = int(self.index["eod_id"])
         self.eod_mask_loss = eod_mask_loss
-        self.tokens = np.memmap(self.token_file, dtype=np.dtype(self.metadata["dtype"]), mode="r")
+        start, end = prepared.split(split)
+        dtype = np.dtype(self.index["dtype"])
+        self.tokens = np.memmap(self.token_file, dtype=dtype, mode="r", offset=start * dtype.itemsize,
+                                shape=(end - start,))
         self.num_windows = self.tokens.size // (seq_length + 1)
-        if self.num_windows == 0:
-            raise ValueError(
-                f"token file {self.token_file} has {self.tokens.size} tokens, fewer than one window of "
-                f"seq_length+1={seq_length + 1}; use a shorter seq_length or a larger source"
-            )
 
     def __len__(self) -> int:
         return self.num_windows
@@ -87,19 +87,23 @@ class SyntheticDataset(WindowDataset):
 
     The last id, ``vocab_size - 1``, stands for the end of a document (as the byte
     tokenizer's 256 does in its 257 ids), so ``eod_mask_loss`` masks about one label in
-    ``vocab_size``.
+    ``vocab_size``. ``stream`` picks another random stream: stream s > 0 seeds sample
+    ``i`` by (seed, i, s) (the validation split is stream 1).
     """
 
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int, eod_mask_loss: bool = False):
-        if num_samples < 1 or seq_length < 1 or vocab_size < 1 or seed < 0:
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int, eod_mask_loss: bool = False,
+                 stream: int = 0):
+        if num_samples < 1 or seq_length < 1 or vocab_size < 1 or seed < 0 or stream < 0:
             raise ValueError(
-                "synthetic dataset needs num_samples, seq_length, vocab_size >= 1 and seed >= 0, got "
-                f"num_samples={num_samples}, seq_length={seq_length}, vocab_size={vocab_size}, seed={seed}"
+                "synthetic dataset needs num_samples, seq_length, vocab_size >= 1 and seed, stream >= 0, got "
+                f"num_samples={num_samples}, seq_length={seq_length}, vocab_size={vocab_size}, seed={seed}, "
+                f"stream={stream}"
             )
         self.num_samples = num_samples
         self.seq_length = seq_length
         self.vocab_size = vocab_size
         self.seed = seed
+        self.stream = stream
         self.eod_id = vocab_size - 1
         self.eod_mask_loss = eod_mask_loss
 
@@ -107,33 +111,37 @@ class SyntheticDataset(WindowDataset):
         return self.num_samples
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        """Return the random window ``index``: the same ids for the same (seed, index)."""
-        generator = np.random.default_rng([self.seed, self._check_index(index)])
-        window = generator.integers(0, self.vocab_size, size=self.seq_length + 1, dtype=np.int64)
+        """Return the random window ``index``: the same ids for the same (seed, index, stream)."""
+        entropy = [self.seed, self._check_index(index)] + ([self.stream] if self.stream else [])
+        window = np.random.default_rng(entropy).integers(0, self.vocab_size, size=self.seq_length + 1, dtype=np.int64)
         return torch.from_numpy(window)
 
 
 def build_dataset(
-    source: str, path: str | None, cache_dir: Path, seq_length: int, vocab_size: int, seed: int,
-    tokenizer_name: str = "byte", eod_mask_loss: bool = False,
+    corpus: CorpusSpec, seq_length: int, vocab_size: int, seed: int, split: str = "train",
+    eod_mask_loss: bool = False,
 ) -> TokenWindowDataset | SyntheticDataset:
-    """Return the dataset for ``source``: ``"synthetic"``, ``"python_stdlib"`` or ``"text_file"``.
+    """Return split ``split`` (``train`` or ``validation``) of the dataset ``corpus`` describes.
 
-    Token-file sources are prepared (or reused) under ``cache_dir``; the model's
-    ``vocab_size`` must cover the tokenizer. ``seed`` only shapes synthetic data;
-    the sample order takes its own seed. ``eod_mask_loss`` gives end-of-document
-    labels zero loss weight.
+    ``corpus.source == "synthetic"``: random windows, the train split ``SYNTHETIC_NUM_SAMPLES``
+    of stream 0, the validation split ``SYNTHETIC_VALIDATION_SAMPLES`` of stream 1. Token-file
+    sources are prepared (or reused) under ``corpus.cache_dir``; the model's ``vocab_size``
+    must cover the tokenizer. ``seed`` only shapes synthetic data; the sample order takes
+    its own seed. ``eod_mask_loss`` gives end-of-document labels zero loss weight.
     """
-    if source == "synthetic":
-        return SyntheticDataset(SYNTHETIC_NUM_SAMPLES, seq_length, vocab_size, seed, eod_mask_loss)
-    tokenizer = build_tokenizer(tokenizer_name)
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; splits: {', '.join(SPLITS)}")
+    if corpus.source == "synthetic":
+        if split == "train":
+            return SyntheticDataset(SYNTHETIC_NUM_SAMPLES, seq_length, vocab_size, seed, eod_mask_loss)
+        return SyntheticDataset(SYNTHETIC_VALIDATION_SAMPLES, seq_length, vocab_size, seed, eod_mask_loss, stream=1)
+    tokenizer = build_tokenizer(corpus.tokenizer)
     if vocab_size < tokenizer.vocab_size:
         raise ValueError(
             f"model vocab_size={vocab_size} is smaller than the {tokenizer.name!r} tokenizer's "
             f"{tokenizer.vocab_size} ids; set vocab_size >= {tokenizer.vocab_size}"
         )
-    token_file = prepare_tokens(source, path, Path(cache_dir), tokenizer_name)
-    return TokenWindowDataset(token_file, seq_length, eod_mask_loss)
+    return TokenWindowDataset(prepare_corpus(corpus), seq_length, split, eod_mask_loss)
 
 
 def global_batch_sample_ids(seed: int, step: int, global_batch_size: int, num_samples: int) -> list[int]:

@@ -1,36 +1,75 @@
-"""Turn a text source into a cached flat token file.
+"""Turn a corpus into a cached flat token file with an index.
 
-A source is loaded as documents through Hugging Face ``datasets``, each document
-is tokenised and followed by the end-of-document token, and the whole stream is
-written once as ``<name>.bin`` (a flat array of unsigned ints) with a
-``<name>.json`` sidecar (source, tokenizer, dtype, token count, fingerprint of the
-inputs). Both files are written to a temporary name and renamed, so a reader
-never sees a half-written cache; a later call with the same inputs reuses it.
+``data.path`` is resolved to a corpus (``resolve_corpus``: local files of one type,
+or a hub dataset; pure file-system look-ups, so config validation uses it too), loaded
+as documents through Hugging Face ``datasets``, tokenised with ``Dataset.map`` (batched, ``num_proc`` processes),
+each document followed by the end-of-document token, and the whole stream is written
+once as ``<name>.bin`` (a flat array of unsigned ints) with a ``<name>.json`` index
+(source, tokenizer, dtype, counts, fingerprints, train/validation split). Both files
+are written to a temporary name and renamed, so a reader never sees a half-written
+cache. The cache key covers the inputs' content, the tokenizer and the dtype; the
+validation fraction is not part of it: another fraction reuses the tokens and
+rewrites only the index's split.
 
-Sources:
+Sources (``data.source``):
   * ``python_stdlib``: the top-level ``*.py`` files of this Python's standard
-    library, sorted by name; present on every Python install, no download.
-  * ``text_file``: one plain UTF-8 text file given by ``path`` (one document).
+    library, sorted by name, one document each; no download.
+  * ``text``: ``data.path``, a file, folder or glob of ``.txt`` (one document per
+    file), ``.json``/``.jsonl``, ``.parquet`` or ``.csv`` files (one document per
+    row, its ``data.text_field``), or a hub dataset name.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
+import re
 import sysconfig
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-import numpy as np
-
 from ppctl.data.tokenizer import Tokenizer, build_tokenizer
 
-TOKEN_FILE_SOURCES = ("python_stdlib", "text_file")
-CACHE_FORMAT_VERSION = 1
+TOKEN_SOURCES = ("python_stdlib", "text")
+TOKEN_DTYPES = ("auto", "uint16", "uint32")
+TOKEN_BYTES = {"uint16": 2, "uint32": 4}  # numpy is imported only where tokens are made (config validation is quick)
+SPLITS = ("train", "validation")
+CACHE_FORMAT_VERSION = 2
 DEFAULT_CACHE_DIR = Path("data/cache")  # relative to the repository root, git-ignored
+DEFAULT_VALIDATION_FRACTION = 0.05
+# Below this much text one process tokenises faster than several (measured: see data/README.md).
+SMALL_CORPUS_BYTES = 64 << 20
+MAX_AUTO_NUM_PROC = 4
+DIGEST_MEMO = "file-digests.json"
+RACY_SECONDS = 2.0  # a file modified this recently is re-read: its mtime may not yet tell two versions apart
+# File suffix -> the Hugging Face ``datasets`` builder that reads it.
+FILE_TYPES = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+KNOWN_SUFFIXES = ".txt, .json, .jsonl, .parquet or .csv"
+GLOB_CHARACTERS = ("*", "?", "[")
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+class DataError(ValueError):
+    """A data source that cannot be prepared; the message is one line naming the setting."""
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Documents to tokenise: ``files`` of one ``file_type`` (a ``FILE_TYPES`` value), or ``hub_name``.
+
+    ``label`` names the source in messages (``data.path=...`` or ``data.source=...``).
+    """
+
+    label: str
+    file_type: str | None
+    files: tuple[Path, ...] = ()
+    hub_name: str | None = None
 
 
 def stdlib_source_files() -> list[Path]:
@@ -39,140 +78,412 @@ def stdlib_source_files() -> list[Path]:
     return sorted(stdlib_dir.glob("*.py"), key=lambda file: file.name)
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    """Return the smallest unsigned dtype (uint16 or uint32) that holds ids below ``vocab_size``."""
-    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+def stdlib_corpus() -> Corpus:
+    """The embedded default: each stdlib ``*.py`` file is one plain-text document."""
+    return Corpus("data.source=python_stdlib", "text", tuple(stdlib_source_files()))
 
 
-def sidecar_path(token_file: Path) -> Path:
-    """Return the JSON sidecar that describes ``token_file``."""
+def resolve_corpus(path: str) -> Corpus:
+    """Return the corpus ``data.path`` names, or raise ``DataError`` (one line).
+
+    A file is read by its suffix (any other suffix: plain text, one document); a
+    folder (searched recursively, hidden entries skipped) or a glob takes its files
+    with a known suffix, all of one type (``.json`` and ``.jsonl`` are one type). A
+    path that exists nowhere and looks like a hub name (``owner/name`` or ``name``)
+    is a hub dataset.
+    """
+    label = f"data.path={path}"
+    target = Path(path).expanduser()
+    if any(character in path for character in GLOB_CHARACTERS):
+        files = sorted(Path(name) for name in glob.glob(str(target), recursive=True) if Path(name).is_file())
+        if not files:
+            raise DataError(f"{label}: the glob matches no file")
+    elif target.is_dir():
+        files = sorted(file for file in target.rglob("*") if file.is_file()
+                       and not any(part.startswith(".") for part in file.relative_to(target).parts))
+        if not files:
+            raise DataError(f"{label}: the folder holds no file")
+    elif target.is_file():
+        return Corpus(label, FILE_TYPES.get(target.suffix.lower(), "text"), (target,))
+    elif looks_like_hub_name(path):
+        return Corpus(label, None, hub_name=path)
+    else:
+        raise DataError(f"{label}: no such file, folder or glob")
+    known = tuple(file for file in files if file.suffix.lower() in FILE_TYPES)
+    return Corpus(label, _one_file_type(label, files), known)
+
+
+def looks_like_hub_name(path: str) -> bool:
+    """Whether ``path`` reads as a hub dataset name: ``owner/name`` or ``name``, no data-file suffix."""
+    return HUB_NAME.fullmatch(path) is not None and Path(path).suffix.lower() not in FILE_TYPES
+
+
+def _one_file_type(label: str, files: list[Path]) -> str:
+    """The one file type among ``files`` (others ignored), or ``DataError`` naming what was found."""
+    types = sorted({FILE_TYPES[file.suffix.lower()] for file in files if file.suffix.lower() in FILE_TYPES})
+    if not types:
+        raise DataError(f"{label}: none of its {len(files)} file(s) ends in {KNOWN_SUFFIXES}")
+    if len(types) > 1:
+        raise DataError(f"{label}: mixes file types {', '.join(types)}; a corpus takes files of one type "
+                        f"(.json and .jsonl count as one): narrow the glob or split the folder")
+    return types[0]
+
+
+@dataclass(frozen=True)
+class CorpusSpec:
+    """What to prepare: the ``data`` settings that shape a token file, and where to cache it."""
+
+    source: str
+    path: str | None = None
+    cache_dir: Path = DEFAULT_CACHE_DIR
+    tokenizer: str = "byte"
+    text_field: str = "text"
+    token_dtype: str = "auto"
+    validation_fraction: float = DEFAULT_VALIDATION_FRACTION
+    num_proc: int | None = None
+
+    @classmethod
+    def of(cls, data) -> CorpusSpec:
+        """The spec of a ``DataConfig`` (``config.data``)."""
+        return cls(data.source, data.path, Path(data.cache_dir), data.tokenizer, data.text_field, data.token_dtype,
+                   data.validation_fraction, data.num_proc)
+
+    def corpus(self) -> Corpus:
+        """The documents this spec names, or ``DataError`` (one line)."""
+        if self.source == "python_stdlib":
+            if self.path is not None:
+                raise DataError(f"data.source=python_stdlib takes no data.path (got {self.path}); "
+                                f"use data=text data.path=...")
+            return stdlib_corpus()
+        if self.source == "text":
+            if not self.path:
+                raise DataError("data.source=text needs data.path: a file, folder, glob or hub dataset name")
+            return resolve_corpus(self.path)
+        raise DataError(f"data.source={self.source!r} has no token file; token-file sources: "
+                        f"{', '.join(TOKEN_SOURCES)}")
+
+
+@dataclass(frozen=True)
+class PreparedCorpus:
+    """A prepared token file, its index (``read_index``) and the label that names its source in messages."""
+
+    token_file: Path
+    index: dict
+    label: str
+
+    def split(self, name: str) -> tuple[int, int]:
+        """The ``[start, end)`` token range of split ``name`` (``train`` or ``validation``)."""
+        if name not in SPLITS:
+            raise ValueError(f"unknown split {name!r}; splits: {', '.join(SPLITS)}")
+        start, end = self.index["splits"][name]
+        return int(start), int(end)
+
+    def check_split(self, name: str, seq_length: int) -> None:
+        """Raise ``DataError`` unless split ``name`` holds at least one window of ``seq_length + 1`` tokens."""
+        start, end = self.split(name)
+        window, num_tokens = seq_length + 1, end - start
+        if num_tokens >= window:
+            return
+        if name == "train":
+            raise DataError(f"{self.label}: the train split holds {num_tokens:,} tokens, fewer than one window of "
+                            f"trainer.seq_length+1={window}; use a larger corpus, a shorter trainer.seq_length or a "
+                            f"smaller data.validation_fraction")
+        raise DataError(f"{self.label}: the validation split holds {num_tokens:,} tokens (data.validation_fraction="
+                        f"{self.index['validation_fraction']} of {self.index['num_tokens']:,}), fewer than one window "
+                        f"of trainer.seq_length+1={window}; raise data.validation_fraction or set trainer.eval_every=0")
+
+    def summary(self) -> str:
+        """One line: where the tokens are, how many, from what, and the split."""
+        index = self.index
+        hub = index["file_type"] == "hub"
+        origin = f"hub dataset {index['source_path']}" if hub else f"{index['num_files']} file(s)"
+        return (f"{self.token_file}: {index['num_tokens']:,} tokens from {index['num_documents']:,} document(s) in "
+                f"{origin}; train {self.split('train')[1]:,}, validation "
+                f"{self.split('validation')[1] - self.split('validation')[0]:,} "
+                f"(data.validation_fraction={index['validation_fraction']})")
+
+
+def token_dtype_for(token_dtype: str, vocab_size: int) -> str:
+    """The dtype name of token ids below ``vocab_size``: ``auto`` is uint16 up to 65,536 ids, else uint32."""
+    if token_dtype not in TOKEN_DTYPES:
+        raise DataError(f"data.token_dtype={token_dtype!r} must be one of {', '.join(TOKEN_DTYPES)}")
+    if token_dtype == "uint16" and vocab_size > 1 << 16:
+        raise DataError(f"data.token_dtype=uint16 holds 65,536 ids but the tokenizer has {vocab_size:,}; "
+                        f"use data.token_dtype=uint32 or auto")
+    if token_dtype == "auto":
+        return "uint16" if vocab_size <= 1 << 16 else "uint32"
+    return token_dtype
+
+
+def split_bounds(num_tokens: int, validation_fraction: float) -> dict[str, list[int]]:
+    """The train and validation token ranges: validation is the last ``floor(fraction * num_tokens)`` tokens."""
+    num_validation = int(num_tokens * validation_fraction)
+    return {"train": [0, num_tokens - num_validation], "validation": [num_tokens - num_validation, num_tokens]}
+
+
+def index_path(token_file: Path) -> Path:
+    """Return the JSON index that describes ``token_file``."""
     return Path(token_file).with_suffix(".json")
 
 
-def read_sidecar(token_file: Path) -> dict:
-    """Return the metadata stored next to ``token_file``."""
-    return json.loads(sidecar_path(token_file).read_text())
+def read_index(token_file: Path) -> dict:
+    """Return the index stored next to ``token_file``."""
+    return json.loads(index_path(token_file).read_text())
 
 
-def prepare_tokens(source: str, path: str | None, cache_dir: Path, tokenizer_name: str = "byte") -> Path:
-    """Return the token file for ``source``, tokenising it into ``cache_dir`` unless cached.
+def prepare_corpus(spec: CorpusSpec, progress: bool = False) -> PreparedCorpus:
+    """Return the prepared token file of ``spec``, tokenising it into ``spec.cache_dir`` unless cached.
 
-    ``source`` is ``"python_stdlib"`` (``path`` must be None) or ``"text_file"``
-    (``path`` names the file). The cache is keyed by a fingerprint of the input
-    bytes and the tokenizer, so edited inputs are re-tokenised.
+    ``progress`` shows the progress bars of ``datasets`` (loading, tokenising) on stderr.
+    Raises ``DataError`` (one line) for a source that cannot be prepared.
     """
-    input_files = _input_files(source, path)
-    tokenizer = build_tokenizer(tokenizer_name)
-    fingerprint = _fingerprint(source, input_files, tokenizer)
-    cache_dir = Path(cache_dir)
-    token_file = cache_dir / f"{_cache_stem(source, input_files, tokenizer)}-{fingerprint[:16]}.bin"
-    if _cache_is_valid(token_file, fingerprint):
-        return token_file
+    corpus = spec.corpus()
+    tokenizer = build_tokenizer(spec.tokenizer)
+    dtype = token_dtype_for(spec.token_dtype, tokenizer.vocab_size)
+    cache_dir = Path(spec.cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    documents = _load_documents(input_files, cache_dir)
-    tokens = _tokenize_documents(documents, tokenizer)
-    metadata = {
+    hub_documents = _load_hub(corpus, progress) if corpus.hub_name else None
+    if hub_documents is not None:
+        source_fingerprint = f"hub|{corpus.hub_name}|{hub_documents._fingerprint}"
+    else:
+        source_fingerprint = _files_fingerprint(corpus, spec.text_field, cache_dir)
+    key = _cache_key(source_fingerprint, tokenizer, dtype)
+    token_file = cache_dir / f"{_cache_stem(spec, corpus, tokenizer)}-{key[:16]}.bin"
+    index = _valid_index(token_file, key)
+    if index is None:
+        index = _build_cache(spec, corpus, hub_documents, tokenizer, dtype, token_file, progress)
+        index.update(source_fingerprint=hashlib.sha256(source_fingerprint.encode()).hexdigest(), fingerprint=key,
+                     **_split_entries(index["num_tokens"], spec.validation_fraction))
+        _write_index(token_file, index)
+    elif index["validation_fraction"] != spec.validation_fraction:
+        index.update(_split_entries(index["num_tokens"], spec.validation_fraction))
+        _write_index(token_file, index)  # the tokens stay; only the split moves
+    return PreparedCorpus(token_file, index, corpus.label)
+
+
+def _split_entries(num_tokens: int, validation_fraction: float) -> dict:
+    return {"validation_fraction": validation_fraction, "splits": split_bounds(num_tokens, validation_fraction)}
+
+
+def _cache_key(source_fingerprint: str, tokenizer: Tokenizer, dtype: str) -> str:
+    """SHA-256 over the format version, the source fingerprint, the tokenizer and the token dtype."""
+    identity = json.dumps(tokenizer.identity, sort_keys=True)
+    header = f"v{CACHE_FORMAT_VERSION}|{source_fingerprint}|{identity}|{tokenizer.vocab_size}|{tokenizer.eod_id}"
+    return hashlib.sha256(f"{header}|{dtype}".encode()).hexdigest()
+
+
+def _cache_stem(spec: CorpusSpec, corpus: Corpus, tokenizer: Tokenizer) -> str:
+    """A readable file-name stem: source, what the path names, tokenizer."""
+    if spec.source == "python_stdlib":
+        parts = [spec.source]
+    elif corpus.hub_name:
+        parts = [spec.source, corpus.hub_name]
+    elif len(corpus.files) == 1:
+        parts = [spec.source, corpus.files[0].stem]
+    else:
+        parts = [spec.source, Path(spec.path).name if Path(spec.path).is_dir() else "glob"]
+    parts.append(Path(tokenizer.name).stem)
+    return "-".join(re.sub(r"[^\w.]+", "_", part)[:40] for part in parts)
+
+
+def _files_fingerprint(corpus: Corpus, text_field: str, cache_dir: Path) -> str:
+    """What the documents of local files depend on: their type, the text field, each file's name and content."""
+    fingerprint = [corpus.file_type, "" if corpus.file_type == "text" else text_field]
+    digests = FileDigests(cache_dir / DIGEST_MEMO)
+    fingerprint += [f"{file.name}:{digests.digest(file)}" for file in corpus.files]
+    digests.save()
+    return "|".join(fingerprint)
+
+
+class FileDigests:
+    """SHA-256 of input files, remembered in the cache folder by (path, size, mtime).
+
+    A reused cache is then found without reading a large corpus again (the launcher
+    and then every worker look it up). A file modified in the last ``RACY_SECONDS``
+    is not remembered, since its mtime may not yet tell one version from the next.
+    """
+
+    def __init__(self, memo_file: Path):
+        self.memo_file = memo_file
+        try:
+            self.entries = json.loads(memo_file.read_text())
+        except (OSError, ValueError):
+            self.entries = {}
+        self.changed = False
+
+    def digest(self, file: Path) -> str:
+        """The SHA-256 of ``file``'s content (read only when unknown or changed)."""
+        stat, key = file.stat(), str(file.resolve())
+        known = self.entries.get(key)
+        if known is not None and known[:2] == [stat.st_size, stat.st_mtime_ns]:
+            return known[2]
+        digest = hashlib.sha256()
+        with open(file, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        if time.time() - stat.st_mtime_ns / 1e9 > RACY_SECONDS:
+            self.entries[key] = [stat.st_size, stat.st_mtime_ns, digest.hexdigest()]
+            self.changed = True
+        return digest.hexdigest()
+
+    def save(self) -> None:
+        """Write the memo back (atomically) when something new was learnt."""
+        if self.changed:
+            _write_atomically(self.memo_file, lambda handle: handle.write(json.dumps(self.entries).encode()))
+
+
+def _valid_index(token_file: Path, key: str) -> dict | None:
+    """The index of ``token_file`` when both files exist, match ``key`` and are complete; else None."""
+    if not token_file.is_file() or not index_path(token_file).is_file():
+        return None
+    try:
+        index = read_index(token_file)
+        expected_bytes = index["num_tokens"] * TOKEN_BYTES[index["dtype"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    complete = index.get("format_version") == CACHE_FORMAT_VERSION and token_file.stat().st_size == expected_bytes
+    return index if complete and index.get("fingerprint") == key else None
+
+
+def _build_cache(spec: CorpusSpec, corpus: Corpus, hub_documents, tokenizer: Tokenizer, dtype: str,
+                 token_file: Path, progress: bool) -> dict:
+    """Load, tokenise and write ``token_file``; return the index entries that describe its content.
+
+    The Arrow files that ``datasets`` builds go to a scratch folder next to the cache,
+    removed afterwards.
+    """
+    with tempfile.TemporaryDirectory(dir=token_file.parent, prefix=".hf-scratch-") as scratch, \
+            _datasets_progress(progress) as datasets:
+        documents = hub_documents if hub_documents is not None else _load_files(corpus, scratch)
+        column = _text_column(documents, corpus, spec.text_field)
+        tokenized = documents.map(
+            TokenizeBatch(tokenizer, dtype, column), batched=True, remove_columns=documents.column_names,
+            num_proc=_num_proc(spec.num_proc, documents), desc=f"tokenising ({tokenizer.name})",
+            features=datasets.Features({"ids": datasets.Sequence(datasets.Value(dtype))}),
+            cache_file_name=str(Path(scratch) / "tokens.arrow"),
+        )
+        num_tokens, num_documents = _write_tokens(tokenized.data.column("ids"), token_file, corpus.label)
+        del tokenized, documents  # release the memory-mapped scratch files before the folder goes
+    return {
         "format_version": CACHE_FORMAT_VERSION,
-        "source": source,
-        "source_path": None if path is None else str(Path(path).resolve()),
-        "num_files": len(input_files),
-        "num_documents": len(documents),
-        "tokenizer": tokenizer.name,
+        "source": spec.source,
+        "source_path": spec.path if corpus.hub_name or spec.path is None else str(Path(spec.path).resolve()),
+        "file_type": corpus.file_type or "hub",
+        "text_field": None if corpus.file_type == "text" else column,
+        "num_files": len(corpus.files),
+        "num_documents": num_documents,
+        "num_tokens": num_tokens,
         "vocab_size": tokenizer.vocab_size,
         "eod_id": tokenizer.eod_id,
-        "dtype": tokens.dtype.name,
-        "num_tokens": int(tokens.size),
-        "fingerprint": fingerprint,
+        "tokenizer": tokenizer.identity,
+        "dtype": dtype,
     }
-    _write_atomically(token_file, tokens.tofile)
-    _write_atomically(sidecar_path(token_file), lambda file: file.write(json.dumps(metadata, indent=2).encode()))
-    return token_file
 
 
-def _input_files(source: str, path: str | None) -> list[Path]:
-    """Return the files a source reads, checking that the source and path fit together."""
-    if source == "python_stdlib":
-        if path is not None:
-            raise ValueError(f"data source 'python_stdlib' takes no path, got path={path!r}")
-        return stdlib_source_files()
-    if source == "text_file":
-        if path is None:
-            raise ValueError("data source 'text_file' needs a path to a text file, got path=None")
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"text file for data source 'text_file' not found: {path}")
-        return [Path(path)]
-    raise ValueError(f"unknown token-file source {source!r}; known sources: {', '.join(TOKEN_FILE_SOURCES)}")
+class TokenizeBatch:
+    """The ``Dataset.map`` function: each text's ids plus the end-of-document id; an empty text gives none.
 
-
-def _cache_stem(source: str, input_files: list[Path], tokenizer: Tokenizer) -> str:
-    """Return a readable file-name stem for the cache of this source."""
-    if source == "text_file":
-        return f"text_file-{input_files[0].stem}-{tokenizer.name}"
-    return f"{source}-{tokenizer.name}"
-
-
-def _fingerprint(source: str, input_files: list[Path], tokenizer: Tokenizer) -> str:
-    """Return a SHA-256 over the cache format, source, tokenizer and every input's name and bytes."""
-    digest = hashlib.sha256()
-    header = f"v{CACHE_FORMAT_VERSION}|{source}|{tokenizer.name}|{tokenizer.vocab_size}|{tokenizer.eod_id}"
-    digest.update(header.encode())
-    for input_file in input_files:
-        content = input_file.read_bytes()
-        digest.update(f"|{input_file.name}|{len(content)}|".encode())
-        digest.update(content)
-    return digest.hexdigest()
-
-
-def _cache_is_valid(token_file: Path, fingerprint: str) -> bool:
-    """Return whether ``token_file`` and its sidecar exist, match ``fingerprint`` and are complete."""
-    if not token_file.is_file() or not sidecar_path(token_file).is_file():
-        return False
-    try:
-        metadata = read_sidecar(token_file)
-    except (OSError, json.JSONDecodeError):
-        return False
-    expected_bytes = metadata.get("num_tokens", -1) * np.dtype(metadata.get("dtype", "uint16")).itemsize
-    return metadata.get("fingerprint") == fingerprint and token_file.stat().st_size == expected_bytes
-
-
-def _load_documents(input_files: list[Path], cache_dir: Path):
-    """Load each input file as one document (a row with a ``text`` column) through ``datasets``.
-
-    The Arrow files that ``datasets`` builds go to a scratch folder under
-    ``cache_dir`` that is removed afterwards; rows stay in memory.
+    A class rather than a closure so that ``num_proc`` workers receive it pickled.
     """
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # everything is local; never reach a hub
+
+    def __init__(self, tokenizer: Tokenizer, dtype: str, column: str):
+        self.tokenizer, self.dtype, self.column = tokenizer, dtype, column
+
+    def __call__(self, batch: dict) -> dict:
+        import numpy as np
+
+        texts = [text or "" for text in batch[self.column]]
+        eod = np.array([self.tokenizer.eod_id], dtype=self.dtype)
+        return {"ids": [np.concatenate([ids.astype(self.dtype), eod]) if text else np.empty(0, dtype=self.dtype)
+                        for text, ids in zip(texts, self.tokenizer.encode_batch(texts))]}
+
+
+def _num_proc(requested: int | None, documents) -> int:
+    """Tokenising processes: ``data.num_proc``, else 1 for a small corpus and min(4, cores) for a large one."""
+    if requested is None:
+        small = documents.data.nbytes < SMALL_CORPUS_BYTES
+        requested = 1 if small else min(MAX_AUTO_NUM_PROC, os.cpu_count() or 1)
+    return max(1, min(requested, documents.num_rows))
+
+
+def _write_tokens(ids_column, token_file: Path, label: str) -> tuple[int, int]:
+    """Write the flat token stream of an Arrow list column to ``token_file``; return (tokens, documents)."""
+    import pyarrow.compute as compute
+
+    lengths = compute.list_value_length(ids_column)
+    num_tokens = int(compute.sum(lengths).as_py() or 0)
+    num_documents = int(compute.sum(compute.greater(lengths, 0)).as_py() or 0)
+    if num_tokens == 0:
+        raise DataError(f"{label}: the corpus holds no text ({len(ids_column)} empty document(s))")
+
+    def write(handle) -> None:
+        for chunk in ids_column.chunks:
+            chunk.flatten().to_numpy(zero_copy_only=False).tofile(handle)
+
+    _write_atomically(token_file, write)
+    return num_tokens, num_documents
+
+
+def _load_files(corpus: Corpus, scratch: str):
+    """Load local files with the ``datasets`` builder of their type (``.txt``: one document per file)."""
     import datasets
 
-    scratch = tempfile.TemporaryDirectory(dir=cache_dir, prefix=".hf-scratch-")
-    with scratch as scratch_dir, _quiet_datasets(datasets):
-        return datasets.load_dataset(
-            "text", data_files=[str(file) for file in input_files], sample_by="document",
-            encoding_errors="replace", split="train", cache_dir=scratch_dir, keep_in_memory=True,
-        )
+    options = {"sample_by": "document", "encoding_errors": "replace"} if corpus.file_type == "text" else {}
+    try:
+        return datasets.load_dataset(corpus.file_type, data_files=[str(file) for file in corpus.files], split="train",
+                                     cache_dir=scratch, **options)
+    except Exception as error:  # datasets wraps parser errors in several classes; report one line
+        raise DataError(f"{corpus.label}: cannot read its {corpus.file_type} files: {_one_line(error)}") from None
+
+
+def _load_hub(corpus: Corpus, progress: bool):
+    """Load the ``train`` split of a hub dataset (into the ``datasets`` cache; needs the network once)."""
+    with _datasets_progress(progress) as datasets:
+        try:
+            return datasets.load_dataset(corpus.hub_name, split="train")
+        except Exception as error:
+            raise DataError(f"{corpus.label}: no such file, folder or glob, and loading it as a Hugging Face hub "
+                            f"dataset failed: {_one_line(error)}") from None
+
+
+def _text_column(documents, corpus: Corpus, text_field: str) -> str:
+    """The column holding the text: ``text`` for ``.txt`` files, else ``data.text_field`` (checked)."""
+    if corpus.file_type == "text":
+        return "text"
+    if text_field not in documents.column_names:
+        raise DataError(f"data.text_field={text_field} is not a field of {corpus.label}; its fields: "
+                        f"{', '.join(documents.column_names)}")
+    feature = documents.features[text_field]
+    if getattr(feature, "dtype", None) not in ("string", "large_string"):
+        raise DataError(f"data.text_field={text_field} of {corpus.label} holds {feature}, not text")
+    return text_field
+
+
+def _one_line(error: BaseException) -> str:
+    """The first line of an error, with its cause's first line when it has one."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0] if lines else type(error).__name__
+    cause = error.__cause__ or error.__context__
+    if cause is not None and str(cause).strip():
+        text = f"{text.rstrip('.')}: {str(cause).strip().splitlines()[0]}"
+    return text
 
 
 @contextlib.contextmanager
-def _quiet_datasets(datasets_module) -> Iterator[None]:
-    """Silence the progress bars of ``datasets`` for the block, then restore their state."""
-    were_disabled = datasets_module.are_progress_bars_disabled()
-    datasets_module.disable_progress_bars()
+def _datasets_progress(shown: bool) -> Iterator:
+    """Import ``datasets``, show or hide its progress bars for the block, then restore their state."""
+    import datasets
+
+    were_disabled = datasets.are_progress_bars_disabled()
+    datasets.enable_progress_bars() if shown else datasets.disable_progress_bars()
     try:
-        yield
+        yield datasets
     finally:
-        if not were_disabled:
-            datasets_module.enable_progress_bars()
+        datasets.disable_progress_bars() if were_disabled else datasets.enable_progress_bars()
 
 
-def _tokenize_documents(documents, tokenizer: Tokenizer) -> np.ndarray:
-    """Return every document's tokens followed by the EOD token, as one flat array."""
-    dtype = token_dtype(tokenizer.vocab_size)
-    eod = np.array([tokenizer.eod_id], dtype=dtype)
-    pieces: list[np.ndarray] = []
-    for text in documents["text"]:
-        pieces.append(tokenizer.encode_array(text).astype(dtype))
-        pieces.append(eod)
-    return np.concatenate(pieces) if pieces else np.empty(0, dtype=dtype)
+def _write_index(token_file: Path, index: dict) -> None:
+    _write_atomically(index_path(token_file), lambda handle: handle.write(json.dumps(index, indent=2).encode()))
 
 
 def _write_atomically(final_path: Path, write: Callable) -> None:

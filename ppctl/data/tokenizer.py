@@ -1,39 +1,57 @@
 """Tokenizers: text to token ids and back.
 
-Only a byte-level tokenizer exists today; ``build_tokenizer`` is the one place
-that maps a configured name to an implementation, so adding another tokenizer
-means one new class and one new branch there.
+Two kinds: ``byte`` (UTF-8 bytes, ids 0..255, and 256 for the end of a document)
+and a Hugging Face ``tokenizers`` JSON file given by its path. ``build_tokenizer`` is
+the one place that maps ``data.tokenizer`` to an implementation.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import functools
+import hashlib
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-KNOWN_TOKENIZERS = ("byte",)
+if TYPE_CHECKING:
+    import numpy as np  # imported where ids are made, so config validation stays quick
+
+# End-of-text tokens of common tokenizer files, in the order they are looked for.
+END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]")
 
 
 class Tokenizer:
     """Interface every tokenizer implements.
 
-    ``vocab_size`` counts every id the tokenizer can emit (the model's vocabulary
-    must be at least this large); ``eod_id`` separates documents in token files.
+    ``vocab_size`` counts every id the tokenizer can emit, the end-of-document id
+    included (the model's vocabulary must be at least this large); ``eod_id`` ends
+    each document in token files. ``identity`` describes the tokenizer in a cache
+    index (for a file: its path and content hash).
     """
 
     name: str
     vocab_size: int
     eod_id: int
 
+    @property
+    def identity(self) -> dict:
+        """What the cache key and index record of this tokenizer."""
+        return {"name": self.name}
+
     def encode(self, text: str) -> list[int]:
         """Return the token ids of ``text`` (no end-of-document token added)."""
-        raise NotImplementedError
+        return self.encode_array(text).tolist()
 
     def decode(self, token_ids: list[int]) -> str:
         """Return the text of ``token_ids``; end-of-document tokens are dropped."""
         raise NotImplementedError
 
     def encode_array(self, text: str) -> np.ndarray:
-        """Return the token ids of ``text`` as an int64 array (override when faster)."""
-        return np.asarray(self.encode(text), dtype=np.int64)
+        """Return the token ids of ``text`` as an int64 array."""
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Return the token ids of each text (no end-of-document token added)."""
+        raise NotImplementedError
 
 
 class ByteTokenizer(Tokenizer):
@@ -43,22 +61,75 @@ class ByteTokenizer(Tokenizer):
     vocab_size = 257
     eod_id = 256
 
-    def encode(self, text: str) -> list[int]:
-        """Return the UTF-8 bytes of ``text`` as ids 0..255."""
-        return list(text.encode("utf-8"))
-
     def decode(self, token_ids: list[int]) -> str:
         """Return the text of the byte ids; EOD is dropped, invalid UTF-8 becomes U+FFFD."""
         byte_values = bytes(int(token) for token in token_ids if int(token) != self.eod_id)
         return byte_values.decode("utf-8", errors="replace")
 
-    def encode_array(self, text: str) -> np.ndarray:
-        """Return the UTF-8 bytes of ``text`` as an int64 array, without a Python list."""
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Return the UTF-8 bytes of each text as an int64 array, without Python lists."""
+        import numpy as np
+
+        return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64) for text in texts]
+
+
+class TokenizerFile(Tokenizer):
+    """A Hugging Face ``tokenizers`` JSON file (``tokenizer.json``).
+
+    The end of a document is the file's own end-of-text token when it has one (see
+    ``END_OF_TEXT_TOKENS``), else a new id equal to its vocabulary size, which then
+    grows by one. Encoding adds no special tokens of the file's post-processor.
+    """
+
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.path = Path(path).resolve()
+        content = self.path.read_bytes()
+        self.sha256 = hashlib.sha256(content).hexdigest()
+        try:
+            self._tokenizer = HFTokenizer.from_str(content.decode("utf-8"))
+        except Exception as error:  # tokenizers raises plain Exceptions with long messages
+            message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ValueError(f"data.tokenizer={path}: not a Hugging Face tokenizers file ({message})") from None
+        vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        file_vocab_size = max(len(vocab), max(vocab.values(), default=-1) + 1)
+        own_eod = next((vocab[token] for token in END_OF_TEXT_TOKENS if token in vocab), None)
+        self.name = self.path.name
+        self.eod_id = file_vocab_size if own_eod is None else own_eod
+        self.vocab_size = file_vocab_size + (own_eod is None)
+
+    @property
+    def identity(self) -> dict:
+        """The file's name, absolute path and SHA-256 of its content."""
+        return {"name": self.name, "path": str(self.path), "sha256": self.sha256}
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Return the text of ``token_ids`` with the end-of-document tokens dropped."""
+        return self._tokenizer.decode([int(token) for token in token_ids if int(token) != self.eod_id],
+                                      skip_special_tokens=False)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Return each text's ids (the file's pre- and post-processing, without its special tokens)."""
+        import numpy as np
+
+        encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(encoding.ids, dtype=np.int64) for encoding in encodings]
 
 
 def build_tokenizer(name: str) -> Tokenizer:
-    """Return the tokenizer called ``name`` (one of ``KNOWN_TOKENIZERS``)."""
+    """Return the tokenizer ``data.tokenizer`` names: ``byte`` or the path of a tokenizers JSON file."""
     if name == "byte":
         return ByteTokenizer()
-    raise ValueError(f"unknown tokenizer {name!r}; known tokenizers: {', '.join(KNOWN_TOKENIZERS)}")
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise ValueError(f"data.tokenizer={name}: unknown tokenizer; use `byte` or the path of a Hugging Face "
+                         f"tokenizers JSON file (no such file)")
+    stat = path.stat()
+    return _tokenizer_file(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_file(path: str, size: int, mtime_ns: int) -> TokenizerFile:
+    """Load a tokenizer file once per (path, size, mtime): config resolution, validation and preparation share it."""
+    return TokenizerFile(path)

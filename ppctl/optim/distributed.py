@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ppctl.model.init import is_tp_replicated
-from ppctl.optim.grads import all_reduce_coalesced, optimizer_state_bytes
+from ppctl.optim.grads import StateTensors, adam_state, all_reduce_coalesced, optimizer_state_bytes
 from ppctl.parallel.tensor_parallel import all_gather_single, reduce_scatter_single
 
 
@@ -383,3 +383,26 @@ class DistributedOptimizer:
     def state_bytes(self) -> int:
         """Bytes of fp32 main parameters (the shard pieces AdamW steps) and AdamW state this rank holds."""
         return optimizer_state_bytes(self.optimizer)
+
+    # --- checkpoints -----------------------------------------------------------------------
+
+    def state_tensors(self, create: bool = False) -> list[StateTensors]:
+        """This rank's shard pieces: AdamW moments, and the fp32 main parameter when it is not the parameter
+        (half precision); ``create``: zero moments where there are none yet."""
+        found = []
+        for piece in self.pieces:
+            state = adam_state(self.optimizer, piece.main, create)
+            if not state:
+                continue
+            tensors = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+            if piece.main.dtype != self.param_data.dtype:
+                tensors["main"] = piece.main
+            found.append(StateTensors(piece.slot.name, tuple(piece.slot.param.shape), piece.start - piece.slot.start,
+                                      tensors))
+        return found
+
+    def after_load(self) -> None:
+        """After the parameters were loaded into ``param_data``: same-precision main copies follow them."""
+        for piece in self.pieces:
+            if piece.main.dtype == self.param_data.dtype:
+                piece.main.detach().copy_(self.param_data[piece.start:piece.end])

@@ -16,6 +16,7 @@ DualPipe's second copy left out.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import torch
@@ -52,6 +53,46 @@ def build_optimizer(chunks: Iterable[torch.nn.Module], settings) -> torch.optim.
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps,
                              foreach=False)
+
+
+@dataclass(frozen=True)
+class StateTensors:
+    """What a checkpoint keeps of one parameter's optimizer state on this rank.
+
+    ``tensors`` (``exp_avg``, ``exp_avg_sq``, and ``main`` when the fp32 main parameter is
+    not the parameter itself) hold the elements ``[flat_start, flat_start + numel)`` of the
+    flattened TP shard of parameter ``name``, whose shape is ``shape``.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    flat_start: int
+    tensors: dict[str, torch.Tensor]
+
+
+def adam_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, create: bool) -> dict:
+    """AdamW's state of ``param``; ``create`` gives a parameter that has none yet zero moments at step 0
+    (what AdamW's first step would create), so that a checkpoint can be loaded into it."""
+    state = optimizer.state[param]
+    if create and not state:
+        scalar_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        state.update(step=torch.tensor(0.0, dtype=scalar_dtype),
+                     exp_avg=torch.zeros_like(param, memory_format=torch.preserve_format),
+                     exp_avg_sq=torch.zeros_like(param, memory_format=torch.preserve_format))
+    return state
+
+
+def adam_steps(optimizer: torch.optim.Optimizer) -> int:
+    """How many steps AdamW has taken (0 before the first)."""
+    for state in optimizer.state.values():
+        return int(state["step"].item())
+    return 0
+
+
+def set_adam_steps(optimizer: torch.optim.Optimizer, steps: int) -> None:
+    """Set every parameter's AdamW step count (after loading its moments)."""
+    for state in optimizer.state.values():
+        state["step"].fill_(steps)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

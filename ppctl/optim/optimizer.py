@@ -14,8 +14,8 @@ from typing import Mapping
 import torch
 
 from ppctl.optim.distributed import DistributedOptimizer
-from ppctl.optim.grads import (build_optimizer, decays, finalize_gradients, global_grad_norm, optimizer_state_bytes,
-                               scale_gradients)
+from ppctl.optim.grads import (StateTensors, adam_state, build_optimizer, decays, finalize_gradients,
+                               global_grad_norm, optimizer_state_bytes, scale_gradients)
 
 
 class PlainOptimizer:
@@ -64,6 +64,21 @@ class PlainOptimizer:
     def state_bytes(self) -> int:
         """Bytes of the fp32 main parameters (the parameters themselves here) and AdamW state."""
         return optimizer_state_bytes(self.optimizer)
+
+    def state_tensors(self, create: bool = False) -> list[StateTensors]:
+        """Every parameter's AdamW moments, whole (``create``: zero moments where there are none yet)."""
+        names = {id(param): name for chunk in self.chunks.values() for name, param in chunk.named_parameters()}
+        found = []
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                state = adam_state(self.optimizer, param, create)
+                if state:
+                    found.append(StateTensors(names[id(param)], tuple(param.shape), 0,
+                                              {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}))
+        return found
+
+    def after_load(self) -> None:
+        """Nothing derived from the parameters on this path."""
 
 
 def build_trainer_optimizer(chunks: Mapping[int, torch.nn.Module], context, settings, num_microbatches: int):

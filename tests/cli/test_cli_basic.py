@@ -140,19 +140,23 @@ def test_inspect_schedule_terminal_and_refusals(ppctl, tmp_path):
     assert bad_out.returncode == 2 and "suffix" in bad_out.stderr
 
 
-SHAKESPEARE = "/work/shared/data/tinyshakespeare.txt"
-
-
-@pytest.mark.timeout(60)
-def test_prepare_data_text_file_and_missing_file(ppctl, tmp_path):
-    import os
-
-    missing = ppctl("prepare-data", "data=text_file", f"data.path={tmp_path / 'nope.txt'}",
-                    f"data.cache_dir={tmp_path}")
-    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
-    assert "nope.txt" in missing.stderr
-    if not os.path.exists(SHAKESPEARE):
-        pytest.skip("the shared sample data is absent")
-    result = ppctl("prepare-data", "data=text_file", f"data.path={SHAKESPEARE}", f"data.cache_dir={tmp_path}")
+@pytest.mark.timeout(120)
+def test_prepare_data_text_corpus_and_one_line_errors(ppctl, tmp_path):
+    missing = ppctl("prepare-data", "data=text", f"data.path={tmp_path / 'nope.txt'}", f"data.cache_dir={tmp_path}")
+    assert missing.returncode == 2
+    assert missing.stderr.splitlines() == [f"error: data.path={tmp_path / 'nope.txt'}: no such file, folder or glob"]
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "part.jsonl").write_text("".join(json.dumps({"body": "x" * 300, "n": n}) + "\n" for n in range(4)))
+    args = ["data=text", f"data.path={corpus}", "data.text_field=body", f"data.cache_dir={tmp_path / 'cache'}"]
+    # 4 documents of 301 tokens: the default 5% validation split (60 tokens) is shorter than one window (65);
+    # train prepares before it starts any worker (its "run directory: ..." line) and refuses in one line
+    short = ppctl("train", *args, f"trainer.out_dir={tmp_path / 'run'}")
+    assert short.returncode == 2 and short.stderr.splitlines() == [
+        f"error: data.path={corpus}: the validation split holds 60 tokens (data.validation_fraction=0.05 of 1,204), "
+        "fewer than one window of trainer.seq_length+1=65; raise data.validation_fraction or set trainer.eval_every=0"]
+    result = ppctl("prepare-data", *args, "data.validation_fraction=0.25")
     assert result.returncode == 0, result.stderr
-    assert "1,115,395 tokens from 1 file(s)" in result.stdout
+    token_file = next((tmp_path / "cache").glob("text-part-byte-*.bin"))
+    assert result.stdout == (f"{token_file}: 1,204 tokens from 4 document(s) in 1 file(s); train 903, validation 301 "
+                             "(data.validation_fraction=0.25)\n")

@@ -37,7 +37,7 @@ OPTION_CHANGES = {
     "schedule=dualpipev": {"schedule.name": "dualpipev", "parallel.vpp": 2},  # vpp follows the placement
     "data=python_stdlib": {},
     "data=synthetic": {"data.source": "synthetic"},
-    "data=text_file": {"data.source": "text_file"},
+    "data=text": {"data.source": "text"},
     "optimizer=adamw": {},
 }
 

@@ -15,17 +15,30 @@ from ppctl.data.dataset import (  # noqa: E402
     slice_for_context_parallel, step_microbatches,
 )
 from ppctl.data.iterator import ALL_FIELDS, PipelineDataIterator  # noqa: E402
-from ppctl.data.prepare import prepare_tokens, read_sidecar, stdlib_source_files  # noqa: E402
+from ppctl.data.prepare import CorpusSpec, prepare_corpus, read_index, stdlib_source_files  # noqa: E402
 from ppctl.data.tokenizer import build_tokenizer  # noqa: E402
 
 TINY_SHAKESPEARE = Path("/work/shared/data/tinyshakespeare.txt")
+
+
+SYNTHETIC = CorpusSpec("synthetic")
+
+
+def text_corpus(path, cache_dir, **options) -> CorpusSpec:
+    """The spec of ``data=text data.path=path`` cached in ``cache_dir``."""
+    return CorpusSpec("text", str(path), cache_dir, **options)
+
+
+def prepare_text(path, cache_dir, **options) -> Path:
+    """Prepare ``data=text data.path=path``; return its token file."""
+    return prepare_corpus(text_corpus(path, cache_dir, **options)).token_file
 
 
 @pytest.fixture(scope="module")
 def stdlib_cache(tmp_path_factory):
     """A cache dir holding the prepared stdlib token file, and that file."""
     cache_dir = tmp_path_factory.mktemp("cache")
-    return cache_dir, prepare_tokens("python_stdlib", None, cache_dir)
+    return cache_dir, prepare_corpus(CorpusSpec("python_stdlib", cache_dir=cache_dir)).token_file
 
 
 class EodMaskedDataset(SyntheticDataset):
@@ -50,18 +63,18 @@ def test_byte_tokenizer_round_trip():
     assert tokenizer.encode_array(text).tolist() == token_ids
 
 
-def test_unknown_tokenizer_names_known_ones():
-    with pytest.raises(ValueError, match="unknown tokenizer 'gpt9'.*byte"):
+def test_unknown_tokenizer_says_what_is_known():
+    with pytest.raises(ValueError, match="data.tokenizer=gpt9: unknown tokenizer; use `byte` or the path of a"):
         build_tokenizer("gpt9")
 
 
 # --- preparation -------------------------------------------------------------------------------
 
-def test_stdlib_preparation_writes_tokens_and_sidecar(stdlib_cache):
+def test_stdlib_preparation_writes_tokens_and_index(stdlib_cache):
     _, token_file = stdlib_cache
-    metadata = read_sidecar(token_file)
+    metadata = read_index(token_file)
     tokens = np.fromfile(token_file, dtype=np.uint16)
-    assert metadata["source"] == "python_stdlib" and metadata["tokenizer"] == "byte"
+    assert metadata["source"] == "python_stdlib" and metadata["tokenizer"] == {"name": "byte"}
     assert metadata["num_files"] == len(stdlib_source_files()) == metadata["num_documents"]
     assert metadata["num_tokens"] == tokens.size > 1_000_000
     assert int((tokens == 256).sum()) == metadata["num_documents"]
@@ -69,56 +82,70 @@ def test_stdlib_preparation_writes_tokens_and_sidecar(stdlib_cache):
     first_text = stdlib_source_files()[0].read_text(encoding="utf-8")
     first_doc_length = int(np.argmax(tokens == 256))
     assert build_tokenizer("byte").decode(tokens[:first_doc_length].tolist()) == first_text
-    assert not [name for name in os.listdir(token_file.parent) if name.startswith(".")]
+    assert not [name for name in os.listdir(token_file.parent) if name.startswith(".")]  # no scratch, no temp
+    assert metadata["splits"] == {"train": [0, metadata["num_tokens"] - int(metadata["num_tokens"] * 0.05)],
+                                  "validation": [metadata["num_tokens"] - int(metadata["num_tokens"] * 0.05),
+                                                 metadata["num_tokens"]]}
 
 
 def test_second_preparation_reuses_cache(stdlib_cache, monkeypatch):
     cache_dir, token_file = stdlib_cache
     mtimes = (token_file.stat().st_mtime_ns, token_file.with_suffix(".json").stat().st_mtime_ns)
 
-    def fail_tokenize(*args):
+    def fail_build(*args):
         raise AssertionError("re-tokenised although the cache is valid")
 
-    monkeypatch.setattr(prepare_module, "_tokenize_documents", fail_tokenize)
-    assert prepare_tokens("python_stdlib", None, cache_dir) == token_file
+    monkeypatch.setattr(prepare_module, "_build_cache", fail_build)
+    assert prepare_corpus(CorpusSpec("python_stdlib", cache_dir=cache_dir)).token_file == token_file
     assert (token_file.stat().st_mtime_ns, token_file.with_suffix(".json").stat().st_mtime_ns) == mtimes
 
 
 def test_truncated_cache_is_rebuilt(tmp_path):
     text_file = tmp_path / "tiny.txt"
     text_file.write_text("hello world\n" * 10)
-    token_file = prepare_tokens("text_file", str(text_file), tmp_path / "cache")
+    token_file = prepare_text(text_file, tmp_path / "cache")
     token_file.write_bytes(token_file.read_bytes()[:-2])
-    assert prepare_tokens("text_file", str(text_file), tmp_path / "cache") == token_file
-    assert token_file.stat().st_size == 2 * read_sidecar(token_file)["num_tokens"] == 2 * 121
+    assert prepare_text(text_file, tmp_path / "cache") == token_file
+    assert token_file.stat().st_size == 2 * read_index(token_file)["num_tokens"] == 2 * 121
 
 
 def test_edited_text_file_gets_new_cache(tmp_path):
     text_file = tmp_path / "tiny.txt"
     text_file.write_text("first version\n")
-    first = prepare_tokens("text_file", str(text_file), tmp_path)
+    first = prepare_text(text_file, tmp_path)
     text_file.write_text("second version\n")
-    assert prepare_tokens("text_file", str(text_file), tmp_path) != first
+    assert prepare_text(text_file, tmp_path) != first
 
 
 @pytest.mark.skipif(not TINY_SHAKESPEARE.is_file(), reason="tinyshakespeare.txt is absent")
-def test_text_file_source_on_tiny_shakespeare(tmp_path):
-    token_file = prepare_tokens("text_file", str(TINY_SHAKESPEARE), tmp_path)
+def test_text_source_on_tiny_shakespeare(tmp_path):
+    token_file = prepare_text(TINY_SHAKESPEARE, tmp_path)
     tokens = np.fromfile(token_file, dtype=np.uint16)
     expected = TINY_SHAKESPEARE.read_text(encoding="utf-8").encode("utf-8")
     assert tokens.size == len(expected) + 1 and tokens[-1] == 256
     assert bytes(tokens[:-1].astype(np.uint8)) == expected
-    assert read_sidecar(token_file)["source_path"] == str(TINY_SHAKESPEARE.resolve())
+    index = read_index(token_file)
+    assert index["source_path"] == str(TINY_SHAKESPEARE.resolve()) and index["num_documents"] == 1
+    validation = int(tokens.size * 0.05)
+    cut = tokens.size - validation
+    assert index["splits"] == {"train": [0, cut], "validation": [cut, tokens.size]}
+    train = build_dataset(text_corpus(TINY_SHAKESPEARE, tmp_path), 256, vocab_size=257, seed=0)
+    held_out = build_dataset(text_corpus(TINY_SHAKESPEARE, tmp_path), 256, 257, 0, split="validation")
+    assert isinstance(held_out, TokenWindowDataset) and held_out.split == "validation"
+    assert (len(train), len(held_out)) == (cut // 257, validation // 257)
+    assert held_out[0].tolist() == tokens[cut:cut + 257].tolist()
 
 
 def test_source_errors_are_one_line(tmp_path):
     missing = tmp_path / "nope.txt"
-    with pytest.raises(FileNotFoundError, match=f"not found: {missing}$"):
-        prepare_tokens("text_file", str(missing), tmp_path)
-    with pytest.raises(ValueError, match="needs a path"):
-        prepare_tokens("text_file", None, tmp_path)
-    with pytest.raises(ValueError, match="unknown token-file source 'web'"):
-        prepare_tokens("web", None, tmp_path)
+    with pytest.raises(ValueError, match=f"data.path={missing}: no such file, folder or glob$"):
+        prepare_text(missing, tmp_path)
+    with pytest.raises(ValueError, match="data.source=text needs data.path"):
+        prepare_corpus(CorpusSpec("text", None, tmp_path))
+    with pytest.raises(ValueError, match="data.source='web' has no token file; token-file sources: python_stdlib"):
+        prepare_corpus(CorpusSpec("web", None, tmp_path))
+    with pytest.raises(ValueError, match="data.source=python_stdlib takes no data.path"):
+        prepare_corpus(CorpusSpec("python_stdlib", "x.txt", tmp_path))
 
 
 # --- datasets ----------------------------------------------------------------------------------
@@ -126,9 +153,9 @@ def test_source_errors_are_one_line(tmp_path):
 def test_windows_and_shifted_labels(stdlib_cache):
     cache_dir, token_file = stdlib_cache
     seq_length = 64
-    dataset = build_dataset("python_stdlib", None, cache_dir, seq_length, vocab_size=320, seed=0)
+    dataset = build_dataset(CorpusSpec("python_stdlib", cache_dir=cache_dir), seq_length, vocab_size=320, seed=0)
     tokens = np.fromfile(token_file, dtype=np.uint16)
-    assert len(dataset) == tokens.size // (seq_length + 1)
+    assert len(dataset) == (tokens.size - int(tokens.size * 0.05)) // (seq_length + 1)
     for index in (0, 1, len(dataset) - 1):
         window = dataset[index]
         assert window.dtype == torch.int64 and window.shape == (seq_length + 1,)
@@ -145,18 +172,19 @@ def test_windows_and_shifted_labels(stdlib_cache):
 def test_vocab_smaller_than_tokenizer_is_rejected(stdlib_cache):
     cache_dir, _ = stdlib_cache
     with pytest.raises(ValueError, match="vocab_size=256 is smaller than the 'byte' tokenizer's 257 ids"):
-        build_dataset("python_stdlib", None, cache_dir, 32, vocab_size=256, seed=0)
+        build_dataset(CorpusSpec("python_stdlib", cache_dir=cache_dir), 32, vocab_size=256, seed=0)
 
 
 def test_too_short_token_file_is_rejected(tmp_path):
     text_file = tmp_path / "short.txt"
     text_file.write_text("abc")
-    with pytest.raises(ValueError, match="fewer than one window"):
-        build_dataset("text_file", str(text_file), tmp_path, 16, vocab_size=257, seed=0)
+    with pytest.raises(ValueError, match="the train split holds 4 tokens, fewer than one window of "
+                                         r"trainer.seq_length\+1=17; use a larger corpus"):
+        build_dataset(text_corpus(text_file, tmp_path), 16, vocab_size=257, seed=0)
 
 
 def test_synthetic_samples_depend_on_seed_and_index_only():
-    dataset = build_dataset("synthetic", None, Path("unused"), 16, vocab_size=1000, seed=3)
+    dataset = build_dataset(SYNTHETIC, 16, vocab_size=1000, seed=3)
     again = SyntheticDataset(len(dataset), 16, 1000, seed=3)
     assert torch.equal(dataset[5], again[5]) and not torch.equal(dataset[5], dataset[6])
     assert not torch.equal(dataset[5], SyntheticDataset(len(dataset), 16, 1000, seed=4)[5])
@@ -267,7 +295,7 @@ def test_context_parallel_slicing():
 
 
 def test_iterator_keeps_each_cp_rank_tokens_of_every_field_and_the_global_token_count():
-    dataset = build_dataset("synthetic", None, Path("."), 8, vocab_size=16, seed=3, eod_mask_loss=True)
+    dataset = build_dataset(SYNTHETIC, 8, vocab_size=16, seed=3, eod_mask_loss=True)
     whole = PipelineDataIterator(dataset, 4, 8, 2, 8, 0, 1, None, 0, True, ALL_FIELDS)
     parts = [PipelineDataIterator(dataset, 4, 8, 2, 8, 0, 1, None, 0, True, ALL_FIELDS, cp_rank=rank, cp_size=2)
              for rank in range(2)]

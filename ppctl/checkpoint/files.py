@@ -1,0 +1,232 @@
+"""Checkpoint directories: naming, the atomic commit, ``latest``, pruning, listing and verification.
+
+A run directory holds ``checkpoints/step_<NNNNNNNN>/``, each a complete checkpoint: the
+files of ``torch.distributed.checkpoint`` (``.metadata`` and one ``.distcp`` file per
+rank) and ``ppctl.json`` (step, layout, model, data position, and every file's size and
+SHA-256). A checkpoint is written under a hidden temporary name and renamed into place
+only after every rank has written its part and ``ppctl.json`` is on disk, so a
+checkpoint directory is complete or absent; ``checkpoints/latest`` (a one-line file,
+replaced atomically) names the newest complete one. Pure: files and JSON only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+INDEX_NAME = "ppctl.json"
+LATEST_NAME = "latest"
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message is one line naming the checkpoint and the reason."""
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    """Where a run's checkpoints live."""
+    return Path(run_dir) / "checkpoints"
+
+
+def step_dir_name(step: int) -> str:
+    """The directory name of the checkpoint taken after ``step`` steps."""
+    return f"step_{step:08d}"
+
+
+def temporary_dir(run_dir: Path, step: int) -> Path:
+    """The hidden directory a checkpoint is written into before its commit."""
+    return checkpoints_dir(run_dir) / f".{step_dir_name(step)}.partial"
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file's bytes (hex)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def commit(run_dir: Path, step: int, index: dict[str, Any], keep_last: int) -> Path:
+    """Make the checkpoint written in ``temporary_dir(run_dir, step)`` complete and current.
+
+    Writes ``ppctl.json`` (with every file's size and digest), renames the directory into
+    place, points ``latest`` at it, then deletes all but the ``keep_last`` newest complete
+    checkpoints. Returns the checkpoint's directory. Called by one rank, after every rank
+    has written its files.
+    """
+    partial, final = temporary_dir(run_dir, step), checkpoints_dir(run_dir) / step_dir_name(step)
+    files = {path.name: {"bytes": path.stat().st_size, "sha256": file_digest(path)}
+             for path in sorted(partial.iterdir()) if path.is_file()}
+    index = {**index, "format_version": FORMAT_VERSION, "step": step, "files": files}
+    _write_atomically(partial / INDEX_NAME, json.dumps(index, indent=1))
+    _fsync_dir(partial)
+    if final.exists():  # the same step saved again (a resumed run repeating it): the new one wins
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    _write_atomically(checkpoints_dir(run_dir) / LATEST_NAME, final.name + "\n")
+    _fsync_dir(checkpoints_dir(run_dir))
+    prune(run_dir, keep_last)
+    return final
+
+
+def prune(run_dir: Path, keep_last: int) -> list[Path]:
+    """Delete complete checkpoints beyond the ``keep_last`` newest (never ``latest``'s) and stale partial ones."""
+    complete = [info.path for info in list_checkpoints(run_dir) if info.complete]
+    keep = set(complete[-keep_last:]) | {latest_checkpoint(run_dir)}
+    removed = [path for path in complete if path not in keep]
+    removed += [path for path in checkpoints_dir(run_dir).glob(".step_*.partial") if path.is_dir()]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint directory as ``ppctl checkpoints`` lists it."""
+
+    path: Path
+    step: int
+    complete: bool
+    problem: str | None
+    bytes: int
+    index: dict[str, Any]
+
+
+def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
+    """Every checkpoint directory of a run (partial ones too), oldest first."""
+    found = []
+    for path in checkpoints_dir(run_dir).glob("*step_*"):
+        match = _STEP_DIR.match(path.name.removeprefix(".").removesuffix(".partial"))
+        if not path.is_dir() or not match:
+            continue
+        problem = "partial (never committed)" if path.name.endswith(".partial") else checkpoint_problem(path)
+        size = sum(item.stat().st_size for item in path.iterdir() if item.is_file())
+        index = _read_index(path) if problem is None else {}
+        found.append(CheckpointInfo(path, int(match.group(1)), problem is None, problem, size, index))
+    return sorted(found, key=lambda info: (info.step, info.complete))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint ``latest`` names, or None."""
+    pointer = checkpoints_dir(run_dir) / LATEST_NAME
+    if not pointer.is_file():
+        return None
+    return checkpoints_dir(run_dir) / pointer.read_text().strip()
+
+
+def checkpoint_problem(path: Path, verify_digests: bool = False) -> str | None:
+    """Why ``path`` is not a complete checkpoint (None when it is): missing index or files, wrong sizes or digests."""
+    try:
+        index = _read_index(path)
+    except (OSError, ValueError) as error:
+        return f"no readable {INDEX_NAME} ({type(error).__name__}): not a complete checkpoint"
+    if index.get("format_version") != FORMAT_VERSION:
+        return f"{INDEX_NAME} has format {index.get('format_version')!r}, this ppctl reads {FORMAT_VERSION}"
+    files = index.get("files", {})
+    if ".metadata" not in files:
+        return "its index lists no .metadata file"
+    for name, expected in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != expected["bytes"]:
+            return f"{name} has {file.stat().st_size} bytes, {expected['bytes']} were written"
+        if verify_digests and file_digest(file) != expected["sha256"]:
+            return f"{name} is corrupt (its SHA-256 differs from the one written)"
+    return None
+
+
+def resolve_checkpoint(location: str | os.PathLike) -> Path:
+    """The checkpoint directory ``trainer.resume_from`` names (a run directory: its ``latest``), verified.
+
+    Raises ``CheckpointError`` with one line when there is none or it is incomplete or corrupt.
+    """
+    path = Path(location)
+    if not path.exists():
+        raise CheckpointError(f"trainer.resume_from={location}: no such run or checkpoint directory")
+    if (path / INDEX_NAME).exists() or _STEP_DIR.match(path.name):
+        checkpoint = path
+    else:
+        checkpoint = latest_checkpoint(path)
+        if checkpoint is None:
+            raise CheckpointError(f"trainer.resume_from={location}: no complete checkpoint in this run directory "
+                                  f"(no {checkpoints_dir(path) / LATEST_NAME})")
+    problem = checkpoint_problem(checkpoint, verify_digests=True)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {checkpoint} refused: {problem}")
+    return checkpoint.resolve()
+
+
+def read_index(checkpoint: Path) -> dict[str, Any]:
+    """A complete checkpoint's ``ppctl.json``."""
+    return _read_index(checkpoint)
+
+
+# What must match for a checkpoint's tensors to fit this run's model.
+MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size", "max_seq_length",
+              "position_embedding", "tie_embeddings")
+# What must match for the data to go on where it stopped: the sample order is a function of (seed, step)
+# for a given global batch size and window length.
+DATA_KEYS = ("seed", "global_batch_size", "seq_length")
+
+
+def resume_problem(index: dict[str, Any], model: dict[str, Any], data: dict[str, Any], precision: str,
+                   max_steps: int) -> str | None:
+    """Why a run with this model, data position, precision and ``max_steps`` cannot resume from a checkpoint
+    whose ``ppctl.json`` is ``index`` (None when it can). The layout, schedule and optimizer sharding may change."""
+    for section, keys, current in (("model", MODEL_KEYS, model), ("data", DATA_KEYS, data)):
+        for key in keys:
+            saved = index[section].get(key)
+            if saved != current[key]:
+                setting = f"model.{key}" if section == "model" else f"trainer.{key}"
+                return f"it was saved with {setting}={saved}, this run has {current[key]}"
+    if index["precision"] != precision:
+        return f"it was saved with trainer.precision={index['precision']}, this run has {precision}"
+    if index["step"] >= max_steps:
+        return f"it is at step {index['step']}, not before trainer.max_steps={max_steps}: raise trainer.max_steps"
+    return None
+
+
+def is_run_dir_checkpoint(location: str | os.PathLike) -> bool:
+    """Whether ``trainer.resume_from`` names a run directory (rather than one checkpoint)."""
+    path = Path(location)
+    return path.is_dir() and not (path / INDEX_NAME).exists() and not _STEP_DIR.match(path.name)
+
+
+def _read_index(path: Path) -> dict[str, Any]:
+    return json.loads((path / INDEX_NAME).read_text())
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file next to ``path``, flush it to disk, rename it into place."""
+    descriptor, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp_name, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp_name)
+        raise
+
+
+def _fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (a rename) to disk, where the platform allows it."""
+    with contextlib.suppress(OSError):
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)

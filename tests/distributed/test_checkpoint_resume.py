@@ -1,0 +1,136 @@
+"""Save at one layout, resume at another: the losses and parameters after resuming are the uninterrupted run's.
+
+Each case trains steps 0-1 at the saving layout, saves after step 2, builds a trainer of
+the loading layout (other tp, pp, dp, cp, schedule, optimizer sharding, world size),
+loads the checkpoint and trains steps 2-3. Compared in float64 with the single-process
+run of all four steps as a user would launch it (``parallel=single``): the losses and
+grad norms of steps 2-3 and every final parameter. A bf16 run resumed at its own layout
+is compared bitwise with its own uninterrupted run (fp32 main parameters and AdamW state
+must come back exactly).
+"""
+
+import functools
+
+import pytest
+
+from ppctl.testing import run_workers
+from tests.distributed.equivalence import (BASE, FP64, RTOL_FP64, _compare_scalars, _compare_tensors,
+                                           single_process_overrides)
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
+
+SAVED_AT, STEPS = 2, 4
+EXACT = BASE + FP64
+TIED = ["model.tie_embeddings=true"]
+DIST = ["optimizer.distributed=true"]
+# (saving layout, loading layout), both in one launch of 4 workers: between them every one of tp, pp,
+# vpp, dp, cp, sequence parallelism, the schedule, DualPipe's two copies and optimizer sharding changes.
+PAIRS_4 = [
+    (["parallel.tp=2", "parallel.pp=2"],
+     ["parallel.cp=2", "parallel.cp_comm=ring", "parallel.pp=2", "schedule=interleaved_1f1b", "parallel.vpp=2"]),
+    (["parallel.pp=2", "parallel.dp=2", *DIST, *TIED],
+     ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true", "schedule=zbv", *TIED]),
+    (["parallel.pp=2", "parallel.dp=2", "schedule=dualpipe", *DIST, *TIED], ["parallel.pp=4", *TIED]),
+]
+# Saved by 2 workers, loaded by 4 into DualPipe's two parameter copies (each copy reads the same tensors).
+ACROSS_WORLDS = (["parallel.pp=2", "schedule=gpipe"], ["parallel.pp=2", "parallel.dp=2", "schedule=dualpipe", *DIST])
+BF16_SAME_LAYOUT = BASE + ["trainer.precision=bf16", "parallel.pp=1", "parallel.dp=2", *DIST]
+
+
+def _trainer(overrides, contexts):
+    from ppctl.config import compose_config, layout_of, validate
+    from ppctl.parallel.groups import build_parallel_context
+    from ppctl.train import Trainer
+
+    config = compose_config(overrides)
+    validate(config)
+    layout = layout_of(config)
+    if layout not in contexts:
+        contexts[layout] = build_parallel_context(layout, 60)
+    return Trainer(config, contexts[layout])
+
+
+def _steps(trainer, steps):
+    losses, norms = [], []
+    for step in steps:
+        loss, norm = trainer.compute_gradients(step)
+        trainer.apply_gradients(step, norm)
+        losses.append(loss)
+        norms.append(norm)
+    return losses, norms
+
+
+def _resumed(trainer, checkpoint):
+    from ppctl.checkpoint.state import load_checkpoint
+
+    start = load_checkpoint(trainer, checkpoint)
+    losses, norms = _steps(trainer, range(start, STEPS))
+    shards = {name: param.detach().clone() for name, param in trainer.named_parameters().items()}
+    return {"losses": losses, "norms": norms, "shards": shards, "start": start,
+            "tp_rank": trainer.context.coords["tp"], "tp": trainer.context.layout.tp}
+
+
+def _save(trainer, root, name):
+    from pathlib import Path
+
+    from ppctl.checkpoint.state import save_checkpoint
+
+    _steps(trainer, range(SAVED_AT))
+    return save_checkpoint(trainer, Path(root) / name, SAVED_AT, "test", keep_last=1)
+
+
+def _launch_2(rank, world_size, root):
+    """Save the across-worlds checkpoint; resume bf16 at its own layout against its uninterrupted run."""
+    contexts = {}
+    across = _save(_trainer(EXACT + ACROSS_WORLDS[0], contexts), root, "across")
+    trainer = _trainer(BF16_SAME_LAYOUT, contexts)
+    checkpoint = _save(trainer, root, "bf16")
+    uninterrupted = _steps(trainer, range(SAVED_AT, STEPS))
+    params = {name: param.detach().clone() for name, param in trainer.named_parameters().items()}
+    return str(across), uninterrupted, params, _resumed(_trainer(BF16_SAME_LAYOUT, contexts), checkpoint)
+
+
+def _launch_4(rank, world_size, root, across):
+    """Every pair saved and loaded here, then the checkpoint 2 workers saved."""
+    contexts, results = {}, []
+    for index, (saving, loading) in enumerate(PAIRS_4):
+        checkpoint = _save(_trainer(EXACT + saving, contexts), root, f"pair{index}")
+        results.append(_resumed(_trainer(EXACT + loading, contexts), checkpoint))
+    results.append(_resumed(_trainer(EXACT + ACROSS_WORLDS[1], contexts), across))
+    return results
+
+
+@functools.lru_cache(maxsize=None)
+def _single_process(overrides: tuple[str, ...]):
+    from ppctl.config import compose_config
+    from ppctl.reference import run_reference
+
+    single = compose_config(list(overrides))
+    return single, run_reference(single, STEPS)
+
+
+def _assert_matches_single_process(per_rank, index, overrides):
+    single, reference = _single_process(tuple(single_process_overrides(overrides)))
+    assert all(result[index]["start"] == SAVED_AT for result in per_rank)
+    losses = [result[index]["losses"] for result in per_rank if result[index]["losses"][0] is not None]
+    assert losses, "no rank holds the loss"
+    for rank_losses in losses:
+        _compare_scalars("resumed loss", overrides, rank_losses, reference.losses[SAVED_AT:], RTOL_FP64)
+    for result in per_rank:
+        _compare_scalars("resumed grad norm", overrides, result[index]["norms"], reference.grad_norms[SAVED_AT:],
+                         RTOL_FP64)
+    _compare_tensors("parameter", overrides, per_rank, index, "shards", reference.parameters,
+                     single.model.vocab_size, elementwise=True, tolerance=RTOL_FP64)
+
+
+def test_resume_at_other_layouts_and_world_sizes_equals_one_process(tmp_path):
+    import torch
+
+    two = run_workers(_launch_2, 2, str(tmp_path), timeout=200)
+    for _across, uninterrupted, params, resumed in two:
+        assert resumed["losses"] == uninterrupted[0] and resumed["norms"] == uninterrupted[1]
+        assert all(torch.equal(resumed["shards"][name], value) for name, value in params.items())
+    four = run_workers(_launch_4, 4, str(tmp_path), two[0][0], timeout=300)
+    for index, (saving, loading) in enumerate(PAIRS_4):
+        _assert_matches_single_process(four, index, EXACT + loading)
+    _assert_matches_single_process(four, len(PAIRS_4), EXACT + ACROSS_WORLDS[1])

@@ -1,0 +1,80 @@
+"""Checkpoint directories: atomic commit, ``latest``, pruning, listing, refusal of partial or corrupt ones."""
+
+import json
+
+import pytest
+
+from ppctl.checkpoint.files import (CheckpointError, checkpoint_problem, checkpoints_dir, commit, latest_checkpoint,
+                                    list_checkpoints, resolve_checkpoint, resume_problem, temporary_dir)
+
+INDEX = {"layout": {"tp": 1, "pp": 2, "vpp": 1, "dp": 1, "cp": 1, "schedule": "1f1b",
+                    "distributed_optimizer": False},
+         "precision": "fp32", "reason": "end",
+         "model": {"num_layers": 4, "hidden_size": 32, "num_heads": 4, "ffn_hidden_size": 64, "vocab_size": 257,
+                   "max_seq_length": 256, "position_embedding": "learned", "tie_embeddings": False},
+         "data": {"seed": 1234, "global_batch_size": 8, "seq_length": 16}}
+
+
+def write_checkpoint(run_dir, step, keep_last=2):
+    """What the ranks write (DCP's files), then the commit one rank makes."""
+    partial = temporary_dir(run_dir, step)
+    partial.mkdir(parents=True)
+    (partial / ".metadata").write_bytes(b"metadata" * step)
+    (partial / "__0_0.distcp").write_bytes(bytes(range(100)))
+    return commit(run_dir, step, INDEX, keep_last)
+
+
+def test_commit_renames_into_place_points_latest_and_keeps_the_last(tmp_path):
+    paths = [write_checkpoint(tmp_path, step) for step in (3, 6, 9)]
+    assert [path.name for path in paths] == ["step_00000003", "step_00000006", "step_00000009"]
+    assert latest_checkpoint(tmp_path) == paths[-1]
+    listed = list_checkpoints(tmp_path)
+    assert [(info.step, info.complete) for info in listed] == [(6, True), (9, True)]  # keep_last=2
+    index = json.loads((paths[-1] / "ppctl.json").read_text())
+    assert index["step"] == 9 and set(index["files"]) == {".metadata", "__0_0.distcp"}
+    assert not any(path.name.startswith(".step") for path in checkpoints_dir(tmp_path).iterdir())
+
+
+def test_partial_checkpoint_is_listed_incomplete_and_never_latest(tmp_path):
+    write_checkpoint(tmp_path, 2)
+    temporary_dir(tmp_path, 4).mkdir()  # a save that died before its commit
+    listed = list_checkpoints(tmp_path)
+    assert [(info.step, info.complete) for info in listed] == [(2, True), (4, False)]
+    assert "partial" in listed[1].problem
+    assert resolve_checkpoint(tmp_path).name == "step_00000002"
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    (lambda path: (path / "__0_0.distcp").write_bytes(b"short"), "has 5 bytes, 100 were written"),
+    (lambda path: (path / "__0_0.distcp").write_bytes(bytes(range(1, 101))), "is corrupt"),
+    (lambda path: (path / ".metadata").unlink(), ".metadata is missing"),
+    (lambda path: (path / "ppctl.json").write_text("{"), "no readable ppctl.json"),
+])
+def test_damaged_checkpoint_is_refused_with_one_line(tmp_path, damage, fragment):
+    damage(write_checkpoint(tmp_path, 5))
+    with pytest.raises(CheckpointError, match=fragment) as refused:
+        resolve_checkpoint(tmp_path)
+    assert "\n" not in str(refused.value)
+
+
+def test_resume_from_names_a_run_or_a_checkpoint(tmp_path):
+    checkpoint = write_checkpoint(tmp_path, 7)
+    assert resolve_checkpoint(checkpoint) == resolve_checkpoint(tmp_path) == checkpoint.resolve()
+    with pytest.raises(CheckpointError, match="no such run or checkpoint directory"):
+        resolve_checkpoint(tmp_path / "nowhere")
+    (tmp_path / "other_run").mkdir()
+    with pytest.raises(CheckpointError, match="no complete checkpoint in this run directory"):
+        resolve_checkpoint(tmp_path / "other_run")
+    assert checkpoint_problem(checkpoint, verify_digests=True) is None
+
+
+def test_resume_rules_name_the_setting_that_changed():
+    model, data = dict(INDEX["model"]), dict(INDEX["data"])
+    index = {**INDEX, "step": 4}
+    assert resume_problem(index, model, data, "fp32", max_steps=10) is None
+    assert "model.hidden_size=32, this run has 64" in resume_problem(index, {**model, "hidden_size": 64}, data,
+                                                                     "fp32", 10)
+    assert "trainer.global_batch_size=8" in resume_problem(index, model, {**data, "global_batch_size": 16},
+                                                           "fp32", 10)
+    assert "trainer.precision=fp32, this run has bf16" in resume_problem(index, model, data, "bf16", 10)
+    assert "raise trainer.max_steps" in resume_problem(index, model, data, "fp32", 4)

@@ -1,0 +1,356 @@
+"""Real corpora: file types, folders and globs, text fields, tokenizer files, the vocabulary, the cache, the splits."""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+from ppctl.config import (  # noqa: E402
+    ConfigError, DataConfig, ModelConfig, PpctlConfig, compose_config, to_yaml, validate,
+)
+from ppctl.data import prepare as prepare_module  # noqa: E402
+from ppctl.data.dataset import SYNTHETIC_VALIDATION_SAMPLES, build_dataset  # noqa: E402
+from ppctl.data.prepare import (  # noqa: E402
+    CorpusSpec, DataError, TokenizeBatch, looks_like_hub_name, prepare_corpus, read_index, resolve_corpus,
+    split_bounds, token_dtype_for,
+)
+from ppctl.data.tokenizer import build_tokenizer  # noqa: E402
+
+DOCUMENTS = ["first document", "the second one, héllo ✓", "third"]
+
+
+def byte_stream(documents: list[str]) -> list[int]:
+    """The byte tokenizer's token stream of ``documents``: each one's bytes, then 256."""
+    return [token for text in documents for token in [*text.encode("utf-8"), 256]]
+
+
+def write_corpus(folder: Path, file_type: str, documents=DOCUMENTS, field: str = "text") -> Path:
+    """Write ``documents`` as one file of ``file_type`` (``.txt``: one file per document); return its path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if file_type == "txt":
+        for number, text in enumerate(documents):
+            (folder / f"doc{number}.txt").write_text(text)
+        return folder
+    path = folder / f"corpus.{file_type}"
+    records = [{field: text, "id": number} for number, text in enumerate(documents)]
+    if file_type == "jsonl":
+        path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    elif file_type == "json":
+        path.write_text(json.dumps(records))
+    else:
+        import pandas
+
+        frame = pandas.DataFrame(records)
+        frame.to_parquet(path) if file_type == "parquet" else frame.to_csv(path, index=False)
+    return path
+
+
+def tokens_of(prepared) -> list[int]:
+    return np.fromfile(prepared.token_file, dtype=prepared.index["dtype"]).tolist()
+
+
+def prepare(path, cache_dir, **options):
+    return prepare_corpus(CorpusSpec("text", str(path), cache_dir, **options))
+
+
+def save_word_tokenizer(path: Path, words: list[str], special_tokens: list[str]) -> Path:
+    """A tiny WordLevel ``tokenizers`` file trained on ``words``; return its path."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(words, trainers.WordLevelTrainer(special_tokens=["[UNK]", *special_tokens]))
+    tokenizer.save(str(path))
+    return path
+
+
+# --- file types, folders, globs ------------------------------------------------------------------
+
+@pytest.mark.parametrize("file_type", ["txt", "jsonl", "json", "parquet", "csv"])
+def test_each_file_type_gives_every_document_then_eod(file_type, tmp_path):
+    prepared = prepare(write_corpus(tmp_path / "data", file_type), tmp_path / "cache", validation_fraction=0.0)
+    assert tokens_of(prepared) == byte_stream(DOCUMENTS)
+    index = prepared.index
+    assert index["file_type"] == {"txt": "text", "jsonl": "json"}.get(file_type, file_type)
+    assert index["num_documents"] == 3 and index["num_tokens"] == len(byte_stream(DOCUMENTS))
+    assert index["text_field"] == (None if file_type == "txt" else "text")
+    assert index["splits"] == {"train": [0, index["num_tokens"]], "validation": [index["num_tokens"]] * 2}
+
+
+def test_folder_and_glob_take_their_known_files_in_order(tmp_path):
+    folder = tmp_path / "books"
+    (folder / "b").mkdir(parents=True)
+    (folder / "a.txt").write_text("alpha")
+    (folder / "b" / "c.txt").write_text("gamma")
+    (folder / "README.md").write_text("not a document")  # unknown suffix: ignored
+    (folder / ".hidden.txt").write_text("hidden")  # hidden: ignored
+    corpus = resolve_corpus(str(folder))
+    assert corpus.file_type == "text" and [file.name for file in corpus.files] == ["a.txt", "c.txt"]
+    assert tokens_of(prepare(folder, tmp_path / "cache", validation_fraction=0.0)) == byte_stream(["alpha", "gamma"])
+    glob_corpus = resolve_corpus(str(folder / "**" / "*.txt"))
+    assert [file.name for file in glob_corpus.files] == ["a.txt", "c.txt"]
+    assert [file.name for file in resolve_corpus(str(folder / "*.txt")).files] == ["a.txt"]
+    single = folder / "notes"  # an explicit file of another suffix is plain text
+    single.write_text("x")
+    assert resolve_corpus(str(single)).file_type == "text"
+
+
+def test_path_errors_are_one_line_naming_the_setting(tmp_path):
+    (tmp_path / "empty").mkdir()
+    mixed = tmp_path / "mixed"
+    write_corpus(mixed, "txt")
+    write_corpus(mixed, "csv")
+    write_corpus(mixed, "jsonl")
+    only_md = tmp_path / "docs"
+    only_md.mkdir()
+    (only_md / "a.md").write_text("x")
+    cases = [
+        (tmp_path / "nope.txt", "no such file, folder or glob"),
+        (tmp_path / "*.parquet", "the glob matches no file"),
+        (tmp_path / "empty", "the folder holds no file"),
+        (mixed, "mixes file types csv, json, text; a corpus takes files of one type"),
+        (only_md, "none of its 1 file(s) ends in .txt, .json, .jsonl, .parquet or .csv"),
+    ]
+    for path, fragment in cases:
+        with pytest.raises(DataError) as error:
+            resolve_corpus(str(path))
+        assert str(error.value) == f"data.path={path}: {fragment}" or fragment in str(error.value)
+        assert str(error.value).startswith(f"data.path={path}: ") and "\n" not in str(error.value)
+
+
+def test_hub_names_and_offline_hub_failure_in_one_line(tmp_path, monkeypatch):
+    assert looks_like_hub_name("roneneldan/TinyStories") and looks_like_hub_name("wikitext")
+    for local in ("nope.txt", "/abs/owner/name", "a/b/c", "./x", "data/*.jsonl"):
+        assert not looks_like_hub_name(local), local
+    monkeypatch.chdir(tmp_path)
+    import datasets
+
+    if not datasets.config.HF_HUB_OFFLINE:
+        pytest.skip("the hub is only tried offline here (HF_DATASETS_OFFLINE=1)")
+    with pytest.raises(DataError) as error:
+        prepare("ppctl-tests/no-such-dataset", tmp_path / "cache")
+    message = str(error.value)
+    assert message.startswith("data.path=ppctl-tests/no-such-dataset: no such file, folder or glob, and loading it "
+                              "as a Hugging Face hub dataset failed: ") and "\n" not in message
+
+
+# --- text fields, empty corpora -------------------------------------------------------------------
+
+def test_text_field_picks_the_column_and_a_missing_one_names_the_fields(tmp_path):
+    path = write_corpus(tmp_path / "data", "jsonl", field="body")
+    assert tokens_of(prepare(path, tmp_path / "cache", text_field="body", validation_fraction=0.0)) == \
+        byte_stream(DOCUMENTS)
+    with pytest.raises(DataError, match=f"^data.text_field=text is not a field of data.path={path}; its fields: "
+                                        "body, id$"):
+        prepare(path, tmp_path / "cache")
+    with pytest.raises(DataError, match=r"data.text_field=id of .* holds Value\('int64'\), not text"):
+        prepare(path, tmp_path / "cache", text_field="id")
+
+
+def test_empty_documents_are_skipped_and_an_empty_corpus_refused(tmp_path):
+    path = write_corpus(tmp_path / "data", "jsonl", documents=["a", "", "b"])
+    prepared = prepare(path, tmp_path / "cache", validation_fraction=0.0)
+    assert tokens_of(prepared) == byte_stream(["a", "b"]) and prepared.index["num_documents"] == 2
+    empty = write_corpus(tmp_path / "empty", "jsonl", documents=["", ""])
+    with pytest.raises(DataError, match=r"data.path=.*corpus.jsonl: the corpus holds no text \(2 empty document"):
+        prepare(empty, tmp_path / "cache")
+    assert len(list((tmp_path / "cache").glob("text-corpus-*"))) == 2  # the first corpus's files; none for it
+
+
+# --- tokenizer files ------------------------------------------------------------------------------
+
+def test_tokenizer_file_with_its_own_end_of_text_token(tmp_path):
+    words = ["the cat sat", "on the mat"]
+    tokenizer_file = save_word_tokenizer(tmp_path / "words.json", words, ["</s>"])
+    tokenizer = build_tokenizer(str(tokenizer_file))
+    vocab = json.loads(tokenizer_file.read_text())["model"]["vocab"]
+    assert tokenizer.eod_id == vocab["</s>"] and tokenizer.vocab_size == len(vocab)
+    path = write_corpus(tmp_path / "data", "jsonl", documents=words)
+    prepared = prepare(path, tmp_path / "cache", tokenizer=str(tokenizer_file), validation_fraction=0.0)
+    expected = [vocab[word] for word in "the cat sat".split()] + [tokenizer.eod_id] + \
+        [vocab[word] for word in "on the mat".split()] + [tokenizer.eod_id]
+    assert tokens_of(prepared) == expected
+    assert tokenizer.decode(expected[:4]) == "the cat sat"
+    identity = prepared.index["tokenizer"]
+    assert identity["path"] == str(tokenizer_file.resolve()) and len(identity["sha256"]) == 64
+    assert prepared.index["vocab_size"] == len(vocab) and prepared.index["eod_id"] == vocab["</s>"]
+
+
+def test_tokenizer_file_without_one_gets_a_new_eod_id(tmp_path):
+    tokenizer_file = save_word_tokenizer(tmp_path / "words.json", ["a b c"], [])
+    tokenizer = build_tokenizer(str(tokenizer_file))
+    file_size = len(json.loads(tokenizer_file.read_text())["model"]["vocab"])
+    assert (tokenizer.eod_id, tokenizer.vocab_size) == (file_size, file_size + 1)
+    assert TokenizeBatch(tokenizer, "uint16", "text")({"text": ["a c", ""]})["ids"][0].tolist() == \
+        [*tokenizer.encode("a c"), file_size]
+    (tmp_path / "broken.json").write_text("{}")
+    with pytest.raises(ValueError, match="broken.json: not a Hugging Face tokenizers file"):
+        build_tokenizer(str(tmp_path / "broken.json"))
+
+
+def test_token_dtype_follows_the_vocabulary_and_uint16_is_refused_above_65536(tmp_path):
+    assert token_dtype_for("auto", 257) == "uint16" and token_dtype_for("auto", 65_536) == "uint16"
+    assert token_dtype_for("auto", 65_537) == "uint32" and token_dtype_for("uint32", 257) == "uint32"
+    with pytest.raises(DataError, match="data.token_dtype=uint16 holds 65,536 ids but the tokenizer has 65,537; "
+                                        "use data.token_dtype=uint32 or auto"):
+        token_dtype_for("uint16", 65_537)
+    with pytest.raises(DataError, match="data.token_dtype='int8' must be one of auto, uint16, uint32"):
+        token_dtype_for("int8", 257)
+    from tokenizers import Tokenizer, models
+
+    big = tmp_path / "big.json"  # 65,536 words and no end-of-text token: 65,537 ids
+    Tokenizer(models.WordLevel({f"w{number}": number for number in range(1 << 16)}, unk_token="w0")).save(str(big))
+    with pytest.raises(ConfigError, match="data.token_dtype=uint16 holds 65,536 ids but the tokenizer has 65,537"):
+        validate(config_of(tokenizer=str(big), token_dtype="uint16"))
+    assert config_of(tokenizer=str(big)).model.vocab_size == 65_537
+
+
+# --- vocabulary resolution ------------------------------------------------------------------------
+
+def config_of(vocab_size=None, eval_every=50, **data) -> PpctlConfig:
+    """A config with these data settings, resolved as composing resolves it (without Hydra's cost)."""
+    config = PpctlConfig(model=ModelConfig(vocab_size=vocab_size), data=DataConfig(**data))
+    config.trainer.eval_every = eval_every
+    return config
+
+
+def test_vocab_size_follows_the_tokenizer_unless_set(tmp_path):
+    tokenizer_file = save_word_tokenizer(tmp_path / "words.json", ["a b c"], ["<|endoftext|>"])
+    file_size = len(json.loads(tokenizer_file.read_text())["model"]["vocab"])
+    assert config_of().model.vocab_size == 257
+    assert config_of(source="synthetic").model.vocab_size == 257
+    assert config_of(source="synthetic", tokenizer=str(tokenizer_file)).model.vocab_size == 257
+    config = compose_config([f"data.tokenizer={tokenizer_file}"])  # as the CLI resolves it, into config.yaml
+    assert config.model.vocab_size == file_size and "vocab_size: " + str(file_size) in to_yaml(config)
+    assert config_of(vocab_size=300).model.vocab_size == 300
+    with pytest.raises(ConfigError, match="model.vocab_size=256 is smaller than the 257 ids of data.tokenizer=byte; "
+                                          "set model.vocab_size >= 257 or leave it unset to follow the tokenizer"):
+        validate(config_of(vocab_size=256))
+    validate(config_of(vocab_size=16, source="synthetic"))  # synthetic data takes any vocabulary
+    with pytest.raises(ConfigError, match="data.tokenizer=nope.json: unknown tokenizer"):
+        config_of(tokenizer="nope.json")
+
+
+def test_data_settings_are_validated_in_one_line(tmp_path):
+    for settings, fragment in [
+        (dict(validation_fraction=1.0), "data.validation_fraction=1.0 must be >= 0 and < 1"),
+        (dict(validation_fraction=0.0), "data.validation_fraction=0.0 leaves no validation split but "
+                                        "trainer.eval_every=50; set trainer.eval_every=0"),
+        (dict(num_proc=0), "data.num_proc=0 must be a positive integer"),
+        (dict(source="text", path=str(tmp_path)), f"data.path={tmp_path}: the folder holds no file"),
+        (dict(source="text"), "data.source=text needs data.path"),
+        (dict(path="x.txt"), "data.source=python_stdlib takes no data.path"),
+        (dict(source="text_file"), "data.source='text_file' must be one of python_stdlib, text, synthetic"),
+    ]:
+        with pytest.raises(ConfigError) as error:
+            validate(config_of(**settings))
+        assert fragment in str(error.value) and "\n" not in str(error.value)
+    validate(config_of(validation_fraction=0.0, eval_every=0))
+    validate(config_of(source="text", path="owner/hub-name"))  # tried when preparing
+
+
+# --- cache ----------------------------------------------------------------------------------------
+
+def test_cache_is_reused_and_rebuilt_when_an_input_changes(tmp_path, monkeypatch):
+    path = write_corpus(tmp_path / "data", "jsonl")
+    builds = []
+    real_build = prepare_module._build_cache
+    monkeypatch.setattr(prepare_module, "_build_cache", lambda *args: builds.append(1) or real_build(*args))
+    first = prepare(path, tmp_path / "cache")
+    token_mtime = first.token_file.stat().st_mtime_ns
+    assert prepare(path, tmp_path / "cache").token_file == first.token_file and len(builds) == 1
+    # another validation fraction keeps the tokens and moves the split in the index
+    other_split = prepare(path, tmp_path / "cache", validation_fraction=0.5)
+    assert other_split.token_file == first.token_file and len(builds) == 1
+    assert first.token_file.stat().st_mtime_ns == token_mtime
+    assert read_index(first.token_file)["splits"] == split_bounds(first.index["num_tokens"], 0.5)
+    # a changed tokenizer, dtype, text field or content is another cache
+    tokenizer_file = save_word_tokenizer(tmp_path / "words.json", DOCUMENTS, [])
+    changed = [prepare(path, tmp_path / "cache", tokenizer=str(tokenizer_file)),
+               prepare(path, tmp_path / "cache", token_dtype="uint32")]
+    write_corpus(tmp_path / "data", "jsonl", documents=DOCUMENTS[:2])
+    changed.append(prepare(path, tmp_path / "cache"))
+    assert len(builds) == 4 and len({first.token_file, *(prepared.token_file for prepared in changed)}) == 4
+    assert tokens_of(changed[-1]) == byte_stream(DOCUMENTS[:2])
+
+
+def test_file_digests_are_remembered_only_for_settled_files(tmp_path, monkeypatch):
+    path = write_corpus(tmp_path / "data", "jsonl")
+    digests = prepare_module.FileDigests(tmp_path / "memo.json")
+    fresh = digests.digest(path)
+    assert not digests.entries  # just written: its mtime cannot be trusted yet
+    os.utime(path, (1_000_000_000, 1_000_000_000))
+    assert digests.digest(path) == fresh and digests.entries
+    digests.save()
+    remembered = prepare_module.FileDigests(tmp_path / "memo.json")
+    monkeypatch.setattr(prepare_module.hashlib, "sha256", None)  # a remembered file is not read again
+    assert remembered.digest(path) == fresh
+
+
+def test_cache_writes_are_atomic(tmp_path):
+    target = tmp_path / "tokens.bin"
+
+    def write_half_then_fail(handle):
+        handle.write(b"half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        prepare_module._write_atomically(target, write_half_then_fail)
+    assert list(tmp_path.iterdir()) == []  # neither the file nor its temporary
+    prepare_module._write_atomically(target, lambda handle: handle.write(b"done"))
+    assert target.read_bytes() == b"done" and oct(target.stat().st_mode & 0o777) == "0o644"
+
+
+def test_progress_bar_shown_only_when_asked(tmp_path, capfd):
+    path = write_corpus(tmp_path / "data", "jsonl")
+    prepare_corpus(CorpusSpec("text", str(path), tmp_path / "quiet"))
+    assert "tokenising" not in capfd.readouterr().err
+    prepare_corpus(CorpusSpec("text", str(path), tmp_path / "shown"), progress=True)
+    assert "tokenising (byte)" in capfd.readouterr().err
+
+
+# --- splits ---------------------------------------------------------------------------------------
+
+def test_splits_cut_the_last_tokens_and_windows_stay_inside_each(tmp_path):
+    assert split_bounds(100, 0.05) == {"train": [0, 95], "validation": [95, 100]}
+    assert split_bounds(100, 0.0) == {"train": [0, 100], "validation": [100, 100]}
+    assert split_bounds(7, 0.1) == {"train": [0, 7], "validation": [7, 7]}
+    text = "".join(chr(ord("a") + number % 26) for number in range(199))  # one document: 200 tokens
+    path = tmp_path / "one.txt"
+    path.write_text(text)
+    spec = CorpusSpec("text", str(path), tmp_path / "cache", validation_fraction=0.25)
+    train, held_out = (build_dataset(spec, 9, 257, 0, split=split) for split in ("train", "validation"))
+    assert (len(train), len(held_out)) == (150 // 10, 50 // 10)
+    stream = byte_stream([text])
+    assert held_out[0].tolist() == stream[150:160] and held_out[4].tolist() == stream[190:200]
+    assert train[14].tolist() == stream[140:150]
+    prepared = prepare_corpus(spec)
+    with pytest.raises(DataError, match=r"the validation split holds 50 tokens \(data.validation_fraction=0.25 of "
+                                        r"200\), fewer than one window of trainer.seq_length\+1=65; raise "
+                                        "data.validation_fraction or set trainer.eval_every=0"):
+        prepared.check_split("validation", 64)
+    with pytest.raises(ValueError, match="unknown split 'test'"):
+        build_dataset(spec, 9, 257, 0, split="test")
+
+
+def test_synthetic_validation_is_another_fixed_stream():
+    spec = CorpusSpec("synthetic")
+    train, held_out = build_dataset(spec, 16, 100, 5), build_dataset(spec, 16, 100, 5, split="validation")
+    assert len(held_out) == SYNTHETIC_VALIDATION_SAMPLES == 1024
+    again = build_dataset(spec, 16, 100, 5, split="validation")
+    assert held_out[3].tolist() == again[3].tolist() and held_out[3].tolist() != train[3].tolist()
+    assert held_out[3].tolist() != build_dataset(spec, 16, 100, 6, split="validation")[3].tolist()
+
+
+def test_dataset_of_gives_each_split_of_the_configured_corpus(tmp_path):
+    from ppctl.factory import dataset_of
+
+    path = tmp_path / "one.txt"
+    path.write_text("x" * 999)
+    config = compose_config(["data=text", f"data.path={path}", f"data.cache_dir={tmp_path / 'cache'}",
+                             "data.validation_fraction=0.2", "trainer.seq_length=9"])
+    assert (len(dataset_of(config)), len(dataset_of(config, "validation"))) == (80, 20)
