@@ -15,7 +15,7 @@ BASE = ["data=synthetic", "trainer.seq_length=16", "trainer.global_batch_size=8"
 # Labels equal to the end-of-document id (the last of 16 ids) weigh zero: a loss mask with holes.
 MASKED = ["model.vocab_size=16", "data.eod_mask_loss=true"]
 CASES = {
-    "tp2-pp2-dp2-masked": (["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"], MASKED),
+    # tp=2 pp=2 dp=2 with the masked loss is tests/cli/test_cli_workers.py's 8-rank run.
     # DualPipe with the distributed optimizer: the two parameter copies (mirror pp ranks) and the dp
     # replicas share the shards; tied embeddings summed on each end rank before the reduce-scatter.
     "tp2-pp2-dp2-dualpipe-distributed-tied": (

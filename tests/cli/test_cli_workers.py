@@ -13,6 +13,7 @@ from collections import defaultdict
 import pytest
 
 from tests.cli.runs import assert_same_series, scalars
+from tests.cli.test_cli_equivalence import MASKED
 
 FAST_TRAIN = ["data=synthetic", "trainer.seq_length=16", "trainer.global_batch_size=8", "trainer.micro_batch_size=2"]
 THREE_STEPS = ["trainer.max_steps=3", "trainer.log_every=1", *FAST_TRAIN]
@@ -52,8 +53,9 @@ def test_check_cluster_proves_every_group(ppctl, tmp_path, sizes):
 
 @pytest.mark.timeout(300)
 def test_train_8_ranks_writes_tensorboard(ppctl, single_run, tmp_path):
-    """tp=2 pp=2 dp=2 writes the run files and logs the single-process run's losses and gradient norms."""
-    parallel = ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"]
+    """tp=2 pp=2 dp=2 with a loss mask with holes writes the run files and logs the single-process run's losses
+    and gradient norms."""
+    parallel = ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", *MASKED]
     result = ppctl("train", *parallel, *THREE_STEPS, f"trainer.out_dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step     3/3 | loss" in result.stdout
