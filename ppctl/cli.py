@@ -10,6 +10,7 @@ inside the commands that need them, so ``inspect-layout`` starts quickly.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Callable, List, Optional
@@ -263,7 +264,15 @@ def write_run_dir(config: PpctlConfig, run_dir: Path) -> None:
 
 def main() -> None:
     """Console-script entry point."""
+    for signum in (signal.SIGINT, signal.SIGTERM):  # the launch installs its own while workers run
+        signal.signal(signum, interrupted_before_start)
     app()
+
+
+def interrupted_before_start(signum: int, _frame) -> None:
+    """SIGINT/SIGTERM while composing, validating or preparing data: one line, exit 128 + the signal."""
+    typer.echo(f"error: interrupted by {signal.Signals(signum).name} before any worker started", err=True)
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

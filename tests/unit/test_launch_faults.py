@@ -198,3 +198,14 @@ def test_signal_inbox_records_and_restores():
         time.sleep(0.01)
         assert inbox.take() == [signal.SIGTERM] and inbox.take() == []
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_signal_before_any_worker_starts_is_one_line_and_128_plus_the_signal(capsys):
+    import signal
+
+    from ppctl.cli import interrupted_before_start
+
+    with pytest.raises(SystemExit) as ended:
+        interrupted_before_start(signal.SIGINT, None)
+    assert ended.value.code == 130
+    assert capsys.readouterr().err == "error: interrupted by SIGINT before any worker started\n"
