@@ -129,7 +129,7 @@ class EtaClock:
     once others are known)."""
 
     def __init__(self, start_step: int, max_steps: int):
-        self.start_step, self.max_steps = start_step, max_steps
+        self.max_steps = max_steps
         self.durations: list[float] = []
         self.done = start_step
 

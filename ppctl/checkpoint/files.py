@@ -12,15 +12,15 @@ replaced atomically) names the newest complete one. Pure: files and JSON only.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ppctl.fileio import file_sha256, write_atomically
 
 FORMAT_VERSION = 1
 INDEX_NAME = "ppctl.json"
@@ -47,15 +47,6 @@ def temporary_dir(run_dir: Path, step: int) -> Path:
     return checkpoints_dir(run_dir) / f".{step_dir_name(step)}.partial"
 
 
-def file_digest(path: Path) -> str:
-    """SHA-256 of a file's bytes (hex)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def commit(run_dir: Path, step: int, index: dict[str, Any], keep_last: int) -> Path:
     """Make the checkpoint written in ``temporary_dir(run_dir, step)`` complete and current.
 
@@ -65,15 +56,15 @@ def commit(run_dir: Path, step: int, index: dict[str, Any], keep_last: int) -> P
     has written its files.
     """
     partial, final = temporary_dir(run_dir, step), checkpoints_dir(run_dir) / step_dir_name(step)
-    files = {path.name: {"bytes": path.stat().st_size, "sha256": file_digest(path)}
+    files = {path.name: {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
              for path in sorted(partial.iterdir()) if path.is_file()}
     index = {**index, "format_version": FORMAT_VERSION, "step": step, "files": files}
-    _write_atomically(partial / INDEX_NAME, json.dumps(index, indent=1))
+    write_atomically(partial / INDEX_NAME, lambda handle: handle.write(json.dumps(index, indent=1).encode()))
     _fsync_dir(partial)
     if final.exists():  # the same step saved again (a resumed run repeating it): the new one wins
         shutil.rmtree(final)
     os.replace(partial, final)
-    _write_atomically(checkpoints_dir(run_dir) / LATEST_NAME, final.name + "\n")
+    write_atomically(checkpoints_dir(run_dir) / LATEST_NAME, lambda handle: handle.write(f"{final.name}\n".encode()))
     _fsync_dir(checkpoints_dir(run_dir))
     prune(run_dir, keep_last)
     return final
@@ -111,7 +102,7 @@ def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
             continue
         problem = "partial (never committed)" if path.name.endswith(".partial") else checkpoint_problem(path)
         size = sum(item.stat().st_size for item in path.iterdir() if item.is_file())
-        index = _read_index(path) if problem is None else {}
+        index = read_index(path) if problem is None else {}
         found.append(CheckpointInfo(path, int(match.group(1)), problem is None, problem, size, index))
     return sorted(found, key=lambda info: (info.step, info.complete))
 
@@ -127,7 +118,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def checkpoint_problem(path: Path, verify_digests: bool = False) -> str | None:
     """Why ``path`` is not a complete checkpoint (None when it is): missing index or files, wrong sizes or digests."""
     try:
-        index = _read_index(path)
+        index = read_index(path)
     except (OSError, ValueError) as error:
         return f"no readable {INDEX_NAME} ({type(error).__name__}): not a complete checkpoint"
     if index.get("format_version") != FORMAT_VERSION:
@@ -141,7 +132,7 @@ def checkpoint_problem(path: Path, verify_digests: bool = False) -> str | None:
             return f"{name} is missing"
         if file.stat().st_size != expected["bytes"]:
             return f"{name} has {file.stat().st_size} bytes, {expected['bytes']} were written"
-        if verify_digests and file_digest(file) != expected["sha256"]:
+        if verify_digests and file_sha256(file) != expected["sha256"]:
             return f"{name} is corrupt (its SHA-256 differs from the one written)"
     return None
 
@@ -168,8 +159,8 @@ def resolve_checkpoint(location: str | os.PathLike) -> Path:
 
 
 def read_index(checkpoint: Path) -> dict[str, Any]:
-    """A complete checkpoint's ``ppctl.json``."""
-    return _read_index(checkpoint)
+    """A checkpoint's ``ppctl.json``."""
+    return json.loads((Path(checkpoint) / INDEX_NAME).read_text())
 
 
 # What must match for a checkpoint's tensors to fit this run's model.
@@ -201,25 +192,6 @@ def is_run_dir_checkpoint(location: str | os.PathLike) -> bool:
     """Whether ``trainer.resume_from`` names a run directory (rather than one checkpoint)."""
     path = Path(location)
     return path.is_dir() and not (path / INDEX_NAME).exists() and not _STEP_DIR.match(path.name)
-
-
-def _read_index(path: Path) -> dict[str, Any]:
-    return json.loads((path / INDEX_NAME).read_text())
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file next to ``path``, flush it to disk, rename it into place."""
-    descriptor, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(descriptor, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp_name)
-        raise
 
 
 def _fsync_dir(path: Path) -> None:

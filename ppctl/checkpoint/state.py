@@ -22,6 +22,7 @@ optimizer derive what follows from the parameters (fp32 main copies of fp32 runs
 from __future__ import annotations
 
 import datetime
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -91,8 +92,6 @@ def save_checkpoint(trainer, run_dir: Path, step: int, reason: str, keep_last: i
     if dist.get_rank() == 0:
         partial.parent.mkdir(parents=True, exist_ok=True)
         if partial.exists():  # left by a save that died: start it again
-            import shutil
-
             shutil.rmtree(partial)
     dist.barrier()
     state = tensor_state(trainer, loading=False)

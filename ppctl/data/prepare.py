@@ -32,9 +32,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 from ppctl.data.tokenizer import Tokenizer, build_tokenizer
+from ppctl.fileio import file_sha256, write_atomically
 
 TOKEN_SOURCES = ("python_stdlib", "text")
 TOKEN_DTYPES = ("auto", "uint16", "uint32")
@@ -317,19 +318,16 @@ class FileDigests:
         known = self.entries.get(key)
         if known is not None and known[:2] == [stat.st_size, stat.st_mtime_ns]:
             return known[2]
-        digest = hashlib.sha256()
-        with open(file, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
+        digest = file_sha256(file)
         if time.time() - stat.st_mtime_ns / 1e9 > RACY_SECONDS:
-            self.entries[key] = [stat.st_size, stat.st_mtime_ns, digest.hexdigest()]
+            self.entries[key] = [stat.st_size, stat.st_mtime_ns, digest]
             self.changed = True
-        return digest.hexdigest()
+        return digest
 
     def save(self) -> None:
         """Write the memo back (atomically) when something new was learnt."""
         if self.changed:
-            _write_atomically(self.memo_file, lambda handle: handle.write(json.dumps(self.entries).encode()))
+            write_atomically(self.memo_file, lambda handle: handle.write(json.dumps(self.entries).encode()))
 
 
 def _valid_index(token_file: Path, key: str) -> dict | None:
@@ -420,7 +418,7 @@ def _write_tokens(ids_column, token_file: Path, label: str) -> tuple[int, int]:
         for chunk in ids_column.chunks:
             chunk.flatten().to_numpy(zero_copy_only=False).tofile(handle)
 
-    _write_atomically(token_file, write)
+    write_atomically(token_file, write)
     return num_tokens, num_documents
 
 
@@ -483,20 +481,4 @@ def _datasets_progress(shown: bool) -> Iterator:
 
 
 def _write_index(token_file: Path, index: dict) -> None:
-    _write_atomically(index_path(token_file), lambda handle: handle.write(json.dumps(index, indent=2).encode()))
-
-
-def _write_atomically(final_path: Path, write: Callable) -> None:
-    """Call ``write(file)`` on a temporary file next to ``final_path``, then rename it into place."""
-    descriptor, temp_name = tempfile.mkstemp(dir=final_path.parent, prefix=f".{final_path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(descriptor, "wb") as temp_file:
-            write(temp_file)
-            temp_file.flush()
-            os.fsync(temp_file.fileno())
-        os.chmod(temp_name, 0o644)  # mkstemp creates 0600; the cache is meant to be shared
-        os.replace(temp_name, final_path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp_name)
-        raise
+    write_atomically(index_path(token_file), lambda handle: handle.write(json.dumps(index, indent=2).encode()))

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "ppctl"
 PURE = ("ppctl.parallel.layout", "ppctl.pipeline.schedules", "ppctl.pipeline.messages", "ppctl.pipeline.replay",
         "ppctl.pipeline.comm", "ppctl.pipeline.simulate", "ppctl.pipeline.check", "ppctl.optim.lr",
         "ppctl.optim.loss_scale", "ppctl.config", "ppctl.checkpoint.files",
-        "ppctl.interrupt")
+        "ppctl.interrupt", "ppctl.fileio")
 # Each module's level: a module imports only from its own level or below.
 LEVELS = {
     "ppctl.parallel.layout": 0, "ppctl.pipeline.schedules": 0, "ppctl.pipeline.messages": 0,
@@ -22,6 +22,7 @@ LEVELS = {
     "ppctl.data.dataset": 0, "ppctl.parallel.tensor_parallel": 0, "ppctl.parallel.context_parallel": 0,
     "ppctl.pipeline.stage": 0, "ppctl.testing": 0, "ppctl.optim.lr": 0, "ppctl.optim.loss_scale": 0,
     "ppctl.model.weight_grad": 0, "ppctl.checkpoint.files": 0, "ppctl.interrupt": 0,
+    "ppctl.fileio": 0,
     "ppctl.checkpoint": 1, "ppctl.checkpoint.state": 3,
     "ppctl.config": 1, "ppctl.model": 1, "ppctl.data.iterator": 1, "ppctl.parallel.groups": 1,
     "ppctl.pipeline.p2p": 1, "ppctl.pipeline.trace": 1, "ppctl.pipeline.runtime": 1, "ppctl.optim": 1,

@@ -287,11 +287,13 @@ def test_file_digests_are_remembered_only_for_settled_files(tmp_path, monkeypatc
     assert digests.digest(path) == fresh and digests.entries
     digests.save()
     remembered = prepare_module.FileDigests(tmp_path / "memo.json")
-    monkeypatch.setattr(prepare_module.hashlib, "sha256", None)  # a remembered file is not read again
+    monkeypatch.setattr(prepare_module, "file_sha256", None)  # a remembered file is not read again
     assert remembered.digest(path) == fresh
 
 
 def test_cache_writes_are_atomic(tmp_path):
+    from ppctl.fileio import write_atomically
+
     target = tmp_path / "tokens.bin"
 
     def write_half_then_fail(handle):
@@ -299,9 +301,9 @@ def test_cache_writes_are_atomic(tmp_path):
         raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError, match="disk full"):
-        prepare_module._write_atomically(target, write_half_then_fail)
+        write_atomically(target, write_half_then_fail)
     assert list(tmp_path.iterdir()) == []  # neither the file nor its temporary
-    prepare_module._write_atomically(target, lambda handle: handle.write(b"done"))
+    write_atomically(target, lambda handle: handle.write(b"done"))
     assert target.read_bytes() == b"done" and oct(target.stat().st_mode & 0o777) == "0o644"
 
 
