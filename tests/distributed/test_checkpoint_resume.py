@@ -14,8 +14,7 @@ import functools
 import pytest
 
 from ppctl.testing import run_workers
-from tests.distributed.equivalence import (BASE, FP64, RTOL_FP64, _compare_scalars, _compare_tensors,
-                                           single_process_overrides)
+from tests.distributed.equivalence import BASE, FP64, compare_parameters, compare_scalars, single_process_reference
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 
@@ -102,25 +101,21 @@ def _launch_4(rank, world_size, root, across):
 
 @functools.lru_cache(maxsize=None)
 def _single_process(overrides: tuple[str, ...]):
-    from ppctl.config import compose_config
-    from ppctl.reference import run_reference
-
-    single = compose_config(list(overrides))
-    return single, run_reference(single, STEPS)
+    return single_process_reference(list(overrides), STEPS)
 
 
 def _assert_matches_single_process(per_rank, index, overrides):
-    single, reference = _single_process(tuple(single_process_overrides(overrides)))
+    reference = _single_process(tuple(overrides))
+    tolerance = reference.tolerance
     assert all(result[index]["start"] == SAVED_AT for result in per_rank)
     losses = [result[index]["losses"] for result in per_rank if result[index]["losses"][0] is not None]
     assert losses, "no rank holds the loss"
     for rank_losses in losses:
-        _compare_scalars("resumed loss", overrides, rank_losses, reference.losses[SAVED_AT:], RTOL_FP64)
+        compare_scalars("resumed loss", overrides, rank_losses, reference.run.losses[SAVED_AT:], tolerance)
     for result in per_rank:
-        _compare_scalars("resumed grad norm", overrides, result[index]["norms"], reference.grad_norms[SAVED_AT:],
-                         RTOL_FP64)
-    _compare_tensors("parameter", overrides, per_rank, index, "shards", reference.parameters,
-                     single.model.vocab_size, elementwise=True, tolerance=RTOL_FP64)
+        compare_scalars("resumed grad norm", overrides, result[index]["norms"], reference.run.grad_norms[SAVED_AT:],
+                        tolerance)
+    compare_parameters("parameter", overrides, per_rank, index, "shards", reference, STEPS)
 
 
 def test_resume_at_other_layouts_and_world_sizes_equals_one_process(tmp_path):

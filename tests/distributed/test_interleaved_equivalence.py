@@ -1,8 +1,8 @@
 """Interleaved 1F1B (virtual pipeline) trains exactly like one process.
 
 Each rank holds vpp chunks placed by the looped layer map; per-step losses, grad norms,
-step-0 gradients and final parameters are compared with the single-process run (float32
-within 1e-5, float64 elementwise within 1e-10). One case uses a microbatch count that is
+step-0 gradients and final parameters are compared with the single-process run
+(within the tolerances of ``tests/tolerances.py``). One case uses a microbatch count that is
 not a multiple of pp; rotary runs need positions on middle chunks, which read them as data.
 """
 

@@ -14,6 +14,7 @@ import torch
 
 from ppctl.testing import run_workers
 from tests.distributed.equivalence import BASE, _record_message_bytes
+from tests.tolerances import HALF_PRECISION_LOSS
 
 STEPS = 30
 # Real text, so the loss falls and a broken bf16 path shows; a learning rate low enough that no loss
@@ -21,9 +22,6 @@ STEPS = 30
 DATA = ["data=python_stdlib", "optimizer.lr=0.003"]
 LAYOUTS = {"pp2": ["parallel.pp=2", "parallel.dp=1"], "dp2-distributed": ["parallel.pp=1", "parallel.dp=2",
                                                                            "optimizer.distributed=true"]}
-# bf16 keeps 8 bits of mantissa (relative rounding 2^-9 ~ 2e-3); 30 steps of AdamW on a tiny model
-# drift a little further apart, but a wrong cast, a bf16 loss or bf16 accumulation shows far above this.
-LOSS_RTOL = {"bf16": 1e-2, "fp16": 2e-3}  # fp16 keeps 10 bits of mantissa, bf16 8
 OVERFLOWING_SCALE = 2.0 ** 20  # overflows fp16 (max 65504) in the backward of this model; 2^16 does not
 
 
@@ -85,7 +83,7 @@ def _check_half_precision_run(name: str, precision: str, dtype: torch.dtype, per
         if fp32["losses"][0] is None:
             continue  # not a rank that holds the loss
         for step, (want, got) in enumerate(zip(fp32["losses"], half["losses"], strict=True)):
-            assert abs(got - want) <= LOSS_RTOL[precision] * want, (
+            assert abs(got - want) <= HALF_PRECISION_LOSS[precision] * want, (
                 f"{name} step {step}: {precision} loss {got} vs fp32 {want}")
         assert fp32["losses"][-1] < fp32["losses"][0] - 1.0  # the runs really learn
     sent32 = set().union(*(report[name, "fp32"]["message_bytes"] for report in per_rank))

@@ -1,0 +1,104 @@
+"""Deliberate defects for the harness's broken twins: each one a bug a parallel run could really have.
+
+``broken(name)`` patches ppctl inside a worker for the duration of one run (and restores it):
+the equivalence harness must then report the run as different from one process. Each defect
+is a real past or plausible bug of the kind the equivalence tests exist to catch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+
+def _drop_first_microbatch_gradient():
+    """The first microbatch of each step on each loss rank reports its loss but sends no gradient back."""
+    from ppctl.stages import MaskedTokenLoss
+
+    original = MaskedTokenLoss.__call__
+    seen: set[int] = set()  # one loss function per step: the first call of each drops its gradient
+
+    def dropping(self, token_losses, microbatch):
+        loss, masked_sum = original(self, token_losses, microbatch)
+        if id(self) not in seen:
+            seen.add(id(self))
+            loss = loss.detach() + 0.0 * loss  # the same value; a zero gradient flows back
+        return loss, masked_sum
+
+    return mock.patch.object(MaskedTokenLoss, "__call__", dropping)
+
+
+def _loss_scaled_twice():
+    """The back-propagated loss divided by the global token count twice (the reported loss unchanged)."""
+    from ppctl.stages import MaskedTokenLoss
+
+    original = MaskedTokenLoss.__call__
+
+    def scaled_twice(self, token_losses, microbatch):
+        loss, masked_sum = original(self, token_losses, microbatch)
+        return loss / self.normalizer, masked_sum
+
+    return mock.patch.object(MaskedTokenLoss, "__call__", scaled_twice)
+
+
+def _tp_gradient_not_reduced():
+    """The gradient of a column-parallel layer's replicated input is not all-reduced over TP."""
+    from ppctl.parallel import tensor_parallel
+
+    return mock.patch.object(tensor_parallel._CopyToTPRegion, "backward",
+                             staticmethod(lambda ctx, grad_output: (grad_output, None)))
+
+
+def _dp_gradient_not_reduced():
+    """Data-parallel (and CP) replicas step on their own gradients: the replica all-reduce is skipped."""
+    from ppctl.optim import grads, optimizer
+
+    def finalize_without_replicas(chunks, context):
+        grads.reduce_sequence_parallel_gradients(chunks, context)
+        grads.reduce_tied_embeddings(chunks, context)
+
+    return mock.patch.object(optimizer, "finalize_gradients", finalize_without_replicas)
+
+
+def _vocab_padding_in_softmax():
+    """The TP padding rows of the vocabulary enter the softmax (as they once did)."""
+    from ppctl.model import gpt
+    from ppctl.parallel.tensor_parallel import vocab_parallel_cross_entropy
+
+    def padded_softmax(logits_shard, targets, tp, vocab_size=None):
+        return vocab_parallel_cross_entropy(logits_shard, targets, tp, None)
+
+    return mock.patch.object(gpt, "vocab_parallel_cross_entropy", padded_softmax)
+
+
+def _parameter_not_stepped():
+    """One parameter of each rank keeps its value through the optimizer's step (a shard left behind)."""
+    import torch
+
+    from ppctl.optim.optimizer import PlainOptimizer
+
+    original = PlainOptimizer.step
+
+    def step_all_but_one(self):
+        first = self.optimizer.param_groups[0]["params"][0]
+        kept = first.detach().clone()
+        original(self)
+        with torch.no_grad():
+            first.copy_(kept)
+
+    return mock.patch.object(PlainOptimizer, "step", step_all_but_one)
+
+
+DEFECTS = {
+    "drop_microbatch_gradient": _drop_first_microbatch_gradient,
+    "loss_scaled_twice": _loss_scaled_twice,
+    "tp_gradient_not_reduced": _tp_gradient_not_reduced,
+    "dp_gradient_not_reduced": _dp_gradient_not_reduced,
+    "vocab_padding_in_softmax": _vocab_padding_in_softmax,
+    "parameter_not_stepped": _parameter_not_stepped,
+}
+
+
+def broken(name: str | None):
+    """A context manager that installs defect ``name`` (a key of ``DEFECTS``; None: nothing)."""
+    return DEFECTS[name]() if name is not None else contextlib.nullcontext()

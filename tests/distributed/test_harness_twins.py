@@ -1,0 +1,52 @@
+"""The equivalence harness can fail: every defect of ``tests.distributed.breakers`` is reported.
+
+The tolerances of ``tests/tolerances.py`` admit the roundoff of another summation order and
+nothing more. One launch of 4 workers trains each broken twin, a real bug a parallel run could
+have (a microbatch's gradient dropped, the loss scaled twice, a TP or DP gradient not reduced,
+the vocabulary padding in the softmax, a parameter left out of the step), in float32 (the looser
+precision) and the subtlest in float64 too. Each comparison of the harness (losses, forward-only
+loss, grad norms, step-0 gradients, final parameters) runs on its own: every twin must fail the
+comparisons its defect reaches, so each of them is shown able to fail.
+"""
+
+import pytest
+
+from tests.distributed.equivalence import BASE, FP64, MASKED, equivalence_checks, train_in_workers
+
+pytestmark = [pytest.mark.dist]
+
+TP2_PP2 = ["parallel.tp=2", "parallel.pp=2", "schedule=1f1b"]
+PP2_DP2 = ["parallel.pp=2", "parallel.dp=2", "schedule=1f1b"]
+BEFORE_OPTIMIZER = {"grad norm", "step-0 gradient"}
+# (defect, overrides, the comparisons that must fail: at least these)
+TWINS = [
+    ("drop_microbatch_gradient", BASE + TP2_PP2, {"loss", *BEFORE_OPTIMIZER}),
+    ("loss_scaled_twice", BASE + TP2_PP2, BEFORE_OPTIMIZER),
+    ("tp_gradient_not_reduced", BASE + TP2_PP2, {"loss", *BEFORE_OPTIMIZER}),
+    ("tp_gradient_not_reduced", BASE + TP2_PP2 + FP64, {"loss", *BEFORE_OPTIMIZER}),
+    ("dp_gradient_not_reduced", BASE + PP2_DP2, {"loss", *BEFORE_OPTIMIZER}),
+    ("vocab_padding_in_softmax", BASE + TP2_PP2 + MASKED, {"loss", "forward-only loss", *BEFORE_OPTIMIZER}),
+    # The step-0 quantities are right: only the parameter check (and later losses) can see it.
+    ("parameter_not_stepped", BASE + PP2_DP2, {"parameter"}),
+    ("parameter_not_stepped", BASE + PP2_DP2 + FP64, {"parameter"}),
+]
+
+
+def failing_checks(overrides, per_rank, index) -> set[str]:
+    """The names of the harness's comparisons that run ``index`` fails."""
+    failed = set()
+    for name, check in equivalence_checks(overrides, per_rank, index).items():
+        try:
+            check()
+        except AssertionError:
+            failed.add(name)
+    return failed
+
+
+@pytest.mark.timeout(300)
+def test_every_broken_twin_fails_the_comparisons_its_defect_reaches():
+    runs = [overrides for _defect, overrides, _checks in TWINS]
+    per_rank = train_in_workers(runs, world_size=4, breakers=[defect for defect, _runs, _checks in TWINS])
+    for index, (defect, overrides, must_fail) in enumerate(TWINS):
+        failed = failing_checks(overrides, per_rank, index)
+        assert must_fail <= failed, f"{defect} {overrides[-3:]}: only {sorted(failed)} failed"
