@@ -1,8 +1,9 @@
 """End-to-end runs that start torchrun workers (gloo): check-cluster, train, failures.
 
-Multi-rank training runs are judged by their numbers: every step's logged loss and
+The multi-rank training run is judged by its numbers too: every step's logged loss and
 gradient norm must equal those of the single-process run a user would launch with the
-same overrides and ``parallel=single`` (``tests.cli.runs``).
+same overrides and ``parallel=single`` (``tests.cli.runs``); the other layouts' numbers
+are proven in process (tests/distributed), where a proof is cheap.
 """
 
 import json
@@ -51,14 +52,31 @@ def test_check_cluster_proves_every_group(ppctl, tmp_path, sizes):
     assert measured == sorted((name, group) for name in ("tp", "dp") for group in layout.groups(name))
 
 
+# The 8-rank command carries as much of the CLI's surface as one launch can: tp, cp (ring attention)
+# with sequence parallelism, DualPipe's two parameter copies, the distributed optimizer, tied
+# embeddings, vocabulary padding and a loss mask with holes. Its numbers are proven in process too
+# (tests/distributed/test_context_parallel_equivalence.py, test_distributed_optimizer.py).
+EIGHT_RANKS = ["parallel.tp=2", "parallel.cp=2", "parallel.pp=2", "parallel.vpp=2", "schedule=dualpipe",
+               "parallel.cp_comm=ring", "parallel.sequence_parallel=true", "optimizer.distributed=true",
+               "model.tie_embeddings=true", "optimizer.clip_grad=1.0", *MASKED]
+
+
 @pytest.mark.timeout(300)
 def test_train_8_ranks_writes_tensorboard(ppctl, single_run, tmp_path):
-    """tp=2 pp=2 dp=2 with a loss mask with holes writes the run files and logs the single-process run's losses
-    and gradient norms."""
-    parallel = ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", *MASKED]
-    result = ppctl("train", *parallel, *THREE_STEPS, f"trainer.out_dir={tmp_path}")
+    """The 8-rank run writes the run files, says how it computes, and logs the single-process run's losses,
+    gradient norms and learning rates."""
+    from ppctl.config import compose_config, padded_vocab_size
+
+    settings = [*EIGHT_RANKS, *THREE_STEPS, "trainer.micro_batch_size=1"]
+    model = compose_config(settings).model
+    padded = padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, 2)
+    assert padded != padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, 1)
+    result = ppctl("train", *settings, f"trainer.out_dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step     3/3 | loss" in result.stdout
+    assert f"vocab {model.vocab_size} padded to {padded}" in result.stdout
+    assert "optimizer: distributed over 4 ranks (dp*cp x 2 parameter copies)" in result.stdout, result.stdout
+    assert "context parallel attention: ring | sequence parallel" in result.stdout
     assert json.loads((tmp_path / "layout.json").read_text())["world_size"] == 8
     assert (tmp_path / "config.yaml").exists()
     accumulator = scalars(tmp_path)
@@ -68,7 +86,7 @@ def test_train_8_ranks_writes_tensorboard(ppctl, single_run, tmp_path):
     times, speeds = accumulator.Scalars("train/step_time_s"), accumulator.Scalars("train/tokens_per_s")
     for time_event, speed_event in zip(times, speeds, strict=True):
         assert speed_event.value == pytest.approx(8 * 16 / time_event.value, rel=1e-5)  # gbs x seq_length / time
-    assert_same_series(tmp_path, single_run([*parallel, *THREE_STEPS]), ("train/loss", "train/grad_norm", "train/lr"))
+    assert_same_series(tmp_path, single_run(settings), ("train/loss", "train/grad_norm", "train/lr"))
 
 
 @pytest.mark.timeout(300)

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from ppctl.testing import run_workers
+from tests.pool import run_workers
 from tests.tolerances import Tolerance, tolerance_of
 
 BASE = [

@@ -13,7 +13,7 @@ import functools
 
 import pytest
 
-from ppctl.testing import run_workers
+from tests.pool import run_workers
 from tests.distributed.equivalence import BASE, FP64, compare_parameters, compare_scalars, single_process_reference
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]

@@ -66,7 +66,7 @@ def test_four_ranks_cp4_sequence_parallel_with_pipelines_and_cp_with_dp():
 @pytest.mark.timeout(600)
 def test_eight_ranks_tp2_cp2_pp2_in_every_mode_with_and_without_sequence_parallel():
     runs = [BASE + parallel(tp=2, cp=2, pp=2, comm="allgather") + ROPE_TIED + MASKED,
-            BASE + parallel(tp=2, cp=2, pp=2, comm="ring") + SP,
+            BASE + parallel(tp=2, cp=2, pp=2, comm="ring") + SP + MASKED,
             BASE + parallel(tp=2, cp=2, pp=2, comm="a2a") + SP + ROPE_TIED + MASKED]
     per_rank = assert_equivalent(runs, world_size=8, timeout=500)
     assert_messages(per_rank, 0, message_bytes(SEQ // 2))

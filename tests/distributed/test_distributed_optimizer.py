@@ -58,5 +58,8 @@ def test_four_ranks_dp4_interleaved_and_context_parallel():
 def test_tp2_pp2_dp2_with_tied_embeddings_and_sequence_parallelism():
     runs = [BASE + parallel(tp=2, pp=2, dp=2) + CLIP + DISTRIBUTED + TIED + MASKED,
             BASE + parallel(tp=2, pp=2, dp=2) + CLIP + DISTRIBUTED + TINY_BUCKETS + TIED
-            + ["parallel.sequence_parallel=true"]]
+            + ["parallel.sequence_parallel=true"],
+            # DualPipe's two parameter copies (mirror pp ranks) and the dp replicas share the shards; the tied
+            # embeddings are summed on each end rank before the reduce-scatter.
+            BASE + parallel(tp=2, pp=2, dp=2, vpp=2, schedule="dualpipe") + CLIP + DISTRIBUTED + TIED]
     assert_equivalent(runs, world_size=8, timeout=500)

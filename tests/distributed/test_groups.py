@@ -5,7 +5,7 @@ Also: check-cluster's point-to-point check reports a link that delivers the wron
 
 import pytest
 
-from ppctl.testing import run_workers
+from tests.pool import run_workers
 
 LAYOUTS = [dict(tp=2, pp=2, dp=2), dict(tp=2, pp=2, dp=2, order="dp-tp-cp-pp"), dict(cp=2, dp=2, pp=2)]
 

@@ -12,7 +12,7 @@ skips steps, halving the scale each time, until it fits, then trains.
 import pytest
 import torch
 
-from ppctl.testing import run_workers
+from tests.pool import run_workers
 from tests.distributed.equivalence import BASE, _record_message_bytes
 from tests.tolerances import HALF_PRECISION_LOSS
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from ppctl.testing import run_workers
+from tests.pool import run_workers
 from tests.distributed.equivalence import BASE
 
 LAYOUT = ["parallel.pp=1", "parallel.dp=2"]

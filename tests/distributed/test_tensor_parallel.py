@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppctl.testing import run_workers
+from tests.pool import run_workers
 from tests.unit.test_model_single import run_pipeline
 
 pytestmark = pytest.mark.dist
