@@ -119,7 +119,7 @@ def _import_ppctl() -> None:
 
 
 def _pool_worker(rank: int, world_size: int, port: int, tasks, results) -> None:
-    """A pool worker: join the gloo world once, then run cases from ``tasks`` until told to stop (None)."""
+    """A pool worker: join the gloo world once, then run cases from ``tasks`` until the pool kills it."""
     import torch
     import torch.distributed as dist
 
@@ -128,10 +128,9 @@ def _pool_worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
-    while (task := tasks.get()) is not None:
-        case_id, fn, args = task
+    while True:  # until the pool kills this worker
+        case_id, fn, args = tasks.get()
         results.put((case_id, rank, *_run_case(rank, world_size, fn, args)))
-    dist.destroy_process_group()
 
 
 class WorkerPool:
@@ -166,7 +165,7 @@ class WorkerPool:
         try:
             return self._collect(case_id, timeout)
         except BaseException:
-            self.close(graceful=False)
+            self.close()
             raise
 
     def _collect(self, case_id: int, timeout: float) -> list[Any]:
@@ -183,8 +182,7 @@ class WorkerPool:
                 if dead:
                     raise RuntimeError(f"worker rank {dead[0]} died with exit code {self.processes[dead[0]].exitcode}")
                 continue
-            if done_id != case_id:
-                continue  # cannot happen after a clean case; kept so a stray result never passes for this one
+            assert done_id == case_id, "a result of an earlier case"  # impossible: a failed case kills the pool
             if status == "error":
                 raise RuntimeError(f"worker rank {rank} failed:\n{value}")
             if status == "leak":
@@ -192,16 +190,11 @@ class WorkerPool:
             results[rank] = pickle.loads(value)
         return [results[rank] for rank in range(self.world_size)]
 
-    def close(self, graceful: bool = True) -> None:
-        """Stop every worker: asked to finish (graceful) or killed at once."""
-        if graceful:
-            for task_queue in self.tasks:
-                task_queue.put(None)
+    def close(self) -> None:
+        """Kill every worker at once (a worker may be blocked in a collective: nothing waits for it)."""
         for process in self.processes:
-            process.join(timeout=5 if graceful else 0)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
+            process.kill()
+            process.join(timeout=5)
         self.processes = []
 
 
@@ -217,9 +210,9 @@ class WorkerPools:
         return pool.run(fn, args, timeout)
 
     def close(self) -> None:
-        """Stop every pool (killed: nothing of a finished session is worth a goodbye barrier)."""
+        """Stop every pool."""
         for pool in self.pools.values():
-            pool.close(graceful=False)
+            pool.close()
         self.pools.clear()
 
 
