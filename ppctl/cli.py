@@ -13,11 +13,14 @@ import json
 import signal
 import sys
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
 
 import typer
 
 from ppctl.config import ConfigError, PpctlConfig, compose_config
+
+if TYPE_CHECKING:
+    from ppctl.launch import RunDirLock
 
 app = typer.Typer(
     add_completion=False,
@@ -99,6 +102,9 @@ def inspect_schedule(
             write_schedule_picture(result, out)
     except ValueError as error:
         fail(str(error))
+    except OSError as error:
+        fail(f"--out {out}: cannot write the picture: {error.strerror or error}"
+             + (f" ({error.filename})" if error.filename and Path(error.filename) != out else ""))
     if as_json:
         sys.stdout.write(json.dumps(result.to_json(), separators=(",", ":")) + "\n")
     else:
@@ -147,7 +153,7 @@ def _resolve_resume(config: PpctlConfig) -> None:
 @app.command("checkpoints")
 def checkpoints(run_dir: Path = typer.Argument(..., help="A run directory (trainer.out_dir of a run).")) -> None:
     """List a run's checkpoints: step, layout, size, and whether each is complete (the latest is marked)."""
-    from ppctl.checkpoint.files import latest_checkpoint, list_checkpoints
+    from ppctl.checkpoint.files import CheckpointError, latest_checkpoint, list_checkpoints
 
     if not run_dir.is_dir():
         fail(f"{run_dir}: no such run directory")
@@ -155,7 +161,10 @@ def checkpoints(run_dir: Path = typer.Argument(..., help="A run directory (train
     if not found:
         typer.echo(f"{run_dir}: no checkpoints")
         return
-    latest = latest_checkpoint(run_dir)
+    try:
+        latest = latest_checkpoint(run_dir)
+    except CheckpointError as error:
+        fail(str(error))
     for info in found:
         typer.echo(describe_checkpoint(info, info.path == latest))
 
@@ -223,9 +232,10 @@ def check_cluster(
 
 
 def _launch(config: PpctlConfig, task: str, dry_run: bool) -> None:
-    """Create the run directory, run the workers; a failure exits 1, an interruption 128 + the signal."""
+    """Create and lock the run directory, run the workers; a failure exits 1, an interruption 128 + the signal."""
     from ppctl.config import nproc_per_node
-    from ppctl.launch import build_launch_plan, default_run_dir, describe_interruption, resolve_backend, run_plan
+    from ppctl.launch import (build_launch_plan, default_run_dir, describe_interruption, rendezvous_problem,
+                              resolve_backend, run_plan)
 
     run_dir = Path(config.trainer.out_dir) if config.trainer.out_dir else default_run_dir()
     config.trainer.out_dir = str(run_dir)
@@ -237,9 +247,15 @@ def _launch(config: PpctlConfig, task: str, dry_run: bool) -> None:
         return
     if task == "train":
         _prepare(config)  # once, here, before any worker starts
-    write_run_dir(config, run_dir)  # a directory that cannot be made: one line, exit 2, nothing started
-    typer.echo(f"run directory: {run_dir}  ({task}, {backend}, {config.launcher.nnodes} node(s))", err=True)
-    result = run_plan(plan)
+    problem = rendezvous_problem(config.launcher)
+    if problem is not None:
+        fail(problem)
+    lock = write_run_dir(config, run_dir)  # one line and exit 2 when it cannot be made or another run holds it
+    try:
+        typer.echo(f"run directory: {run_dir}  ({task}, {backend}, {config.launcher.nnodes} node(s))", err=True)
+        result = run_plan(plan)
+    finally:
+        lock.release()
     if result.interrupted is not None:
         resumable = task == "train" and config.trainer.checkpoints
         typer.echo(describe_interruption(result, run_dir, resumable), err=True)
@@ -248,18 +264,29 @@ def _launch(config: PpctlConfig, task: str, dry_run: bool) -> None:
         fail(result.failure, code=1)
 
 
-def write_run_dir(config: PpctlConfig, run_dir: Path) -> None:
-    """Create the run directory with the resolved ``config.yaml`` and ``layout.json`` (else one line, exit 2)."""
+def write_run_dir(config: PpctlConfig, run_dir: Path) -> RunDirLock:
+    """Create the run directory, lock it, write the resolved ``config.yaml`` and ``layout.json``; return the lock.
+
+    The lock comes before the files: a run refused because another one holds the directory
+    changes nothing in it. Each refusal is one line and exit 2.
+    """
     from ppctl.config import to_yaml
+    from ppctl.launch import RunDirBusy, RunDirLock
     from ppctl.layout_report import layout_report
 
+    lock = RunDirLock(run_dir, config.launcher.node_rank)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
         (run_dir / "config.yaml").write_text(to_yaml(config))
         (run_dir / "layout.json").write_text(json.dumps(layout_report(config), indent=1))
+    except RunDirBusy as error:
+        fail(str(error))
     except OSError as error:
+        lock.release()
         where = f" ({error.filename})" if error.filename and Path(error.filename) != run_dir else ""
         fail(f"trainer.out_dir={run_dir}: cannot create the run directory: {error.strerror or error}{where}")
+    return lock
 
 
 def main() -> None:

@@ -197,7 +197,9 @@ class LauncherConfig:
     nproc_per_node: Optional[int] = setting(
         None, "workers per node (default world size / nnodes); nnodes * nproc_per_node must equal the world size")
     node_rank: int = setting(0, "this node's rank (multi-node)")
-    rdzv_endpoint: Optional[str] = setting(None, "`host:port` of the c10d rendezvous (required with nnodes > 1)")
+    rdzv_endpoint: Optional[str] = setting(
+        None, "`host:port` of the c10d rendezvous (required with nnodes > 1); unset on one node: the run hosts its "
+        "own on a free port")
     rdzv_id: Optional[str] = setting(None, "rendezvous id, the same on every node of a job (default `ppctl`)")
     backend: str = setting(
         "auto", "`auto` (NCCL when CUDA has a GPU per local worker, else gloo), `gloo`, `nccl`")
@@ -611,10 +613,28 @@ def _check_misc(config: PpctlConfig) -> None:
         _require(rank.isdigit() and kind in ("raise", "kill"), "launcher.inject_fault must look like RANK:raise or RANK:kill")
     if config.launcher.nnodes > 1:
         _require(bool(config.launcher.rdzv_endpoint), "launcher.nnodes > 1 needs launcher.rdzv_endpoint (host:port)")
+    if config.launcher.rdzv_endpoint:
+        parse_endpoint(config.launcher.rdzv_endpoint)
     _require(
         0 <= config.launcher.node_rank < config.launcher.nnodes,
         f"launcher.node_rank={config.launcher.node_rank} must be in 0..launcher.nnodes-1",
     )
+
+
+DEFAULT_RDZV_PORT = 29400  # torchrun's c10d rendezvous port when the endpoint names none
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """The host and port of ``launcher.rdzv_endpoint`` (``host:port``, ``[v6 address]:port``; no port: torchrun's
+    29400), or ``ConfigError``."""
+    text = endpoint.strip()
+    host, colon, port = text.rpartition(":") if not text.endswith("]") else (text, "", "")
+    if not colon or (":" in host and not host.startswith("[")):  # no port, or a bare IPv6 address
+        host, port = text, str(DEFAULT_RDZV_PORT)
+    host = host.removeprefix("[").removesuffix("]")
+    _require(bool(host) and port.isdigit() and int(port) < 1 << 16,
+             f"launcher.rdzv_endpoint={endpoint!r} must be host:port with a port from 0 to 65535")
+    return host, int(port)
 
 
 def tokenizer_vocab_size(data: DataConfig) -> int:

@@ -13,31 +13,45 @@ killed, the parent-death signal sends torchrun SIGTERM, and torchrun stops its w
 
 Failures: a worker that raises writes ``errors/rank<N>.txt``; torchrun stops the others and
 logs its failure report; this module names the rank that failed first, and why, in one line.
+A ``launcher.log`` that cannot be written (a full disk) stops the job like a signal would.
+
+Before anything starts: ``RunDirLock`` keeps a second run out of a live run's directory, and
+``rendezvous_problem`` refuses an explicit rendezvous endpoint that cannot work (its port taken
+on this machine, or something there that is no rendezvous). A single-node run without an
+endpoint hosts its own rendezvous on a port the OS picks, under an id of its own.
 Nothing here imports torch at module level, so the CLI starts quickly.
 """
 
 from __future__ import annotations
 
 import datetime
+import errno
+import fcntl
 import os
 import re
 import select
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ppctl.config import PpctlConfig, nproc_per_node
+from ppctl.checkpoint.files import CheckpointError, latest_checkpoint
+from ppctl.config import LauncherConfig, PpctlConfig, nproc_per_node, parse_endpoint
 from ppctl.interrupt import STOP_SIGNALS, ParentDeathSignal
 
 WORKER_MODULE = "ppctl.worker"
 DEFAULT_RDZV_ID = "ppctl"  # the same on every node (a run directory's timestamp would differ between nodes)
+# A single-node run's own rendezvous: port 0 lets the OS pick a free one, so runs on one machine never meet.
+LOCAL_RDZV_ENDPOINT = "localhost:0"
 POLL_S = 0.1  # how often the launcher looks at torchrun and at the signals it received
 DRAIN_S = 5.0  # how long the launcher still copies torchrun's stderr after torchrun ended
+CONNECT_S = 5.0  # the longest wait for a TCP connection to an explicit rendezvous endpoint
 
 
 @dataclass(frozen=True)
@@ -87,7 +101,10 @@ def build_launch_plan(config: PpctlConfig, run_dir: Path, task: str, backend: st
                "--nnodes", str(launcher.nnodes), "--nproc-per-node", str(nproc_per_node(config)),
                "--max-restarts", "0", "--monitor-interval", "0.2"]
     if launcher.nnodes == 1 and not launcher.rdzv_endpoint:
-        command.append("--standalone")
+        # What --standalone means in recent torch, spelled out: older releases put every standalone run
+        # on port 29400, where a second run silently joins the first one's store and dies with it.
+        command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", LOCAL_RDZV_ENDPOINT,
+                    "--rdzv-id", f"ppctl-{uuid.uuid4().hex[:12]}"]
     else:
         command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", launcher.rdzv_endpoint,
                     "--rdzv-id", launcher.rdzv_id or DEFAULT_RDZV_ID, "--node-rank", str(launcher.node_rank)]
@@ -124,7 +141,7 @@ class LaunchResult:
         """What ``ppctl`` exits with: 128 + the signal when interrupted (130 SIGINT, 143 SIGTERM), else 0 or 1."""
         if self.interrupted is not None:
             return 128 + self.interrupted
-        return 0 if self.returncode == 0 else 1
+        return 0 if self.returncode == 0 and self.failure is None else 1
 
 
 def run_plan(plan: LaunchPlan) -> LaunchResult:
@@ -132,11 +149,15 @@ def run_plan(plan: LaunchPlan) -> LaunchResult:
     log_path = plan.run_dir / "launcher.log"
     env = {**os.environ, **plan.env, "PYTHONUNBUFFERED": "1"}
     started = time.time()
-    with open(log_path, "ab") as log_file, SignalInbox() as inbox:
+    # Unbuffered: a write that fails (a full disk) leaves nothing behind that a later flush would retry.
+    with open(log_path, "ab", buffering=0) as log_file, SignalInbox() as inbox:
         log_start = log_file.tell()
         process = subprocess.Popen(plan.command, env=env, stderr=subprocess.PIPE, start_new_session=True,
                                    preexec_fn=_die_with(os.getpid()))
         stop = _supervise(process, inbox, plan, log_file)
+    if stop.log_error is not None:
+        return LaunchResult(process.returncode, describe_log_failure(log_path, stop.log_error, plan.run_dir),
+                            killed=stop.killed)
     if stop.signum is not None:
         return LaunchResult(process.returncode, None, interrupted=stop.signum, killed=stop.killed)
     if process.returncode == 0:
@@ -181,13 +202,20 @@ class SignalInbox:
 
 @dataclass
 class _Stopping:
-    """The launcher's stop in progress: the first signal, when to give up waiting, why the job was killed."""
+    """The launcher's stop in progress: why it began (the first signal, or the log that cannot be written), when
+    to give up waiting (``deadline``, None until a stop began), why the job was killed."""
 
     signum: int | None = None
-    deadline: float = 0.0
+    deadline: float | None = None
     killed: str | None = None
     signalled: set[int] = field(default_factory=set)  # worker pids already sent SIGTERM
     next_scan: float = 0.0  # when to look for workers again
+    log_error: OSError | None = None
+
+    @property
+    def begun(self) -> bool:
+        """Whether a stop is under way."""
+        return self.deadline is not None
 
 
 def _supervise(process: subprocess.Popen, inbox: SignalInbox, plan: LaunchPlan, log_file) -> _Stopping:
@@ -203,8 +231,7 @@ def _supervise(process: subprocess.Popen, inbox: SignalInbox, plan: LaunchPlan, 
     while True:
         if stderr_open and select.select([stderr_fd], [], [], POLL_S)[0]:
             chunk = os.read(stderr_fd, 65536)
-            log_file.write(chunk)
-            log_file.flush()
+            _copy_to_log(log_file, chunk, stop, plan)
             stderr_open = bool(chunk)
         elif not stderr_open:
             time.sleep(POLL_S)
@@ -218,21 +245,42 @@ def _supervise(process: subprocess.Popen, inbox: SignalInbox, plan: LaunchPlan, 
     return stop
 
 
+def _copy_to_log(log_file, chunk: bytes, stop: _Stopping, plan: LaunchPlan) -> None:
+    """Append torchrun's stderr to the log; once that fails, stop the job and drop the rest (still read, so that
+    torchrun never blocks on a full pipe)."""
+    if stop.log_error is not None:
+        return
+    try:
+        _append_log(log_file, chunk)
+    except OSError as error:
+        stop.log_error = error
+        if not stop.begun:
+            stop.deadline = time.monotonic() + plan.shutdown_timeout_s
+
+
+def _append_log(log_file, chunk: bytes) -> None:
+    """Write all of ``chunk`` to the (unbuffered) log file."""
+    view = memoryview(chunk)
+    while view:
+        view = view[log_file.write(view):]
+
+
 def _on_signals(stop: _Stopping, received: list[int], torchrun_pid: int, plan: LaunchPlan) -> None:
     """First signal: SIGTERM the workers (again for any that start later); a second one, or the deadline: kill."""
     for signum in received:
-        if stop.signum is None:
+        if not stop.begun:
             stop.signum, stop.deadline = signum, time.monotonic() + plan.shutdown_timeout_s
             _say(f"stopping ({signal.Signals(signum).name}): {plan.stop_notice}; waiting up to "
                  f"{plan.shutdown_timeout_s:g} s (Ctrl-C again to kill them now)")
         elif stop.killed is None:
             stop.killed = f"on a second signal ({signal.Signals(signum).name})"
             kill_job(torchrun_pid)
-    if stop.signum is None or stop.killed is not None:
+    if not stop.begun or stop.killed is not None:
         return
     if time.monotonic() > stop.deadline:
         stop.killed = f"still running {plan.shutdown_timeout_s:g} s after the stop (launcher.shutdown_timeout_s)"
-        _say(f"the workers are {stop.killed}: killing them")
+        if stop.log_error is None:  # a log failure ends with its own single line
+            _say(f"the workers are {stop.killed}: killing them")
         kill_job(torchrun_pid)
     elif time.monotonic() >= stop.next_scan:
         stop.signalled |= terminate_workers(torchrun_pid, stop.signalled)
@@ -328,6 +376,220 @@ def describe_interruption(result: LaunchResult, run_dir: Path, resumable: bool) 
     if stopped_cleanly:
         return f"{line} and saved a checkpoint; resume with trainer.resume_from={run_dir}"
     return f"{line}; resume from the run's latest complete checkpoint, if any, with trainer.resume_from={run_dir}"
+
+
+def describe_log_failure(log_path: Path, error: OSError, run_dir: Path) -> str:
+    """One line: the log could not be written (why, and on which file system), the job was stopped, and what of
+    the run is saved (its last complete checkpoint, if any)."""
+    try:
+        checkpoint = latest_checkpoint(run_dir)
+    except CheckpointError:
+        checkpoint = None
+    if checkpoint is not None and checkpoint.is_dir():
+        saved = (f"the last complete checkpoint is {checkpoint}: free space, then resume with "
+                 f"trainer.resume_from={run_dir}")
+    else:
+        saved = "no checkpoint of this run was saved"
+    reason = error.strerror or str(error)
+    return (f"cannot write {log_path}: {reason} (the file system mounted at {mount_point(run_dir)}); "
+            f"the workers were stopped; {saved}")
+
+
+def mount_point(path: Path) -> Path:
+    """The mount point of the file system that holds ``path``."""
+    found = Path(os.path.abspath(path))
+    while not os.path.ismount(found) and found != found.parent:
+        found = found.parent
+    return found
+
+
+# --- the run directory's lock -----------------------------------------------------------------------------
+
+class RunDirBusy(RuntimeError):
+    """Another live run holds the run directory; the message is one line naming it."""
+
+
+def lock_name(node_rank: int) -> str:
+    """The lock file of a node's launcher: ``ppctl.lock`` (node 0), ``ppctl.node<k>.lock`` (the nodes of a
+    multi-node job may share one run directory)."""
+    return "ppctl.lock" if node_rank == 0 else f"ppctl.node{node_rank}.lock"
+
+
+class RunDirLock:
+    """An exclusive OS lock (``flock``) on ``<run dir>/ppctl.lock``, held by the launcher for the run's life.
+
+    The file records the holder's pid and host. The kernel drops the lock when its process ends, so a
+    lock file left by a dead run is simply taken over. On a file system without ``flock`` the recorded
+    pid decides: a live one on this host keeps the directory, a dead one is taken over.
+    """
+
+    def __init__(self, run_dir: Path, node_rank: int = 0) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / lock_name(node_rank)
+        self._fd: int | None = None
+
+    def acquire(self) -> RunDirLock:
+        """Take the lock or raise ``RunDirBusy``; OSError if the file cannot be written."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            holder = self._lock(fd)
+            if holder is not None:
+                raise RunDirBusy(self._busy_message(holder))
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return self
+
+    def _lock(self, fd: int) -> tuple[int, str] | None:
+        """Lock ``fd``; return the live holder (pid, host) when another run has it, else None."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return None
+        except BlockingIOError:
+            return read_lock_holder(fd) or (0, "")
+        except OSError as error:
+            if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+        holder = read_lock_holder(fd)  # no flock here: the recorded pid decides
+        return holder if holder is not None and holder_alive(*holder) else None
+
+    def _busy_message(self, holder: tuple[int, str]) -> str:
+        pid, host = holder
+        where = f" on {host}" if host and host != socket.gethostname() else ""
+        who = f"ppctl pid {pid}{where}" if pid else "a ppctl process"
+        return (f"trainer.out_dir={self.run_dir}: another run is using this run directory ({who}, lock "
+                f"{self.path}); wait for it to end or choose another trainer.out_dir")
+
+    def release(self) -> None:
+        """Let the lock go (the file stays: removing it could let two runs lock two different files)."""
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RunDirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
+
+
+def read_lock_holder(fd: int) -> tuple[int, str] | None:
+    """The (pid, host) a lock file records, or None when it records none."""
+    fields = os.pread(fd, 4096, 0).decode(errors="replace").split()
+    if not fields or not fields[0].isdigit():
+        return None
+    return int(fields[0]), fields[1] if len(fields) > 1 else ""
+
+
+def holder_alive(pid: int, host: str) -> bool:
+    """Whether the process ``pid`` runs (a holder on another host counts as alive: it cannot be asked)."""
+    if host and host != socket.gethostname():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return pid != os.getpid()
+
+
+# --- an explicit rendezvous endpoint --------------------------------------------------------------------
+
+# Run in a child process: a TCP store client waits for its handshake without a time limit, so the
+# child is what the time limit ends.
+_STORE_PROBE = ("import datetime, sys\n"
+                "from torch.distributed import TCPStore\n"
+                "TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, "
+                "timeout=datetime.timedelta(seconds=float(sys.argv[3])))\n")
+
+
+def rendezvous_problem(launcher: LauncherConfig) -> str | None:
+    """Why ``launcher.rdzv_endpoint`` cannot work, in one line (None when it may, or when none is set).
+
+    A single-node run hosts the rendezvous itself, so its port must be free on this machine
+    (torchrun would otherwise join whatever store holds it). Any other run connects there: a
+    program that accepts the connection but never answers as a rendezvous would hang torchrun,
+    so it must answer as one within ``launcher.timeout_s``. Nothing listening yet is fine: the
+    other nodes may start later, and torchrun waits for them.
+    """
+    endpoint = launcher.rdzv_endpoint
+    if not endpoint:
+        return None
+    host, port = parse_endpoint(endpoint)
+    setting = f"launcher.rdzv_endpoint={endpoint}"
+    if launcher.nnodes == 1 and is_local_host(host):
+        if port != 0 and port_in_use(port):
+            return (f"{setting}: port {port} is already in use on this machine (another run's rendezvous, or "
+                    f"another program); a single-node run hosts its rendezvous there: choose a free port, or leave "
+                    f"launcher.rdzv_endpoint unset (each run then gets a free port of its own)")
+        return None
+    deadline = time.monotonic() + launcher.timeout_s
+    if port == 0 or not accepts_connections(host, port, min(CONNECT_S, launcher.timeout_s)):
+        return None
+    if answers_as_store(host, port, max(0.1, deadline - time.monotonic())):
+        return None
+    return (f"{setting}: something accepts connections there but does not answer as a torch rendezvous within "
+            f"launcher.timeout_s={launcher.timeout_s} s; check the host and port (another program may hold it)")
+
+
+def is_local_host(host: str) -> bool:
+    """Whether ``host`` names an address of this machine (one a socket can be bound to here)."""
+    try:
+        addresses = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, _, _, address in addresses:
+        with socket.socket(family, kind) as probe:
+            try:
+                probe.bind((address[0], 0, *address[2:]))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def port_in_use(port: int) -> bool:
+    """Whether a TCP port is taken on this machine: bound on every address, as torch's store server binds it."""
+    for family, wildcard in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 here: the IPv4 wildcard decides
+            continue
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store: TIME_WAIT is no owner
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            try:
+                probe.bind((wildcard, port))
+                return False
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    return True
+    return False
+
+
+def accepts_connections(host: str, port: int, timeout_s: float) -> bool:
+    """Whether something at ``host:port`` accepts a TCP connection within ``timeout_s``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def answers_as_store(host: str, port: int, timeout_s: float) -> bool:
+    """Whether ``host:port`` answers a torch TCP store client's handshake within ``timeout_s`` (a child process)."""
+    command = [sys.executable, "-c", _STORE_PROBE, host, str(port), f"{timeout_s:g}"]
+    try:
+        probe = subprocess.run(command, capture_output=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return probe.returncode == 0
 
 
 # A worker whose error says a peer went away failed because another one did (gloo, NCCL).

@@ -1,13 +1,23 @@
-"""What ``ppctl inspect-layout`` reports: the layout as one JSON-able object, and its rich tables."""
+"""What ``ppctl inspect-layout`` reports: the layout as one JSON-able object, and its rich tables.
+
+Up to ``MAX_LISTED_RANKS`` ranks the report lists every group and every rank. Beyond, it
+summarises them (counts, sizes, the first and the last group and ranks), computed without
+enumerating the world, so any size takes the same few milliseconds and little memory.
+"""
 
 from __future__ import annotations
 
+import itertools
+
 from ppctl.config import (PpctlConfig, config_layer_map, layout_of, message_seq_length, padded_vocab_size,
                           schedule_spec)
-from ppctl.parallel.layout import GROUP_NAMES, context_parallel_slices
+from ppctl.parallel.layout import GROUP_NAMES, ParallelLayout, context_parallel_slices
 
 MAX_TABLE_GROUPS = 8
 MAX_TABLE_RANKS = 64
+MAX_LISTED_RANKS = 16_384  # beyond this world size, groups and ranks are summarised
+SUMMARY_RANKS = 4  # rank entries shown at each end of a summarised world
+SUMMARY_MEMBERS = 16  # ranks shown at each end of a summarised group
 
 
 def local_span(pieces: tuple[range, ...], start: int, stop: int) -> list[list[int]]:
@@ -34,13 +44,13 @@ def sequence_report(config: PpctlConfig, cp_rank: int, tp_rank: int) -> dict:
 
 
 def layout_report(config: PpctlConfig) -> dict:
-    """The ``--json`` contract: world_size, order, sizes, sequence, groups, ranks, layers."""
+    """The ``--json`` contract: world_size, order, sizes, sequence, groups, ranks, layers (groups and ranks
+    summarised beyond ``MAX_LISTED_RANKS`` ranks)."""
     layout = layout_of(config)
-    sequences = {(cp, tp): sequence_report(config, cp, tp) for cp in range(layout.cp) for tp in range(layout.tp)}
-    ranks = []
-    for rank in range(layout.world_size):
-        coords = layout.coords(rank)
-        ranks.append({"rank": rank, **coords, **sequences[coords["cp"], coords["tp"]]})
+    if layout.world_size > MAX_LISTED_RANKS:
+        groups, ranks = summarised_groups(layout), summarised_ranks(layout, config)
+    else:
+        groups, ranks = layout.all_groups(), listed_ranks(layout, config)
     layers = [
         {"pp_rank": pp_rank, "vp_stage": chunk, "stage": stage.stage, "copy": layout.copy_of(stage.stage),
          "layers": list(stage.layers), "pre_process": stage.pre_process, "post_process": stage.post_process}
@@ -55,10 +65,59 @@ def layout_report(config: PpctlConfig) -> dict:
         "sequence": {"seq_length": config.trainer.seq_length, "cp_comm": config.parallel.cp_comm,
                      "sequence_parallel": config.parallel.sequence_parallel,
                      "message_tokens": message_seq_length(config)},
-        "groups": layout.all_groups(),
+        "groups": groups,
         "ranks": ranks,
         "layers": layers,
     }
+
+
+def is_summarised(report: dict) -> bool:
+    """Whether a report summarises its groups and ranks (its ``ranks`` is then an object, not a list)."""
+    return isinstance(report["ranks"], dict)
+
+
+def rank_entry(layout: ParallelLayout, config: PpctlConfig, rank: int, sequences: dict) -> dict:
+    """One entry of ``ranks``: the rank, its coordinates and the tokens it holds (``sequences`` memoises those)."""
+    coords = layout.coords(rank)
+    key = coords["cp"], coords["tp"]
+    if key not in sequences:
+        sequences[key] = sequence_report(config, *key)
+    return {"rank": rank, **coords, **sequences[key]}
+
+
+def listed_ranks(layout: ParallelLayout, config: PpctlConfig) -> list[dict]:
+    """Every rank's entry."""
+    sequences: dict = {}
+    return [rank_entry(layout, config, rank, sequences) for rank in range(layout.world_size)]
+
+
+def summarised_ranks(layout: ParallelLayout, config: PpctlConfig) -> dict:
+    """``{count, first, last}``: the number of ranks and the entries of the first and the last few."""
+    sequences: dict = {}
+    world = layout.world_size
+    return {"count": world,
+            "first": [rank_entry(layout, config, rank, sequences) for rank in range(SUMMARY_RANKS)],
+            "last": [rank_entry(layout, config, rank, sequences) for rank in range(world - SUMMARY_RANKS, world)]}
+
+
+def summarised_groups(layout: ParallelLayout) -> dict:
+    """Group name -> ``{count, size, first, last}``: how many groups, their size, and the first and the last
+    group, each as ``{head, tail}`` (its first ranks, and its last ones when it has more than fit in head)."""
+    summary = {}
+    for name in GROUP_NAMES:
+        first, last = layout.end_group_ranks(name)
+        size = layout.group_size(name)
+        summary[name] = {"count": layout.group_count(name), "size": size,
+                         "first": group_ends(layout, name, first, size), "last": group_ends(layout, name, last, size)}
+    return summary
+
+
+def group_ends(layout: ParallelLayout, name: str, rank: int, size: int) -> dict:
+    """``{head, tail}`` of ``rank``'s group: its first ``SUMMARY_MEMBERS`` ranks, then up to as many last ones."""
+    head = list(itertools.islice(layout.iter_group(name, rank), SUMMARY_MEMBERS))
+    tail_size = min(SUMMARY_MEMBERS, size - len(head))
+    tail = list(itertools.islice(layout.iter_group(name, rank, descending=True), tail_size))
+    return {"head": head, "tail": tail[::-1]}
 
 
 def print_layout(report: dict, config: PpctlConfig) -> None:
@@ -80,7 +139,12 @@ def print_layout(report: dict, config: PpctlConfig) -> None:
     placement = report["placement"]
     copies = f"; {placement['copies']} parameter copies" if placement["copies"] > 1 else ""
     console.print(f"placement ({config.schedule.name}): {placement['describe']}{copies}")
-    console.print(_groups_table(report))
+    if is_summarised(report):
+        console.print(f"more than {MAX_LISTED_RANKS:,} ranks: each group kind is summarised by its count, its size "
+                      f"and its first and last group")
+        console.print(_summarised_groups_table(report))
+    else:
+        console.print(_groups_table(report))
     if report["world_size"] <= MAX_TABLE_RANKS:
         console.print(_ranks_table(report))
     console.print(_layers_table(report))
@@ -100,6 +164,29 @@ def _groups_table(report: dict):
             shown += f" ... {len(groups) - MAX_TABLE_GROUPS} more"
         table.add_row(name, str(len(groups)), shown)
     return table
+
+
+def _summarised_groups_table(report: dict):
+    from rich.table import Table
+
+    table = Table(title="process groups (summarised)")
+    table.add_column("group")
+    table.add_column("count", justify="right")
+    table.add_column("size", justify="right")
+    table.add_column("first group ... last group")
+    for name in GROUP_NAMES:
+        summary = report["groups"][name]
+        ends = f"{_ends_text(summary['first'], summary['size'])} ... {_ends_text(summary['last'], summary['size'])}"
+        table.add_row(name, f"{summary['count']:,}", f"{summary['size']:,}", ends)
+    return table
+
+
+def _ends_text(ends: dict, size: int, shown: int = 4) -> str:
+    """A summarised group of ``size`` ranks in a table cell: ``[0, 1, 2]``, or ``[0, 1, 2, 3, ..., 96, 97, 98, 99]``."""
+    members = ends["head"] + ends["tail"]
+    if size <= 2 * shown:
+        return str(members)
+    return "[" + ", ".join(map(str, members[:shown])) + ", ..., " + ", ".join(map(str, members[-shown:])) + "]"
 
 
 def _ranks_table(report: dict):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from ppctl.config import PpctlConfig, num_microbatches
-from ppctl.pipeline.render import render_terminal, simulation_lines, write_timeline
+from ppctl.pipeline.render import render_plain, render_terminal, simulation_lines, write_timeline
 from ppctl.pipeline.schedules import build_schedule
 from ppctl.pipeline.simulate import SimResult, parse_costs, simulate
 
@@ -27,7 +28,12 @@ def write_schedule_picture(result: SimResult, path: Path) -> None:
 
 
 def print_schedule(result: SimResult, picture: Path | None) -> None:
-    """The coloured terminal timeline, then bubble ratio and peak activations."""
+    """The timeline, then bubble ratio and peak activations: coloured cells on a terminal, else a plain grid of
+    labelled cells (a pipe or a log has no colours to tell the actions apart)."""
+    if not sys.stdout.isatty():
+        lines = simulation_lines(result) + ([f"timeline written to {picture}"] if picture is not None else [])
+        sys.stdout.write(render_plain(result.ranks, _title(result)) + "".join(line + "\n" for line in lines))
+        return
     from rich.console import Console
 
     console = Console()

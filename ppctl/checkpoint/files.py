@@ -2,16 +2,19 @@
 
 A run directory holds ``checkpoints/step_<NNNNNNNN>/``, each a complete checkpoint: the
 files of ``torch.distributed.checkpoint`` (``.metadata`` and one ``.distcp`` file per
-rank) and ``ppctl.json`` (step, layout, model, data position, and every file's size and
-SHA-256). A checkpoint is written under a hidden temporary name and renamed into place
+rank) and ``ppctl.json`` (step, layout, model, data position, every file's size and
+SHA-256, and the SHA-256 of the index itself, so that an edited index is refused like a
+corrupt file). A checkpoint is written under a hidden temporary name and renamed into place
 only after every rank has written its part and ``ppctl.json`` is on disk, so a
 checkpoint directory is complete or absent; ``checkpoints/latest`` (a one-line file,
-replaced atomically) names the newest complete one. Pure: files and JSON only.
+replaced atomically) names the newest complete one, a ``step_<N>`` directory beside it
+(a pointer anywhere else is refused). Pure: files and JSON only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -22,8 +25,9 @@ from typing import Any
 
 from ppctl.fileio import file_sha256, write_atomically
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the index carries its own digest
 INDEX_NAME = "ppctl.json"
+INDEX_DIGEST_KEY = "index_sha256"
 LATEST_NAME = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
@@ -59,6 +63,7 @@ def commit(run_dir: Path, step: int, index: dict[str, Any], keep_last: int) -> P
     files = {path.name: {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
              for path in sorted(partial.iterdir()) if path.is_file()}
     index = {**index, "format_version": FORMAT_VERSION, "step": step, "files": files}
+    index[INDEX_DIGEST_KEY] = index_digest(index)
     write_atomically(partial / INDEX_NAME, lambda handle: handle.write(json.dumps(index, indent=1).encode()))
     _fsync_dir(partial)
     if final.exists():  # the same step saved again (a resumed run repeating it): the new one wins
@@ -108,21 +113,41 @@ def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint ``latest`` names, or None."""
-    pointer = checkpoints_dir(run_dir) / LATEST_NAME
+    """The checkpoint ``latest`` names, or None; ``CheckpointError`` when it names anything but a ``step_<N>``
+    directory in the run's checkpoints folder (``../elsewhere``, a path, a link out of the folder)."""
+    folder = checkpoints_dir(run_dir)
+    pointer = folder / LATEST_NAME
     if not pointer.is_file():
         return None
-    return checkpoints_dir(run_dir) / pointer.read_text().strip()
+    name = pointer.read_text().strip()
+    target = folder / name
+    if not _STEP_DIR.match(name) or (target.exists() and target.resolve().parent != folder.resolve()):
+        raise CheckpointError(f"{pointer} names {name!r}, which leaves {folder}: refused (it must name one of the "
+                              f"step_<N> checkpoints in that folder)")
+    return target
+
+
+def index_digest(index: dict[str, Any]) -> str:
+    """SHA-256 of an index without its own digest, in a canonical form (sorted keys, no spaces)."""
+    content = {key: value for key, value in index.items() if key != INDEX_DIGEST_KEY}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def checkpoint_problem(path: Path, verify_digests: bool = False) -> str | None:
-    """Why ``path`` is not a complete checkpoint (None when it is): missing index or files, wrong sizes or digests."""
+    """Why ``path`` is not a complete checkpoint (None when it is): missing or edited index, missing files, wrong
+    sizes or (with ``verify_digests``) digests."""
     try:
         index = read_index(path)
     except (OSError, ValueError) as error:
         return f"no readable {INDEX_NAME} ({type(error).__name__}): not a complete checkpoint"
-    if index.get("format_version") != FORMAT_VERSION:
-        return f"{INDEX_NAME} has format {index.get('format_version')!r}, this ppctl reads {FORMAT_VERSION}"
+    if not isinstance(index, dict) or index.get("format_version") != FORMAT_VERSION:
+        version = index.get("format_version") if isinstance(index, dict) else None
+        return f"{INDEX_NAME} has format {version!r}, this ppctl reads {FORMAT_VERSION}"
+    if index.get(INDEX_DIGEST_KEY) != index_digest(index):
+        return f"{INDEX_NAME} is corrupt (its SHA-256 differs from the one written: the index was changed)"
+    match = _STEP_DIR.match(path.name)
+    if match and int(match.group(1)) != index.get("step"):
+        return f"{INDEX_NAME} says step {index.get('step')!r}, the directory step {int(match.group(1))}"
     files = index.get("files", {})
     if ".metadata" not in files:
         return "its index lists no .metadata file"

@@ -17,6 +17,11 @@ Sources (``data.source``):
   * ``text``: ``data.path``, a file, folder or glob of ``.txt`` (one document per
     file), ``.json``/``.jsonl``, ``.parquet`` or ``.csv`` files (one document per
     row, its ``data.text_field``), or a hub dataset name.
+
+Every failure is one ``DataError`` line: the log records ``datasets`` and ``huggingface_hub``
+print on their way to an error are silenced, files without a record are named as such, and a
+hub dataset is not tried where it cannot load (offline without it in the cache, or the hub
+unreachable) rather than retried for half a minute.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ import contextlib
 import glob
 import hashlib
 import json
+import logging
 import os
 import re
+import socket
 import sysconfig
 import tempfile
 import time
@@ -54,6 +61,11 @@ FILE_TYPES = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "pa
 KNOWN_SUFFIXES = ".txt, .json, .jsonl, .parquet or .csv"
 GLOB_CHARACTERS = ("*", "?", "[")
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+LIBRARY_LOGGERS = ("datasets", "huggingface_hub")  # silenced while ppctl turns their errors into one line
+DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
+HUB_CONNECT_S = 5.0  # how long the hub may take to accept a connection before it counts as unreachable
+TRUE_VALUES = ("1", "ON", "YES", "TRUE")  # what the Hugging Face libraries read as a set flag
+EMPTY_PROBE_BYTES = 1 << 16  # a file this small holding only whitespace holds no record
 
 
 class DataError(ValueError):
@@ -426,22 +438,96 @@ def _load_files(corpus: Corpus, scratch: str):
     """Load local files with the ``datasets`` builder of their type (``.txt``: one document per file)."""
     import datasets
 
+    if corpus.file_type != "text":  # a .txt file is one document, even an empty one
+        _refuse_without_records(corpus)
     options = {"sample_by": "document", "encoding_errors": "replace"} if corpus.file_type == "text" else {}
     try:
-        return datasets.load_dataset(corpus.file_type, data_files=[str(file) for file in corpus.files], split="train",
-                                     cache_dir=scratch, **options)
+        with quiet_library_logs():
+            return datasets.load_dataset(corpus.file_type, data_files=[str(file) for file in corpus.files],
+                                         split="train", cache_dir=scratch, **options)
     except Exception as error:  # datasets wraps parser errors in several classes; report one line
+        if "corresponds to no data" in _one_line(error):  # e.g. a csv header alone, a json []
+            raise DataError(f"{corpus.label}: its {corpus.file_type} file(s) hold no records") from None
         raise DataError(f"{corpus.label}: cannot read its {corpus.file_type} files: {_one_line(error)}") from None
 
 
+def _refuse_without_records(corpus: Corpus) -> None:
+    """``DataError`` when no file of the corpus holds anything but whitespace (``datasets`` has no word for it)."""
+    if not all(_holds_nothing(file) for file in corpus.files):
+        return
+    if len(corpus.files) == 1:
+        raise DataError(f"{corpus.label}: {corpus.files[0].name} holds no records (the file is empty or blank)")
+    raise DataError(f"{corpus.label}: its {len(corpus.files)} {corpus.file_type} files hold no records "
+                    f"(all are empty or blank)")
+
+
+def _holds_nothing(file: Path) -> bool:
+    """Whether a small file holds only whitespace (a large one is left to the reader)."""
+    if file.stat().st_size > EMPTY_PROBE_BYTES:
+        return False
+    return not file.read_bytes().strip()
+
+
 def _load_hub(corpus: Corpus, progress: bool):
-    """Load the ``train`` split of a hub dataset (into the ``datasets`` cache; needs the network once)."""
-    with _datasets_progress(progress) as datasets:
+    """Load the ``train`` split of a hub dataset (into the ``datasets`` cache; needs the network once).
+
+    Offline (``HF_DATASETS_OFFLINE``/``HF_HUB_OFFLINE``) only the local cache is read; online, a hub
+    that does not accept a connection fails at once instead of through the library's retries.
+    """
+    failed = f"{corpus.label}: no such file, folder or glob, and loading it as a Hugging Face hub dataset failed"
+    offline = offline_flag()
+    if offline is None:
+        unreachable = hub_unreachable()
+        if unreachable is not None:
+            raise DataError(f"{failed}: {unreachable}; with the dataset in the local cache, set HF_HUB_OFFLINE=1")
+    with _datasets_progress(progress) as datasets, quiet_library_logs():
         try:
             return datasets.load_dataset(corpus.hub_name, split="train")
         except Exception as error:
-            raise DataError(f"{corpus.label}: no such file, folder or glob, and loading it as a Hugging Face hub "
-                            f"dataset failed: {_one_line(error)}") from None
+            if offline is not None:
+                raise DataError(f"{failed}: it is not in the local cache, and {offline} (offline) keeps the hub out "
+                                f"of reach") from None
+            raise DataError(f"{failed}: {_one_line(error)}") from None
+
+
+def offline_flag() -> str | None:
+    """The setting that makes the Hugging Face libraries offline (``HF_DATASETS_OFFLINE=1``, else
+    ``HF_HUB_OFFLINE=1``, as ``datasets`` reads them), or None when they may use the network."""
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        value = os.environ.get(name)
+        if value is not None:
+            return f"{name}={value}" if value.upper() in TRUE_VALUES else None
+    return None
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face hub (``HF_ENDPOINT``) cannot be reached now, or None when it accepts a connection."""
+    from urllib.parse import urlsplit
+
+    endpoint = os.environ.get("HF_ENDPOINT", DEFAULT_HUB_ENDPOINT)
+    parts = urlsplit(endpoint)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        with socket.create_connection((parts.hostname or "", port), timeout=HUB_CONNECT_S):
+            return None
+    except (OSError, ValueError) as error:
+        reason = getattr(error, "strerror", None) or str(error)
+        return f"the hub {endpoint} cannot be reached ({reason})"
+
+
+@contextlib.contextmanager
+def quiet_library_logs() -> Iterator[None]:
+    """Silence the log records of ``datasets`` and ``huggingface_hub`` for the block, then restore their levels:
+    on the way to an error they print lines of their own, and ppctl reports the error in one."""
+    loggers = [logging.getLogger(name) for name in LIBRARY_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _text_column(documents, corpus: Corpus, text_field: str) -> str:

@@ -17,10 +17,13 @@ and the output layer (so the ``embedding`` group), and the rank that holds the l
 
 from __future__ import annotations
 
+import collections
+import heapq
 import itertools
+import math
 import re
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 DIMENSIONS = ("tp", "cp", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-dp-pp"
@@ -257,6 +260,63 @@ class ParallelLayout:
         spanned_ordered = [dim for dim in self.dims if dim in spanned]
         return [start + offset for offset in _offsets(spanned_ordered, strides, self)]
 
+    def group_size(self, name: str) -> int:
+        """The number of ranks in each group of kind ``name`` (the groups of a kind are all alike)."""
+        if name == "embedding":
+            return len(self.tied_pp_ranks(self._lead_pp_ranks(name)[0]))
+        if name == "replica":
+            return self.dp * self.cp * len(self.replica_pp_ranks(0))
+        return math.prod(getattr(self, dim) for dim in self._spanned(name))
+
+    def group_count(self, name: str) -> int:
+        """How many groups of kind ``name`` there are, without listing them."""
+        if name == "embedding":
+            return self.world_size // self.pp * len(self._lead_pp_ranks(name))
+        if name == "replica" and self.copies > 1:
+            return self.tp * len(self._lead_pp_ranks(name))
+        return self.world_size // self.group_size(name)
+
+    def end_group_ranks(self, name: str) -> tuple[int, int]:
+        """A rank of the first and one of the last group of kind ``name``, in ``groups(name)``'s order."""
+        if name == "replica" and self.copies == 1:
+            name = "dp_cp"
+        if name in GROUP_DIMENSIONS:
+            return 0, self.world_size - 1
+        leads = self._lead_pp_ranks(name)
+        last = {"tp": self.tp - 1} if name == "replica" else {"tp": self.tp - 1, "cp": self.cp - 1, "dp": self.dp - 1}
+        return self.rank(pp=leads[0]), self.rank(**last, pp=leads[-1])
+
+    def iter_group(self, name: str, rank: int, descending: bool = False) -> Iterator[int]:
+        """The members of ``rank``'s group of kind ``name`` one by one, ascending (or descending): as
+        ``group_of`` lists them, without building the list (a dp group may hold millions of ranks)."""
+        coords = self.coords(rank)
+        if name == "embedding":
+            members = self.group_of(name, rank)  # one rank per pp rank at most: small
+            yield from reversed(members) if descending else members
+            return
+        if name == "replica":
+            groups = [self.iter_group("dp_cp", self.rank(**{**coords, "pp": pp_rank}), descending)
+                      for pp_rank in self.replica_pp_ranks(coords["pp"])]
+            yield from heapq.merge(*groups, reverse=descending)
+            return
+        base = self.rank(**{dim: (0 if dim in GROUP_DIMENSIONS[name] else coords[dim]) for dim in DIMENSIONS})
+        spanned = [dim for dim in self.dims if dim in GROUP_DIMENSIONS[name]]
+        for offset in _iter_offsets(spanned, self._strides(), self, descending):
+            yield base + offset
+
+    def _spanned(self, name: str) -> tuple[str, ...]:
+        if name not in GROUP_DIMENSIONS:
+            raise LayoutError(f"unknown group {name!r}; known groups: {', '.join(GROUP_NAMES)}")
+        return GROUP_DIMENSIONS[name]
+
+    def _lead_pp_ranks(self, name: str) -> list[int]:
+        """The pp rank that leads each ``embedding`` or ``replica`` group of one pp group, in order."""
+        if name == "embedding":
+            return [pp_rank for pp_rank in self.embedding_pp_ranks if self.tied_pp_ranks(pp_rank)[0] == pp_rank]
+        if name == "replica":
+            return [pp_rank for pp_rank in range(self.pp) if self.replica_pp_ranks(pp_rank)[0] == pp_rank]
+        raise LayoutError(f"unknown group {name!r}; known groups: {', '.join(GROUP_NAMES)}")
+
     def _replica_group_leaders(self) -> list[dict[str, int]]:
         """Coordinates of one rank per replica group: dp = cp = 0, the lowest pp rank of its replicas."""
         return [{"tp": tp, "pp": pp_rank} for pp_rank in range(self.pp) if self.replica_pp_ranks(pp_rank)[0] == pp_rank
@@ -273,8 +333,8 @@ class ParallelLayout:
 
 def _check_placement(placement: tuple[int, ...], pp: int, chunks_per_rank: int) -> None:
     """Every pp rank holds exactly ``chunks_per_rank`` of the ``pp * chunks_per_rank`` stages."""
-    counts = [placement.count(pp_rank) for pp_rank in range(pp)]
-    if len(placement) != pp * chunks_per_rank or any(count != chunks_per_rank for count in counts):
+    counts = collections.Counter(placement)  # one pass: pp may be large
+    if len(placement) != pp * chunks_per_rank or any(counts[pp_rank] != chunks_per_rank for pp_rank in range(pp)):
         raise LayoutError(f"placement {placement} does not put {chunks_per_rank} of {pp * chunks_per_rank} "
                           f"stages on each of {pp} pp ranks")
 
@@ -283,6 +343,25 @@ def _offsets(dims: Sequence[str], strides: dict[str, int], layout: ParallelLayou
     """Rank offsets spanned by ``dims``, the first dimension varying fastest."""
     ranges = [range(0, getattr(layout, dim) * strides[dim], strides[dim]) for dim in reversed(dims)]
     return [sum(combo) for combo in itertools.product(*ranges)]
+
+
+def _iter_offsets(dims: Sequence[str], strides: dict[str, int], layout: ParallelLayout,
+                  descending: bool = False) -> Iterator[int]:
+    """``_offsets`` one at a time (``itertools.product`` would first copy every range into a tuple).
+
+    Ascending, since each dimension's stride exceeds the span of the faster ones; or descending.
+    """
+    spans = [(getattr(layout, dim), strides[dim]) for dim in reversed(dims)]  # slowest first
+    return _walk_offsets(spans, 0, descending)
+
+
+def _walk_offsets(spans: Sequence[tuple[int, int]], base: int, descending: bool) -> Iterator[int]:
+    if not spans:
+        yield base
+        return
+    (size, stride), rest = spans[0], spans[1:]
+    for index in (range(size - 1, -1, -1) if descending else range(size)):
+        yield from _walk_offsets(rest, base + index * stride, descending)
 
 
 # ---------------------------------------------------------------------------

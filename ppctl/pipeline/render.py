@@ -7,11 +7,17 @@ forwards in blues, backwards (B or unsplit BW) in oranges, weight-gradient W in
 purples; a rank's chunks are told apart by shade (chunk 0 darkest). An overlapped
 forward-backward pair (both halves carry one ``pair`` number) is drawn as one box: in
 the terminal one label ``f+b`` across both halves, in the SVG a dark outline around them.
+Where there is no terminal (a log, a pipe), ``render_plain`` gives a grid of labelled cells
+(``F3``, ``B3``, ``W3``, ``BW3``; ``F3.1`` on chunk 1) in fixed-width columns instead.
 """
 
 from __future__ import annotations
 
+import bisect
+import collections
+import errno
 import math
+import os
 from pathlib import Path
 from typing import Optional, Sequence
 from xml.sax.saxutils import escape
@@ -230,6 +236,85 @@ def _has_pairs(ranks: Sequence[RankTimeline]) -> bool:
     return any(action.pair is not None for timeline in ranks for action in timeline.actions)
 
 
+# --- plain text (no terminal) ------------------------------------------------------------------
+
+PLAIN_IDLE, PLAIN_GOES_ON = ".", "-"
+
+
+def render_plain(ranks: Sequence[RankTimeline], title: str = "Pipeline timeline") -> str:
+    """The timeline as a plain grid: a header of times, one row per rank, one fixed-width column per moment an
+    action starts (on any rank), each cell an action's label, ``-`` while it goes on, ``.`` idle; then a legend.
+
+    Readable without colours (a log, an issue). An action of zero duration gets a column of its own.
+    """
+    starts = [_start_keys(timeline) for timeline in ranks]
+    columns = sorted({key for keys in starts for key in keys} | _unit_columns(ranks))
+    rows = [_plain_row(timeline, keys, columns) for timeline, keys in zip(ranks, starts)]
+    header = [_number(time) if index == 0 else "" for time, index in columns]
+    width = max((len(cell) for cells in [header, *rows] for cell in cells), default=1) + 1
+    label_width = len(f"rank {max((r.rank for r in ranks), default=0)}") + 2
+    lines = [title, "time".ljust(label_width) + "".join(cell.ljust(width) for cell in header).rstrip()]
+    lines += [f"rank {timeline.rank}".ljust(label_width) + "".join(cell.ljust(width) for cell in cells).rstrip()
+              for timeline, cells in zip(ranks, rows)]
+    lines.append(_plain_legend(ranks))
+    return "\n".join(lines) + "\n"
+
+
+def _unit_columns(ranks: Sequence[RankTimeline]) -> set[tuple[float, int]]:
+    """A column at every multiple of the shortest action when every start and end falls on one (as with
+    ``F=B=W=1``), so that equal times take equal widths; else none (columns at the starts only)."""
+    times = [round(t, 9) for timeline in ranks for action in timeline.actions for t in (action.start, action.end)]
+    durations = [action.end - action.start for timeline in ranks for action in timeline.actions]
+    unit = min((duration for duration in durations if duration > 1e-9), default=0.0)
+    if unit == 0.0 or any(abs(t / unit - round(t / unit)) > 1e-6 for t in times):
+        return set()
+    steps = round(max(times) / unit)
+    if steps > 2 * len(set(times)):  # a tiny unit would spread the picture thin
+        return set()
+    return {(round(step * unit, 9), 0) for step in range(steps)}
+
+
+def _start_keys(timeline: RankTimeline) -> list[tuple[float, int]]:
+    """Each action's column key: its start, and its place among the rank's actions starting then (0, 1, ...)."""
+    keys, seen = [], collections.Counter()
+    for action in timeline.actions:
+        start = round(action.start, 9)  # sums of durations: no 1e-15 residues
+        keys.append((start, seen[start]))
+        seen[start] += 1
+    return keys
+
+
+def _plain_row(timeline: RankTimeline, keys: list[tuple[float, int]], columns: list[tuple[float, int]]) -> list[str]:
+    cells = dict.fromkeys(columns, PLAIN_IDLE)
+    for action in timeline.actions:
+        for column in columns[bisect.bisect_right(columns, (round(action.start, 9), math.inf)):]:
+            if column[0] >= round(action.end, 9):
+                break
+            cells[column] = PLAIN_GOES_ON
+    chunks = chunk_indices(timeline)
+    paired = {id(forward) for forward, _ in overlapped_pairs(timeline)}
+    for key, action in zip(keys, timeline.actions):
+        cells[key] = plain_label(action, chunks[action.stage] if len(chunks) > 1 else None, id(action) in paired)
+    return [cells[column] for column in columns]
+
+
+def plain_label(action: TimedAction, chunk: Optional[int] = None, opens_pair: bool = False) -> str:
+    """``F3``; on chunk 1 of a rank holding several, ``F3.1``; the first half of an overlapped pair ends in ``+``."""
+    label = f"{action.kind}{action.microbatch}" + (f".{chunk}" if chunk is not None else "")
+    return label + ("+" if opens_pair else "")
+
+
+def _plain_legend(ranks: Sequence[RankTimeline]) -> str:
+    kinds = ", ".join(f"{kind} {KIND_NAMES[kind]}" for kind in _used_kinds(ranks))
+    parts = [f"cells: kind and microbatch ({kinds})"]
+    if _max_chunks(ranks) > 1:
+        parts.append("then .chunk (the rank's chunk 0, 1, ...)")
+    if _has_pairs(ranks):
+        parts.append("X+ then Y: an overlapped forward-backward pair")
+    parts.append(f"'{PLAIN_GOES_ON}' the action goes on, '{PLAIN_IDLE}' idle; header: the time each column starts")
+    return "; ".join(parts)
+
+
 # --- SVG / HTML ------------------------------------------------------------------------------
 
 LEFT, RIGHT, PLOT_WIDTH = 74, 92, 1100
@@ -391,7 +476,7 @@ def render_html(ranks: Sequence[RankTimeline], title: str, subtitle_lines: Seque
 
 def write_timeline(ranks: Sequence[RankTimeline], path: str | Path, title: str,
                    lines: Sequence[str] = (), time_label: str = "time") -> Path:
-    """Write the timeline to ``path`` as ``.svg`` or ``.html`` (by suffix); returns the path.
+    """Write the timeline to ``path`` as ``.svg`` or ``.html`` (by suffix), its folders created; returns the path.
 
     ``lines`` are the subtitle lines; ``time_label`` names the axis (e.g. ``"time (ms)"``).
     """
@@ -401,5 +486,8 @@ def write_timeline(ranks: Sequence[RankTimeline], path: str | Path, title: str,
     if renderer is None:
         raise ValueError(f"timeline file {path}: suffix {path.suffix or '(none)'!r} is not supported; "
                          f"use one of {', '.join(SUPPORTED_SUFFIXES)}")
+    if path.parent.exists() and not path.parent.is_dir():  # mkdir would only say "File exists"
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path.parent))
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(renderer(ranks, title, lines, time_label), encoding="utf-8")
     return path

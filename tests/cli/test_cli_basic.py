@@ -91,7 +91,9 @@ def test_train_dry_run_prints_torchrun_command(ppctl, tmp_path):
     assert result.returncode == 0, result.stderr
     assert f"run directory: {run_dir}" in result.stdout
     assert "torch.distributed.run" in result.stdout and "--nproc-per-node 8" in result.stdout
-    assert "--standalone" in result.stdout and "ppctl.worker" in result.stdout
+    # its own rendezvous on a port the OS picks (what --standalone means in recent torch, spelled out)
+    assert "--rdzv-backend c10d --rdzv-endpoint localhost:0 --rdzv-id ppctl-" in result.stdout
+    assert "ppctl.worker" in result.stdout
     assert "OMP_NUM_THREADS=1" in result.stdout
     assert not run_dir.exists()
 

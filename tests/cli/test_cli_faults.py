@@ -98,7 +98,8 @@ while True:
 
 def run_stand_in(tmp_path: Path, mode: str, signals: list[int], shutdown_timeout_s: float = 30):
     """``run_plan`` on the stand-in; ``signals`` reach this process once both workers run (the second once the
-    first was forwarded). Returns the result, the workers' pids and the seconds from the first signal to the end."""
+    first was forwarded). Returns the result, the workers' pids and the seconds from the first signal to the end
+    (None without signals)."""
     (tmp_path / "torchrun.py").write_text(STAND_IN_TORCHRUN)
     (tmp_path / "worker.py").write_text(STAND_IN_WORKER)
     plan = LaunchPlan(command=[sys.executable, str(tmp_path / "torchrun.py"), str(tmp_path),
@@ -128,7 +129,7 @@ def run_stand_in(tmp_path: Path, mode: str, signals: list[int], shutdown_timeout
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     pids = [int(path.read_text()) for path in pid_files if path.exists() and path.read_text()]
-    return result, pids, ended - sent_at[0]
+    return result, pids, ended - sent_at[0] if sent_at else None
 
 
 @pytest.mark.timeout(30)
@@ -160,6 +161,31 @@ def test_launcher_kills_after_the_shutdown_timeout(tmp_path, capfd):
     assert result.interrupted == signal.SIGINT and "1 s after the stop" in result.killed and result.exit_code == 130
     assert 1 <= seconds < 5 and leftovers(pids, tmp_path, within=2) == []
     assert "killing them" in capfd.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_a_log_that_cannot_be_written_stops_the_job_in_one_line(tmp_path, monkeypatch):
+    """The disk under launcher.log fills (the write fails with ENOSPC): the workers are stopped as by a signal,
+    nothing of the job is left, and the result is one line naming the log's file system and what is saved."""
+    import errno
+
+    from ppctl import launch
+
+    def full_disk(log_file, chunk):  # the disk fills once both workers run
+        deadline = time.monotonic() + 10
+        while not all((tmp_path / f"worker{rank}.pid").exists() for rank in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(launch, "_append_log", full_disk)
+    started = time.monotonic()
+    result, pids, _ = run_stand_in(tmp_path, "stops", [])
+    assert result.interrupted is None and result.exit_code == 1 and result.killed is None
+    assert len(pids) == 2 and all((tmp_path / f"worker{rank}.sigterm").exists() for rank in range(2))
+    assert result.failure == (f"cannot write {tmp_path / 'launcher.log'}: No space left on device (the file system "
+                              f"mounted at {launch.mount_point(tmp_path)}); the workers were stopped; no checkpoint "
+                              f"of this run was saved")
+    assert time.monotonic() - started < 10 and leftovers(pids, tmp_path, within=2) == []
 
 
 # --- ppctl train ----------------------------------------------------------------------------------------

@@ -78,3 +78,64 @@ def test_resume_rules_name_the_setting_that_changed():
                                                            "fp32", 10)
     assert "trainer.precision=fp32, this run has bf16" in resume_problem(index, model, data, "bf16", 10)
     assert "raise trainer.max_steps" in resume_problem(index, model, data, "fp32", 4)
+
+
+def edit_index(checkpoint, **changes):
+    """Write other values into a checkpoint's ppctl.json, as a hand (or a tool) would."""
+    index = json.loads((checkpoint / "ppctl.json").read_text())
+    for key, value in changes.items():
+        section, _, name = key.partition("__")
+        if name:
+            index[section][name] = value
+        else:
+            index[key] = value
+    (checkpoint / "ppctl.json").write_text(json.dumps(index, indent=1))
+
+
+@pytest.mark.parametrize("changes", [{"step": 3}, {"layout__tp": 4}, {"data__seq_length": 32}, {"reason": "end!"}])
+def test_an_edited_index_is_refused_like_a_corrupt_file(tmp_path, changes):
+    checkpoint = write_checkpoint(tmp_path, 5)
+    edit_index(checkpoint, **changes)
+    with pytest.raises(CheckpointError) as refused:
+        resolve_checkpoint(tmp_path)
+    assert str(refused.value) == (f"checkpoint {checkpoint} refused: ppctl.json is corrupt (its SHA-256 differs from "
+                                  "the one written: the index was changed)")
+    assert [info.complete for info in list_checkpoints(tmp_path)] == [False]
+
+
+def test_an_index_with_its_digest_recomputed_must_still_name_its_own_step(tmp_path):
+    from ppctl.checkpoint.files import index_digest
+
+    checkpoint = write_checkpoint(tmp_path, 5)
+    index = json.loads((checkpoint / "ppctl.json").read_text())
+    index["step"] = 3
+    index["index_sha256"] = index_digest(index)
+    (checkpoint / "ppctl.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="ppctl.json says step 3, the directory step 5"):
+        resolve_checkpoint(tmp_path)
+
+
+def test_an_index_without_a_digest_is_refused_by_its_format(tmp_path):
+    checkpoint = write_checkpoint(tmp_path, 5)
+    index = json.loads((checkpoint / "ppctl.json").read_text())
+    del index["index_sha256"]
+    index["format_version"] = 1
+    (checkpoint / "ppctl.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="ppctl.json has format 1, this ppctl reads 2"):
+        resolve_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("pointer", ["../../elsewhere", "/tmp/step_00000005", "step_00000005/../../x", "link"])
+def test_a_latest_pointer_leaving_the_checkpoints_folder_is_refused(tmp_path, pointer):
+    write_checkpoint(tmp_path, 5)
+    run = tmp_path / "run"
+    write_checkpoint(run, 2)
+    if pointer == "link":  # a step_<N> name that is a link to another run's checkpoint
+        (checkpoints_dir(run) / "step_00000009").symlink_to(checkpoints_dir(tmp_path) / "step_00000005")
+        pointer = "step_00000009"
+    (checkpoints_dir(run) / "latest").write_text(pointer + "\n")
+    with pytest.raises(CheckpointError) as refused:
+        resolve_checkpoint(run)
+    assert str(refused.value) == (f"{checkpoints_dir(run) / 'latest'} names {pointer!r}, which leaves "
+                                  f"{checkpoints_dir(run)}: refused (it must name one of the step_<N> checkpoints in "
+                                  "that folder)")

@@ -224,3 +224,41 @@ def test_context_parallel_chunks_and_slices_by_example():
         context_parallel_slices(12, 0, 4)
     with pytest.raises(LayoutError, match="cp_rank=2 out of range"):
         context_parallel_chunks(2, 2)
+
+
+def layouts_of_every_kind():
+    """Every shape and order with the looped placement, and (even pp) the V placement with one and two copies."""
+    from ppctl.parallel.layout import v_placement
+
+    for (tp, cp, dp, pp), order in itertools.product(SHAPES, ORDERS):
+        yield ParallelLayout(tp=tp, cp=cp, dp=dp, pp=pp, order=order)
+        if pp % 2 == 0:
+            for copies in (1, 2):
+                yield ParallelLayout(tp=tp, cp=cp, dp=dp, pp=pp, vpp=2, order=order, placement=v_placement(pp),
+                                     copies=copies)
+
+
+def test_group_counts_sizes_and_end_groups_agree_with_the_listing():
+    """What a summary of a huge layout uses (counts, sizes, the first and last group, met one rank at a time)
+    is exactly what the full listing gives."""
+    for layout in layouts_of_every_kind():
+        for name in GROUP_NAMES:
+            groups = layout.groups(name)
+            assert layout.group_count(name) == len(groups), (layout, name)
+            assert {len(group) for group in groups} == {layout.group_size(name)}, (layout, name)
+            first, last = layout.end_group_ranks(name)
+            assert list(layout.iter_group(name, first)) == groups[0], (layout, name)
+            assert list(layout.iter_group(name, last)) == groups[-1], (layout, name)
+            assert list(layout.iter_group(name, last, descending=True)) == groups[-1][::-1], (layout, name)
+
+
+def test_a_huge_group_is_met_lazily():
+    """Ten million ranks in one dp group: its ends come at once, without building the group."""
+    import time
+
+    layout = ParallelLayout(tp=2, dp=10_000_000, pp=2)
+    started = time.monotonic()
+    members = layout.iter_group("dp", layout.world_size - 1, descending=True)
+    assert [next(members) for _ in range(3)] == [39_999_999, 39_999_997, 39_999_995]
+    assert layout.group_count("dp") == 4 and layout.group_size("dp") == 10_000_000
+    assert time.monotonic() - started < 0.1

@@ -138,6 +138,83 @@ def test_hub_names_and_offline_hub_failure_in_one_line(tmp_path, monkeypatch):
                               "as a Hugging Face hub dataset failed: ") and "\n" not in message
 
 
+def test_offline_a_hub_name_fails_at_once_in_one_line_without_library_noise(tmp_path, monkeypatch, capfd):
+    import time
+
+    import datasets
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    if not datasets.config.HF_HUB_OFFLINE:
+        pytest.skip("datasets was imported online (HF_DATASETS_OFFLINE unset at its import)")
+    started = time.monotonic()
+    with pytest.raises(DataError) as error:
+        prepare("ppctl-tests/no-such-dataset", tmp_path / "cache")
+    assert str(error.value) == ("data.path=ppctl-tests/no-such-dataset: no such file, folder or glob, and loading it "
+                                "as a Hugging Face hub dataset failed: it is not in the local cache, and "
+                                "HF_DATASETS_OFFLINE=1 (offline) keeps the hub out of reach")
+    assert time.monotonic() - started < 5 and capfd.readouterr().err == ""
+
+
+def test_without_network_a_hub_name_fails_at_once_without_retries(tmp_path, monkeypatch, capfd):
+    """Online, but the hub does not accept a connection (here: a port nothing listens on): no download is tried,
+    so none of the library's five growing retries."""
+    import time
+
+    import datasets
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:1")
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: pytest.fail("the hub was tried"))
+    started = time.monotonic()
+    with pytest.raises(DataError) as error:
+        prepare("ppctl-tests/no-such-dataset", tmp_path / "cache")
+    assert str(error.value).startswith(
+        "data.path=ppctl-tests/no-such-dataset: no such file, folder or glob, and loading it as a Hugging Face hub "
+        "dataset failed: the hub http://127.0.0.1:1 cannot be reached (Connection refused); with the dataset in the "
+        "local cache, set HF_HUB_OFFLINE=1")
+    assert time.monotonic() - started < 2 and capfd.readouterr().err == ""
+
+
+@pytest.mark.parametrize("name, content, fragment", [
+    ("fake.parquet", b"not a parquet file\n", "cannot read its parquet files: Parquet magic bytes not found"),
+    ("broken.jsonl", b'{"text": "a"}\n{bad json\n', "cannot read its json files: "),
+])
+def test_unreadable_files_are_one_line_without_the_library_log(tmp_path, capfd, name, content, fragment):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(DataError) as error:
+        prepare(path, tmp_path / "cache")
+    assert str(error.value).startswith(f"data.path={path}: {fragment}") and "\n" not in str(error.value)
+    assert capfd.readouterr().err == ""  # not the library's own "Failed to read ..." line first
+
+
+@pytest.mark.parametrize("name, content, fragment", [
+    ("empty.jsonl", b"", "empty.jsonl holds no records (the file is empty or blank)"),
+    ("blank.json", b"\n \n", "blank.json holds no records (the file is empty or blank)"),
+    ("empty.csv", b"", "empty.csv holds no records (the file is empty or blank)"),
+    ("header.csv", b"text\n", "its csv file(s) hold no records"),
+    ("none.json", b"[]", "its json file(s) hold no records"),
+])
+def test_files_without_a_record_are_named_as_such(tmp_path, name, content, fragment):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(DataError) as error:
+        prepare(path, tmp_path / "cache")
+    assert str(error.value) == f"data.path={path}: {fragment}"
+
+
+def test_a_folder_of_empty_files_holds_no_records(tmp_path):
+    folder = tmp_path / "all_empty"
+    folder.mkdir()
+    for part in ("a.jsonl", "b.jsonl"):
+        (folder / part).write_bytes(b"")
+    with pytest.raises(DataError, match=r": its 2 json files hold no records \(all are empty or blank\)$"):
+        prepare(folder, tmp_path / "cache")
+
+
 # --- text fields, empty corpora -------------------------------------------------------------------
 
 def test_text_field_picks_the_column_and_a_missing_one_names_the_fields(tmp_path):

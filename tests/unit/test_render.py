@@ -166,3 +166,65 @@ def test_simulation_lines_give_idle_time_and_parameters_per_rank():
     assert "idle time per rank (makespan - the rank's compute): " in lines[2]
     assert lines[-1] == "parameters per rank: 2/4 of the model (2 model copies: 2x a one-copy schedule's)"
     assert simulation_lines(simulated("1f1b", 4, 1, 8))[-1] == "parameters per rank: 1/4 of the model"
+
+
+# --- plain text (no terminal) -------------------------------------------------------------------------
+
+def grid_rows(text: str) -> dict[str, list[str]]:
+    """``rank N`` / ``time`` -> the row's cells (split on spaces: labels hold none)."""
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith(("rank ", "time ")):
+            name = " ".join(line.split()[:2]) if line.startswith("rank") else "time"
+            rows[name] = line.split()[2:] if line.startswith("rank") else line.split()[1:]
+    return rows
+
+
+def test_plain_grid_labels_every_cell_in_fixed_width_columns():
+    from ppctl.pipeline.render import render_plain
+
+    result = simulate(build_schedule("1f1b", 2, 1, 4))  # F=B=W=1: one column per time unit
+    text = render_plain(result.ranks, "1f1b")
+    rows = grid_rows(text)
+    assert rows["time"] == [str(t) for t in range(15)]
+    assert rows["rank 0"][:6] == ["F0", "F1", ".", ".", "BW0", "-"]  # BW = B+W takes two units
+    assert rows["rank 1"][:4] == [".", "F0", "BW0", "-"]
+    lines = [line for line in text.splitlines() if line.startswith(("time", "rank"))]
+    first = lines[0].index(" 0 ") + 1  # where the cells begin, after the row labels
+    width = lines[0].index(" 1 ") + 1 - first
+    for line in lines:  # every cell begins on a column boundary
+        cells = [index for index in range(first, len(line)) if line[index] != " " and line[index - 1] == " "]
+        assert all((index - first) % width == 0 for index in cells), line
+    assert "\x1b[" not in text and "cells: kind and microbatch (F forward, BW backward)" in text
+
+
+def test_plain_grid_marks_chunks_the_split_backward_and_overlapped_pairs():
+    from ppctl.pipeline.render import render_plain
+
+    chunked = grid_rows(render_plain(simulate(build_schedule("zbv", 2, 2, 4)).ranks))
+    cells = set(chunked["rank 0"])
+    assert {"F0.0", "F0.1", "B0.1", "W0.0"} <= cells
+    paired = render_plain(simulate(build_schedule("dualpipe", 2, 2, 4), Costs(F=1, B=1, W=1, FB=2.5)).ranks)
+    assert any(cell.endswith("+") for cell in grid_rows(paired)["rank 0"]) and "overlapped" in paired
+
+
+def test_plain_grid_of_irregular_times_has_a_column_per_start():
+    from ppctl.pipeline.render import render_plain
+
+    result = simulate(build_schedule("1f1b", 2, 1, 2), Costs(F=1, B=2, W=0, comm=0.1))
+    rows = grid_rows(render_plain(result.ranks))
+    assert rows["time"][:3] == ["0", "1", "1.1"] and rows["rank 1"][:3] == [".", ".", "F0"]
+
+
+def test_inspect_schedule_without_a_terminal_prints_the_plain_grid(capsys):
+    from ppctl.schedule_report import print_schedule
+
+    print_schedule(simulate(build_schedule("1f1b", 4, 1, 8)), None)  # pytest's stdout is no terminal
+    text = capsys.readouterr().out
+    assert grid_rows(text)["rank 3"][:4] == [".", ".", ".", "F0"]
+    assert "bubble ratio 37.5%" in text and "\x1b[" not in text
+
+
+def test_write_timeline_creates_missing_folders(tmp_path):
+    path = write_timeline(measured(), tmp_path / "new" / "deeper" / "t.svg", "x")
+    assert path.is_file()

@@ -1,0 +1,88 @@
+"""``inspect-layout``'s report past ``MAX_LISTED_RANKS`` ranks: summarised, fast and small at any size."""
+
+import json
+import time
+import tracemalloc
+
+import pytest
+
+from ppctl.config import compose_config, validate
+from ppctl.layout_report import (MAX_LISTED_RANKS, SUMMARY_MEMBERS, SUMMARY_RANKS, is_summarised, layout_report,
+                                 print_layout)
+from ppctl.parallel.layout import GROUP_NAMES, ParallelLayout
+
+HUGE = ["parallel.dp=10000000", "trainer.global_batch_size=10000000"]  # 20 million ranks (pp=2)
+
+
+def timed(function, *args):
+    """``function(*args)``, its seconds and its peak of Python memory (bytes)."""
+    tracemalloc.start()
+    started = time.perf_counter()
+    try:
+        value = function(*args)
+        return value, time.perf_counter() - started, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_validation_and_the_json_report_of_twenty_million_ranks_are_quick_and_small():
+    config = compose_config(HUGE)
+    _, seconds, peak = timed(validate, config)
+    assert seconds < 0.5 and peak < 10 << 20
+    report, seconds, peak = timed(layout_report, config)
+    text = json.dumps(report)
+    assert seconds < 0.5 and peak < 10 << 20 and len(text) < 64 << 10
+    assert is_summarised(report) and report["world_size"] == 20_000_000
+    assert set(report) == {"world_size", "order", "sizes", "placement", "sequence", "groups", "ranks", "layers"}
+    dp = report["groups"]["dp"]
+    assert (dp["count"], dp["size"]) == (2, 10_000_000)
+    assert dp["first"] == {"head": list(range(SUMMARY_MEMBERS)),
+                           "tail": list(range(10_000_000 - SUMMARY_MEMBERS, 10_000_000))}
+    assert dp["last"]["tail"][-1] == 19_999_999
+    assert report["groups"]["pp"]["first"] == {"head": [0, 10_000_000], "tail": []}
+    ranks = report["ranks"]
+    assert ranks["count"] == 20_000_000 and len(ranks["first"]) == len(ranks["last"]) == SUMMARY_RANKS
+    assert ranks["last"][-1] == {"rank": 19_999_999, "tp": 0, "cp": 0, "dp": 9_999_999, "pp": 1,
+                                 "tokens": [[0, 64]], "residual_tokens": [[0, 64]]}
+
+
+def test_the_table_of_twenty_million_ranks_is_quick(capsys):
+    config = compose_config(HUGE)
+    report = layout_report(config)
+    _, seconds, _ = timed(print_layout, report, config)
+    text = capsys.readouterr().out
+    assert seconds < 1 and "process groups (summarised)" in text and "10,000,000" in text
+    assert "[0, 1, 2, 3, ...," in text and "19999999]" in text  # the first and the last group's ends
+
+
+@pytest.mark.parametrize("overrides", [
+    ["parallel.tp=2", "parallel.cp=2", "parallel.dp=2", "parallel.pp=4", "model.num_layers=8"],
+    ["schedule=dualpipe", "parallel.tp=2", "parallel.pp=4", "model.num_layers=8", "trainer.global_batch_size=16"],
+])
+def test_a_summary_agrees_with_the_listing_it_replaces(overrides, monkeypatch):
+    """The same layout listed and (with the limit lowered) summarised: counts, sizes, ends and rank entries."""
+    from ppctl import layout_report as module
+
+    config = compose_config(overrides)
+    listed = layout_report(config)
+    monkeypatch.setattr(module, "MAX_LISTED_RANKS", 4)
+    summary = layout_report(config)
+    assert not is_summarised(listed) and is_summarised(summary)
+    for name in GROUP_NAMES:
+        groups, summarised = listed["groups"][name], summary["groups"][name]
+        assert (summarised["count"], summarised["size"]) == (len(groups), len(groups[0]))
+        for end, group in (("first", groups[0]), ("last", groups[-1])):
+            shown = summarised[end]["head"] + summarised[end]["tail"]
+            assert shown == group[:SUMMARY_MEMBERS] + group[SUMMARY_MEMBERS:][-SUMMARY_MEMBERS:]
+    assert summary["ranks"]["first"] == listed["ranks"][:SUMMARY_RANKS]
+    assert summary["ranks"]["last"] == listed["ranks"][-SUMMARY_RANKS:]
+    assert summary["layers"] == listed["layers"]
+
+
+def test_up_to_the_limit_everything_is_listed():
+    layout = ParallelLayout(tp=8, pp=16, dp=128)
+    assert layout.world_size == MAX_LISTED_RANKS
+    config = compose_config(["parallel.tp=8", "parallel.pp=16", "parallel.dp=128", "model.num_layers=32",
+                             "model.num_heads=8", "trainer.global_batch_size=1024"])
+    report, seconds, _ = timed(layout_report, config)
+    assert not is_summarised(report) and len(report["ranks"]) == MAX_LISTED_RANKS and seconds < 2
