@@ -53,7 +53,7 @@ def build_trainers(runs: dict[str, list[str]]) -> dict:
     """One ``Trainer`` per variant; all share one parallel context (they have one layout)."""
     from ppctl.config import compose_config, layout_of, validate
     from ppctl.parallel.groups import build_parallel_context
-    from ppctl.train import Trainer
+    from ppctl.run.train import Trainer
 
     contexts, trainers = {}, {}
     for name, overrides in runs.items():

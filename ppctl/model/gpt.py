@@ -17,7 +17,7 @@ from torch import nn
 
 from ppctl.model import init as param_init
 from ppctl.model.layers import Embedding, LayerNorm, TransformerLayer, rotary_cos_sin
-from ppctl.model.weight_grad import DefersWeightGrads
+from ppctl.autograd.weight_grad import DefersWeightGrads
 from ppctl.parallel.context_parallel import CPGroup
 from ppctl.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -103,7 +103,7 @@ class GPTChunk(DefersWeightGrads, nn.Module):
     (see ``ppctl.model.init``). ``cp``: the context-parallel group attention reaches
     the rest of the sequence through (one rank by default). Its norms and linear layers
     (the output layer too, tied or not) can defer their weight gradients to a pipeline
-    W: a stage hands them its store (``ppctl.model.weight_grad.attach_weight_grad_store``).
+    W: a stage hands them its store (``ppctl.autograd.weight_grad.attach_weight_grad_store``).
     """
 
     def __init__(self, config: GPTConfig, layer_ids: Sequence[int], pre_process: bool, post_process: bool,

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppctl.model.weight_grad import DefersWeightGrads, layer_norm
+from ppctl.autograd.weight_grad import DefersWeightGrads, layer_norm
 from ppctl.parallel.context_parallel import CPGroup, context_parallel_attention
 from ppctl.parallel.tensor_parallel import (
     ColumnParallelLinear,

@@ -19,7 +19,7 @@ Parameters that act on the split sequence (norms, row-parallel biases, the learn
 position table: the TP-replicated ones) then see only their rank's tokens, so their
 gradients are summed over TP after the backward (``ppctl.optim.grads``).
 
-The linear layers' matmuls and biases run through ``ppctl.model.weight_grad``, so a
+The linear layers' matmuls and biases run through ``ppctl.autograd.weight_grad``, so a
 pipeline B can defer their weight gradients to W; that Function does no communication:
 the regions around it stay as they are, and their backward collectives all run in B.
 """
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ppctl.model.weight_grad import DefersWeightGrads, WeightGradStore, add_bias, linear
+from ppctl.autograd.weight_grad import DefersWeightGrads, WeightGradStore, add_bias, linear
 
 
 @dataclass(frozen=True)

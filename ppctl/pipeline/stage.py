@@ -15,7 +15,7 @@ side:
   normaliser can change.
 
 A split backward is real: the stage owns a ``WeightGradStore`` and hands it to the
-layers of its chunk that can defer their weight gradients (``ppctl.model.weight_grad``).
+layers of its chunk that can defer their weight gradients (``ppctl.autograd.weight_grad``).
 B runs the autograd graph once, for the input gradient, with the store deferring: those
 layers stash what their weight gradients need (keyed by the microbatch) instead of
 computing them, and the graph is freed. W computes the weight gradients from the stash
@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 from torch.autograd import Variable
 
-from ppctl.model.weight_grad import ComputedWeightGrads, WeightGradStore, attach_weight_grad_store
+from ppctl.autograd.weight_grad import ComputedWeightGrads, WeightGradStore, attach_weight_grad_store
 
 ForwardFn = Callable[[torch.nn.Module, "torch.Tensor | None", Any], torch.Tensor]
 LossFn = Callable[[torch.Tensor, Any], "tuple[torch.Tensor, torch.Tensor]"]

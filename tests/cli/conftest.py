@@ -13,9 +13,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run_ppctl(*args: str, cwd: Path | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run ``python -m ppctl.cli ARGS``; return the completed process (text output)."""
+    """Run ``python -m ppctl.cli.app ARGS``; return the completed process (text output)."""
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "ppctl.cli", *args], cwd=cwd or REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "ppctl.cli.app", *args], cwd=cwd or REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ppctl.checkpoint.files import latest_checkpoint, read_index
-from ppctl.launch import LaunchPlan, descendants, read_parent_table, run_plan
+from ppctl.run.launch import LaunchPlan, descendants, read_parent_table, run_plan
 from tests.cli.conftest import REPO
 
 pytestmark = pytest.mark.skipif(read_parent_table() is None, reason="needs Linux /proc")
@@ -169,7 +169,7 @@ def test_a_log_that_cannot_be_written_stops_the_job_in_one_line(tmp_path, monkey
     nothing of the job is left, and the result is one line naming the log's file system and what is saved."""
     import errno
 
-    from ppctl import launch
+    from ppctl.run import launch
 
     def full_disk(log_file, chunk):  # the disk fills once both workers run
         deadline = time.monotonic() + 10
@@ -197,7 +197,7 @@ class Job:
         self.run_dir = run_dir
         env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "ppctl.cli", "train", *ENDLESS, *overrides, f"trainer.out_dir={run_dir}"],
+            [sys.executable, "-m", "ppctl.cli.app", "train", *ENDLESS, *overrides, f"trainer.out_dir={run_dir}"],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.stdout: list[str] = []
         self.stderr: list[str] = []
@@ -227,7 +227,7 @@ class Job:
         """The pid of the worker of ``rank``."""
         for pid in self.pids:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            if f"RANK={rank}".encode() in environ and b"ppctl.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if f"RANK={rank}".encode() in environ and b"ppctl.run.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 return pid
         raise AssertionError(f"no worker of rank {rank} among {self.pids}")
 

@@ -10,7 +10,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from ppctl.cli import app
+from ppctl.cli.app import app
 
 COMMANDS = (["inspect-layout"], ["inspect-schedule"], ["train", "--dry-run"], ["check-cluster", "--dry-run"],
             ["prepare-data"])

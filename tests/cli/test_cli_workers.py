@@ -31,7 +31,7 @@ def pipeline_neighbours(layout) -> list[tuple[int, int]]:
                          ids=["tp2-pp2-dp2", "cp2-pp2"])
 def test_check_cluster_proves_every_group(ppctl, tmp_path, sizes):
     """Every group proved; exactly the pipeline-neighbour links measured, each with a verified payload."""
-    from ppctl.cluster import BANDWIDTH_BYTES
+    from ppctl.run.cluster import BANDWIDTH_BYTES
     from ppctl.parallel.layout import GROUP_NAMES, ParallelLayout
 
     layout = ParallelLayout(**sizes)
@@ -197,7 +197,7 @@ def test_two_nodes_rendezvous_through_c10d(single_run, tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
     overrides = ["parallel.pp=2", *THREE_STEPS, "launcher.nnodes=2", f"launcher.rdzv_endpoint={endpoint}"]
     launchers = [
-        subprocess.Popen([sys.executable, "-m", "ppctl.cli", "train", *overrides, f"launcher.node_rank={node}",
+        subprocess.Popen([sys.executable, "-m", "ppctl.cli.app", "train", *overrides, f"launcher.node_rank={node}",
                           f"trainer.out_dir={tmp_path / f'node{node}'}"],
                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for node in (0, 1)

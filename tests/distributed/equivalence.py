@@ -2,7 +2,7 @@
 
 The reference is the single-process run as a user would launch it: the same overrides
 with every ``parallel.*`` setting dropped and ``parallel=single`` added (so the default
-vocabulary padding of tp=1), trained by the plain loop of ``ppctl.reference``. Nothing
+vocabulary padding of tp=1), trained by the plain loop of ``ppctl.run.reference``. Nothing
 of the parallel run's settings reaches it. Compared: every step's loss and global
 gradient norm, the forward-only loss, every parameter's gradient at step 0 and every final
 parameter, within the tolerances that ``tests/tolerances.py`` derives for the run's precision
@@ -86,7 +86,7 @@ def _train_runs(rank, world_size, runs, schedule_builder=None, breakers=None):
 
 def _train_one(config, context, schedule) -> dict:
     """STEPS steps of one run: losses, norms, step-0 gradients, final shards, the forward-only loss."""
-    from ppctl.train import Trainer
+    from ppctl.run.train import Trainer
 
     trainer = Trainer(config, context, schedule=schedule)
     message_bytes = _record_message_bytes(trainer)
@@ -146,7 +146,7 @@ class Reference:
 def single_process_reference(overrides: list[str], steps: int = STEPS) -> Reference:
     """The single-process run of ``overrides`` as a user would launch it, trained ``steps`` steps."""
     from ppctl.config import compose_config, validate
-    from ppctl.reference import run_reference
+    from ppctl.run.reference import run_reference
 
     single = compose_config(single_process_overrides(overrides))
     validate(single)

@@ -39,7 +39,7 @@ BF16_SAME_LAYOUT = BASE + ["trainer.precision=bf16", "parallel.pp=1", "parallel.
 def _trainer(overrides, contexts):
     from ppctl.config import compose_config, layout_of, validate
     from ppctl.parallel.groups import build_parallel_context
-    from ppctl.train import Trainer
+    from ppctl.run.train import Trainer
 
     config = compose_config(overrides)
     validate(config)

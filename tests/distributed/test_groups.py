@@ -43,7 +43,7 @@ def test_groups_and_mesh_match_layout():
 
 def _links_with_liar(rank, world_size):
     """check-cluster's link measurement on pp=2, honest and then with each rank sending another rank's pattern."""
-    import ppctl.cluster as cluster
+    import ppctl.run.cluster as cluster
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.parallel.layout import ParallelLayout
 
@@ -62,7 +62,7 @@ def _links_with_liar(rank, world_size):
 @pytest.mark.timeout(120)
 def test_check_cluster_link_check_catches_a_wrong_payload():
     """A link whose receiver gets other bytes than its sender's pattern is reported, whichever end received them."""
-    from ppctl.cluster import BANDWIDTH_BYTES, BANDWIDTH_ROUND_TRIPS, LATENCY_ROUND_TRIPS
+    from ppctl.run.cluster import BANDWIDTH_BYTES, BANDWIDTH_ROUND_TRIPS, LATENCY_ROUND_TRIPS
 
     first, second = run_workers(_links_with_liar, 2, timeout=100)
     assert second == {None: [], 0: [], 1: []}  # the second pp rank reports no link of its own

@@ -28,7 +28,7 @@ def _step_learning_rates(rank, world_size, overrides):
     """Worker: train 3 steps with ``train_step``; return the lr each ``StepResult`` reports."""
     from ppctl.config import compose_config, layout_of, validate
     from ppctl.parallel.groups import build_parallel_context
-    from ppctl.train import Trainer
+    from ppctl.run.train import Trainer
 
     config = compose_config(overrides)
     validate(config)

@@ -28,7 +28,7 @@ OVERFLOWING_SCALE = 2.0 ** 20  # overflows fp16 (max 65504) in the backward of t
 def _train(rank, world_size):
     from ppctl.config import compose_config, layout_of, validate
     from ppctl.parallel.groups import build_parallel_context
-    from ppctl.train import Trainer
+    from ppctl.run.train import Trainer
 
     contexts, report = {}, {}
     for name, layout in LAYOUTS.items():
@@ -53,7 +53,7 @@ def _train(rank, world_size):
 def _overflowing_fp16(contexts) -> list[tuple[bool, float]]:
     """(skipped, loss scale after the step) of 12 fp16 steps started at a scale that overflows."""
     from ppctl.config import compose_config, layout_of
-    from ppctl.train import Trainer
+    from ppctl.run.train import Trainer
 
     config = compose_config(BASE + DATA + LAYOUTS["dp2-distributed"] + [
         "trainer.precision=fp16", f"optimizer.loss_scale={OVERFLOWING_SCALE}"])

@@ -35,7 +35,7 @@ def _snapshot(trainer) -> dict[str, torch.Tensor]:
 def _skip_then_stop(rank, world_size):
     from ppctl.config import compose_config, layout_of, validate
     from ppctl.parallel.groups import build_parallel_context
-    from ppctl.train import NonFiniteGradients, Trainer
+    from ppctl.run.train import NonFiniteGradients, Trainer
 
     context, report = None, {}
     for distributed in (False, True):

@@ -18,7 +18,7 @@ BASE = ["data=synthetic", "model.num_layers=4", "model.hidden_size=32", "model.n
 def _peak_bytes(rank, world_size):
     from ppctl.config import compose_config, layout_of
     from ppctl.parallel.groups import build_parallel_context
-    from ppctl.train import Trainer
+    from ppctl.run.train import Trainer
 
     context = None
     peaks = {}

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from ppctl.model.gpt import GPTChunk, GPTConfig
-from ppctl.model.weight_grad import (
+from ppctl.autograd.weight_grad import (
     ComputedWeightGrads,
     WeightGradStore,
     add_bias,

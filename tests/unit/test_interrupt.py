@@ -5,7 +5,7 @@ import signal
 
 import pytest
 
-from ppctl.interrupt import ParentDeathSignal, StopRequest
+from ppctl.run.interrupt import ParentDeathSignal, StopRequest
 
 
 def deliver(signum: int) -> None:

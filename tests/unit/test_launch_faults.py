@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from ppctl import launch
+from ppctl.run import launch
 from ppctl.config import compose_config
-from ppctl.launch import (LaunchPlan, LaunchResult, SignalInbox, WorkerExit, build_launch_plan, children,
+from ppctl.run.launch import (LaunchPlan, LaunchResult, SignalInbox, WorkerExit, build_launch_plan, children,
                           descendants, describe_failure, describe_interruption, first_failure, is_consequence,
                           parent_of_stat, read_parent_table, torchrun_failures)
 
@@ -18,7 +18,7 @@ TORCHRUN_REPORT = """\
 W1123 15:30:18.429000 1503 api.py:1028] Sending process 1514 closing signal SIGTERM
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ======================================================
-ppctl.worker FAILED
+ppctl.run.worker FAILED
 ------------------------------------------------------
 Failures:
 [1]:
@@ -203,7 +203,7 @@ def test_signal_inbox_records_and_restores():
 def test_signal_before_any_worker_starts_is_one_line_and_128_plus_the_signal(capsys):
     import signal
 
-    from ppctl.cli import interrupted_before_start
+    from ppctl.cli.app import interrupted_before_start
 
     with pytest.raises(SystemExit) as ended:
         interrupted_before_start(signal.SIGINT, None)

@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from ppctl import launch
+from ppctl.run import launch
 from ppctl.checkpoint.files import commit, temporary_dir
 from ppctl.config import ConfigError, LauncherConfig, compose_config, parse_endpoint
-from ppctl.launch import (LaunchResult, RunDirBusy, RunDirLock, build_launch_plan, describe_log_failure, mount_point,
+from ppctl.run.launch import (LaunchResult, RunDirBusy, RunDirLock, build_launch_plan, describe_log_failure, mount_point,
                           rendezvous_problem)
 
 

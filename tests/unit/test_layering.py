@@ -9,28 +9,35 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ppctl"
 
-# Pure: no torch at all (layout math, schedules, plan, checker, simulator, config validation).
-PURE = ("ppctl.parallel.layout", "ppctl.pipeline.schedules", "ppctl.pipeline.messages", "ppctl.pipeline.replay",
-        "ppctl.pipeline.comm", "ppctl.pipeline.simulate", "ppctl.pipeline.check", "ppctl.optim.lr",
-        "ppctl.optim.loss_scale", "ppctl.config", "ppctl.checkpoint.files",
-        "ppctl.interrupt", "ppctl.fileio")
-# Each module's level: a module imports only from its own level or below.
+# Pure: no torch at all (layout math, placement, schedules, plan, checker, simulator, config validation).
+PURE = ("ppctl.parallel.layout", "ppctl.parallel.placement", "ppctl.pipeline.schedules", "ppctl.pipeline.messages",
+        "ppctl.pipeline.replay", "ppctl.pipeline.comm", "ppctl.pipeline.simulate", "ppctl.pipeline.check",
+        "ppctl.optim.lr", "ppctl.optim.loss_scale", "ppctl.config", "ppctl.checkpoint.files",
+        "ppctl.run.interrupt", "ppctl.fileio")
+# The folders are the layers. Each module's level is that of its longest listed prefix (a package covers
+# its modules, a module listed alone overrides its package); a module imports only from its level or below.
 LEVELS = {
-    "ppctl.parallel.layout": 0, "ppctl.pipeline.schedules": 0, "ppctl.pipeline.messages": 0,
-    "ppctl.pipeline.replay": 0, "ppctl.pipeline.comm": 0, "ppctl.pipeline.simulate": 0,
-    "ppctl.pipeline.check": 0, "ppctl.pipeline.render": 0, "ppctl.data.tokenizer": 0, "ppctl.data.prepare": 0,
-    "ppctl.data.dataset": 0, "ppctl.parallel.tensor_parallel": 0, "ppctl.parallel.context_parallel": 0,
-    "ppctl.pipeline.stage": 0, "ppctl.testing": 0, "ppctl.optim.lr": 0, "ppctl.optim.loss_scale": 0,
-    "ppctl.model.weight_grad": 0, "ppctl.checkpoint.files": 0, "ppctl.interrupt": 0,
-    "ppctl.fileio": 0,
-    "ppctl.checkpoint": 1, "ppctl.checkpoint.state": 3,
-    "ppctl.config": 1, "ppctl.model": 1, "ppctl.data.iterator": 1, "ppctl.parallel.groups": 1,
-    "ppctl.pipeline.p2p": 1, "ppctl.pipeline.trace": 1, "ppctl.pipeline.runtime": 1, "ppctl.optim": 1,
-    "ppctl.factory": 2, "ppctl.stages": 3, "ppctl.reference": 3,
-    "ppctl.train": 4, "ppctl.logging": 4, "ppctl.cluster": 4,
-    "ppctl.worker": 5, "ppctl.launch": 5, "ppctl.layout_report": 5, "ppctl.schedule_report": 5,
-    "ppctl.cli": 6,
+    # 0, foundations that import nothing of ppctl's: file writes, the autograd primitives of the B/W
+    # split (below both model/ and parallel/), the placement of stages on ranks (below layout and schedules).
+    "ppctl.fileio": 0, "ppctl.autograd": 0, "ppctl.parallel.placement": 0,
+    # 1, the pure core and torch building blocks: layout, schedules and their plans, data, TP/CP layers.
+    "ppctl.parallel": 1, "ppctl.pipeline": 1, "ppctl.data": 1, "ppctl.optim.lr": 1, "ppctl.optim.loss_scale": 1,
+    "ppctl.checkpoint.files": 1, "ppctl.run.interrupt": 1, "ppctl.testing": 1,
+    # 2, what the core is configured and run with: config, the model, groups, the runtime, the optimizer.
+    "ppctl.config": 2, "ppctl.model": 2, "ppctl.data.iterator": 2, "ppctl.parallel.groups": 2,
+    "ppctl.pipeline.p2p": 2, "ppctl.pipeline.trace": 2, "ppctl.pipeline.runtime": 2, "ppctl.optim": 2,
+    "ppctl.checkpoint": 2,
+    # 3 and 4, a config built into a model, its pipeline stages, the single-process reference, checkpoints.
+    "ppctl.model.factory": 3, "ppctl.model.stages": 4, "ppctl.run.reference": 4, "ppctl.checkpoint.state": 4,
+    # 5 and 6, the launch path (run/): the training loop and what it logs, the worker, the launcher.
+    "ppctl.run": 5, "ppctl.run.worker": 6, "ppctl.run.launch": 6,
+    # 6 and 7, the faces (cli/): the reports, then the commands on top.
+    "ppctl.cli": 6, "ppctl.cli.app": 7,
 }
+# The only modules at the top of the package: everything else lives in a folder that says what it is.
+TOP_LEVEL_MODULES = {"ppctl", "ppctl.config", "ppctl.fileio", "ppctl.testing"}
+# Foundations: they import nothing of ppctl's, so anything may build on them.
+FOUNDATIONS = ("ppctl.fileio", "ppctl.autograd", "ppctl.parallel.placement")
 
 
 def module_files() -> dict[str, Path]:
@@ -101,3 +108,21 @@ def test_pure_core_imports_no_torch():
         if any(name == pure or name.startswith(pure + ".") for pure in PURE):
             torch_imports = {dep for dep in imported_names(name, path) if dep.split(".")[0] == "torch"}
             assert not torch_imports, f"{name} is pure but imports {sorted(torch_imports)}"
+
+
+def test_the_top_level_holds_only_the_shared_modules():
+    loose = {name for name in module_files() if name.count(".") == 1} - TOP_LEVEL_MODULES
+    loose = {name for name in loose if not (PACKAGE / name.split(".")[1]).is_dir()}
+    assert not loose, f"loose modules at the package's top: {sorted(loose)}; put each in the folder of its kind"
+
+
+def is_foundation(name: str) -> bool:
+    """Whether ``name`` is (in) one of the FOUNDATIONS."""
+    return any(name == base or name.startswith(base + ".") for base in FOUNDATIONS)
+
+
+def test_foundations_import_nothing_of_ppctl():
+    for name, deps in internal_graph().items():
+        if is_foundation(name):
+            outside = {dep for dep in deps if dep != "ppctl" and not is_foundation(dep)}
+            assert not outside, f"{name} is a foundation but imports {sorted(outside)}"

@@ -7,7 +7,7 @@ import tracemalloc
 import pytest
 
 from ppctl.config import compose_config, validate
-from ppctl.layout_report import (MAX_LISTED_RANKS, SUMMARY_MEMBERS, SUMMARY_RANKS, is_summarised, layout_report,
+from ppctl.cli.layout_report import (MAX_LISTED_RANKS, SUMMARY_MEMBERS, SUMMARY_RANKS, is_summarised, layout_report,
                                  print_layout)
 from ppctl.parallel.layout import GROUP_NAMES, ParallelLayout
 
@@ -61,7 +61,7 @@ def test_the_table_of_twenty_million_ranks_is_quick(capsys):
 ])
 def test_a_summary_agrees_with_the_listing_it_replaces(overrides, monkeypatch):
     """The same layout listed and (with the limit lowered) summarised: counts, sizes, ends and rank entries."""
-    from ppctl import layout_report as module
+    from ppctl.cli import layout_report as module
 
     config = compose_config(overrides)
     listed = layout_report(config)

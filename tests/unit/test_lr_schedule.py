@@ -8,7 +8,7 @@ import torch
 from ppctl.config import compose_config
 from ppctl.optim.grads import build_optimizer, decays
 from ppctl.optim.lr import LRSchedule, learning_rate, lr_schedule_of, set_learning_rate
-from ppctl.reference import reference_model
+from ppctl.run.reference import reference_model
 
 PEAK, MINIMUM, WARMUP, DECAY = 0.01, 0.001, 10, 110
 

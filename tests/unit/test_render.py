@@ -217,7 +217,7 @@ def test_plain_grid_of_irregular_times_has_a_column_per_start():
 
 
 def test_inspect_schedule_without_a_terminal_prints_the_plain_grid(capsys):
-    from ppctl.schedule_report import print_schedule
+    from ppctl.cli.schedule_report import print_schedule
 
     print_schedule(simulate(build_schedule("1f1b", 4, 1, 8)), None)  # pytest's stdout is no terminal
     text = capsys.readouterr().out

@@ -1,7 +1,7 @@
 """Start workers with torchrun, watch them, stop them on a signal, and turn a failure into one line.
 
 ``ppctl train`` and ``ppctl check-cluster`` both come here: the run directory holds
-the resolved ``config.yaml``; every worker (``python -m ppctl.worker``) reads it.
+the resolved ``config.yaml``; every worker (``python -m ppctl.run.worker``) reads it.
 
 Stopping: torchrun runs in its own session, so a terminal's Ctrl-C reaches only ``ppctl``.
 On SIGINT or SIGTERM ``ppctl`` sends SIGTERM to the workers themselves (torchrun, left
@@ -43,9 +43,9 @@ from pathlib import Path
 
 from ppctl.checkpoint.files import CheckpointError, latest_checkpoint
 from ppctl.config import LauncherConfig, PpctlConfig, nproc_per_node, parse_endpoint
-from ppctl.interrupt import STOP_SIGNALS, ParentDeathSignal
+from ppctl.run.interrupt import STOP_SIGNALS, ParentDeathSignal
 
-WORKER_MODULE = "ppctl.worker"
+WORKER_MODULE = "ppctl.run.worker"
 DEFAULT_RDZV_ID = "ppctl"  # the same on every node (a run directory's timestamp would differ between nodes)
 # A single-node run's own rendezvous: port 0 lets the OS pick a free one, so runs on one machine never meet.
 LOCAL_RDZV_ENDPOINT = "localhost:0"

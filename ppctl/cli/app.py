@@ -20,7 +20,7 @@ import typer
 from ppctl.config import ConfigError, PpctlConfig, compose_config
 
 if TYPE_CHECKING:
-    from ppctl.launch import RunDirLock
+    from ppctl.run.launch import RunDirLock
 
 app = typer.Typer(
     add_completion=False,
@@ -66,7 +66,7 @@ def inspect_layout(
 ) -> None:
     """Show the rank coordinates, every process group and the layer map of a layout."""
     from ppctl.config import validate
-    from ppctl.layout_report import layout_report, print_layout
+    from ppctl.cli.layout_report import layout_report, print_layout
 
     config = load_config(overrides, config_dir, config_name, validate)
     report = layout_report(config)
@@ -90,14 +90,14 @@ def inspect_schedule(
 ) -> None:
     """Simulate the configured schedule: timeline per rank, bubble ratio and peak activations."""
     from ppctl.config import validate
-    from ppctl.schedule_report import print_schedule, simulate_config
+    from ppctl.cli.schedule_report import print_schedule, simulate_config
 
     # The schedule does not depend on how the model's layers divide into its stages.
     config = load_config(overrides, config_dir, config_name, lambda loaded: validate(loaded, layer_split=False))
     try:
         result = simulate_config(config, cost)
         if out is not None:
-            from ppctl.schedule_report import write_schedule_picture
+            from ppctl.cli.schedule_report import write_schedule_picture
 
             write_schedule_picture(result, out)
     except ValueError as error:
@@ -234,7 +234,7 @@ def check_cluster(
 def _launch(config: PpctlConfig, task: str, dry_run: bool) -> None:
     """Create and lock the run directory, run the workers; a failure exits 1, an interruption 128 + the signal."""
     from ppctl.config import nproc_per_node
-    from ppctl.launch import (build_launch_plan, default_run_dir, describe_interruption, rendezvous_problem,
+    from ppctl.run.launch import (build_launch_plan, default_run_dir, describe_interruption, rendezvous_problem,
                               resolve_backend, run_plan)
 
     run_dir = Path(config.trainer.out_dir) if config.trainer.out_dir else default_run_dir()
@@ -271,8 +271,8 @@ def write_run_dir(config: PpctlConfig, run_dir: Path) -> RunDirLock:
     changes nothing in it. Each refusal is one line and exit 2.
     """
     from ppctl.config import to_yaml
-    from ppctl.launch import RunDirBusy, RunDirLock
-    from ppctl.layout_report import layout_report
+    from ppctl.run.launch import RunDirBusy, RunDirLock
+    from ppctl.cli.layout_report import layout_report
 
     lock = RunDirLock(run_dir, config.launcher.node_rank)
     try:

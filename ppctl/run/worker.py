@@ -1,4 +1,4 @@
-"""Per-rank entry point started by torchrun: ``python -m ppctl.worker --run-dir DIR --task TASK``.
+"""Per-rank entry point started by torchrun: ``python -m ppctl.run.worker --run-dir DIR --task TASK``.
 
 Reads the resolved config from the run directory, joins the process group, builds the
 parallel context and runs the task. Any exception is written to ``errors/rank<N>.txt``
@@ -24,11 +24,11 @@ import sys
 import traceback
 from pathlib import Path
 
-from ppctl.interrupt import ParentDeathSignal, StopRequest
+from ppctl.run.interrupt import ParentDeathSignal, StopRequest
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="ppctl.worker")
+    parser = argparse.ArgumentParser(prog="ppctl.run.worker")
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--task", required=True, choices=["train", "check-cluster"])
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
@@ -68,11 +68,11 @@ def run_task(args: argparse.Namespace) -> None:
     context.device = device
     _inject_fault(config.launcher.inject_fault, context.rank)
     if args.task == "check-cluster":
-        from ppctl.cluster import run_cluster_check
+        from ppctl.run.cluster import run_cluster_check
 
         run_cluster_check(config, context, args.run_dir)
     else:
-        from ppctl.train import train
+        from ppctl.run.train import train
 
         stop = StopRequest().install()  # kept to the end: a late SIGTERM must not turn a finished run into a failure
         train(config, context, args.run_dir, stop=stop)
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     """Run the worker; on any error record it for the launcher and exit non-zero."""
     parent = os.getppid()  # torchrun; compared again once the parent-death signal is armed
     if not ParentDeathSignal(signal.SIGTERM).arm(parent):
-        sys.exit("ppctl.worker: the launcher ended before this worker started")
+        sys.exit("ppctl.run.worker: the launcher ended before this worker started")
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     try:
         run_task(args)

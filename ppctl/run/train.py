@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ppctl.config import PpctlConfig, num_microbatches
 from ppctl.data.iterator import PipelineDataIterator
-from ppctl.factory import dataset_of, gpt_config, parameter_dtype
+from ppctl.model.factory import dataset_of, gpt_config, parameter_dtype
 from ppctl.model.gpt import GPTChunk
 from ppctl.optim.grads import clip_coefficient
 from ppctl.optim.loss_scale import DynamicLossScaler
@@ -35,7 +35,7 @@ from ppctl.pipeline.runtime import PipelineRuntime, RankProgram, rank_program
 from ppctl.pipeline.schedules import Schedule, build_schedule
 from ppctl.pipeline.stage import TensorSpec
 from ppctl.pipeline.trace import Tracer
-from ppctl.stages import MaskedTokenLoss, build_stages
+from ppctl.model.stages import MaskedTokenLoss, build_stages
 
 
 class NonFiniteGradients(RuntimeError):
@@ -295,11 +295,11 @@ def train(config: PpctlConfig, context: ParallelContext, run_dir: Path, stop=Non
     """The worker's training job: build the trainer (resumed from ``trainer.resume_from``), run every step,
     validate and save as configured, log from the loss-owning rank.
 
-    ``stop`` (``ppctl.interrupt``) says whether this worker was asked to stop: after each step all
+    ``stop`` (``ppctl.run.interrupt``) says whether this worker was asked to stop: after each step all
     ranks agree on it, save a checkpoint and return.
     """
     from ppctl.checkpoint.state import load_checkpoint
-    from ppctl.logging import TrainingLogger
+    from ppctl.run.logging import TrainingLogger
 
     trainer = Trainer(config, context)
     start = load_checkpoint(trainer, Path(config.trainer.resume_from)) if config.trainer.resume_from else 0
