@@ -60,7 +60,7 @@ def load_config(
 @app.command("inspect-layout")
 def inspect_layout(
     overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (see README for the keys)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (docs/layout.md lists the keys)."),
     config_dir: Optional[Path] = CONFIG_DIR_OPTION,
     config_name: str = CONFIG_NAME_OPTION,
 ) -> None:
@@ -83,7 +83,7 @@ def inspect_schedule(
                              help="Cost model: times of F, B, W for one microbatch through all of a rank's layers "
                                   "(of one model copy), FB for an overlapped forward-and-backward pair (DualPipe; "
                                   "unset: F+B+W), and the latency of one point-to-point message."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (see README for the keys)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (docs/schedules.md lists the keys)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the timeline picture (.svg or .html)."),
     config_dir: Optional[Path] = CONFIG_DIR_OPTION,
     config_name: str = CONFIG_NAME_OPTION,

@@ -1,6 +1,7 @@
 """Real process groups and the DeviceMesh agree with the pure layout, for several orders.
 
-Also: check-cluster's point-to-point check reports a link that delivers the wrong data.
+Also: check-cluster proves every group kind of each of these layouts, and its point-to-point check
+reports a link that delivers the wrong data.
 """
 
 import pytest
@@ -15,6 +16,7 @@ def _group_ranks(rank, world_size):
 
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.parallel.layout import GROUP_NAMES, ParallelLayout
+    from ppctl.run.cluster import prove_groups
 
     results = []
     for sizes in LAYOUTS:
@@ -22,7 +24,7 @@ def _group_ranks(rank, world_size):
         real = {name: (dist.get_process_group_ranks(group) if group is not None else [])
                 for name, group in context.groups.items()}
         mesh = {dim: dist.get_process_group_ranks(context.mesh.get_group(dim)) for dim in ("tp", "cp", "dp", "pp")}
-        results.append({"real": real, "mesh": mesh, "names": list(GROUP_NAMES)})
+        results.append({"real": real, "mesh": mesh, "names": list(GROUP_NAMES), "proofs": prove_groups(context)})
     return results
 
 
@@ -39,6 +41,8 @@ def test_groups_and_mesh_match_layout():
                 assert result["real"][name] == layout.group_of(name, rank), (sizes, rank, name)
             for dim, ranks in result["mesh"].items():
                 assert ranks == layout.group_of(dim, rank), (sizes, rank, dim)
+            # check-cluster's proof of every group kind (an all-reduce and an all-gather against the layout)
+            assert result["proofs"] == {name: "ok" for name in result["names"]}, (sizes, rank)
 
 
 def _links_with_liar(rank, world_size):

@@ -1,5 +1,5 @@
 """Defaults live in one place: the schema dataclasses; the YAML options hold only what they change,
-and the README's key table is generated from the schema."""
+and the key table of docs/configuration.md is generated from the schema."""
 
 import dataclasses
 from pathlib import Path
@@ -15,7 +15,7 @@ from ppctl.config import (
     render_default,
 )
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 TABLE_START, TABLE_END = "<!-- config-table:start -->\n", "<!-- config-table:end -->"
 
 # What each shipped group option changes relative to the default composition, recorded from the
@@ -89,7 +89,7 @@ def test_every_field_is_documented_once_in_one_line():
     (None, "null"), (True, "true"), (False, "false"), (4, "4"), (0.003, "0.003"), (1.0, "1.0"),
     (1e-5, "1e-5"), (1e-8, "1e-8"), ("fp32", "`fp32`"),
 ])
-def test_defaults_render_as_in_the_readme(value, text):
+def test_defaults_render_as_in_the_reference(value, text):
     assert render_default(value) == text
 
 
@@ -101,8 +101,8 @@ def test_table_escapes_pipes_and_has_one_row_per_field():
     assert r"`Ettt\|tttt\|tttL`" in table
 
 
-def test_readme_table_is_the_generated_one():
-    text = README.read_text()
+def test_reference_table_is_the_generated_one():
+    text = REFERENCE.read_text()
     assert text.count(TABLE_START) == 1 and text.count(TABLE_END) == 1
     between = text.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0]
-    assert between == config_reference_table(), "README table drifted: regenerate it with python -m ppctl.config"
+    assert between == config_reference_table(), "docs/configuration.md table drifted: regenerate it with python -m ppctl.config"
