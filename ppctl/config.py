@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from ppctl.optim.lr import DECAY_STYLES
 from ppctl.parallel.layout import CP_COMM_MODES, LayoutError, ParallelLayout, split_layers
+from ppctl.parallel.placement import PlacementError
 
 PACKAGE_CONF_DIR = Path(__file__).resolve().parent / "conf"
 
@@ -364,9 +365,9 @@ def layout_of(config: PpctlConfig) -> ParallelLayout:
     try:
         return ParallelLayout(
             tp=parallel.tp, cp=parallel.cp, dp=parallel.dp, pp=parallel.pp, vpp=parallel.vpp, order=parallel.order,
-            placement=spec.placement(parallel.pp, parallel.vpp), copies=spec.copies,
+            placement=spec.placement(parallel.pp, parallel.vpp),
         )
-    except LayoutError as error:
+    except (LayoutError, PlacementError) as error:
         raise ConfigError(str(error)) from None
 
 
@@ -406,7 +407,7 @@ def validate(config: PpctlConfig, layer_split: bool = True) -> DerivedSizes:
 
 def _check_layer_split(config: PpctlConfig, layout: ParallelLayout) -> None:
     try:
-        split_layers(config.model.num_layers, layout.stages_per_copy, config.parallel.pipeline_layout)
+        split_layers(config.model.num_layers, layout.placement.stages_per_copy, config.parallel.pipeline_layout)
     except LayoutError as error:
         raise ConfigError(str(error)) from None
 

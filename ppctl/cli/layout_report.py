@@ -51,8 +51,9 @@ def layout_report(config: PpctlConfig) -> dict:
         groups, ranks = summarised_groups(layout), summarised_ranks(layout, config)
     else:
         groups, ranks = layout.all_groups(), listed_ranks(layout, config)
+    placement = layout.placement
     layers = [
-        {"pp_rank": pp_rank, "vp_stage": chunk, "stage": stage.stage, "copy": layout.copy_of(stage.stage),
+        {"pp_rank": pp_rank, "vp_stage": chunk, "stage": stage.stage, "copy": placement.copy_of(stage.stage),
          "layers": list(stage.layers), "pre_process": stage.pre_process, "post_process": stage.post_process}
         for (pp_rank, chunk), stage in config_layer_map(config).items()
     ]
@@ -60,7 +61,7 @@ def layout_report(config: PpctlConfig) -> dict:
         "world_size": layout.world_size,
         "order": layout.order,
         "sizes": {name: layout.sizes[name] for name in ("tp", "cp", "dp", "pp", "vpp")},
-        "placement": {"stages": list(layout.placement), "copies": layout.copies,
+        "placement": {"stages": list(placement.owners), "copies": placement.copies,
                       "describe": schedule_spec(config).placement_name},
         "sequence": {"seq_length": config.trainer.seq_length, "cp_comm": config.parallel.cp_comm,
                      "sequence_parallel": config.parallel.sequence_parallel,

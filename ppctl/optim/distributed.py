@@ -152,7 +152,8 @@ class DistributedOptimizer:
         self.num_shards, self.shard_rank = ((max(context.size("replica"), 1), context.index("replica")) if shard
                                             else (1, 0))
         # DualPipe's second parameter copy: its elements are the first copy's, counted once in the norm.
-        self.second_copy = {id(param) for stage, chunk in chunks.items() if context.layout.copy_of(stage)
+        copy_of = context.layout.placement.copy_of
+        self.second_copy = {id(param) for stage, chunk in chunks.items() if copy_of(stage)
                             for param in chunk.parameters()}
         self.tied = tied_copies(chunks, context)
         self._build_buffers(ordered_parameters(chunks))
@@ -366,7 +367,7 @@ class DistributedOptimizer:
             return f"optimizer: AdamW on fp32 main copies, {buckets} all-reduced"
         overlap = [name for name, on in (("gradient reduce-scatter", self.settings.overlap_grad_reduce),
                                          ("parameter all-gather", self.settings.overlap_param_gather)) if on]
-        copies = self.context.layout.copies
+        copies = self.context.layout.placement.copies
         over = "dp*cp ranks" if copies == 1 else f"ranks (dp*cp x {copies} parameter copies)"
         return (f"optimizer: distributed over {self.num_shards} {over}, {buckets}"
                 + (f", overlapped {' and '.join(overlap)}" if overlap else ""))

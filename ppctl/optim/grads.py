@@ -165,7 +165,7 @@ def counted_once(chunks: Mapping[int, torch.nn.Module], context) -> list[torch.T
     """
     grads, tp_rank = [], context.coords["tp"]
     for stage, chunk in chunks.items():
-        if context.layout.copy_of(stage):
+        if context.layout.placement.copy_of(stage):
             continue
         for name, param in chunk.named_parameters():
             if param.grad is None:

@@ -60,7 +60,7 @@ def build_parallel_context(layout: ParallelLayout, timeout_s: float, device: str
     groups, group_ranks = {}, {}
     for name in GROUP_NAMES:
         group_ranks[name] = layout.group_of(name, rank)
-        if name == "replica" and layout.copies == 1:
+        if name == "replica" and layout.placement.copies == 1:
             groups[name] = groups["dp_cp"]  # one model copy: the replicas are dp x cp; no second group
             continue
         groups[name] = _new_groups(layout.groups(name), rank, timeout)

@@ -8,22 +8,23 @@ Rank order follows Megatron-Core's ``RankGenerator``: the order string lists the
 dimensions from fastest-varying to slowest, so with the default ``tp-cp-dp-pp``
 consecutive ranks form a TP group and pipeline groups are strided by tp*cp*dp.
 
-The layout also carries the stage placement (global pipeline stage -> pp rank), which
-the schedule decides (looped for 1F1B and interleaved 1F1B, a V for ZB-V and
-DualPipeV). It is the one source of truth for everything that depends on where a
-stage runs: chunks per rank, the layer map, the pp ranks that hold the embedding
-and the output layer (so the ``embedding`` group), and the rank that holds the loss.
+The layout also carries the stage placement (``ppctl.parallel.placement``: global
+pipeline stage -> pp rank, and the model copies), which the schedule decides and shares.
+The layout builds on it what depends on where a stage runs: the layer map, the
+``embedding`` group (the ranks holding the embedding and the output layer) and the
+``replica`` group (with DualPipe's two copies, the mirror pp rank too).
 """
 
 from __future__ import annotations
 
-import collections
 import heapq
 import itertools
 import math
 import re
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
+
+from ppctl.parallel.placement import Placement, looped_placement
 
 DIMENSIONS = ("tp", "cp", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-dp-pp"
@@ -47,32 +48,6 @@ class LayoutError(ValueError):
     """A parallel layout or layer split that cannot exist; the message is one line."""
 
 
-# --- placements: global stage -> pp rank ----------------------------------------------------
-
-def looped_placement(pp: int, chunks_per_rank: int) -> tuple[int, ...]:
-    """Megatron's interleaved placement: stage s runs on rank ``s % pp`` (rank r holds r, r+pp, ...).
-
-    With one chunk per rank this is the plain pipeline (stage r on rank r).
-    """
-    _check_placement_sizes(pp, chunks_per_rank)
-    return tuple(stage % pp for stage in range(pp * chunks_per_rank))
-
-
-def v_placement(pp: int) -> tuple[int, ...]:
-    """The V placement (ZB-V, DualPipeV): rank r holds stages r and ``2*pp - 1 - r``.
-
-    The model goes down the ranks and comes back up, so the first and the last
-    stage both sit on rank 0.
-    """
-    _check_placement_sizes(pp, 2)
-    return tuple(stage if stage < pp else 2 * pp - 1 - stage for stage in range(2 * pp))
-
-
-def _check_placement_sizes(pp: int, chunks_per_rank: int) -> None:
-    if pp < 1 or chunks_per_rank < 1:
-        raise LayoutError(f"pp={pp} and chunks per rank={chunks_per_rank} must both be at least 1")
-
-
 def parse_order(order: str) -> tuple[str, ...]:
     """Split an order string such as ``tp-cp-dp-pp`` and check it names each dimension once."""
     dims = tuple(part.strip() for part in order.split("-"))
@@ -88,11 +63,8 @@ def parse_order(order: str) -> tuple[str, ...]:
 class ParallelLayout:
     """Sizes of the parallel dimensions, the order in which ranks enumerate them, and the stage placement.
 
-    ``placement[stage]`` is the pp rank that runs global pipeline stage ``stage``
-    (default: looped, ``vpp`` chunks per rank); every pp rank holds ``vpp`` stages.
-    ``copies`` is the number of parameter copies of the model the stages hold (2 for
-    DualPipe): the global stages are cut into ``copies`` runs of ``stages_per_copy``
-    consecutive stages, global stage s running model stage ``s % stages_per_copy``.
+    ``placement`` puts the ``pp * vpp`` global pipeline stages on the pp ranks, ``vpp``
+    on each, and says how many model copies they hold (default: looped, one copy).
     """
 
     tp: int = 1
@@ -101,73 +73,26 @@ class ParallelLayout:
     pp: int = 1
     vpp: int = 1
     order: str = DEFAULT_ORDER
-    placement: tuple[int, ...] | None = None
-    copies: int = 1
+    placement: Placement | None = None
 
     def __post_init__(self) -> None:
-        for name in (*DIMENSIONS, "vpp", "copies"):
+        for name in (*DIMENSIONS, "vpp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"parallel.{name}={value!r} must be a positive integer")
         parse_order(self.order)
         if self.placement is None:
             object.__setattr__(self, "placement", looped_placement(self.pp, self.vpp))
-        _check_placement(tuple(self.placement), self.pp, self.vpp)
-        object.__setattr__(self, "placement", tuple(self.placement))
-        if self.num_stages % self.copies:
-            raise LayoutError(f"{self.num_stages} pipeline stages cannot hold {self.copies} model copies")
-
-    @property
-    def num_stages(self) -> int:
-        """Global pipeline stages: pp * vpp."""
-        return len(self.placement)
-
-    @property
-    def stages_per_copy(self) -> int:
-        """Model stages: the global stages of one parameter copy (all of them with one copy)."""
-        return self.num_stages // self.copies
-
-    def model_stage(self, stage: int) -> int:
-        """The model stage (which layers) global stage ``stage`` runs."""
-        return stage % self.stages_per_copy
-
-    def copy_of(self, stage: int) -> int:
-        """The parameter copy global stage ``stage`` belongs to (0 with one copy)."""
-        return stage // self.stages_per_copy
-
-    def model_stages_of(self, pp_rank: int) -> tuple[int, ...]:
-        """The model stages ``pp_rank`` holds (of any copy), sorted."""
-        return tuple(sorted({self.model_stage(stage) for stage in self.stages_of(pp_rank)}))
+        if not isinstance(self.placement, Placement):
+            raise LayoutError(f"placement {self.placement!r} must be a Placement")
+        problem = self.placement.problem(self.pp, self.vpp)
+        if problem is not None:
+            raise LayoutError(problem)
 
     def replica_pp_ranks(self, pp_rank: int) -> list[int]:
         """The pp ranks holding the same model stages as ``pp_rank`` (itself, and DualPipe's mirror rank)."""
-        held = self.model_stages_of(pp_rank)
-        return [other for other in range(self.pp) if self.model_stages_of(other) == held]
-
-    def stages_of(self, pp_rank: int) -> tuple[int, ...]:
-        """The global stages ``pp_rank`` runs, in increasing order (its chunks 0, 1, ...)."""
-        return tuple(stage for stage, owner in enumerate(self.placement) if owner == pp_rank)
-
-    @property
-    def first_stage_rank(self) -> int:
-        """The pp rank holding stage 0 (the embedding; it reads the tokens)."""
-        return self.placement[0]
-
-    @property
-    def last_stage_rank(self) -> int:
-        """The pp rank holding the last stage (output layer and loss; it logs)."""
-        return self.placement[-1]
-
-    @property
-    def loss_pp_ranks(self) -> list[int]:
-        """The pp ranks holding the last stage of some copy (they compute losses)."""
-        return sorted({self.placement[(copy + 1) * self.stages_per_copy - 1] for copy in range(self.copies)})
-
-    @property
-    def embedding_pp_ranks(self) -> list[int]:
-        """The pp ranks holding a word embedding or an output layer (one rank when a V puts both on it)."""
-        firsts = {self.placement[copy * self.stages_per_copy] for copy in range(self.copies)}
-        return sorted(firsts | set(self.loss_pp_ranks))
+        held = self.placement.model_stages_of(pp_rank)
+        return [other for other in range(self.pp) if self.placement.model_stages_of(other) == held]
 
     def tied_pp_ranks(self, pp_rank: int) -> list[int]:
         """The pp ranks whose tied-embedding copies ``pp_rank`` sums with ([] when it holds none).
@@ -176,9 +101,10 @@ class ParallelLayout:
         copies every such rank holds the embedding of one copy and the output layer of the
         other: its tie is local, and the replica group sums the copies.
         """
-        if pp_rank not in self.embedding_pp_ranks:
+        embedding_pp_ranks = self.placement.embedding_pp_ranks
+        if pp_rank not in embedding_pp_ranks:
             return []
-        return [pp_rank] if self.copies > 1 else self.embedding_pp_ranks
+        return [pp_rank] if self.placement.copies > 1 else embedding_pp_ranks
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -230,9 +156,9 @@ class ParallelLayout:
         """
         if name == "embedding":
             return [[pp_group[other] for other in self.tied_pp_ranks(pp_rank)]
-                    for pp_group in self.groups("pp") for pp_rank in self.embedding_pp_ranks
+                    for pp_group in self.groups("pp") for pp_rank in self.placement.embedding_pp_ranks
                     if self.tied_pp_ranks(pp_rank)[0] == pp_rank]
-        if name == "replica" and self.copies == 1:
+        if name == "replica" and self.placement.copies == 1:
             return self.groups("dp_cp")
         if name == "replica":
             return [self.group_of("replica", self.rank(**coords)) for coords in self._replica_group_leaders()]
@@ -272,13 +198,13 @@ class ParallelLayout:
         """How many groups of kind ``name`` there are, without listing them."""
         if name == "embedding":
             return self.world_size // self.pp * len(self._lead_pp_ranks(name))
-        if name == "replica" and self.copies > 1:
+        if name == "replica" and self.placement.copies > 1:
             return self.tp * len(self._lead_pp_ranks(name))
         return self.world_size // self.group_size(name)
 
     def end_group_ranks(self, name: str) -> tuple[int, int]:
         """A rank of the first and one of the last group of kind ``name``, in ``groups(name)``'s order."""
-        if name == "replica" and self.copies == 1:
+        if name == "replica" and self.placement.copies == 1:
             name = "dp_cp"
         if name in GROUP_DIMENSIONS:
             return 0, self.world_size - 1
@@ -312,7 +238,8 @@ class ParallelLayout:
     def _lead_pp_ranks(self, name: str) -> list[int]:
         """The pp rank that leads each ``embedding`` or ``replica`` group of one pp group, in order."""
         if name == "embedding":
-            return [pp_rank for pp_rank in self.embedding_pp_ranks if self.tied_pp_ranks(pp_rank)[0] == pp_rank]
+            return [pp_rank for pp_rank in self.placement.embedding_pp_ranks
+                    if self.tied_pp_ranks(pp_rank)[0] == pp_rank]
         if name == "replica":
             return [pp_rank for pp_rank in range(self.pp) if self.replica_pp_ranks(pp_rank)[0] == pp_rank]
         raise LayoutError(f"unknown group {name!r}; known groups: {', '.join(GROUP_NAMES)}")
@@ -328,15 +255,7 @@ class ParallelLayout:
 
     def layer_map(self, num_layers: int, pipeline_layout: str | None = None) -> dict[tuple[int, int], "StageLayers"]:
         """``{(pp_rank, chunk): StageLayers}``: the model split into stages, placed by this layout."""
-        return layer_map(num_layers, self.pp, self.vpp, self.placement, pipeline_layout, self.copies)
-
-
-def _check_placement(placement: tuple[int, ...], pp: int, chunks_per_rank: int) -> None:
-    """Every pp rank holds exactly ``chunks_per_rank`` of the ``pp * chunks_per_rank`` stages."""
-    counts = collections.Counter(placement)  # one pass: pp may be large
-    if len(placement) != pp * chunks_per_rank or any(counts[pp_rank] != chunks_per_rank for pp_rank in range(pp)):
-        raise LayoutError(f"placement {placement} does not put {chunks_per_rank} of {pp * chunks_per_rank} "
-                          f"stages on each of {pp} pp ranks")
+        return layer_map(num_layers, self.pp, self.vpp, self.placement, pipeline_layout)
 
 
 def _offsets(dims: Sequence[str], strides: dict[str, int], layout: ParallelLayout) -> list[int]:
@@ -450,32 +369,31 @@ def layer_map(
     num_layers: int,
     pp: int,
     chunks_per_rank: int = 1,
-    placement: Sequence[int] | None = None,
+    placement: Placement | None = None,
     pipeline_layout: str | None = None,
-    copies: int = 1,
 ) -> dict[tuple[int, int], StageLayers]:
     """``{(pp_rank, chunk): StageLayers}``: the split composed with a placement (looped by default).
 
-    ``chunk`` numbers a rank's stages in increasing stage order. With ``copies`` model
-    copies the model is split into ``pp * chunks_per_rank / copies`` model stages and
-    global stage s runs model stage ``s % stages_per_copy`` (DualPipe: copy 1 repeats copy 0).
+    ``chunk`` numbers a rank's stages in increasing stage order. With the placement's
+    ``copies`` model copies the model is split into ``pp * chunks_per_rank / copies``
+    model stages and global stage s runs model stage ``s % stages_per_copy``
+    (DualPipe: copy 1 repeats copy 0).
     """
-    num_stages = pp * chunks_per_rank
-    placement = tuple(placement) if placement is not None else looped_placement(pp, chunks_per_rank)
-    _check_placement(placement, pp, chunks_per_rank)
-    stages_per_copy = num_stages // copies
+    placement = placement if placement is not None else looped_placement(pp, chunks_per_rank)
+    problem = placement.problem(pp, chunks_per_rank)
+    if problem is not None:
+        raise LayoutError(problem)
+    stages_per_copy = placement.stages_per_copy
     stage_layers = split_layers(num_layers, stages_per_copy, pipeline_layout)
-    chunks_seen = [0] * pp
     result = {}
     for stage, pp_rank in enumerate(placement):
-        model_stage = stage % stages_per_copy
-        result[(pp_rank, chunks_seen[pp_rank])] = StageLayers(
+        model_stage = placement.model_stage(stage)
+        result[(pp_rank, placement.chunk_of(stage))] = StageLayers(
             stage=stage,
             layers=tuple(stage_layers[model_stage]),
             pre_process=model_stage == 0,
             post_process=model_stage == stages_per_copy - 1,
         )
-        chunks_seen[pp_rank] += 1
     return dict(sorted(result.items()))
 
 

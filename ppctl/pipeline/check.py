@@ -40,29 +40,12 @@ def check_schedule(schedule: Schedule) -> None:
 
 
 def check_placement(schedule: Schedule) -> None:
-    """Every stage on a valid rank, and every rank holding ``chunks_per_rank`` stages."""
-    expected = schedule.pp * schedule.chunks_per_rank
-    if len(schedule.placement) != expected:
-        raise ScheduleError(f"{schedule.name}: placement has {len(schedule.placement)} stages, "
-                            f"expected pp*chunks_per_rank = {expected}")
-    for stage, pp_rank in enumerate(schedule.placement):
-        if not 0 <= pp_rank < schedule.pp:
-            raise ScheduleError(f"{schedule.name}: stage {stage} is placed on rank {pp_rank}, "
-                                f"outside 0..{schedule.pp - 1}")
-    for pp_rank, count in sorted(Counter(schedule.placement).items()):
-        if count != schedule.chunks_per_rank:
-            raise ScheduleError(f"{schedule.name}: rank {pp_rank} holds {count} stages, "
-                                f"expected chunks_per_rank = {schedule.chunks_per_rank}")
-    if len(set(schedule.placement)) != schedule.pp:
-        missing = sorted(set(range(schedule.pp)) - set(schedule.placement))
-        raise ScheduleError(f"{schedule.name}: ranks {missing} hold no stage")
-    _check_copies(schedule)
-
-
-def _check_copies(schedule: Schedule) -> None:
-    """The model copies split the stages, each rank's chunks and the microbatches into equal parts."""
-    copies = schedule.copies
-    if copies < 1 or schedule.chunks_per_rank % copies or schedule.num_microbatches % copies:
+    """The placement fits the schedule (``Placement.problem``) and its model copies split the microbatches."""
+    problem = schedule.placement.problem(schedule.pp, schedule.chunks_per_rank)
+    if problem is not None:
+        raise ScheduleError(f"{schedule.name}: {problem}")
+    copies = schedule.placement.copies
+    if schedule.num_microbatches % copies:
         raise ScheduleError(f"{schedule.name}: copies={copies} must be at least 1 and divide chunks_per_rank="
                             f"{schedule.chunks_per_rank} and num_microbatches={schedule.num_microbatches}")
 
@@ -83,11 +66,11 @@ def check_actions(schedule: Schedule) -> None:
 
 def _all_valid(schedule: Schedule, pp_rank: int, rank_actions: tuple[Action, ...]) -> bool:
     """Whether every action has a known kind, a microbatch of its stage's copy and a stage that ``pp_rank`` holds."""
-    stages = schedule.stages_of(pp_rank)
+    stages = schedule.placement.stages_of(pp_rank)
     if not ({action.kind for action in rank_actions} <= set(ACTION_KINDS)
             and {action.stage for action in rank_actions} <= set(stages)):
         return False
-    if schedule.copies == 1:
+    if schedule.placement.copies == 1:
         return {action.microbatch for action in rank_actions} <= set(range(schedule.num_microbatches))
     microbatches = {stage: set(_microbatches_through(schedule, stage)) for stage in stages}
     return all(action.microbatch in microbatches[action.stage] for action in rank_actions)
@@ -95,25 +78,27 @@ def _all_valid(schedule: Schedule, pp_rank: int, rank_actions: tuple[Action, ...
 
 def _microbatches_through(schedule: Schedule, stage: int) -> range:
     """The microbatches that flow through ``stage``: those of its model copy."""
-    return schedule.microbatches_of_copy(schedule.copy_of(stage))
+    return schedule.microbatches_of_copy(schedule.placement.copy_of(stage))
 
 
 def _check_action(schedule: Schedule, pp_rank: int, action: Action) -> None:
     """``action`` has a known kind, a stage and microbatch in range, and runs on the rank holding its stage."""
     if action.kind not in ACTION_KINDS:
         raise ScheduleError(f"rank {pp_rank}: action kind {action.kind!r} must be one of {', '.join(ACTION_KINDS)}")
-    if not 0 <= action.stage < schedule.num_stages:
-        raise ScheduleError(f"rank {pp_rank}: {action} names a stage outside 0..{schedule.num_stages - 1}")
+    if not 0 <= action.stage < schedule.placement.num_stages:
+        raise ScheduleError(f"rank {pp_rank}: {action} names a stage outside "
+                            f"0..{schedule.placement.num_stages - 1}")
     if not 0 <= action.microbatch < schedule.num_microbatches:
         raise ScheduleError(f"rank {pp_rank}: {action} names a microbatch outside "
                             f"0..{schedule.num_microbatches - 1}")
-    if schedule.rank_of(action.stage) != pp_rank:
-        raise ScheduleError(f"rank {pp_rank}: {action} belongs on rank {schedule.rank_of(action.stage)}, "
+    owner = schedule.placement.rank_of(action.stage)
+    if owner != pp_rank:
+        raise ScheduleError(f"rank {pp_rank}: {action} belongs on rank {owner}, "
                             f"which holds stage {action.stage}")
     through = _microbatches_through(schedule, action.stage)
     if action.microbatch not in through:
         raise ScheduleError(f"rank {pp_rank}: {action} names a microbatch of another model copy; stage "
-                            f"{action.stage} (copy {schedule.copy_of(action.stage)}) runs microbatches "
+                            f"{action.stage} (copy {schedule.placement.copy_of(action.stage)}) runs microbatches "
                             f"{through.start}..{through.stop - 1}")
 
 
@@ -124,12 +109,13 @@ def _check_complete(schedule: Schedule) -> None:
         for a in rank_actions:
             by_kind[a.kind].append((a.stage, a.microbatch, a.step))
     steps = sorted({step for keys in by_kind.values() for (_, _, step) in keys}) or [0]
-    per_step = schedule.num_stages * schedule.num_microbatches // schedule.copies  # each stage: its copy's
+    placement = schedule.placement
+    per_step = placement.num_stages * schedule.num_microbatches // placement.copies  # each stage: its copy's
     if _each_complete_once(by_kind, len(steps) * per_step):
         return  # the common case, in a few set operations; else find the first incomplete one below
     counts = Counter((stage, mb, step, kind) for kind, keys in by_kind.items() for stage, mb, step in keys)
     for step in steps:
-        for stage in range(schedule.num_stages):
+        for stage in range(placement.num_stages):
             for mb in _microbatches_through(schedule, stage):
                 _check_one_of_each(schedule, stage, mb, {k: counts[(stage, mb, step, k)] for k in ACTION_KINDS})
 
@@ -150,7 +136,7 @@ def _each_complete_once(by_kind: dict[str, list[tuple[int, int, int]]], expected
 
 def _check_one_of_each(schedule: Schedule, stage: int, mb: int, count: dict[str, int]) -> None:
     """The counts of each action kind of one (stage, microbatch) are complete."""
-    where = f"stage {stage} (rank {schedule.rank_of(stage)}) microbatch {mb}"
+    where = f"stage {stage} (rank {schedule.placement.rank_of(stage)}) microbatch {mb}"
     if count[FORWARD] != 1:
         raise ScheduleError(f"{where} has {count[FORWARD]} forwards, expected exactly 1")
     split = count[BACKWARD_INPUT] + count[BACKWARD_WEIGHT]

@@ -8,7 +8,7 @@ Schedules only list computations; every message follows from stage adjacency:
   produces the one stage s - 1 consumes: a ``grad`` message goes from s to s - 1;
 - ``W`` consumes and produces no message (it needs only its own ``B``, on its rank).
 
-Stages are adjacent only within one model copy (``Schedule.copies``; one unless the
+Stages are adjacent only within one model copy (``Placement.copies``; one unless the
 schedule holds several, as DualPipe holds two): no message crosses from one copy to the
 other. The first stage of each copy reads the tokens, so its forward consumes nothing and
 its backward produces nothing; the last stage of each copy computes the loss, so its
@@ -123,15 +123,17 @@ def _new_message(fields: tuple) -> Message:
 
 def input_message(schedule: Schedule, action: Action) -> Optional[Message]:
     """The message ``action`` consumes, or None (first-stage forward, last-stage backward, W)."""
-    source, _ = adjacent_stages(action, schedule.num_stages, schedule.stages_per_copy)
+    placement = schedule.placement
+    source, _ = adjacent_stages(action, placement.num_stages, placement.stages_per_copy)
     if source is None:
         return None
-    return message_between(schedule.placement, source, action.stage, action.microbatch, action.step)
+    return message_between(placement.owners, source, action.stage, action.microbatch, action.step)
 
 
 def output_message(schedule: Schedule, action: Action) -> Optional[Message]:
     """The message ``action`` produces, or None (last-stage forward, first-stage backward, W)."""
-    _, target = adjacent_stages(action, schedule.num_stages, schedule.stages_per_copy)
+    placement = schedule.placement
+    _, target = adjacent_stages(action, placement.num_stages, placement.stages_per_copy)
     if target is None:
         return None
-    return message_between(schedule.placement, action.stage, target, action.microbatch, action.step)
+    return message_between(placement.owners, action.stage, target, action.microbatch, action.step)

@@ -165,12 +165,12 @@ def compile_schedule(schedule: Schedule, costs: Costs = Costs()) -> Program:
     With ``costs.FB`` set, each overlapped pair is timed as one action (``time_pairs``);
     the planner compiles with unit costs, so it sees the runtime's plain steps.
     """
-    messages = AdjacentMessages(schedule.placement)
+    owners = schedule.placement.owners  # a plain tuple: indexed in the loops below
+    messages = AdjacentMessages(owners)
     durations = action_durations(schedule.chunks_per_copy, costs)
-    stages_per_copy = schedule.stages_per_copy
-    templates = {(kind, stage): _step_template(Action(kind, stage, 0), schedule.placement, stages_per_copy,
-                                               durations)
-                 for kind in ACTION_KINDS for stage in range(schedule.num_stages)}
+    stages_per_copy = schedule.placement.stages_per_copy
+    templates = {(kind, stage): _step_template(Action(kind, stage, 0), owners, stages_per_copy, durations)
+                 for kind in ACTION_KINDS for stage in range(len(owners))}
     steps = [_schedule_steps(rank_actions, templates, messages, stages_per_copy, durations)
              for rank_actions in schedule.actions]
     time_pairs(schedule, steps, costs, as_one=True)

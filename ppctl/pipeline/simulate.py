@@ -142,7 +142,7 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
     busiest = max(sum(map(itemgetter(1), rank_steps)) for rank_steps in program.steps)  # (inputs, duration, ...)
     bubble_ratio = (makespan - busiest) / busiest if busiest > 0 else 0.0
     return SimResult(schedule.name, schedule.pp, schedule.chunks_per_rank, schedule.num_microbatches,
-                     costs, ranks, makespan, bubble_ratio, schedule.copies)
+                     costs, ranks, makespan, bubble_ratio, schedule.placement.copies)
 
 
 def _timed_actions(schedule: Schedule, pp_rank: int, outcome: Replay) -> list[TimedAction]:

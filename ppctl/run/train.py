@@ -94,7 +94,7 @@ def build_chunks(config: PpctlConfig, context: ParallelContext) -> dict[int, GPT
                              tp, config.trainer.seed, dtype, cp)
             chunks[stage.stage] = chunk.to(context.device)
     # Model-stage order: DualPipe's mirror ranks then list the same parameters in the same order.
-    return dict(sorted(chunks.items(), key=lambda item: context.layout.model_stage(item[0])))
+    return dict(sorted(chunks.items(), key=lambda item: context.layout.placement.model_stage(item[0])))
 
 
 def build_data(config: PpctlConfig, context: ParallelContext, fields: tuple[str, ...],
@@ -138,10 +138,10 @@ class Trainer:
             schedule = build_schedule(config.schedule.name, layout.pp, layout.vpp, num_microbatches(config))
         else:
             check_schedule(schedule)
-        if schedule.placement != layout.placement or schedule.copies != layout.copies:
-            raise RuntimeError(f"schedule {schedule.name} places stages {schedule.placement} "
-                               f"({schedule.copies} model copies) but the layout says "
-                               f"{layout.placement} ({layout.copies})")
+        if schedule.placement != layout.placement:
+            raise RuntimeError(f"schedule {schedule.name} places stages {schedule.placement.owners} "
+                               f"({schedule.placement.copies} model copies) but the layout says "
+                               f"{layout.placement.owners} ({layout.placement.copies})")
         self.schedule = schedule
         self.chunks = build_chunks(config, context)
         self.stages = build_stages(self.chunks, config, schedule.splits_backward)
@@ -151,7 +151,7 @@ class Trainer:
         self._validation_data: PipelineDataIterator | None = None
         # Each parameter copy runs its share of the microbatches (DualPipe: half each).
         self.optimizer = build_trainer_optimizer(self.chunks, context, config.optimizer,
-                                                 self.data.num_microbatches // layout.copies)
+                                                 self.data.num_microbatches // layout.placement.copies)
         self.lr_schedule = lr_schedule_of(config)
         self.skipped_steps = 0
         self.loss_scaler = loss_scaler_of(config)
@@ -162,8 +162,8 @@ class Trainer:
         self.runtime = PipelineRuntime(self.stages, transport, self.tracer, release_outputs, track_memory)
         self.program = rank_program(plan_communication(schedule), context.pp_rank)
         self._eval_program: RankProgram | None = None
-        self.holds_loss = context.pp_rank in layout.loss_pp_ranks
-        self.logging_rank = layout.rank(pp=layout.last_stage_rank)
+        self.holds_loss = context.pp_rank in layout.placement.loss_pp_ranks
+        self.logging_rank = layout.rank(pp=layout.placement.last_stage_rank)
 
     def _receive_spec(self, message: Message) -> TensorSpec:
         return self.stages[message.dst_stage].receive_spec(message.kind)

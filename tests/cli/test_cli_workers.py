@@ -142,7 +142,7 @@ def needs_remote_input(action, schedule, pp_rank: int) -> bool:
     """Whether ``action`` takes a message from another rank: an activation for F, a gradient for BW."""
     kind, stage, _ = action
     source = stage - 1 if kind == "F" else stage + 1
-    return 0 <= source < schedule.num_stages and schedule.rank_of(source) != pp_rank
+    return 0 <= source < schedule.placement.num_stages and schedule.placement.rank_of(source) != pp_rank
 
 
 @pytest.mark.timeout(300)

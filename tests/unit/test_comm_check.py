@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from ppctl.parallel.placement import Placement
 from ppctl.pipeline import simulate as simulate_module
 from ppctl.pipeline.check import check_pair_order, check_plan, check_schedule
 from ppctl.pipeline.comm import (
@@ -117,7 +118,7 @@ def test_every_remote_message_is_sent_once_and_received_once():
     received = [m for pp_rank in range(4) for m in posted_receives(plan, pp_rank)]
     assert len(sent) == len(set(sent)) == len(received) and set(sent) == set(received)
     # interleaved: 2 * (stages - 1) messages per microbatch, all remote with pp > 1
-    assert len(sent) == 8 * 2 * (schedule.num_stages - 1)
+    assert len(sent) == 8 * 2 * (schedule.placement.num_stages - 1)
 
 
 def test_plan_refuses_an_input_nobody_produces():
@@ -191,7 +192,7 @@ def test_action_on_the_wrong_rank_is_reported():
 
 def test_bad_placement_is_reported():
     schedule = two_rank_1f1b()
-    broken = Schedule("x", 2, 1, 2, (0, 0), schedule.actions)
+    broken = Schedule("x", 2, 1, 2, Placement((0, 0)), schedule.actions)
     with pytest.raises(ScheduleError, match="rank 0 holds 2 stages, expected chunks_per_rank = 1"):
         check_schedule(broken)
 

@@ -12,11 +12,12 @@ from dataclasses import replace
 
 import pytest
 
+from ppctl.parallel.placement import v_placement
 from ppctl.pipeline.check import check_schedule
 from ppctl.pipeline.comm import plan_communication
 from ppctl.pipeline.messages import adjacent_stages
 from ppctl.pipeline.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SCHEDULE_SPECS, Action,
-                                      ScheduleError, build_schedule, v_placement)
+                                      ScheduleError, build_schedule)
 from ppctl.pipeline.simulate import Costs, simulate
 
 
@@ -67,22 +68,24 @@ def test_dualpipe_order_on_two_ranks():
 
 def test_dualpipe_holds_two_copies_on_the_v_placement():
     schedule = build_schedule("dualpipe", 4, 2, 8)
-    assert schedule.copies == 2 and schedule.chunks_per_rank == 2 and schedule.placement == v_placement(4)
-    assert schedule.stages_per_copy == 4 and schedule.chunks_per_copy == 1
-    assert [schedule.model_stage(stage) for stage in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
-    assert [schedule.rank_of(stage) for stage in range(4, 8)] == [3, 2, 1, 0]  # copy 1 enters at rank pp-1
+    placement = schedule.placement
+    assert placement.copies == 2 and schedule.chunks_per_rank == 2 and placement == v_placement(4, copies=2)
+    assert placement.owners == v_placement(4).owners
+    assert placement.stages_per_copy == 4 and schedule.chunks_per_copy == 1
+    assert [placement.model_stage(stage) for stage in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [placement.rank_of(stage) for stage in range(4, 8)] == [3, 2, 1, 0]  # copy 1 enters at rank pp-1
     assert schedule.microbatches_of_copy(0) == range(0, 4) and schedule.microbatches_of_copy(1) == range(4, 8)
     for rank_actions in schedule.actions:
-        assert all(schedule.copy_of(a.stage) == a.microbatch // 4 for a in rank_actions)
+        assert all(placement.copy_of(a.stage) == a.microbatch // 4 for a in rank_actions)
     dualpipev = build_schedule("dualpipev", 4, 2, 8)
-    assert dualpipev.copies == 1 and dualpipev.stages_per_copy == 8 and dualpipev.chunks_per_copy == 2
+    assert dualpipev.placement == v_placement(4)
+    assert dualpipev.placement.stages_per_copy == 8 and dualpipev.chunks_per_copy == 2
 
 
 def test_registry_entries():
     dualpipe, dualpipev = SCHEDULE_SPECS["dualpipe"], SCHEDULE_SPECS["dualpipev"]
-    assert dualpipe.copies == 2 and dualpipev.copies == 1
+    assert dualpipe.placement(4, 2) == v_placement(4, copies=2) and dualpipev.placement(4, 2) == v_placement(4)
     assert dualpipe.chunks_per_rank == dualpipev.chunks_per_rank == 2
-    assert dualpipe.placement(4, 2) == dualpipev.placement(4, 2) == v_placement(4)
     assert "two copies" in dualpipe.placement_name
 
 
@@ -101,7 +104,7 @@ def test_no_message_crosses_from_one_copy_to_the_other():
 
 def test_forward_only_drops_pairs_and_keeps_copies():
     schedule = build_schedule("dualpipe", 4, 2, 8).forward_only()
-    assert schedule.overlapped == () and schedule.copies == 2
+    assert schedule.overlapped == () and schedule.placement.copies == 2
     assert {a.kind for rank_actions in schedule.actions for a in rank_actions} == {FORWARD}
     assert plan_communication(schedule)  # evaluation plans its messages within each copy too
 
@@ -133,8 +136,8 @@ def test_vpp_must_be_two(name):
 def test_every_allowed_size_is_complete_and_passes_the_checker(name, pp, num_microbatches):
     schedule = build_schedule(name, pp, 2, num_microbatches)
     check_schedule(schedule)  # complete, F < B < W, pair order, no deadlock with NCCL-like sends
-    expected = {(stage, mb) for stage in range(schedule.num_stages)
-                for mb in schedule.microbatches_of_copy(schedule.copy_of(stage))}
+    expected = {(stage, mb) for stage in range(schedule.placement.num_stages)
+                for mb in schedule.microbatches_of_copy(schedule.placement.copy_of(stage))}
     counts = Counter((a.kind, a.stage, a.microbatch) for rank_actions in schedule.actions for a in rank_actions)
     assert {(s, mb) for kind, s, mb in counts if kind == FORWARD} == expected
     for stage, mb in expected:  # one backward each: a whole BW, or a B and a later W

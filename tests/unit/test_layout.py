@@ -12,10 +12,10 @@ from ppctl.parallel.layout import (
     context_parallel_positions,
     context_parallel_slices,
     layer_map,
-    looped_placement,
     parse_pipeline_layout,
     split_layers,
 )
+from ppctl.parallel.placement import Placement, looped_placement, v_placement
 
 SHAPES = [
     (1, 1, 1, 1), (2, 1, 1, 1), (1, 1, 2, 1), (1, 1, 1, 4), (2, 1, 2, 2), (2, 2, 2, 2),
@@ -115,7 +115,7 @@ def test_vpp_layer_map_matches_megatron_interleaving():
 
 
 def test_v_shaped_placement_layer_map():
-    placement = tuple(min(s, 2 * 2 - 1 - s) for s in range(4))  # V: rank r holds r and 2pp-1-r
+    placement = Placement(tuple(min(s, 2 * 2 - 1 - s) for s in range(4)))  # V: rank r holds r and 2pp-1-r
     layers = layer_map(8, pp=2, chunks_per_rank=2, placement=placement)
     assert layers[(0, 0)].layers == (0, 1) and layers[(0, 1)].layers == (6, 7)
     assert layers[(0, 1)].post_process and layers[(0, 0)].pre_process
@@ -134,10 +134,6 @@ def test_pipeline_layout_string():
         parse_pipeline_layout("Etx|tL", 2, 2)
 
 
-def test_looped_placement():
-    assert looped_placement(3, 2) == (0, 1, 2, 0, 1, 2)
-
-
 def test_middle_stage_is_in_no_embedding_group():
     layout = ParallelLayout(pp=4)
     assert layout.group_of("embedding", 0) == [0, 3]
@@ -147,15 +143,13 @@ def test_middle_stage_is_in_no_embedding_group():
 # --- the stage placement is the layout's, and everything placement-dependent follows it ----------
 
 def test_v_placement_puts_embedding_and_loss_on_rank_zero():
-    from ppctl.parallel.layout import v_placement
-
     layout = ParallelLayout(tp=2, dp=2, pp=4, vpp=2, placement=v_placement(4))
-    assert layout.first_stage_rank == 0 and layout.last_stage_rank == 0
-    assert layout.embedding_pp_ranks == [0]
+    assert layout.placement.first_stage_rank == 0 and layout.placement.last_stage_rank == 0
+    assert layout.placement.embedding_pp_ranks == [0]
     # one embedding group per pipeline, holding only that pipeline's pp rank 0
     assert layout.groups("embedding") == [[rank] for rank in range(4)]
     assert layout.group_of("embedding", 0) == [0] and layout.group_of("embedding", 12) == []
-    assert layout.stages_of(0) == (0, 7) and layout.stages_of(3) == (3, 4)
+    assert layout.placement.stages_of(0) == (0, 7) and layout.placement.stages_of(3) == (3, 4)
     layers = layout.layer_map(16)
     assert layers[(0, 0)].pre_process and layers[(0, 1)].post_process
     assert layers[(0, 1)].stage == 7 and layers[(3, 1)].stage == 4 and layers[(3, 1)].layers == (8, 9)
@@ -163,18 +157,18 @@ def test_v_placement_puts_embedding_and_loss_on_rank_zero():
 
 def test_looped_placement_is_the_default_and_a_bad_placement_is_refused():
     layout = ParallelLayout(pp=4, vpp=2)
-    assert layout.placement == looped_placement(4, 2) and layout.stages_of(1) == (1, 5)
-    assert layout.embedding_pp_ranks == [0, 3] and layout.last_stage_rank == 3
+    assert layout.placement == looped_placement(4, 2) and layout.placement.stages_of(1) == (1, 5)
+    assert layout.placement.embedding_pp_ranks == [0, 3] and layout.placement.last_stage_rank == 3
     with pytest.raises(LayoutError, match="does not put 2 of 8 stages on each of 4 pp ranks"):
-        ParallelLayout(pp=4, vpp=2, placement=(0, 0, 1, 1, 2, 2, 3, 0))
+        ParallelLayout(pp=4, vpp=2, placement=Placement((0, 0, 1, 1, 2, 2, 3, 0)))
+    with pytest.raises(LayoutError, match="must be a Placement"):
+        ParallelLayout(pp=2, placement=(0, 1))
 
 
 @pytest.mark.parametrize("tp, dp, pp", [(1, 1, 2), (2, 2, 4), (1, 3, 6), (2, 1, 8)])
 def test_dualpipe_two_copies_mirror_ranks_hold_the_same_parameters(tp, dp, pp):
-    from ppctl.parallel.layout import v_placement
-
-    layout = ParallelLayout(tp=tp, dp=dp, pp=pp, vpp=2, placement=v_placement(pp), copies=2)
-    assert layout.stages_per_copy == pp and layout.loss_pp_ranks == [0, pp - 1]
+    layout = ParallelLayout(tp=tp, dp=dp, pp=pp, vpp=2, placement=v_placement(pp, copies=2))
+    assert layout.placement.stages_per_copy == pp and layout.placement.loss_pp_ranks == [0, pp - 1]
     layers = layout.layer_map(2 * pp)
     for pp_rank in range(pp):
         mirror = pp - 1 - pp_rank
@@ -182,7 +176,7 @@ def test_dualpipe_two_copies_mirror_ranks_hold_the_same_parameters(tp, dp, pp):
         # copy 0 holds model stage r, copy 1 model stage pp-1-r: the mirror rank holds the same two
         assert layers[(pp_rank, 0)].stage == pp_rank and layers[(pp_rank, 0)].layers == (2 * pp_rank, 2 * pp_rank + 1)
         assert layers[(pp_rank, 1)].layers == layers[(mirror, 0)].layers
-        assert layout.copy_of(layers[(pp_rank, 1)].stage) == 1
+        assert layout.placement.copy_of(layers[(pp_rank, 1)].stage) == 1
         assert layers[(pp_rank, 0)].pre_process == (pp_rank == 0) == layers[(pp_rank, 1)].post_process
     # replicas: every dp rank of both mirror pp ranks, same tp rank; a partition of the world
     for group in layout.groups("replica"):
@@ -191,7 +185,7 @@ def test_dualpipe_two_copies_mirror_ranks_hold_the_same_parameters(tp, dp, pp):
         assert {c["pp"] for c in coords} == {coords[0]["pp"], pp - 1 - coords[0]["pp"]}
     assert sorted(itertools.chain(*layout.groups("replica"))) == list(range(layout.world_size))
     # each end rank holds one copy's embedding and the other's output layer: its tie is local
-    assert layout.embedding_pp_ranks == [0, pp - 1]
+    assert layout.placement.embedding_pp_ranks == [0, pp - 1]
     for rank in range(layout.world_size):
         tied = layout.group_of("embedding", rank)
         assert tied == ([rank] if layout.coords(rank)["pp"] in (0, pp - 1) else [])
@@ -200,7 +194,7 @@ def test_dualpipe_two_copies_mirror_ranks_hold_the_same_parameters(tp, dp, pp):
 
 def test_copies_must_divide_the_stages():
     with pytest.raises(LayoutError, match="3 pipeline stages cannot hold 2 model copies"):
-        ParallelLayout(pp=3, copies=2)
+        ParallelLayout(pp=3, placement=Placement((0, 1, 2), copies=2))
 
 
 # --- context parallelism: the tokens of each CP rank ---------------------------------------
@@ -228,14 +222,12 @@ def test_context_parallel_chunks_and_slices_by_example():
 
 def layouts_of_every_kind():
     """Every shape and order with the looped placement, and (even pp) the V placement with one and two copies."""
-    from ppctl.parallel.layout import v_placement
-
     for (tp, cp, dp, pp), order in itertools.product(SHAPES, ORDERS):
         yield ParallelLayout(tp=tp, cp=cp, dp=dp, pp=pp, order=order)
         if pp % 2 == 0:
             for copies in (1, 2):
-                yield ParallelLayout(tp=tp, cp=cp, dp=dp, pp=pp, vpp=2, order=order, placement=v_placement(pp),
-                                     copies=copies)
+                yield ParallelLayout(tp=tp, cp=cp, dp=dp, pp=pp, vpp=2, order=order,
+                                     placement=v_placement(pp, copies=copies))
 
 
 def test_group_counts_sizes_and_end_groups_agree_with_the_listing():

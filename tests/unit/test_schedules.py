@@ -8,9 +8,8 @@ from ppctl.pipeline.schedules import (
     Schedule,
     ScheduleError,
     build_schedule,
-    looped_placement,
-    v_placement,
 )
+from ppctl.parallel.placement import Placement, v_placement
 from ppctl.pipeline.schedules.interleaved import microbatch_groups
 
 ALL_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipe", "dualpipev")
@@ -65,34 +64,19 @@ def test_bad_arguments_raise_schedule_error(args, message):
         build_schedule(*args)
 
 
-# --- placements and the Schedule type ---------------------------------------------------------
+# --- the Schedule type ---------------------------------------------------------------------
 
-def test_looped_placement_is_stage_modulo_pp():
-    assert looped_placement(4, 1) == (0, 1, 2, 3)
-    assert looped_placement(3, 2) == (0, 1, 2, 0, 1, 2)
-
-
-def test_v_placement_goes_down_and_back_up():
-    assert v_placement(4) == (0, 1, 2, 3, 3, 2, 1, 0)
-    assert v_placement(1) == (0, 0)
-
-
-def test_placement_rejects_bad_sizes():
-    from ppctl.parallel.layout import LayoutError
-
-    with pytest.raises(LayoutError, match="at least 1"):
-        looped_placement(0, 1)
-
-
-def test_schedule_answers_stage_and_chunk_questions():
+def test_schedule_answers_stage_and_chunk_questions_through_its_placement():
     schedule = build_schedule("interleaved_1f1b", 3, 2, 3)
-    assert schedule.num_stages == 6
-    assert schedule.rank_of(4) == 1
-    assert schedule.stages_of(1) == (1, 4)
-    assert schedule.chunk_of(4) == 1 and schedule.chunk_of(1) == 0
-    assert not schedule.splits_backward
+    placement = schedule.placement
+    assert placement == Placement((0, 1, 2, 0, 1, 2))
+    assert placement.num_stages == 6
+    assert placement.rank_of(4) == 1
+    assert placement.stages_of(1) == (1, 4)
+    assert placement.chunk_of(4) == 1 and placement.chunk_of(1) == 0
+    assert not schedule.splits_backward and schedule.chunks_per_copy == 2
     v_schedule = Schedule("v", 2, 2, 1, v_placement(2), ((), ()))
-    assert v_schedule.stages_of(0) == (0, 3) and v_schedule.chunk_of(3) == 1
+    assert v_schedule.placement.stages_of(0) == (0, 3) and v_schedule.placement.chunk_of(3) == 1
 
 
 def test_action_defaults_to_step_zero_and_prints_readably():
@@ -146,7 +130,7 @@ def test_interleaved_order_and_warmup_match_megatron():
                                     "F2.2", "BW0.0", "F2.3", "BW0.1", "BW2.2", "BW2.3", "BW0.2", "BW0.3"]
     # rank 1 (stages 1 and 3): warm-up (2-1)*2 = 2 forwards
     assert compact(schedule, 1)[:6] == ["F1.0", "F1.1", "F3.0", "BW3.0", "F3.1", "BW3.1"]
-    assert schedule.placement == (0, 1, 0, 1) and schedule.chunks_per_rank == 2
+    assert schedule.placement.owners == (0, 1, 0, 1) and schedule.chunks_per_rank == 2
 
 
 @pytest.mark.parametrize("pp, vpp, num_microbatches", [(4, 2, 8), (3, 3, 7), (4, 4, 2)])

@@ -29,7 +29,7 @@ def assert_one_f_b_w_each(schedule):
                 assert position[(FORWARD, stage, mb)] < index
     counts = Counter((a.kind, a.stage, a.microbatch) for rank_actions in schedule.actions for a in rank_actions)
     expected = {(kind, stage, mb) for kind in (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
-                for stage in range(schedule.num_stages) for mb in range(schedule.num_microbatches)}
+                for stage in range(schedule.placement.num_stages) for mb in range(schedule.num_microbatches)}
     assert set(counts) == expected and set(counts.values()) == {1}
 
 
@@ -99,8 +99,8 @@ def test_zbv_known_gaps_above_the_bound(pp, num_microbatches, extra):
 
 def test_zbv_is_a_v_with_both_ends_on_rank_0():
     schedule = build_schedule("zbv", 4, 2, 8)
-    assert schedule.placement == (0, 1, 2, 3, 3, 2, 1, 0)
-    assert schedule.stages_of(0) == (0, 7)
+    assert schedule.placement.owners == (0, 1, 2, 3, 3, 2, 1, 0)
+    assert schedule.placement.stages_of(0) == (0, 7)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -9,7 +9,7 @@ own module; this package maps names to them. Import from here::
 from __future__ import annotations
 
 from .base import (ACTION_KINDS, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action,
-                   Schedule, ScheduleError, ScheduleSpec, looped_placement, v_placement)
+                   Schedule, ScheduleError, ScheduleSpec)
 from .dualpipe import DUALPIPE_SPEC, DUALPIPEV_SPEC
 from .gpipe import GPIPE_SPEC
 from .interleaved import INTERLEAVED_SPEC
@@ -52,5 +52,5 @@ def build_schedule(name: str, pp: int, vpp: int, num_microbatches: int) -> Sched
 
 __all__ = [
     "ACTION_KINDS", "BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "FORWARD", "Action", "Schedule",
-    "ScheduleError", "ScheduleSpec", "SCHEDULE_SPECS", "build_schedule", "looped_placement", "v_placement",
+    "ScheduleError", "ScheduleSpec", "SCHEDULE_SPECS", "build_schedule",
 ]

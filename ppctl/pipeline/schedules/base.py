@@ -1,21 +1,21 @@
-"""Schedules as data: the action type, the schedule type and the stage placements.
+"""Schedules as data: the action type, the schedule type and the registry's entry type.
 
 A schedule is plain data: for each pipeline rank, the ordered list of computations
 it runs in one step. Nothing here knows about processes or tensors; sends and
 receives are derived from the actions by ``ppctl.pipeline.comm``.
 
 Stages are *global virtual stages*: the model is cut into ``num_stages`` pieces,
-stage 0 holds the embedding and the last stage the loss. A placement maps each
-stage to the pipeline rank that runs it.
+stage 0 holds the embedding and the last stage the loss. The schedule's placement
+(``ppctl.parallel.placement``, shared with the layout) maps each stage to the
+pipeline rank that runs it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Callable, Optional
 
-from ppctl.parallel.layout import looped_placement, v_placement  # noqa: F401  (re-exported)
+from ppctl.parallel.placement import Placement, looped_placement, v_placement
 
 FORWARD = "F"
 BACKWARD_INPUT = "B"  # input-gradient half of a split backward
@@ -51,11 +51,11 @@ class Action:
 class Schedule:
     """Per-rank ordered action lists plus the placement of stages on ranks.
 
-    ``copies`` model copies (DualPipe holds 2) split the ``num_stages`` global stages
-    into consecutive runs of ``stages_per_copy``: global stage ``c * stages_per_copy + j``
-    is model stage ``j`` of copy ``c``. The microbatches are split the same way, in
-    ``copies`` consecutive equal runs, and a microbatch flows through the stages of its
-    copy only: the last stage of each copy computes the loss, the first reads the tokens.
+    ``placement`` puts the ``pp * chunks_per_rank`` global stages on the ranks and cuts
+    them into its ``copies`` model copies (DualPipe holds 2; see ``Placement``). The
+    microbatches are split the same way, in ``copies`` consecutive equal runs, and a
+    microbatch flows through the stages of its copy only: the last stage of each copy
+    computes the loss, the first reads the tokens.
 
     ``overlapped[rank]`` lists, sorted, the indices i such that ``actions[rank][i]`` (an F)
     and ``actions[rank][i + 1]`` (a backward) form one overlapped forward-backward pair
@@ -66,20 +66,9 @@ class Schedule:
     pp: int
     chunks_per_rank: int
     num_microbatches: int
-    placement: tuple[int, ...]
+    placement: Placement
     actions: tuple[tuple[Action, ...], ...]
-    copies: int = 1
     overlapped: tuple[tuple[int, ...], ...] = ()
-
-    @property
-    def num_stages(self) -> int:
-        """Number of global virtual stages (``pp * chunks_per_rank``)."""
-        return len(self.placement)
-
-    @property
-    def stages_per_copy(self) -> int:
-        """Global stages of one model copy; a microbatch goes through these, in order."""
-        return self.num_stages // self.copies
 
     @property
     def chunks_per_copy(self) -> int:
@@ -88,39 +77,12 @@ class Schedule:
         The cost and activation unit is one microbatch through these (``chunks_per_rank``
         with one copy; 1 for DualPipe, whose two chunks per rank belong to different copies).
         """
-        return self.chunks_per_rank // self.copies
-
-    def model_stage(self, stage: int) -> int:
-        """The model stage (within its copy) that global ``stage`` holds."""
-        return stage % self.stages_per_copy
-
-    def copy_of(self, stage: int) -> int:
-        """The model copy global ``stage`` belongs to."""
-        return stage // self.stages_per_copy
+        return self.chunks_per_rank // self.placement.copies
 
     def microbatches_of_copy(self, copy: int) -> range:
         """The microbatches that flow through ``copy``: a consecutive run of ``num_microbatches / copies``."""
-        per_copy = self.num_microbatches // self.copies
+        per_copy = self.num_microbatches // self.placement.copies
         return range(copy * per_copy, (copy + 1) * per_copy)
-
-    def rank_of(self, stage: int) -> int:
-        """The pipeline rank that runs ``stage``."""
-        return self.placement[stage]
-
-    def stages_of(self, pp_rank: int) -> tuple[int, ...]:
-        """The stages held by ``pp_rank``, in increasing order."""
-        return self._stages_by_rank.get(pp_rank, ())
-
-    def chunk_of(self, stage: int) -> int:
-        """The local chunk index of ``stage``: its position in ``stages_of(rank_of(stage))``."""
-        return self.stages_of(self.rank_of(stage)).index(stage)
-
-    @cached_property
-    def _stages_by_rank(self) -> dict[int, tuple[int, ...]]:
-        stages: dict[int, list[int]] = {}
-        for stage, owner in enumerate(self.placement):
-            stages.setdefault(owner, []).append(stage)
-        return {owner: tuple(owned) for owner, owned in stages.items()}
 
     @property
     def splits_backward(self) -> bool:
@@ -137,7 +99,7 @@ class Schedule:
         actions = tuple(tuple(action for action in rank_actions if action.kind == FORWARD)
                         for rank_actions in self.actions)
         return Schedule(f"{self.name} (forward only)", self.pp, self.chunks_per_rank, self.num_microbatches,
-                        self.placement, actions, self.copies)
+                        self.placement, actions)
 
     def describe(self) -> str:
         """One line per rank, actions written compactly (``F3`` forward mb 3, ``c1`` chunk 1).
@@ -154,7 +116,7 @@ class Schedule:
 
     def _cell(self, action: Action) -> str:
         """``action`` written compactly: kind, microbatch, and its chunk when the rank holds several."""
-        chunk = f"c{self.chunk_of(action.stage)}" if self.chunks_per_rank > 1 else ""
+        chunk = f"c{self.placement.chunk_of(action.stage)}" if self.chunks_per_rank > 1 else ""
         return f"{action.kind}{action.microbatch}{chunk}"
 
 
@@ -171,12 +133,11 @@ class ScheduleSpec:
     allowed, else a one-line message that states the rule. ``multi_chunk`` says
     whether the schedule may hold several chunks per rank (``vpp > 1``).
     ``generate(pp, vpp, num_microbatches)`` builds the schedule (None until the
-    schedule is implemented). ``placement(pp, chunks_per_rank)`` maps stages to
-    ranks (None while unknown); the layout (layer map, embedding group, data and
-    logging ranks) and the schedule share it. ``chunks_per_rank`` is set when the
-    placement fixes it (a V holds exactly 2); ``placement_name`` describes it.
-    ``copies`` is the number of model copies the placement holds (DualPipe: 2; see
-    ``Schedule`` for how stages and microbatches are split between them).
+    schedule is implemented). ``placement(pp, chunks_per_rank)`` builds the
+    placement of stages on ranks and their model copies (DualPipe holds 2; None
+    while unknown); the layout (layer map, embedding group, data and logging ranks)
+    and the schedule share it. ``chunks_per_rank`` is set when the placement fixes
+    it (a V holds exactly 2); ``placement_name`` describes it.
     """
 
     name: str
@@ -186,10 +147,9 @@ class ScheduleSpec:
     description: str
     microbatch_error: MicrobatchRule
     generate: Optional[Callable[[int, int, int], Schedule]] = None
-    placement: Optional[Callable[[int, int], tuple[int, ...]]] = looped_placement
+    placement: Optional[Callable[[int, int], Placement]] = looped_placement
     chunks_per_rank: Optional[int] = None
     placement_name: str = "looped: rank r holds stages r, r+pp, ..."
-    copies: int = 1
 
 
 def at_least_one_microbatch(pp: int, vpp: int, num_microbatches: int) -> Optional[str]:
@@ -209,8 +169,8 @@ def single_chunk_only(name: str, vpp: int) -> None:
 V_PLACEMENT_NAME = "a V: rank r holds stages r and 2*pp-1-r"
 
 
-def v_placement_of_spec(pp: int, chunks_per_rank: int) -> tuple[int, ...]:
-    """The V placement in the registry's ``(pp, chunks_per_rank)`` form (a V always has 2 chunks)."""
+def v_placement_of_spec(pp: int, chunks_per_rank: int) -> Placement:
+    """The V placement (one model copy) in the registry's ``(pp, chunks_per_rank)`` form (a V always has 2 chunks)."""
     return v_placement(pp)
 
 

@@ -41,8 +41,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional
 
+from ppctl.parallel.placement import Placement, v_placement
+
 from .base import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, V_PLACEMENT_NAME, Action, Schedule,
-                   ScheduleError, ScheduleSpec, two_chunks_only, v_placement, v_placement_of_spec)
+                   ScheduleError, ScheduleSpec, two_chunks_only, v_placement_of_spec)
 
 # One computation of a rank's phase before its microbatch is numbered: (kind, phase); a W has no phase
 # (it runs the oldest queued weight gradient). A cell of the order is one op, or two overlapped ones.
@@ -152,6 +154,14 @@ def dualpipev(pp: int, vpp: int, num_microbatches: int) -> Schedule:
                     overlapped=tuple(pairs for _, pairs in ranks))
 
 
+def dualpipe_placement(pp: int, chunks_per_rank: int) -> Placement:
+    """DualPipe's placement in the registry's ``(pp, chunks_per_rank)`` form: the V read as two model copies.
+
+    Rank r holds model stage r of copy 0 and model stage ``pp - 1 - r`` of copy 1 (always 2 chunks).
+    """
+    return v_placement(pp, copies=2)
+
+
 def dualpipe(pp: int, vpp: int, num_microbatches: int) -> Schedule:
     """Build DualPipe: two copies fed from both ends, each half of the ranks running a DualPipeV of pp/2."""
     _refuse("dualpipe", vpp, dualpipe_microbatch_error(pp, vpp, num_microbatches))
@@ -164,8 +174,8 @@ def dualpipe(pp: int, vpp: int, num_microbatches: int) -> Schedule:
         first_microbatches = (half_microbatches, 0) if in_second_half else (0, half_microbatches)
         cells = phase_cells(half_ranks, min(pp_rank, pp - 1 - pp_rank), half_microbatches)
         ranks.append(number_cells(cells, stages, first_microbatches))
-    return Schedule("dualpipe", pp, 2, num_microbatches, v_placement(pp), tuple(a for a, _ in ranks),
-                    copies=2, overlapped=tuple(pairs for _, pairs in ranks))
+    return Schedule("dualpipe", pp, 2, num_microbatches, dualpipe_placement(pp, 2), tuple(a for a, _ in ranks),
+                    overlapped=tuple(pairs for _, pairs in ranks))
 
 
 def _refuse(name: str, vpp: int, error: Optional[str]) -> None:
@@ -214,8 +224,7 @@ DUALPIPE_SPEC = ScheduleSpec(
     description="DualPipe: two model copies fed from both ends, forwards overlapped with backwards, some B/W split",
     microbatch_error=dualpipe_microbatch_error,
     generate=dualpipe,
-    placement=v_placement_of_spec,
+    placement=dualpipe_placement,
     chunks_per_rank=2,
     placement_name="two copies: rank r holds model stage r of copy 0 and model stage pp-1-r of copy 1",
-    copies=2,
 )

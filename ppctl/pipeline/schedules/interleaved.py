@@ -16,8 +16,9 @@ The checker proves the schedule over sweeps of (pp, vpp, num_microbatches).
 
 from __future__ import annotations
 
-from .base import (BACKWARD, FORWARD, Action, Schedule, ScheduleError, ScheduleSpec, at_least_one_microbatch,
-                   looped_placement)
+from ppctl.parallel.placement import looped_placement
+
+from .base import BACKWARD, FORWARD, Action, Schedule, ScheduleError, ScheduleSpec, at_least_one_microbatch
 
 
 def interleaved_1f1b(pp: int, vpp: int, num_microbatches: int) -> Schedule:

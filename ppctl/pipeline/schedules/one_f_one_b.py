@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from .base import (BACKWARD, FORWARD, Action, Schedule, ScheduleSpec, at_least_one_microbatch,
-                   looped_placement, single_chunk_only)
+from ppctl.parallel.placement import looped_placement
+
+from .base import BACKWARD, FORWARD, Action, Schedule, ScheduleSpec, at_least_one_microbatch, single_chunk_only
 
 
 def one_f_one_b(pp: int, vpp: int, num_microbatches: int) -> Schedule:

@@ -16,7 +16,7 @@ microbatch's first and last stages sit on rank 0. The order comes from a greedy
 list schedule under unit costs, as the paper's own V schedules are built: each rank,
 when free, runs a ready B first (the critical path), else a ready forward if its
 activation budget (pp microbatches through both chunks, 1F1B's peak) allows, else a
-pending W. It is not the paper's hand-placed ZB-V figure step for step; the README
+pending W. It is not the paper's hand-placed ZB-V figure step for step; docs/schedules.md
 gives its simulated bubble next to the published one.
 """
 
@@ -25,9 +25,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from ppctl.parallel.placement import looped_placement, v_placement
+
 from .base import (BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, V_PLACEMENT_NAME, Action, Schedule, ScheduleError,
-                   ScheduleSpec, at_least_one_microbatch, looped_placement, single_chunk_only, two_chunks_only,
-                   v_placement, v_placement_of_spec)
+                   ScheduleSpec, at_least_one_microbatch, single_chunk_only, two_chunks_only, v_placement_of_spec)
 
 
 # --- ZB-H1 -----------------------------------------------------------------------------------
