@@ -28,7 +28,8 @@ class ConfigError(ValueError):
 
 
 def setting(default: Any, doc: str) -> Any:
-    """A schema field with its default and its one-line meaning (``metadata["doc"]``, shown in the README)."""
+    """A schema field with its default and its one-line meaning (``metadata["doc"]``, shown in
+    docs/configuration.md)."""
     return field(default=default, metadata={"doc": doc})
 
 
@@ -167,6 +168,9 @@ class TrainerConfig:
     seq_length: int = setting(64, "tokens per sequence (<= model.max_seq_length)")
     seed: int = setting(1234, "model initialisation and sample order")
     out_dir: Optional[str] = setting(None, "run directory (default `runs/<timestamp>`)")
+    overwrite: bool = setting(
+        False, "start over in a run directory that holds checkpoints: delete its checkpoints and TensorBoard logs "
+        "first (without it, a run that does not resume that directory is refused there)")
     precision: str = setting(
         "fp32", "`fp32`, `fp64`, `bf16` or `fp16` (half-precision parameters, activations and messages; fp32 "
         "main parameters, gradient accumulation, loss and softmax statistics; fp16 adds dynamic loss scaling)")
@@ -250,13 +254,22 @@ SCHEMA_GROUPS = {
 # ---------------------------------------------------------------------------
 
 
+PRIMARY_CONFIG = "config"  # the primary config's name, ppctl's and a user tree's by default
+PACKAGE_PRIMARY = "ppctl_config"  # ppctl's primary config, also kept in Hydra's ConfigStore under this name
+
+
 def _register_schema() -> None:
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
     store = ConfigStore.instance()
     store.store(name="ppctl_schema", node=PpctlConfig)
     for group, node in SCHEMA_GROUPS.items():
         store.store(group=group, name=f"{group}_schema", node=node)
+    # A user tree without a primary config composes on ppctl's. Hydra looks the primary up before it adds
+    # ppctl's folder to the search path (and remembers that it found none), but the ConfigStore is searched from
+    # the start; its group defaults are still looked up in the user's tree first.
+    store.store(name=PACKAGE_PRIMARY, node=OmegaConf.load(PACKAGE_CONF_DIR / f"{PRIMARY_CONFIG}.yaml"))
 
 
 def compose_config(
@@ -267,8 +280,10 @@ def compose_config(
     """Compose the Hydra config with ``overrides`` into a typed ``PpctlConfig``.
 
     ``config_dir`` is a user's own config tree; ppctl's groups stay on the search path
-    behind it, so a user tree may hold only what it changes. Raises ``ConfigError``
-    with one line for unknown keys, bad types and missing files.
+    behind it, so a user tree may hold only what it changes (one group file is enough:
+    without a ``config.yaml`` of its own it composes on ppctl's). Raises ``ConfigError``
+    with one line for unknown keys, bad types, missing files and YAML or override syntax
+    errors (those name the file or the override, the line and the column).
     """
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -278,11 +293,12 @@ def compose_config(
     primary = Path(config_dir).resolve() if config_dir else PACKAGE_CONF_DIR
     if not primary.is_dir():
         raise ConfigError(f"--config-dir {config_dir}: no such directory")
+    name = primary_config_name(primary, config_dir, config_name)
     extra = [f"hydra.searchpath=[file://{PACKAGE_CONF_DIR}]"] if config_dir else []
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(primary), version_base=None):
-            composed = compose(config_name=config_name, overrides=list(overrides or []) + extra)
+            composed = compose(config_name=name, overrides=list(overrides or []) + extra)
         composed = OmegaConf.merge(OmegaConf.structured(PpctlConfig), _without_hydra(composed))
         return OmegaConf.to_object(composed)
     except ConfigError:
@@ -301,18 +317,124 @@ def _without_hydra(composed: Any) -> Any:
     return OmegaConf.create(OmegaConf.to_container(composed, resolve=True))
 
 
+def primary_config_name(primary: Path, config_dir: str | os.PathLike | None, config_name: str) -> str:
+    """The primary config to compose: ``config_name`` from ``primary``, or ppctl's own when a user tree has no
+    ``config.yaml`` (and no other name was asked for); ``ConfigError`` when the asked-for file is missing."""
+    file = primary / f"{config_name.removesuffix('.yaml')}.yaml"
+    if file.is_file():
+        return config_name
+    if config_dir is not None and config_name.removesuffix(".yaml") == PRIMARY_CONFIG:
+        return PACKAGE_PRIMARY
+    where = f"--config-dir {config_dir}" if config_dir is not None else f"ppctl's configs ({primary})"
+    raise ConfigError(f"--config-name {config_name}: no {file.name} in {where}")
+
+
 def _one_line(error: BaseException) -> str:
-    """Fold a Hydra/OmegaConf error (often several lines, often chained) into one line."""
+    """Fold a Hydra/OmegaConf error (often several lines, often chained) into one line.
+
+    A YAML syntax error names its file, line and column; an override that does not parse names
+    itself and the column; a cause that only repeats the error is said once.
+    """
+    located = _yaml_problem(error) or _override_problem(error)
+    if located is not None:
+        return located
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     text = lines[0] if lines else type(error).__name__
     if "Available options" in str(error):
         options = [line for line in lines[1:] if not line.endswith(":") and "_schema" not in line]
         options = options[: next((i for i, line in enumerate(options) if "=" in line), len(options))]
         return f"{text.rstrip('.:')}; available: {', '.join(options)}"
+    # Hydra's wrapper names OmegaConf's exception class; the cause says what is wrong in plain words.
+    text = re.sub(r":?\s*\w+ raised while composing config:?", ":", text)
     cause = error.__cause__ or error.__context__
-    if cause is not None and str(cause).strip():
-        text = f"{text.rstrip('.')}: {str(cause).strip().splitlines()[0]}"
+    cause_line = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else ""
+    # OmegaConf chains a key error to its own copy, and Hydra repeats a parse error's message in its cause.
+    if cause_line and cause_line not in text:
+        text = f"{text.rstrip('.:')}: {cause_line}"
+    return text.rstrip(":")
+
+
+def _in_chain(error: BaseException, kind: type) -> BaseException | None:
+    """The first exception of type ``kind`` in ``error``'s chain (its causes and contexts), or None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kind):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _yaml_problem(error: BaseException) -> str | None:
+    """``FILE, line L, column C: invalid YAML: ...`` for a YAML syntax error in ``error``'s chain, else None."""
+    import yaml
+
+    found = _in_chain(error, yaml.MarkedYAMLError)
+    if found is None:
+        return None
+    mark = found.problem_mark or found.context_mark
+    where = f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "a config file"
+    text = f"{where}: invalid YAML: {found.problem or found.context}"
+    opened = found.context_mark
+    if found.problem and found.context and opened is not None and opened is not mark:
+        # e.g. "while parsing a flow sequence" that began further up: say where, it is what to fix
+        text += f" ({found.context} that begins at line {opened.line + 1}, column {opened.column + 1})"
     return text
+
+
+OVERRIDE_GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
+
+
+def _override_problem(error: BaseException) -> str | None:
+    """``override TEXT: cannot parse it at column C: ...`` for an override Hydra's grammar refused, else None."""
+    from hydra.errors import OverrideParseException
+
+    found = _in_chain(error, OverrideParseException)
+    if found is None:
+        return None
+    text = found.override
+    located = override_syntax_error(text)
+    if located is None:  # the grammar accepted it; Hydra refused it while reading the value
+        reason = next((line.strip() for line in found.message.splitlines() if line.strip()), "")
+        return f"override {text}: {reason}"
+    column, reason = located
+    at = f"column {column + 1}" + (" (its end)" if column >= len(text) else "")
+    return f"override {text}: cannot parse it at {at}: {reason} (the override grammar: {OVERRIDE_GRAMMAR})"
+
+
+def override_syntax_error(text: str) -> tuple[int, str] | None:
+    """Where Hydra's override grammar first fails on ``text``: (0-based column, the parser's words), or None.
+
+    Hydra's own error keeps the parser's words but drops the column, so the override is parsed
+    again here with a listener that keeps both.
+    """
+    try:
+        from antlr4 import CommonTokenStream, InputStream
+        from antlr4.error.ErrorListener import ErrorListener
+        from hydra.grammar.gen.OverrideLexer import OverrideLexer
+        from hydra.grammar.gen.OverrideParser import OverrideParser
+    except ImportError:  # another Hydra layout: the message goes without a column
+        return None
+
+    class SyntaxFound(Exception):
+        pass
+
+    class Listener(ErrorListener):
+        def syntaxError(self, recognizer, offending_symbol, line, column, msg, e):
+            raise SyntaxFound(column, msg)
+
+    lexer = OverrideLexer(InputStream(text))
+    parser = OverrideParser(CommonTokenStream(lexer))
+    for stage in (lexer, parser):
+        stage.removeErrorListeners()
+        stage.addErrorListener(Listener())
+    try:
+        parser.override()
+    except SyntaxFound as found:
+        return found.args[0], found.args[1]
+    except Exception:  # this runs while reporting another error: never let it hide that one
+        return None
+    return None
 
 
 def to_yaml(config: PpctlConfig) -> str:
@@ -708,12 +830,13 @@ def nproc_per_node(config: PpctlConfig) -> int:
 
 
 # ---------------------------------------------------------------------------
-# Reference table (the README's key table is generated from the schema)
+# Reference table (the key table of docs/configuration.md is generated from the schema)
 # ---------------------------------------------------------------------------
 
 
 def render_default(value: Any) -> str:
-    """A default as the README shows it: ``null``, ``true``/``false``, numbers as written, strings in backticks."""
+    """A default as docs/configuration.md shows it: ``null``, ``true``/``false``, numbers as written, strings in
+    backticks."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -735,7 +858,8 @@ def config_reference() -> list[tuple[str, Any, str]]:
 
 
 def config_reference_table() -> str:
-    """The markdown table ``| key | default | meaning |`` of every field (the README's, between its markers)."""
+    """The markdown table ``| key | default | meaning |`` of every field (docs/configuration.md's, between its
+    markers)."""
     lines = ["| key | default | meaning |", "|---|---|---|"]
     for key, default, doc in config_reference():
         meaning = doc.replace("|", r"\|")  # a pipe inside a cell would split it
@@ -743,5 +867,5 @@ def config_reference_table() -> str:
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":  # python -m ppctl.config: print the table to paste into the README
+if __name__ == "__main__":  # python -m ppctl.config: print the table to paste into docs/configuration.md
     print(config_reference_table(), end="")

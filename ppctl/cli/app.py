@@ -10,6 +10,7 @@ inside the commands that need them, so ``inspect-layout`` starts quickly.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -31,7 +32,9 @@ app = typer.Typer(
 
 OVERRIDES_HELP = "Hydra overrides: group=option or section.key=value, e.g. parallel.tp=2 schedule=gpipe"
 CONFIG_DIR_OPTION = typer.Option(None, "--config-dir", help="Your own config tree (ppctl's groups stay available).")
-CONFIG_NAME_OPTION = typer.Option("config", "--config-name", help="Primary config file name, without .yaml.")
+CONFIG_NAME_OPTION = typer.Option("config", "--config-name",
+                                  help="Primary config file name, without .yaml (ppctl's own when --config-dir has no "
+                                       "config.yaml).")
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -234,15 +237,24 @@ def check_cluster(
 def _launch(config: PpctlConfig, task: str, dry_run: bool) -> None:
     """Create and lock the run directory, run the workers; a failure exits 1, an interruption 128 + the signal."""
     from ppctl.config import nproc_per_node
-    from ppctl.run.launch import (build_launch_plan, default_run_dir, describe_interruption, rendezvous_problem,
-                              resolve_backend, run_plan)
+    from ppctl.run.launch import (build_launch_plan, default_run_dir, describe_interruption, describe_workers,
+                                  rendezvous_problem, resolve_backend, reuse_problem, run_plan)
 
     run_dir = Path(config.trainer.out_dir) if config.trainer.out_dir else default_run_dir()
     config.trainer.out_dir = str(run_dir)
+    if task == "train":  # before anything starts or changes in the directory, the dry run included
+        problem = reuse_problem(run_dir, config.trainer.resume_from, config.trainer.overwrite)
+        if problem is not None:
+            fail(problem)
     backend = resolve_backend(config.launcher.backend, nproc_per_node(config))
     plan = build_launch_plan(config, run_dir, task, backend)
+    banner = (f"run directory: {run_dir}  ({task}, {backend}, {config.launcher.nnodes} node(s), "
+              f"{describe_workers(config)})")
     if dry_run:
-        typer.echo(f"run directory: {run_dir}")
+        typer.echo(banner)
+        if _clears_earlier_run(config, task):
+            typer.echo(f"trainer.overwrite=true: would delete the earlier run's checkpoints and TensorBoard logs in "
+                       f"{run_dir}")
         typer.echo(plan.printable())
         return
     if task == "train":
@@ -252,7 +264,9 @@ def _launch(config: PpctlConfig, task: str, dry_run: bool) -> None:
         fail(problem)
     lock = write_run_dir(config, run_dir)  # one line and exit 2 when it cannot be made or another run holds it
     try:
-        typer.echo(f"run directory: {run_dir}  ({task}, {backend}, {config.launcher.nnodes} node(s))", err=True)
+        if _clears_earlier_run(config, task):
+            _clear_earlier_run(run_dir)  # only now, under the lock: never a live run's checkpoints
+        typer.echo(banner, err=True)
         result = run_plan(plan)
     finally:
         lock.release()
@@ -262,6 +276,28 @@ def _launch(config: PpctlConfig, task: str, dry_run: bool) -> None:
         raise typer.Exit(result.exit_code)
     if result.failure:
         fail(result.failure, code=1)
+
+
+def _clears_earlier_run(config: PpctlConfig, task: str) -> bool:
+    """Whether this launch deletes an earlier run's checkpoints (``trainer.overwrite=true``; node 0 alone, as the
+    nodes of a job share the run directory)."""
+    from ppctl.run.launch import committed_steps
+
+    return (task == "train" and config.trainer.overwrite and config.launcher.node_rank == 0
+            and bool(committed_steps(Path(config.trainer.out_dir))))
+
+
+def _clear_earlier_run(run_dir: Path) -> None:
+    """Delete the earlier run's checkpoints and logs and say so; one line and exit 2 when they cannot be deleted."""
+    from ppctl.run.launch import clear_earlier_run
+
+    try:
+        said = clear_earlier_run(run_dir)
+    except OSError as error:
+        fail(f"trainer.overwrite=true: cannot delete the earlier run's files in {run_dir}: {error.strerror or error}"
+             + (f" ({error.filename})" if error.filename else ""))
+    if said:
+        typer.echo(said, err=True)
 
 
 def write_run_dir(config: PpctlConfig, run_dir: Path) -> RunDirLock:
@@ -291,13 +327,49 @@ def write_run_dir(config: PpctlConfig, run_dir: Path) -> RunDirLock:
 
 def main() -> None:
     """Console-script entry point."""
-    for signum in (signal.SIGINT, signal.SIGTERM):  # the launch installs its own while workers run
-        signal.signal(signum, interrupted_before_start)
+    install_before_start_handlers()  # the launch installs its own while workers run
     app()
 
 
+BEFORE_START_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_handlers_pid: int | None = None  # the process that installed ``interrupted_before_start``
+_fork_hook_registered = False  # ``os.register_at_fork`` cannot undo a hook: it is registered once per process
+
+
+def install_before_start_handlers() -> None:
+    """Make SIGINT and SIGTERM end ``ppctl`` with one line until the launch installs its own handlers.
+
+    A process forked meanwhile (the tokenising processes of ``datasets``, which their pool ends
+    with SIGTERM) gets the default action back: a Python handler there would print a false
+    "interrupted" line, and can miss the signal altogether (one that comes just before the
+    child blocks on a lock runs no Python code), leaving ``ppctl`` waiting for it for ever.
+    """
+    global _handlers_pid, _fork_hook_registered
+    if not _fork_hook_registered:
+        os.register_at_fork(after_in_child=_default_signals_in_child)
+        _fork_hook_registered = True
+    _handlers_pid = os.getpid()
+    for signum in BEFORE_START_SIGNALS:
+        signal.signal(signum, interrupted_before_start)
+
+
+def _default_signals_in_child() -> None:
+    """In a forked child: the default action for each signal that still runs ``interrupted_before_start``."""
+    for signum in BEFORE_START_SIGNALS:
+        if signal.getsignal(signum) is interrupted_before_start:
+            signal.signal(signum, signal.SIG_DFL)
+
+
 def interrupted_before_start(signum: int, _frame) -> None:
-    """SIGINT/SIGTERM while composing, validating or preparing data: one line, exit 128 + the signal."""
+    """SIGINT/SIGTERM while composing, validating or preparing data: one line, exit 128 + the signal.
+
+    Only in the process that installed it: in a child that still runs it (a signal that came
+    between its fork and ``_default_signals_in_child``), the signal takes its default action.
+    """
+    if _handlers_pid is not None and os.getpid() != _handlers_pid:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     typer.echo(f"error: interrupted by {signal.Signals(signum).name} before any worker started", err=True)
     raise SystemExit(128 + signum)
 

@@ -4,18 +4,19 @@
 the resolved ``config.yaml``; every worker (``python -m ppctl.run.worker``) reads it.
 
 Stopping: torchrun runs in its own session, so a terminal's Ctrl-C reaches only ``ppctl``.
-On SIGINT or SIGTERM ``ppctl`` sends SIGTERM to the workers themselves (torchrun, left
-alone, sees them end normally; signalled, it would treat the job as failed and kill them
-after its own shutdown timeout), waits up to ``launcher.shutdown_timeout_s`` for torchrun
-to end, then kills whatever is left; a second signal kills at once. If ``ppctl`` itself is
-killed, the parent-death signal sends torchrun SIGTERM, and torchrun stops its workers
-(giving them ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, set to the same timeout).
+On SIGINT or SIGTERM ``ppctl`` sends that same signal to the workers themselves (torchrun,
+left alone, sees them end normally; signalled, it would treat the job as failed and kill them
+after its own shutdown timeout; the workers record which signal stopped them), waits up to
+``launcher.shutdown_timeout_s`` for torchrun to end, then kills whatever is left; a second
+signal kills at once. If ``ppctl`` itself is killed, the parent-death signal sends torchrun
+SIGTERM, and torchrun stops its workers (giving them ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, set to the same timeout).
 
 Failures: a worker that raises writes ``errors/rank<N>.txt``; torchrun stops the others and
 logs its failure report; this module names the rank that failed first, and why, in one line.
 A ``launcher.log`` that cannot be written (a full disk) stops the job like a signal would.
 
-Before anything starts: ``RunDirLock`` keeps a second run out of a live run's directory, and
+Before anything starts: ``RunDirLock`` keeps a second run out of a live run's directory,
+``reuse_problem`` keeps a fresh run from replacing the checkpoints an earlier run left there, and
 ``rendezvous_problem`` refuses an explicit rendezvous endpoint that cannot work (its port taken
 on this machine, or something there that is no rendezvous). A single-node run without an
 endpoint hosts its own rendezvous on a port the OS picks, under an id of its own.
@@ -31,6 +32,7 @@ import os
 import re
 import select
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -41,7 +43,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ppctl.checkpoint.files import CheckpointError, latest_checkpoint
+from ppctl.checkpoint.files import CheckpointError, checkpoints_dir, latest_checkpoint, list_checkpoints
 from ppctl.config import LauncherConfig, PpctlConfig, nproc_per_node, parse_endpoint
 from ppctl.run.interrupt import STOP_SIGNALS, ParentDeathSignal
 
@@ -91,7 +93,21 @@ def threads_per_worker(config: PpctlConfig) -> int:
     """Intra-op threads per worker so that the local workers do not oversubscribe the cores."""
     if config.launcher.threads_per_worker:
         return config.launcher.threads_per_worker
-    return max(1, (os.cpu_count() or 1) // nproc_per_node(config))
+    return max(1, usable_cores() // nproc_per_node(config))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, e.g. under ``taskset``), else all of them."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no affinity off Linux
+        return os.cpu_count() or 1
+
+
+def describe_workers(config: PpctlConfig) -> str:
+    """``2 workers x 1 thread``: the workers this node starts and the intra-op threads each one uses."""
+    workers, threads = nproc_per_node(config), threads_per_worker(config)
+    return f"{workers} worker{'s' if workers != 1 else ''} x {threads} thread{'s' if threads != 1 else ''}"
 
 
 def build_launch_plan(config: PpctlConfig, run_dir: Path, task: str, backend: str) -> LaunchPlan:
@@ -283,7 +299,9 @@ def _on_signals(stop: _Stopping, received: list[int], torchrun_pid: int, plan: L
             _say(f"the workers are {stop.killed}: killing them")
         kill_job(torchrun_pid)
     elif time.monotonic() >= stop.next_scan:
-        stop.signalled |= terminate_workers(torchrun_pid, stop.signalled)
+        # The user's signal itself, so that the checkpoint says which one stopped the run (a log that cannot be
+        # written stops the job as SIGTERM would).
+        stop.signalled |= terminate_workers(torchrun_pid, stop.signalled, stop.signum or signal.SIGTERM)
         stop.next_scan = time.monotonic() + POLL_S
 
 
@@ -325,18 +343,21 @@ def descendants(parents: dict[int, int], pid: int) -> list[int]:
     return found
 
 
-def terminate_workers(torchrun_pid: int, already: set[int]) -> set[int]:
-    """Send SIGTERM to torchrun's workers (its children) not in ``already``; return the pids signalled.
+def terminate_workers(torchrun_pid: int, already: set[int], signum: int = signal.SIGTERM) -> set[int]:
+    """Send ``signum`` (SIGTERM or SIGINT: a worker stops on either after its step) to torchrun's workers (its
+    children) not in ``already``; return the pids signalled.
 
     Only the workers: their own children (if any) stop with them. Without ``/proc`` torchrun itself
-    gets the SIGTERM and stops its workers its own way.
+    gets a SIGTERM and stops its workers its own way (it takes SIGINT as a failure).
     """
     parents = read_parent_table()
     targets = [torchrun_pid] if parents is None else children(parents, torchrun_pid)
+    if parents is None:
+        signum = signal.SIGTERM
     signalled = set()
     for pid in targets:
         if pid not in already:
-            _send(pid, signal.SIGTERM)
+            _send(pid, signum)
             signalled.add(pid)
     return signalled
 
@@ -401,6 +422,59 @@ def mount_point(path: Path) -> Path:
     while not os.path.ismount(found) and found != found.parent:
         found = found.parent
     return found
+
+
+# --- a run directory that holds an earlier run's checkpoints --------------------------------------------------
+
+def committed_steps(run_dir: Path) -> list[int]:
+    """The steps of the checkpoints a run directory holds, oldest first: every committed ``step_<N>`` (complete or
+    damaged; a partial one that was never committed is no checkpoint)."""
+    return [info.step for info in list_checkpoints(run_dir) if not info.path.name.endswith(".partial")]
+
+
+def resumes_its_own(run_dir: Path, resume_from: str | None) -> bool:
+    """Whether ``resume_from`` (a resolved checkpoint directory) is one of ``run_dir``'s own checkpoints."""
+    if not resume_from:
+        return False
+    return Path(resume_from).resolve().parent == checkpoints_dir(run_dir).resolve()
+
+
+def reuse_problem(run_dir: Path, resume_from: str | None, overwrite: bool) -> str | None:
+    """Why a training run may not go into ``run_dir`` (one line), or None.
+
+    A run that does not resume from ``run_dir``'s own checkpoints would write its checkpoints and ``latest``
+    over theirs, so it needs ``trainer.overwrite=true``; a run that does resume from them must not have it
+    (that would delete what it resumes from). Asked before anything starts or changes in the directory.
+    """
+    steps = committed_steps(run_dir)
+    if not steps:
+        return None
+    if resumes_its_own(run_dir, resume_from):
+        if not overwrite:
+            return None
+        return (f"trainer.overwrite=true would delete the checkpoints of trainer.out_dir={run_dir}, and this run "
+                f"resumes from one of them (trainer.resume_from={resume_from}); drop trainer.overwrite to continue "
+                f"that run")
+    if overwrite:
+        return None
+    start = f"resumes from {resume_from}" if resume_from else "starts from step 0"
+    return (f"trainer.out_dir={run_dir} already holds the checkpoints of a run (newest: step {steps[-1]}); this run "
+            f"{start} and would replace them: continue that run with trainer.resume_from={run_dir}, choose another "
+            f"trainer.out_dir, or set trainer.overwrite=true to delete them and start over")
+
+
+def clear_earlier_run(run_dir: Path) -> str | None:
+    """``trainer.overwrite=true``: delete the checkpoints an earlier run left in ``run_dir``, and its TensorBoard logs
+    (a new run's curves would otherwise be drawn over the old ones). Returns the line that says so, None when there
+    was nothing to delete; OSError when something cannot be deleted."""
+    steps = committed_steps(run_dir)
+    if not steps:
+        return None
+    for folder in (checkpoints_dir(run_dir), run_dir / "tensorboard"):
+        if folder.exists():
+            shutil.rmtree(folder)
+    return (f"trainer.overwrite=true: deleted the earlier run's checkpoints (newest: step {steps[-1]}) and "
+            f"TensorBoard logs in {run_dir}")
 
 
 # --- the run directory's lock -----------------------------------------------------------------------------

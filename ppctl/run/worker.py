@@ -11,7 +11,9 @@ from then on SIGTERM or SIGINT asks the trainer to stop after its step (with a c
 and a second one ends the worker at once. Not before: joining the groups waits on the
 rendezvous store, a wait that a Python signal handler cannot interrupt (a peer that died
 there would hold this worker until the store's timeout), and there is nothing to save yet,
-so until then SIGTERM keeps its default and ends the worker at once.
+so until then SIGTERM and SIGINT keep their default and end the worker at once (SIGINT's default
+is restored: Python would turn it into a KeyboardInterrupt). The launcher sends the workers the
+signal the user sent, so a checkpoint saved on Ctrl-C says "interrupted by SIGINT".
 """
 
 from __future__ import annotations
@@ -100,6 +102,9 @@ def _write_error(run_dir: Path, rank: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Run the worker; on any error record it for the launcher and exit non-zero."""
     parent = os.getppid()  # torchrun; compared again once the parent-death signal is armed
+    # The launcher forwards Ctrl-C as SIGINT: until the stop request is installed it ends this worker at once, as
+    # SIGTERM does, rather than as a KeyboardInterrupt somewhere in start-up (reported as the worker's error).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     if not ParentDeathSignal(signal.SIGTERM).arm(parent):
         sys.exit("ppctl.run.worker: the launcher ended before this worker started")
     args = _parse_args(sys.argv[1:] if argv is None else argv)
@@ -109,7 +114,22 @@ def main(argv: list[str] | None = None) -> None:
         _write_error(args.run_dir, os.environ.get("RANK", "0"))
         traceback.print_exc()
         _leave_process_group()
-        sys.exit(1)
+        _end(1)
+    _end(0)
+
+
+def _end(code: int) -> None:
+    """Exit at once with ``code`` once the console is flushed, skipping the interpreter's teardown.
+
+    Everything the worker writes is closed by then. The teardown would free what gloo's threads may
+    still hold (the work of process groups no longer used) while the interpreter goes away, which now
+    and then aborts a worker that had finished its job (SIGABRT: "terminate called without an active
+    exception"; seen with two runs at once on one machine); and it gives SIGTERM back its default, so
+    that a late stop would kill a finished worker.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -85,11 +85,12 @@ sys.exit(max(abs(worker.wait()) for worker in workers))
 STAND_IN_WORKER = """
 import os, signal, sys, time
 out, rank, mode = sys.argv[1:]
-def on_sigterm(*_):
-    open(f"{out}/worker{rank}.sigterm", "w").close()
+def on_stop(signum, _):
+    open(f"{out}/worker{rank}.stopped", "w").write(signal.Signals(signum).name)
     if mode == "stops":
         sys.exit(0)
-signal.signal(signal.SIGTERM, on_sigterm)
+signal.signal(signal.SIGTERM, on_stop)
+signal.signal(signal.SIGINT, on_stop)
 open(f"{out}/worker{rank}.pid", "w").write(str(os.getpid()))
 while True:
     time.sleep(0.02)
@@ -110,7 +111,7 @@ def run_stand_in(tmp_path: Path, mode: str, signals: list[int], shutdown_timeout
 
     def send_signals():
         for index, signum in enumerate(signals):
-            awaited = pid_files if index == 0 else [tmp_path / f"worker{rank}.sigterm" for rank in range(2)]
+            awaited = pid_files if index == 0 else [tmp_path / f"worker{rank}.stopped" for rank in range(2)]
             while not all(path.exists() for path in awaited):
                 time.sleep(0.02)
             time.sleep(0.05)
@@ -138,7 +139,7 @@ def test_launcher_forwards_a_stop_to_the_workers_not_torchrun(tmp_path):
     by itself when they stop. torchrun runs with the parent-death signal SIGTERM."""
     result, pids, seconds = run_stand_in(tmp_path, "stops", [signal.SIGTERM])
     assert (result.returncode, result.interrupted, result.killed, result.exit_code) == (0, signal.SIGTERM, None, 143)
-    assert (tmp_path / "worker0.sigterm").exists() and (tmp_path / "worker1.sigterm").exists()
+    assert [(tmp_path / f"worker{rank}.stopped").read_text() for rank in range(2)] == ["SIGTERM", "SIGTERM"]
     assert not (tmp_path / "torchrun.sigterm").exists()
     assert f"parent-death signal {int(signal.SIGTERM)}" in (tmp_path / "launcher.log").read_text()
     assert seconds < 5 and leftovers(pids, tmp_path, within=2) == []
@@ -156,9 +157,11 @@ def test_launcher_kills_on_a_second_signal(tmp_path, capfd):
 
 @pytest.mark.timeout(30)
 def test_launcher_kills_after_the_shutdown_timeout(tmp_path, capfd):
-    """Workers that ignore the stop are killed, torchrun and all, once ``launcher.shutdown_timeout_s`` has passed."""
+    """Workers that ignore the stop are killed, torchrun and all, once ``launcher.shutdown_timeout_s`` has passed.
+    The workers got the user's SIGINT itself (their checkpoint then says "interrupted by SIGINT")."""
     result, pids, seconds = run_stand_in(tmp_path, "ignores", [signal.SIGINT], shutdown_timeout_s=1)
     assert result.interrupted == signal.SIGINT and "1 s after the stop" in result.killed and result.exit_code == 130
+    assert [(tmp_path / f"worker{rank}.stopped").read_text() for rank in range(2)] == ["SIGINT", "SIGINT"]
     assert 1 <= seconds < 5 and leftovers(pids, tmp_path, within=2) == []
     assert "killing them" in capfd.readouterr().err
 
@@ -181,7 +184,7 @@ def test_a_log_that_cannot_be_written_stops_the_job_in_one_line(tmp_path, monkey
     started = time.monotonic()
     result, pids, _ = run_stand_in(tmp_path, "stops", [])
     assert result.interrupted is None and result.exit_code == 1 and result.killed is None
-    assert len(pids) == 2 and all((tmp_path / f"worker{rank}.sigterm").exists() for rank in range(2))
+    assert len(pids) == 2 and all((tmp_path / f"worker{rank}.stopped").exists() for rank in range(2))
     assert result.failure == (f"cannot write {tmp_path / 'launcher.log'}: No space left on device (the file system "
                               f"mounted at {launch.mount_point(tmp_path)}); the workers were stopped; no checkpoint "
                               f"of this run was saved")

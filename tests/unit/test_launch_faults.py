@@ -158,7 +158,7 @@ def signalling(monkeypatch):
     """Replace the launcher's signalling with a record of what it would have done."""
     calls = []
     monkeypatch.setattr(launch, "terminate_workers",
-                        lambda pid, already: calls.append(("terminate", pid)) or {pid + 1})
+                        lambda pid, already, signum: calls.append(("terminate", pid, signum)) or {pid + 1})
     monkeypatch.setattr(launch, "kill_job", lambda pid: calls.append(("kill", pid)))
     return calls
 
@@ -171,7 +171,8 @@ def test_first_signal_stops_workers_second_kills(signalling, capsys):
     launch._on_signals(stop, [], 100, PLAN)
     assert signalling == [] and stop.signum is None
     launch._on_signals(stop, [signal.SIGINT], 100, PLAN)
-    assert stop.signum == signal.SIGINT and signalling == [("terminate", 100)] and stop.signalled == {101}
+    # the user's signal itself goes to the workers: a checkpoint then says "interrupted by SIGINT"
+    assert stop.signum == signal.SIGINT and signalling == [("terminate", 100, signal.SIGINT)] and stop.signalled == {101}
     assert capsys.readouterr().err == ("stopping (SIGINT): the workers finish; waiting up to 30 s "
                                        "(Ctrl-C again to kill them now)\n")
     launch._on_signals(stop, [signal.SIGTERM], 100, PLAN)

@@ -1,0 +1,68 @@
+"""The SIGINT/SIGTERM handler ppctl installs before any worker starts acts in ppctl's own process only.
+
+A process forked meanwhile (``datasets`` tokenises in forked processes, and its pool ends
+them with SIGTERM) must die of the signal at once and silently: not print "interrupted by
+SIGTERM before any worker started", and not miss the signal while it blocks on a lock.
+"""
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+from ppctl.cli import app
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@pytest.fixture
+def before_start_handlers(monkeypatch):
+    """``install_before_start_handlers()`` as ``main`` runs it; the handlers and the installer pid restored after."""
+    saved = {signum: signal.getsignal(signum) for signum in SIGNALS}
+    monkeypatch.setattr(app, "_handlers_pid", app._handlers_pid)
+    app.install_before_start_handlers()
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
+def sleep_until_ended() -> None:
+    time.sleep(30)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("signum", SIGNALS)
+def test_a_forked_child_dies_of_the_signal_silently(before_start_handlers, capfd, signum):
+    child = multiprocessing.get_context("fork").Process(target=sleep_until_ended)
+    child.start()
+    time.sleep(0.2)
+    os.kill(child.pid, signum)
+    child.join(10)
+    assert child.exitcode == -signum  # killed by the signal, as its pool expects; not exit 128 + signum
+    assert "interrupted" not in capfd.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_a_child_still_running_the_handler_takes_the_default_action(before_start_handlers, capfd):
+    # A signal that comes between the fork and the reset reaches the handler itself in the child.
+    pid = os.fork()
+    if pid == 0:  # the child
+        try:
+            signal.signal(signal.SIGTERM, app.interrupted_before_start)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+    assert "interrupted" not in capfd.readouterr().err
+
+
+def test_in_ppctl_itself_the_handler_still_says_it_in_one_line(before_start_handlers, capsys):
+    assert signal.getsignal(signal.SIGTERM) is app.interrupted_before_start
+    with pytest.raises(SystemExit) as ended:
+        app.interrupted_before_start(signal.SIGTERM, None)
+    assert ended.value.code == 143
+    assert capsys.readouterr().err == "error: interrupted by SIGTERM before any worker started\n"
