@@ -19,9 +19,15 @@ Sources (``data.source``):
     row, its ``data.text_field``), or a hub dataset name.
 
 Every failure is one ``DataError`` line: the log records ``datasets`` and ``huggingface_hub``
-print on their way to an error are silenced, files without a record are named as such, and a
-hub dataset is not tried where it cannot load (offline without it in the cache, or the hub
-unreachable) rather than retried for half a minute.
+print on their way to an error are silenced, files without a record are named as such, a file
+that is not UTF-8 is named with the line and byte offset (a parquet value by its row) of the first
+bytes that are not, and a hub dataset is not tried where it cannot load (offline without it in
+the cache, or the hub unreachable) rather than retried for half a minute.
+
+Rows without text (no value in the text field, or an empty one) are no document; the index
+counts them and the summary says how many were skipped and why. The index also records the
+largest token id and the token file's size and mtime; a cache whose token file changed since
+is read again, and one that holds an id outside the tokenizer's vocabulary is refused.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ TOKEN_SOURCES = ("python_stdlib", "text")
 TOKEN_DTYPES = ("auto", "uint16", "uint32")
 TOKEN_BYTES = {"uint16": 2, "uint32": 4}  # numpy is imported only where tokens are made (config validation is quick)
 SPLITS = ("train", "validation")
-CACHE_FORMAT_VERSION = 2
+CACHE_FORMAT_VERSION = 3  # 3: the index records skipped rows, the largest id and the token file's stat
 DEFAULT_CACHE_DIR = Path("data/cache")  # relative to the repository root, git-ignored
 DEFAULT_VALIDATION_FRACTION = 0.05
 # Below this much text one process tokenises faster than several (measured: see data/README.md).
@@ -66,6 +72,9 @@ DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
 HUB_CONNECT_S = 5.0  # how long the hub may take to accept a connection before it counts as unreachable
 TRUE_VALUES = ("1", "ON", "YES", "TRUE")  # what the Hugging Face libraries read as a set flag
 EMPTY_PROBE_BYTES = 1 << 16  # a file this small holding only whitespace holds no record
+TEXT_FILE_TYPES = ("text", "json", "csv")  # read as UTF-8 text: a bad byte is found by line and byte offset
+SCAN_BLOCK_BYTES = 1 << 20
+ENCODING_WORDS = re.compile(r"utf-?8|codec|encoding", re.IGNORECASE)
 
 
 class DataError(ValueError):
@@ -211,9 +220,30 @@ class PreparedCorpus:
         hub = index["file_type"] == "hub"
         origin = f"hub dataset {index['source_path']}" if hub else f"{index['num_files']} file(s)"
         return (f"{self.token_file}: {index['num_tokens']:,} tokens from {index['num_documents']:,} document(s) in "
-                f"{origin}; train {self.split('train')[1]:,}, validation "
+                f"{origin}{skipped_rows_note(index)}; train {self.split('train')[1]:,}, validation "
                 f"{self.split('validation')[1] - self.split('validation')[0]:,} "
                 f"(data.validation_fraction={index['validation_fraction']})")
+
+
+def skipped_rows_note(index: dict) -> str:
+    """``; 5 of 10 rows skipped (no "text" value)`` when rows gave no document, else nothing.
+
+    A row has no value when its record lacks the field or holds null (a csv's empty cell is
+    null too); a ``.txt`` corpus has one row per file, and an empty file is skipped.
+    """
+    skipped = index.get("skipped_rows") or {}
+    missing, empty = skipped.get("missing", 0), skipped.get("empty", 0)
+    if not missing and not empty:
+        return ""
+    rows = "files" if index["text_field"] is None else "rows"
+    field = f'"{index["text_field"]}"'
+    if index["text_field"] is None:
+        why = "empty"
+    elif missing and empty:
+        why = f"{missing:,} with no {field} value, {empty:,} with {field} empty"
+    else:
+        why = f"no {field} value" if missing else f"{field} empty"
+    return f"; {missing + empty:,} of {index['num_rows']:,} {rows} skipped ({why})"
 
 
 def token_dtype_for(token_dtype: str, vocab_size: int) -> str:
@@ -271,7 +301,46 @@ def prepare_corpus(spec: CorpusSpec, progress: bool = False) -> PreparedCorpus:
     elif index["validation_fraction"] != spec.validation_fraction:
         index.update(_split_entries(index["num_tokens"], spec.validation_fraction))
         _write_index(token_file, index)  # the tokens stay; only the split moves
+    check_token_ids(token_file, index, tokenizer)
     return PreparedCorpus(token_file, index, corpus.label)
+
+
+def check_token_ids(token_file: Path, index: dict, tokenizer: Tokenizer) -> None:
+    """Raise ``DataError`` when ``token_file`` holds an id outside ``tokenizer``'s vocabulary.
+
+    Such a file was changed after it was built (the cache key covers the tokenizer), and a
+    worker would fail on it with an index error of the embedding; the model's vocabulary
+    (``model.vocab_size``) is at least the tokenizer's, which config validation checks.
+    """
+    largest = max_token_id(token_file, index)
+    if largest >= tokenizer.vocab_size:
+        raise DataError(f"{token_file}: holds token id {largest:,}, outside the vocabulary of the {tokenizer.name} "
+                        f"tokenizer ({tokenizer.vocab_size:,} ids, 0-{tokenizer.vocab_size - 1:,}); it changed after "
+                        f"it was built: delete it and {index_path(token_file).name} to rebuild them")
+
+
+def max_token_id(token_file: Path, index: dict) -> int:
+    """The largest id in ``token_file``: the index's record while the file keeps the size and mtime it was built
+    with (no read, so a reused cache costs nothing), else read from the file (memory-mapped)."""
+    stat = token_file.stat()
+    if index.get("token_file_stat") == [stat.st_size, stat.st_mtime_ns] and isinstance(index.get("max_token_id"), int):
+        return index["max_token_id"]
+    return _read_max_token_id(token_file, index["dtype"])
+
+
+def _read_max_token_id(token_file: Path, dtype: str) -> int:
+    """The largest id in ``token_file`` (-1 when it is empty)."""
+    import numpy as np
+
+    if token_file.stat().st_size == 0:
+        return -1
+    return int(np.memmap(token_file, dtype=dtype, mode="r").max())
+
+
+def _token_file_record(token_file: Path, dtype: str) -> dict:
+    """What the index records of the token file as written: its size and mtime, and its largest id."""
+    stat = token_file.stat()  # before the read: a change while reading shows as another mtime next time
+    return {"token_file_stat": [stat.st_size, stat.st_mtime_ns], "max_token_id": _read_max_token_id(token_file, dtype)}
 
 
 def _split_entries(num_tokens: int, validation_fraction: float) -> dict:
@@ -366,13 +435,9 @@ def _build_cache(spec: CorpusSpec, corpus: Corpus, hub_documents, tokenizer: Tok
             _datasets_progress(progress) as datasets:
         documents = hub_documents if hub_documents is not None else _load_files(corpus, scratch)
         column = _text_column(documents, corpus, spec.text_field)
-        tokenized = documents.map(
-            TokenizeBatch(tokenizer, dtype, column), batched=True, remove_columns=documents.column_names,
-            num_proc=_num_proc(spec.num_proc, documents), desc=f"tokenising ({tokenizer.name})",
-            features=datasets.Features({"ids": datasets.Sequence(datasets.Value(dtype))}),
-            cache_file_name=str(Path(scratch) / "tokens.arrow"),
-        )
+        tokenized = _tokenize(datasets, documents, corpus, column, tokenizer, dtype, spec.num_proc, scratch)
         num_tokens, num_documents = _write_tokens(tokenized.data.column("ids"), token_file, corpus.label)
+        num_rows, missing = documents.num_rows, documents.data.column(column).null_count
         del tokenized, documents  # release the memory-mapped scratch files before the folder goes
     return {
         "format_version": CACHE_FORMAT_VERSION,
@@ -381,13 +446,36 @@ def _build_cache(spec: CorpusSpec, corpus: Corpus, hub_documents, tokenizer: Tok
         "file_type": corpus.file_type or "hub",
         "text_field": None if corpus.file_type == "text" else column,
         "num_files": len(corpus.files),
+        "num_rows": num_rows,
         "num_documents": num_documents,
+        "skipped_rows": {"missing": missing, "empty": num_rows - num_documents - missing},
         "num_tokens": num_tokens,
         "vocab_size": tokenizer.vocab_size,
         "eod_id": tokenizer.eod_id,
         "tokenizer": tokenizer.identity,
         "dtype": dtype,
+        **_token_file_record(token_file, dtype),
     }
+
+
+def _tokenize(datasets, documents, corpus: Corpus, column: str, tokenizer: Tokenizer, dtype: str,
+              num_proc: int | None, scratch: str):
+    """``documents.map`` of ``TokenizeBatch`` into the scratch folder; text that is not UTF-8 is one ``DataError``.
+
+    json and parquet rows reach this step undecoded (Arrow does not check their UTF-8), so a bad
+    byte fails here, in whichever process tokenises its row.
+    """
+    try:
+        return documents.map(
+            TokenizeBatch(tokenizer, dtype, column), batched=True, remove_columns=documents.column_names,
+            num_proc=_num_proc(num_proc, documents), desc=f"tokenising ({tokenizer.name})",
+            features=datasets.Features({"ids": datasets.Sequence(datasets.Value(dtype))}),
+            cache_file_name=str(Path(scratch) / "tokens.arrow"),
+        )
+    except Exception as error:
+        if _decode_error(error) is None:
+            raise
+        raise not_utf8_error(corpus, error, documents) from None
 
 
 class TokenizeBatch:
@@ -440,15 +528,136 @@ def _load_files(corpus: Corpus, scratch: str):
 
     if corpus.file_type != "text":  # a .txt file is one document, even an empty one
         _refuse_without_records(corpus)
-    options = {"sample_by": "document", "encoding_errors": "replace"} if corpus.file_type == "text" else {}
+    # .txt is decoded strictly, as every other type: replacing bad bytes with U+FFFD would train on
+    # text the file does not hold, without a word
+    options = {"sample_by": "document"} if corpus.file_type == "text" else {}
     try:
         with quiet_library_logs():
             return datasets.load_dataset(corpus.file_type, data_files=[str(file) for file in corpus.files],
                                          split="train", cache_dir=scratch, **options)
     except Exception as error:  # datasets wraps parser errors in several classes; report one line
+        if _is_encoding_error(error):
+            raise not_utf8_error(corpus, error) from None
         if "corresponds to no data" in _one_line(error):  # e.g. a csv header alone, a json []
             raise DataError(f"{corpus.label}: its {corpus.file_type} file(s) hold no records") from None
         raise DataError(f"{corpus.label}: cannot read its {corpus.file_type} files: {_one_line(error)}") from None
+
+
+def _is_encoding_error(error: BaseException) -> bool:
+    """Whether a reader's error is about bytes that are not UTF-8: a ``UnicodeDecodeError`` (.txt, .csv), or a
+    message that says so (the json reader's "Invalid octet in UTF-8 sequence")."""
+    return _decode_error(error) is not None or ENCODING_WORDS.search(_one_line(error)) is not None
+
+
+def _decode_error(error: BaseException) -> UnicodeDecodeError | None:
+    """The ``UnicodeDecodeError`` that ``error`` is or was caused by (``datasets`` wraps it), or None."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, UnicodeDecodeError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def not_utf8_error(corpus: Corpus, error: BaseException, documents=None) -> DataError:
+    """The one line for a corpus that is not UTF-8: the file, and the line and byte offset of its first bad byte
+    (text files), or the row and column of the first bad value (parquet files, hub datasets); when the files
+    are UTF-8 after all, the reader's ``error`` in one line."""
+    if corpus.file_type in TEXT_FILE_TYPES:  # read on this failing path only
+        for file in corpus.files:
+            found = first_invalid_utf8(file)
+            if found is not None:
+                line, offset, byte = found
+                return DataError(f"{corpus.label}: {_file_in_message(corpus, file)} is not UTF-8: line {line} (byte "
+                                 f"offset {offset}) holds 0x{byte:02x}; convert the file to UTF-8")
+    found = _first_invalid_row(documents) if documents is not None else None
+    if found is not None:
+        row, column, byte = found
+        where, row = _row_origin(corpus, row)
+        return DataError(f"{corpus.label}: {where} is not UTF-8: the row at index {row} holds 0x{byte:02x} in column "
+                         f"{column}; write its text as UTF-8")
+    if documents is None:  # a reader's error whose words were about something else
+        return DataError(f"{corpus.label}: cannot read its {corpus.file_type} files: {_one_line(error)}")
+    return DataError(f"{corpus.label}: not UTF-8 text: {_one_line(_decode_error(error) or error)}")
+
+
+def first_invalid_utf8(file: Path) -> tuple[int, int, int] | None:
+    """(line, byte offset, byte) of the first byte of ``file`` that is not UTF-8, or None when all of it is.
+
+    Reads in blocks; a character cut by a block's end is completed by the next block.
+    """
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line, read = 1, 0
+    with open(file, "rb") as handle:
+        while True:
+            block = handle.read(SCAN_BLOCK_BYTES)
+            pending = decoder.getstate()[0]  # the start of a character cut by the last block's end
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as error:  # error.object is pending + block
+                return (line + error.object[:error.start].count(b"\n"), read - len(pending) + error.start,
+                        error.object[error.start])
+            if not block:
+                return None
+            line, read = line + block.count(b"\n"), read + len(block)
+
+
+def _first_invalid_row(documents) -> tuple[int, str, int] | None:
+    """(row, column, byte) of the first string value of ``documents`` that is not UTF-8, or None."""
+    import pyarrow as pa
+
+    for name in documents.column_names:
+        column = documents.data.column(name)
+        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+            continue
+        as_bytes = pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary()
+        start = 0
+        for chunk in column.chunks:
+            try:
+                chunk.validate(full=True)  # checks the UTF-8 of every value, in C++
+            except pa.ArrowInvalid:  # then find the row in Python, in this chunk only
+                for index, value in enumerate(chunk.view(as_bytes).to_pylist()):
+                    byte = _first_bad_byte(value)
+                    if byte is not None:
+                        return start + index, name, byte
+            start += len(chunk)
+    return None
+
+
+def _first_bad_byte(value: bytes | None) -> int | None:
+    """The first byte of ``value`` that is not UTF-8, or None (for None too)."""
+    if value is None:
+        return None
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return value[error.start]
+    return None
+
+
+def _row_origin(corpus: Corpus, row: int) -> tuple[str, int]:
+    """The file that row ``row`` of a loaded corpus comes from, and the row's index in it.
+
+    Parquet files say how many rows they hold without being read; other corpora name the
+    whole corpus (a hub dataset: its train split) and the row's index in it.
+    """
+    if corpus.file_type == "parquet":
+        import pyarrow.parquet as parquet
+
+        for file in corpus.files:
+            num_rows = parquet.ParquetFile(file).metadata.num_rows
+            if row < num_rows:
+                return _file_in_message(corpus, file), row
+            row -= num_rows
+    return ("its train split" if corpus.hub_name else "the corpus"), row
+
+
+def _file_in_message(corpus: Corpus, file: Path) -> str:
+    """A corpus file as a message names it: its name when ``data.path`` is that file, else its path."""
+    return file.name if len(corpus.files) == 1 else str(file)
 
 
 def _refuse_without_records(corpus: Corpus) -> None:

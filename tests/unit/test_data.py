@@ -75,7 +75,9 @@ def test_stdlib_preparation_writes_tokens_and_index(stdlib_cache):
     metadata = read_index(token_file)
     tokens = np.fromfile(token_file, dtype=np.uint16)
     assert metadata["source"] == "python_stdlib" and metadata["tokenizer"] == {"name": "byte"}
-    assert metadata["num_files"] == len(stdlib_source_files()) == metadata["num_documents"]
+    assert metadata["num_files"] == len(stdlib_source_files()) == metadata["num_documents"] == metadata["num_rows"]
+    assert metadata["skipped_rows"] == {"missing": 0, "empty": 0} and metadata["max_token_id"] == 256
+    assert metadata["token_file_stat"] == [token_file.stat().st_size, token_file.stat().st_mtime_ns]
     assert metadata["num_tokens"] == tokens.size > 1_000_000
     assert int((tokens == 256).sum()) == metadata["num_documents"]
     assert tokens[-1] == 256

@@ -238,6 +238,121 @@ def test_empty_documents_are_skipped_and_an_empty_corpus_refused(tmp_path):
     assert len(list((tmp_path / "cache").glob("text-corpus-*"))) == 2  # the first corpus's files; none for it
 
 
+# --- text that is not UTF-8, rows without text -------------------------------------------------------
+
+def test_first_invalid_utf8_names_line_offset_and_byte_across_blocks(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare_module, "SCAN_BLOCK_BYTES", 4)  # "✓" (3 bytes) straddles two blocks
+    path = tmp_path / "scan.txt"
+    path.write_bytes("ab\n✓\n".encode() + b"c\xe9d\n")
+    assert prepare_module.first_invalid_utf8(path) == (3, 8, 0xe9)
+    path.write_bytes("ab\n✓\nok\n".encode())
+    assert prepare_module.first_invalid_utf8(path) is None
+    path.write_bytes(b"ok\n\xe2\x9c")  # a character cut by the end of the file
+    assert prepare_module.first_invalid_utf8(path) == (2, 3, 0xe2)
+
+
+@pytest.mark.parametrize("name, content, line, offset", [
+    ("one.txt", b"first\nsecond caf\xe9\n", 2, 16),  # .txt is decoded strictly now, not with U+FFFD
+    ("rows.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', 2, 28),
+    ("list.json", b'[{"text": "ok"}, {"text": "caf\xe9"}]', 1, 30),
+    ("table.csv", b"text,id\nok,1\ncaf\xe9,2\n", 3, 16),
+])
+def test_a_file_that_is_not_utf8_is_refused_naming_it_with_line_and_offset(tmp_path, name, content, line, offset):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(DataError) as error:
+        prepare(path, tmp_path / "cache")
+    assert str(error.value) == (f"data.path={path}: {name} is not UTF-8: line {line} (byte offset {offset}) holds "
+                                "0xe9; convert the file to UTF-8")
+
+
+def test_in_a_folder_the_bad_file_is_named_by_its_path(tmp_path):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.txt").write_text("fine ✓")
+    (folder / "b.txt").write_bytes(b"\xff at the start")
+    with pytest.raises(DataError, match=f"^data.path={folder}: {folder / 'b.txt'} is not UTF-8: line 1 \\(byte "
+                                        "offset 0\\) holds 0xff; convert the file to UTF-8$"):
+        prepare(folder, tmp_path / "cache")
+
+
+def test_a_parquet_value_that_is_not_utf8_is_refused_naming_file_row_and_column(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as parquet
+
+    folder = tmp_path / "tables"
+    folder.mkdir()
+    for part, values in (("a", [b"ok", b"fine"]), ("b", [b"ok", b"x", b"caf\xe9"])):
+        parquet.write_table(pa.table({"text": pa.array(values, pa.binary()).view(pa.string())}),
+                            folder / f"{part}.parquet")
+    with pytest.raises(DataError) as error:
+        prepare(folder, tmp_path / "cache")
+    assert str(error.value) == (f"data.path={folder}: {folder / 'b.parquet'} is not UTF-8: the row at index 2 holds "
+                                "0xe9 in column text; write its text as UTF-8")
+
+
+def test_rows_without_text_are_counted_in_the_index_and_said_in_the_summary(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "a"}\n{"title": "no text"}\n{"text": null}\n{"text": ""}\n{"text": "b"}\n')
+    prepared = prepare(path, tmp_path / "cache", validation_fraction=0.0)
+    assert tokens_of(prepared) == byte_stream(["a", "b"])
+    assert (prepared.index["num_rows"], prepared.index["num_documents"]) == (5, 2)
+    assert prepared.index["skipped_rows"] == {"missing": 2, "empty": 1}
+    assert " in 1 file(s); 3 of 5 rows skipped (2 with no \"text\" value, 1 with \"text\" empty); train 4," \
+        in prepared.summary()
+    csv = tmp_path / "table.csv"  # an empty csv cell is no value
+    csv.write_text("text,id\na,1\n,2\nb,3\n")
+    assert "; 1 of 3 rows skipped (no \"text\" value); " in prepare(csv, tmp_path / "cache").summary()
+    empty = write_corpus(tmp_path / "empty_rows", "parquet", documents=["a", "", "b"])
+    assert "; 1 of 3 rows skipped (\"text\" empty); " in prepare(empty, tmp_path / "cache").summary()
+    folder = write_corpus(tmp_path / "texts", "txt", documents=["a", "", "b"])
+    assert "; 1 of 3 files skipped (empty); " in prepare(folder, tmp_path / "cache").summary()
+    whole = prepare(write_corpus(tmp_path / "whole", "jsonl"), tmp_path / "cache")
+    assert "skipped" not in whole.summary() and whole.index["skipped_rows"] == {"missing": 0, "empty": 0}
+
+
+# --- token ids outside the vocabulary ---------------------------------------------------------------
+
+def edit_token(token_file: Path, position: int, value: int) -> None:
+    """Overwrite one token in place (the file keeps its size) and move its mtime on, as a later edit would."""
+    tokens = np.memmap(token_file, dtype=np.uint16, mode="r+")
+    tokens[position] = value
+    tokens.flush()
+    del tokens
+    stat = token_file.stat()
+    os.utime(token_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+
+
+def test_a_token_file_edited_to_hold_an_id_outside_the_vocabulary_is_refused(tmp_path):
+    path = write_corpus(tmp_path / "data", "jsonl")
+    prepared = prepare(path, tmp_path / "cache")
+    assert prepared.index["max_token_id"] == 256  # the end-of-document id
+    edit_token(prepared.token_file, 3, 40_000)
+    with pytest.raises(DataError) as error:
+        prepare(path, tmp_path / "cache")
+    assert str(error.value) == (f"{prepared.token_file}: holds token id 40,000, outside the vocabulary of the byte "
+                                f"tokenizer (257 ids, 0-256); it changed after it was built: delete it and "
+                                f"{prepared.token_file.stem}.json to rebuild them")
+    with pytest.raises(DataError, match="holds token id 40,000"):  # the workers' way in refuses it too
+        build_dataset(CorpusSpec("text", str(path), tmp_path / "cache"), 8, 384, 0)
+    edit_token(prepared.token_file, 3, 255)  # changed, but inside the vocabulary: nothing to refuse
+    assert tokens_of(prepare(path, tmp_path / "cache"))[3] == 255
+
+
+def test_a_reused_token_file_is_not_read_while_it_is_as_built(tmp_path, monkeypatch):
+    path = write_corpus(tmp_path / "data", "jsonl")
+    token_file = prepare(path, tmp_path / "cache").token_file
+    reads = []
+    real_read = prepare_module._read_max_token_id
+    monkeypatch.setattr(prepare_module, "_read_max_token_id", lambda *args: reads.append(1) or real_read(*args))
+    prepare(path, tmp_path / "cache")
+    prepare(path, tmp_path / "cache", validation_fraction=0.5)  # rewrites the index, not the tokens
+    assert reads == []
+    os.utime(token_file, ns=(token_file.stat().st_atime_ns, token_file.stat().st_mtime_ns + 1))
+    prepare(path, tmp_path / "cache")
+    assert reads == [1]
+
+
 # --- tokenizer files ------------------------------------------------------------------------------
 
 def test_tokenizer_file_with_its_own_end_of_text_token(tmp_path):
