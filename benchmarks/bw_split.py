@@ -27,7 +27,7 @@ from ppctl.model.gpt import GPTChunk, GPTConfig  # noqa: E402
 from ppctl.parallel.tensor_parallel import TPGroup  # noqa: E402
 from ppctl.pipeline.stage import PipelineStage, StageIO, TensorSpec  # noqa: E402
 
-KEY = (0, 0)
+KEY = 0  # the microbatch
 
 
 def middle_stage(args, split_backward: bool) -> PipelineStage:

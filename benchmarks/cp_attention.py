@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ppctl.parallel.context_parallel import CP_COMM_MODES, CPGroup, context_parallel_attention  # noqa: E402
-from ppctl.testing import run_workers  # noqa: E402
+from tests.spawn import run_workers  # noqa: E402
 
 
 class StoragePeak(TorchDispatchMode):

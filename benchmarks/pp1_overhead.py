@@ -27,8 +27,8 @@ from ppctl.data.prepare import CorpusSpec  # noqa: E402
 from ppctl.optim.grads import build_optimizer  # noqa: E402
 from ppctl.parallel.groups import build_parallel_context  # noqa: E402
 from ppctl.run.reference import reference_model  # noqa: E402
-from ppctl.testing import free_port  # noqa: E402
 from ppctl.run.train import Trainer  # noqa: E402
+from tests.spawn import free_port  # noqa: E402
 
 
 def plain_loop_seconds(config, steps: int, warmup: int) -> float:

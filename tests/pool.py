@@ -10,7 +10,7 @@ of its own still alive, the default group still answering) and the case fails, n
 
 A case that raises on any rank, runs past its time limit or loses a worker fails alone: the
 pool is torn down (every worker killed, so no rank waits on a collective forever) and the
-next case starts a fresh one. ``run_workers`` keeps the signature of ``ppctl.testing``'s.
+next case starts a fresh one. ``run_workers`` keeps the signature of ``tests.spawn``'s.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from ppctl.testing import free_port
+from tests.spawn import free_port
 
 CASE_SEED = 1234
 

@@ -122,9 +122,9 @@ def train(
     config_name: str = CONFIG_NAME_OPTION,
 ) -> None:
     """Validate, create the run directory, start the torchrun workers and train."""
-    from ppctl.config import check_runnable, validate
+    from ppctl.config import validate
 
-    config = load_config(overrides, config_dir, config_name, lambda c: (validate(c), check_runnable(c)))
+    config = load_config(overrides, config_dir, config_name, validate)
     if config.trainer.resume_from:
         _resolve_resume(config)
     _launch(config, "train", dry_run)

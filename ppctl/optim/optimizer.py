@@ -1,10 +1,12 @@
-"""The trainer's optimizer, one interface for both paths: plain (replicated) or distributed (sharded).
+"""The trainer's optimizer, one interface for every path: plain, or bucketed (sharded or not).
 
 A step calls ``zero_grad``, runs the backward, then ``finish_grad_sync`` (every
-reduction), ``grad_norm``, ``scale_gradients`` (clipping, fp16 unscaling) and ``step``. ``PlainOptimizer`` keeps the
-classic path: gradients all-reduced over the replicas (``dp_cp``; DualPipe adds its mirror rank) and a full ``torch.optim.AdamW``
-on every rank; ``DistributedOptimizer`` shards gradients, fp32 main parameters and
-AdamW state over the replicas (``ppctl.optim.distributed``).
+reduction), ``grad_norm``, ``scale_gradients`` (clipping, fp16 unscaling) and ``step``.
+``PlainOptimizer`` keeps the classic path: gradients all-reduced over the replicas
+(``dp_cp``; DualPipe adds its mirror rank) and a full ``torch.optim.AdamW`` on every rank.
+``BucketedOptimizer`` (``ppctl.optim.bucketed``) holds fp32 main gradients and parameters
+in bucketed flat buffers: sharded over the replicas, it is the distributed optimizer
+(ZeRO-1); unsharded, the plain path of a half-precision model.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Mapping
 
 import torch
 
-from ppctl.optim.distributed import DistributedOptimizer
+from ppctl.optim.bucketed import BucketedOptimizer
 from ppctl.optim.grads import (StateTensors, adam_state, build_optimizer, decays, finalize_gradients,
                                global_grad_norm, optimizer_state_bytes, scale_gradients)
 
@@ -82,12 +84,12 @@ class PlainOptimizer:
 
 
 def build_trainer_optimizer(chunks: Mapping[int, torch.nn.Module], context, settings, num_microbatches: int):
-    """The distributed optimizer when ``settings.distributed``; else the plain one, with fp32 main
-    parameters and gradients (the same buffers, unsharded) when the model is in half precision."""
+    """The distributed optimizer (sharded buckets) when ``settings.distributed``; else the plain path:
+    unsharded buckets of fp32 main parameters and gradients when the model is in half precision, else
+    ``PlainOptimizer``."""
     half_precision = any(param.dtype in (torch.bfloat16, torch.float16)
                          for chunk in chunks.values() for param in chunk.parameters())
     if settings.distributed or half_precision:
-        return DistributedOptimizer(chunks, context, settings, num_microbatches,
-                                    decays=lambda name, param: decays(name, param, settings),
-                                    shard=settings.distributed)
+        return BucketedOptimizer(chunks, context, settings, num_microbatches, sharded=settings.distributed,
+                                 decays=lambda name, param: decays(name, param, settings))
     return PlainOptimizer(chunks, context, settings)

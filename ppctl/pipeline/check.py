@@ -103,27 +103,25 @@ def _check_action(schedule: Schedule, pp_rank: int, action: Action) -> None:
 
 
 def _check_complete(schedule: Schedule) -> None:
-    """Each (stage, microbatch, step) has one F, and one BW or one B and one W; else the first that has not."""
-    by_kind: dict[str, list[tuple[int, int, int]]] = {kind: [] for kind in ACTION_KINDS}
+    """Each (stage, microbatch) has one F, and one BW or one B and one W; else the first that has not."""
+    by_kind: dict[str, list[tuple[int, int]]] = {kind: [] for kind in ACTION_KINDS}
     for rank_actions in schedule.actions:
         for a in rank_actions:
-            by_kind[a.kind].append((a.stage, a.microbatch, a.step))
-    steps = sorted({step for keys in by_kind.values() for (_, _, step) in keys}) or [0]
+            by_kind[a.kind].append((a.stage, a.microbatch))
     placement = schedule.placement
-    per_step = placement.num_stages * schedule.num_microbatches // placement.copies  # each stage: its copy's
-    if _each_complete_once(by_kind, len(steps) * per_step):
+    expected = placement.num_stages * schedule.num_microbatches // placement.copies  # each stage: its copy's
+    if _each_complete_once(by_kind, expected):
         return  # the common case, in a few set operations; else find the first incomplete one below
-    counts = Counter((stage, mb, step, kind) for kind, keys in by_kind.items() for stage, mb, step in keys)
-    for step in steps:
-        for stage in range(placement.num_stages):
-            for mb in _microbatches_through(schedule, stage):
-                _check_one_of_each(schedule, stage, mb, {k: counts[(stage, mb, step, k)] for k in ACTION_KINDS})
+    counts = Counter((stage, mb, kind) for kind, keys in by_kind.items() for stage, mb in keys)
+    for stage in range(placement.num_stages):
+        for mb in _microbatches_through(schedule, stage):
+            _check_one_of_each(schedule, stage, mb, {k: counts[(stage, mb, k)] for k in ACTION_KINDS})
 
 
-def _each_complete_once(by_kind: dict[str, list[tuple[int, int, int]]], expected: int) -> bool:
-    """Whether each of the ``expected`` (stage, microbatch, step) has one F and one BW, or one B and one W.
+def _each_complete_once(by_kind: dict[str, list[tuple[int, int]]], expected: int) -> bool:
+    """Whether each of the ``expected`` (stage, microbatch) has one F and one BW, or one B and one W.
 
-    ``by_kind`` holds the (stage, microbatch, step) of valid actions (stages in range,
+    ``by_kind`` holds the (stage, microbatch) of valid actions (stages in range,
     microbatches of the stage's copy), so ``expected`` distinct forwards are all of them.
     """
     forwards, whole, inputs, weights = (set(by_kind[kind]) for kind in (FORWARD, BACKWARD, BACKWARD_INPUT,
@@ -151,13 +149,13 @@ def _check_one_of_each(schedule: Schedule, stage: int, mb: int, count: dict[str,
 
 def _check_rank_order(pp_rank: int, rank_actions: tuple[Action, ...]) -> None:
     """On ``pp_rank``, each B/BW comes after its F and each W after its B."""
-    done: set[tuple[str, int, int, int]] = set()
+    done: set[tuple[str, int, int]] = set()
     prerequisite = {BACKWARD: FORWARD, BACKWARD_INPUT: FORWARD, BACKWARD_WEIGHT: BACKWARD_INPUT}
     for action in rank_actions:
         needed = prerequisite.get(action.kind)
-        if needed is not None and (needed, action.stage, action.microbatch, action.step) not in done:
+        if needed is not None and (needed, action.stage, action.microbatch) not in done:
             raise ScheduleError(f"rank {pp_rank}: {action} comes before its {needed} on this rank")
-        done.add((action.kind, action.stage, action.microbatch, action.step))
+        done.add((action.kind, action.stage, action.microbatch))
 
 
 def _check_overlapped(schedule: Schedule) -> None:

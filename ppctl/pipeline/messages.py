@@ -41,7 +41,6 @@ class Message(NamedTuple):
     microbatch: int
     src_rank: int
     dst_rank: int
-    step: int = 0
 
     @property
     def local(self) -> bool:
@@ -68,26 +67,25 @@ def adjacent_stages(action: Action, num_stages: int, stages_per_copy: int) -> tu
             target if first <= target < first + stages_per_copy else None)
 
 
-def message_between(placement: tuple[int, ...], src_stage: int, dst_stage: int, microbatch: int,
-                    step: int) -> Message:
+def message_between(placement: tuple[int, ...], src_stage: int, dst_stage: int, microbatch: int) -> Message:
     """The message from ``src_stage`` to the adjacent ``dst_stage`` (its kind follows from the direction)."""
     kind = ACTIVATION if dst_stage > src_stage else GRADIENT
-    return _new_message((kind, src_stage, dst_stage, microbatch, placement[src_stage], placement[dst_stage], step))
+    return _new_message((kind, src_stage, dst_stage, microbatch, placement[src_stage], placement[dst_stage]))
 
 
 class AdjacentMessages(Sequence[Message]):
     """The messages between adjacent stages under one placement, numbered in order of first sight.
 
-    Each is kept as its key (src stage, dst stage, microbatch, step); a ``Message`` is
+    Each is kept as its key (src stage, dst stage, microbatch); a ``Message`` is
     built only when asked for: checking a schedule needs only the ranks of its messages.
     """
 
     def __init__(self, placement: tuple[int, ...]):
         self.placement = placement
-        self.keys: list[tuple[int, int, int, int]] = []  # number -> key
-        self._numbers: dict[tuple[int, int, int, int], int] = {}
+        self.keys: list[tuple[int, int, int]] = []  # number -> key
+        self._numbers: dict[tuple[int, int, int], int] = {}
 
-    def number(self, key: tuple[int, int, int, int]) -> int:
+    def number(self, key: tuple[int, int, int]) -> int:
         """The number of the message ``key``, assigned on first sight."""
         number = self._numbers.get(key)
         if number is None:
@@ -117,7 +115,7 @@ class AdjacentMessages(Sequence[Message]):
 
 
 def _new_message(fields: tuple) -> Message:
-    """A Message from its seven fields, without the keyword-handling constructor (plans build many)."""
+    """A Message from its six fields, without the keyword-handling constructor (plans build many)."""
     return tuple.__new__(Message, fields)
 
 
@@ -127,7 +125,7 @@ def input_message(schedule: Schedule, action: Action) -> Optional[Message]:
     source, _ = adjacent_stages(action, placement.num_stages, placement.stages_per_copy)
     if source is None:
         return None
-    return message_between(placement.owners, source, action.stage, action.microbatch, action.step)
+    return message_between(placement.owners, source, action.stage, action.microbatch)
 
 
 def output_message(schedule: Schedule, action: Action) -> Optional[Message]:
@@ -136,4 +134,4 @@ def output_message(schedule: Schedule, action: Action) -> Optional[Message]:
     _, target = adjacent_stages(action, placement.num_stages, placement.stages_per_copy)
     if target is None:
         return None
-    return message_between(placement.owners, action.stage, target, action.microbatch, action.step)
+    return message_between(placement.owners, action.stage, target, action.microbatch)

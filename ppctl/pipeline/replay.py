@@ -221,18 +221,18 @@ def _schedule_steps(rank_actions: Sequence[Action], templates: dict[tuple[str, i
     number = messages.number
     steps = []
     for action in rank_actions:
-        kind, stage, microbatch, step = action.kind, action.stage, action.microbatch, action.step
+        kind, stage, microbatch = action.kind, action.stage, action.microbatch
         source, target, local, duration = (templates.get((kind, stage))
                                            or _step_template(action, messages.placement, stages_per_copy,
                                                              durations))
         inputs, local_output, sends = (), NO_MESSAGE, ()
         if source is not None:
-            inputs = (number((source, stage, microbatch, step)),)
+            inputs = (number((source, stage, microbatch)),)
         if target is not None:
             if local:
-                local_output = number((stage, target, microbatch, step))
+                local_output = number((stage, target, microbatch))
             else:
-                sends = (number((stage, target, microbatch, step)),)
+                sends = (number((stage, target, microbatch)),)
         steps.append((inputs, duration, local_output, sends, (), ()))
     return steps
 

@@ -114,7 +114,7 @@ class PipelineRuntime:
     def _forward(self, step: ActionStep, inputs: list, state: StepState) -> torch.Tensor | None:
         action = step.action
         stage = self.stages[action.stage]
-        output, logged = stage.forward((action.microbatch, action.step), self.microbatches[action.microbatch],
+        output, logged = stage.forward(action.microbatch, self.microbatches[action.microbatch],
                                        inputs[0] if inputs else None, self.loss_fn)
         if logged is None:
             return output
@@ -132,16 +132,15 @@ class PipelineRuntime:
 
     def _backward(self, step: ActionStep, inputs: list, state: StepState) -> torch.Tensor | None:
         action = step.action
-        return self.stages[action.stage].backward((action.microbatch, action.step), inputs[0] if inputs else None)
+        return self.stages[action.stage].backward(action.microbatch, inputs[0] if inputs else None)
 
     def _backward_input(self, step: ActionStep, inputs: list, state: StepState) -> torch.Tensor | None:
         action = step.action
-        return self.stages[action.stage].backward_input((action.microbatch, action.step),
-                                                        inputs[0] if inputs else None)
+        return self.stages[action.stage].backward_input(action.microbatch, inputs[0] if inputs else None)
 
     def _backward_weight(self, step: ActionStep, inputs: list, state: StepState) -> None:
         action = step.action
-        self.stages[action.stage].backward_weight((action.microbatch, action.step))
+        self.stages[action.stage].backward_weight(action.microbatch)
         return None
 
     # --- communication ------------------------------------------------------------------------

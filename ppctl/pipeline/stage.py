@@ -98,8 +98,7 @@ class PipelineStage:
     """One model chunk as a pipeline stage: forward, backward (whole or split) and evaluation.
 
     ``index`` is the global virtual stage; ``is_last`` says whether its output is the
-    loss. Saved tensors are keyed by ``(microbatch, step)`` (``step`` is the action's
-    optimizer step, 0 except for schedules that run across steps).
+    loss. Saved tensors are keyed by the microbatch's index (``key``).
     """
 
     def __init__(self, index: int, module: torch.nn.Module, io: StageIO, forward_fn: ForwardFn, is_last: bool,
@@ -107,16 +106,16 @@ class PipelineStage:
         self.index, self.module, self.io = index, module, io
         self.forward_fn, self.is_last = forward_fn, is_last
         self.is_first = io.input is None
-        self.inputs: dict[tuple[int, int], torch.Tensor | None] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.inputs: dict[int, torch.Tensor | None] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
         # First stage only: B has no input gradient to make, so W runs the whole backward from here.
-        self.pending_weight: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.pending_weight: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.weight_grads = WeightGradStore()
         if split_backward:  # only then: the layers' split ops cost a small model's backward time
             attach_weight_grad_store(module, self.weight_grads)
         self._weights = tuple(param for param in module.parameters() if param.requires_grad)
 
-    def forward(self, key: tuple[int, int], microbatch, stage_input: torch.Tensor | None,
+    def forward(self, key: int, microbatch, stage_input: torch.Tensor | None,
                 loss_fn: LossFn | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the chunk for one microbatch, keeping what its backward needs.
 
@@ -133,13 +132,13 @@ class PipelineStage:
         self.outputs[key] = output
         return output, logged
 
-    def backward(self, key: tuple[int, int], grad_output: torch.Tensor | None) -> torch.Tensor | None:
+    def backward(self, key: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
         """Whole backward of one microbatch: weight gradients accumulated; returns the input gradient."""
         output, stage_input = self.outputs.pop(key), self.inputs.pop(key)
         run_backward(output, grad_output)
         return None if stage_input is None else stage_input.grad
 
-    def backward_input(self, key: tuple[int, int], grad_output: torch.Tensor | None) -> torch.Tensor | None:
+    def backward_input(self, key: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
         """B of a split backward: the input gradient only; weight-gradient work is stashed for W, the graph freed.
 
         Layers that can defer stash their work; gradients of any other parameter are
@@ -158,7 +157,7 @@ class PipelineStage:
                 self.weight_grads.stash(ComputedWeightGrads(self._weights, tuple(weight_grads)))
         return grad_input
 
-    def backward_weight(self, key: tuple[int, int]) -> None:
+    def backward_weight(self, key: int) -> None:
         """W of a split backward: accumulate the weight gradients of a microbatch whose B has run."""
         if key in self.pending_weight:
             output, grad_output = self.pending_weight.pop(key)

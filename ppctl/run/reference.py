@@ -16,7 +16,7 @@ import torch
 
 from ppctl.config import PpctlConfig
 from ppctl.data.dataset import build_microbatch, global_batch_sample_ids
-from ppctl.model.factory import dataset_of, gpt_config, parameter_dtype
+from ppctl.model.from_config import dataset_of, gpt_config, parameter_dtype
 from ppctl.model.gpt import GPTChunk
 from ppctl.optim.grads import build_optimizer
 from ppctl.optim.lr import learning_rate, lr_schedule_of, set_learning_rate

@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from ppctl.config import PpctlConfig, num_microbatches
 from ppctl.data.iterator import PipelineDataIterator
-from ppctl.model.factory import dataset_of, gpt_config, parameter_dtype
+from ppctl.model.from_config import dataset_of, gpt_config, parameter_dtype
 from ppctl.model.gpt import GPTChunk
+from ppctl.model.gpt_stages import MaskedTokenLoss, build_stages
 from ppctl.optim.grads import clip_coefficient
 from ppctl.optim.loss_scale import DynamicLossScaler
 from ppctl.optim.optimizer import build_trainer_optimizer
@@ -35,7 +36,6 @@ from ppctl.pipeline.runtime import PipelineRuntime, RankProgram, rank_program
 from ppctl.pipeline.schedules import Schedule, build_schedule
 from ppctl.pipeline.stage import TensorSpec
 from ppctl.pipeline.trace import Tracer
-from ppctl.model.stages import MaskedTokenLoss, build_stages
 
 
 class NonFiniteGradients(RuntimeError):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ppctl.testing import run_workers
+from tests.spawn import run_workers
 
 
 def _allreduce_rank(rank, world_size):

@@ -64,16 +64,15 @@ def run_actions(stage: PipelineStage, actions: list[tuple[str, int]]) -> dict[in
     """Run ``F``, ``BW`` (whole), ``B`` and ``W`` actions of microbatches; return the input gradients by microbatch."""
     grad_inputs = {}
     for kind, microbatch in actions:
-        key = (microbatch, 0)
         stage_input, data, grad_output = microbatch_data(stage, microbatch)
         if kind == "F":
-            stage.forward(key, data, stage_input, weighted_loss)
+            stage.forward(microbatch, data, stage_input, weighted_loss)
         elif kind == "BW":
-            grad_inputs[microbatch] = stage.backward(key, grad_output)
+            grad_inputs[microbatch] = stage.backward(microbatch, grad_output)
         elif kind == "B":
-            grad_inputs[microbatch] = stage.backward_input(key, grad_output)
+            grad_inputs[microbatch] = stage.backward_input(microbatch, grad_output)
         else:
-            stage.backward_weight(key)
+            stage.backward_weight(microbatch)
     return grad_inputs
 
 
@@ -133,7 +132,7 @@ def test_b_computes_no_weight_gradient_frees_the_graph_and_holds_the_stash():
     whole_flops = counted_flops(whole, [("BW", 0)])
     stage = make_stage(last=False)
     run_actions(stage, [("F", 0)])
-    output = stage.outputs[(0, 0)]
+    output = stage.outputs[0]
     b_flops = counted_flops(stage, [("B", 0)])
     assert all(grad is None for grad in weight_grads(stage).values())
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
@@ -151,11 +150,11 @@ def test_b_computes_no_weight_gradient_frees_the_graph_and_holds_the_stash():
 def test_w_without_its_b_is_refused():
     stage = make_stage(last=False)
     run_actions(stage, [("F", 0), ("F", 1), ("B", 0)])
-    with pytest.raises(RuntimeError, match=r"stage 1: W of microbatch \(1, 0\) before its B"):
-        stage.backward_weight((1, 0))
+    with pytest.raises(RuntimeError, match=r"stage 1: W of microbatch 1 before its B"):
+        stage.backward_weight(1)
     run_actions(stage, [("W", 0)])
-    with pytest.raises(RuntimeError, match=r"W of microbatch \(0, 0\) before its B"):
-        stage.backward_weight((0, 0))
+    with pytest.raises(RuntimeError, match=r"W of microbatch 0 before its B"):
+        stage.backward_weight(0)
 
 
 def test_w_fires_each_post_accumulate_hook_once_per_microbatch():

@@ -1,8 +1,8 @@
-"""The distributed optimizer's bucket plan: order kept, sizes reached, padding to the shard count, tied last."""
+"""The bucketed optimizer's bucket plan: order kept, sizes reached, padding to the shard count, tied last."""
 
 import pytest
 
-from ppctl.optim.distributed import Bucket, plan_buckets
+from ppctl.optim.bucketed import Bucket, plan_buckets
 
 
 @pytest.mark.parametrize("bucket_size, num_shards", [(1, 1), (10, 2), (25, 3), (1000, 4), (7, 8)])

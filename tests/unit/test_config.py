@@ -6,7 +6,6 @@ import pytest
 
 from ppctl.config import (
     ConfigError,
-    check_runnable,
     compose_config,
     padded_vocab_size,
     validate,
@@ -188,7 +187,3 @@ def test_vocab_padding():
     assert padded_vocab_size(257, 64, 1) == 320
     assert padded_vocab_size(257, 64, 4) == 512
     assert padded_vocab_size(256, 64, 2) == 256
-
-
-def test_unimplemented_features_refused_before_start():
-    check_runnable(composed("parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "optimizer.distributed=true"))

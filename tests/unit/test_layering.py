@@ -18,26 +18,27 @@ PURE = ("ppctl.parallel.layout", "ppctl.parallel.placement", "ppctl.pipeline.sch
 # its modules, a module listed alone overrides its package); a module imports only from its level or below.
 LEVELS = {
     # 0, foundations that import nothing of ppctl's: file writes, the autograd primitives of the B/W
-    # split (below both model/ and parallel/), the placement of stages on ranks (below layout and schedules).
-    "ppctl.fileio": 0, "ppctl.autograd": 0, "ppctl.parallel.placement": 0,
+    # split (below both model/ and parallel/), the placement of stages on ranks (below layout and schedules),
+    # the config schema (its dataclasses; the rest of config/ builds on the core at level 2).
+    "ppctl.fileio": 0, "ppctl.autograd": 0, "ppctl.parallel.placement": 0, "ppctl.config.schema": 0,
     # 1, the pure core and torch building blocks: layout, schedules and their plans, data, TP/CP layers.
     "ppctl.parallel": 1, "ppctl.pipeline": 1, "ppctl.data": 1, "ppctl.optim.lr": 1, "ppctl.optim.loss_scale": 1,
-    "ppctl.checkpoint.files": 1, "ppctl.run.interrupt": 1, "ppctl.testing": 1,
+    "ppctl.checkpoint.files": 1, "ppctl.run.interrupt": 1,
     # 2, what the core is configured and run with: config, the model, groups, the runtime, the optimizer.
     "ppctl.config": 2, "ppctl.model": 2, "ppctl.data.iterator": 2, "ppctl.parallel.groups": 2,
     "ppctl.pipeline.p2p": 2, "ppctl.pipeline.trace": 2, "ppctl.pipeline.runtime": 2, "ppctl.optim": 2,
     "ppctl.checkpoint": 2,
     # 3 and 4, a config built into a model, its pipeline stages, the single-process reference, checkpoints.
-    "ppctl.model.factory": 3, "ppctl.model.stages": 4, "ppctl.run.reference": 4, "ppctl.checkpoint.state": 4,
+    "ppctl.model.from_config": 3, "ppctl.model.gpt_stages": 4, "ppctl.run.reference": 4, "ppctl.checkpoint.state": 4,
     # 5 and 6, the launch path (run/): the training loop and what it logs, the worker, the launcher.
     "ppctl.run": 5, "ppctl.run.worker": 6, "ppctl.run.launch": 6,
     # 6 and 7, the faces (cli/): the reports, then the commands on top.
     "ppctl.cli": 6, "ppctl.cli.app": 7,
 }
 # The only modules at the top of the package: everything else lives in a folder that says what it is.
-TOP_LEVEL_MODULES = {"ppctl", "ppctl.config", "ppctl.fileio", "ppctl.testing"}
+TOP_LEVEL_MODULES = {"ppctl", "ppctl.fileio"}
 # Foundations: they import nothing of ppctl's, so anything may build on them.
-FOUNDATIONS = ("ppctl.fileio", "ppctl.autograd", "ppctl.parallel.placement")
+FOUNDATIONS = ("ppctl.fileio", "ppctl.autograd", "ppctl.parallel.placement", "ppctl.config.schema")
 
 
 def module_files() -> dict[str, Path]:

@@ -541,7 +541,7 @@ def test_synthetic_validation_is_another_fixed_stream():
 
 
 def test_dataset_of_gives_each_split_of_the_configured_corpus(tmp_path):
-    from ppctl.model.factory import dataset_of
+    from ppctl.model.from_config import dataset_of
 
     path = tmp_path / "one.txt"
     path.write_text("x" * 999)

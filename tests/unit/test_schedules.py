@@ -24,8 +24,6 @@ def compact(schedule: Schedule, pp_rank: int) -> list[str]:
 
 def test_registry_lists_every_schedule_with_its_flags():
     assert set(SCHEDULE_SPECS) == set(ALL_NAMES)
-    implemented = {name for name, spec in SCHEDULE_SPECS.items() if spec.implemented}
-    assert implemented == set(ALL_NAMES)
     assert [n for n, s in SCHEDULE_SPECS.items() if s.multi_chunk] == ["interleaved_1f1b", "zbv", "dualpipe",
                                                                       "dualpipev"]
     assert {n for n, s in SCHEDULE_SPECS.items() if s.splits_backward} == {"zb_h1", "zbv", "dualpipe", "dualpipev"}
@@ -41,14 +39,6 @@ def test_microbatch_rule_refuses_zero_and_accepts_enough(name):
     assert spec.microbatch_error(4, vpp, enough) is None
     message = spec.microbatch_error(4, vpp, 0)
     assert message and "num_microbatches=0" in message and "\n" not in message
-
-
-def test_a_spec_that_is_not_implemented_is_refused_in_one_line(monkeypatch):
-    from dataclasses import replace
-
-    monkeypatch.setitem(SCHEDULE_SPECS, "zbv", replace(SCHEDULE_SPECS["zbv"], implemented=False))
-    with pytest.raises(ScheduleError, match="zbv is not implemented yet; available: gpipe, 1f1b"):
-        build_schedule("zbv", 2, 2, 4)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -79,10 +69,8 @@ def test_schedule_answers_stage_and_chunk_questions_through_its_placement():
     assert v_schedule.placement.stages_of(0) == (0, 3) and v_schedule.placement.chunk_of(3) == 1
 
 
-def test_action_defaults_to_step_zero_and_prints_readably():
-    action = Action("F", 2, 5)
-    assert action.step == 0
-    assert str(action) == "F(stage 2, mb 5)"
+def test_action_prints_readably():
+    assert str(Action("F", 2, 5)) == "F(stage 2, mb 5)"
 
 
 # --- generators -----------------------------------------------------------------------------

@@ -31,18 +31,18 @@ def run(stage: PipelineStage, split: bool, release: bool):
     inputs = [torch.randn(SPEC.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
               for i in range(2)]
     grad_output = torch.ones(SPEC.shape, dtype=torch.float64)
-    outputs = [stage.forward((mb, 0), None, inputs[mb], sum_loss)[0] for mb in range(2)]
+    outputs = [stage.forward(mb, None, inputs[mb], sum_loss)[0] for mb in range(2)]
     if release and not stage.is_last:
         for output in outputs:
             release_output(output)
     grad_inputs = []
     for mb in range(2):
         grad = None if stage.is_last else grad_output
-        grad_inputs.append(stage.backward_input((mb, 0), grad) if split else stage.backward((mb, 0), grad))
+        grad_inputs.append(stage.backward_input(mb, grad) if split else stage.backward(mb, grad))
     if split:
         assert stage.holds_work()  # the Ws are still due
         for mb in range(2):
-            stage.backward_weight((mb, 0))
+            stage.backward_weight(mb)
     assert not stage.holds_work()
     return grad_inputs, [param.grad.clone() for param in stage.module.parameters()]
 
@@ -60,10 +60,10 @@ def test_split_backward_equals_whole_backward(last, release):
 def test_b_on_the_first_stage_sends_nothing_and_w_does_the_weights():
     stage = make_stage(first=True, last=False)
     microbatch = torch.randn(SPEC.shape, dtype=torch.float64)
-    stage.forward((0, 0), microbatch, None, None)
-    assert stage.backward_input((0, 0), torch.ones(SPEC.shape, dtype=torch.float64)) is None
+    stage.forward(0, microbatch, None, None)
+    assert stage.backward_input(0, torch.ones(SPEC.shape, dtype=torch.float64)) is None
     assert all(param.grad is None for param in stage.module.parameters())
-    stage.backward_weight((0, 0))
+    stage.backward_weight(0)
     assert all(param.grad is not None and param.grad.abs().sum() > 0 for param in stage.module.parameters())
 
 

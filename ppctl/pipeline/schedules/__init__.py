@@ -34,14 +34,11 @@ SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
 def build_schedule(name: str, pp: int, vpp: int, num_microbatches: int) -> Schedule:
     """Build the named schedule for ``pp`` ranks, ``vpp`` chunks per rank and ``num_microbatches``.
 
-    Raises ``ScheduleError`` (one line) for an unknown or unimplemented name or bad sizes.
+    Raises ``ScheduleError`` (one line) for an unknown name or bad sizes.
     """
     spec = SCHEDULE_SPECS.get(name)
     if spec is None:
         raise ScheduleError(f"schedule {name!r} is unknown; choose one of {', '.join(SCHEDULE_SPECS)}")
-    if not spec.implemented or spec.generate is None:
-        available = ", ".join(n for n, s in SCHEDULE_SPECS.items() if s.implemented)
-        raise ScheduleError(f"schedule {name} is not implemented yet; available: {available}")
     if pp < 1 or vpp < 1:
         raise ScheduleError(f"schedule {name}: pp={pp} and vpp={vpp} must both be at least 1")
     error = spec.microbatch_error(pp, vpp, num_microbatches)

@@ -34,14 +34,12 @@ class Action:
 
     ``kind`` is ``F`` (forward), ``B`` (input-gradient backward of a split backward),
     ``W`` (weight-gradient backward) or ``BW`` (whole backward). ``stage`` is the
-    global virtual stage. ``step`` is reserved for schedules that run across
-    optimizer steps (PipeDream-2BW); it is 0 otherwise.
+    global virtual stage.
     """
 
     kind: str
     stage: int
     microbatch: int
-    step: int = 0
 
     def __str__(self) -> str:
         return f"{self.kind}(stage {self.stage}, mb {self.microbatch})"
@@ -132,22 +130,20 @@ class ScheduleSpec:
     ``microbatch_error(pp, vpp, num_microbatches)`` returns None when the count is
     allowed, else a one-line message that states the rule. ``multi_chunk`` says
     whether the schedule may hold several chunks per rank (``vpp > 1``).
-    ``generate(pp, vpp, num_microbatches)`` builds the schedule (None until the
-    schedule is implemented). ``placement(pp, chunks_per_rank)`` builds the
-    placement of stages on ranks and their model copies (DualPipe holds 2; None
-    while unknown); the layout (layer map, embedding group, data and logging ranks)
-    and the schedule share it. ``chunks_per_rank`` is set when the placement fixes
-    it (a V holds exactly 2); ``placement_name`` describes it.
+    ``generate(pp, vpp, num_microbatches)`` builds the schedule.
+    ``placement(pp, chunks_per_rank)`` builds the placement of stages on ranks and
+    their model copies (DualPipe holds 2); the layout (layer map, embedding group,
+    data and logging ranks) and the schedule share it. ``chunks_per_rank`` is set
+    when the placement fixes it (a V holds exactly 2); ``placement_name`` describes it.
     """
 
     name: str
-    implemented: bool
     multi_chunk: bool
     splits_backward: bool
     description: str
     microbatch_error: MicrobatchRule
-    generate: Optional[Callable[[int, int, int], Schedule]] = None
-    placement: Optional[Callable[[int, int], Placement]] = looped_placement
+    generate: Callable[[int, int, int], Schedule]
+    placement: Callable[[int, int], Placement] = looped_placement
     chunks_per_rank: Optional[int] = None
     placement_name: str = "looped: rank r holds stages r, r+pp, ..."
 

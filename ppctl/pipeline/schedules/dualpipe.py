@@ -205,7 +205,6 @@ def dualpipe_microbatch_error(pp: int, vpp: int, num_microbatches: int) -> Optio
 
 DUALPIPEV_SPEC = ScheduleSpec(
     name="dualpipev",
-    implemented=True,
     multi_chunk=True,
     splits_backward=True,
     description="DualPipeV: DualPipe cut in half onto a V, forwards overlapped with backwards, some B/W split",
@@ -218,7 +217,6 @@ DUALPIPEV_SPEC = ScheduleSpec(
 
 DUALPIPE_SPEC = ScheduleSpec(
     name="dualpipe",
-    implemented=True,
     multi_chunk=True,
     splits_backward=True,
     description="DualPipe: two model copies fed from both ends, forwards overlapped with backwards, some B/W split",

@@ -26,7 +26,6 @@ def gpipe(pp: int, vpp: int, num_microbatches: int) -> Schedule:
 
 GPIPE_SPEC = ScheduleSpec(
     name="gpipe",
-    implemented=True,
     multi_chunk=False,
     splits_backward=False,
     description="all forwards, then all backwards; simple, but every rank holds all microbatches' activations",

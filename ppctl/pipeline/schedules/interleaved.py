@@ -90,7 +90,6 @@ def _num_warmup(pp_rank: int, pp: int, vpp: int, group_size: int) -> int:
 
 INTERLEAVED_SPEC = ScheduleSpec(
     name="interleaved_1f1b",
-    implemented=True,
     multi_chunk=True,
     splits_backward=False,
     description="Megatron's interleaved 1F1B: vpp chunks per rank (looped), bubble shrunk by vpp",

@@ -32,7 +32,6 @@ def _rank_actions(pp_rank: int, pp: int, num_microbatches: int) -> tuple[Action,
 
 ONE_F_ONE_B_SPEC = ScheduleSpec(
     name="1f1b",
-    implemented=True,
     multi_chunk=False,
     splits_backward=False,
     description="one forward, one backward (PipeDream-flush); at most pp microbatches in flight",

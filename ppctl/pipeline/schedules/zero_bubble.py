@@ -195,7 +195,6 @@ def _refuse_bad_count(name: str, pp: int, vpp: int, num_microbatches: int) -> No
 
 ZB_H1_SPEC = ScheduleSpec(
     name="zb_h1",
-    implemented=True,
     multi_chunk=False,
     splits_backward=True,
     description="zero-bubble H1: 1F1B with the backward split into B and W, Ws filling the cool-down",
@@ -205,7 +204,6 @@ ZB_H1_SPEC = ScheduleSpec(
 
 ZBV_SPEC = ScheduleSpec(
     name="zbv",
-    implemented=True,
     multi_chunk=True,
     splits_backward=True,
     description="zero-bubble V: two chunks per rank in a V, B/W split, 1F1B's peak activations",

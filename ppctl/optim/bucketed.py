@@ -1,4 +1,10 @@
-"""The distributed optimizer (ZeRO-1, as Megatron-Core's): gradients and optimizer state sharded over the replicas.
+"""Gradients and fp32 main parameters in flat bucketed buffers, sharded (ZeRO-1) or not.
+
+``BucketedOptimizer(sharded=True)`` is the distributed optimizer (ZeRO-1, as
+Megatron-Core's): gradients and optimizer state sharded over the replicas.
+``sharded=False`` keeps the same buffers but all-reduces every bucket and steps every
+parameter on every rank: the plain path of a half-precision model, which needs fp32 main
+parameters and gradients (Megatron's mixed-precision optimizer without sharding).
 
 Layout. Every parameter of a rank's chunks gets a slot in two flat buffers of one
 layout: ``grad_data`` (fp32 main gradients) and ``param_data`` (the parameters
@@ -7,15 +13,15 @@ roughly the order the backward finishes them (last stage first, last layer first
 grouped into buckets of about ``bucket_size`` elements, each padded to split evenly over
 the D ranks of the ``replica`` group (``dp_cp``, and with DualPipe's two parameter
 copies the mirror pp rank too: the same parameters, other microbatches); rank i owns
-the i-th of the D equal shards of every bucket.
+the i-th of the D equal shards of every bucket (unsharded: D is 1, every rank owns all).
 
 A step.
 1. Each parameter's gradient is added into its fp32 slot as autograd accumulates it
    (a post-accumulate hook), then dropped. When a parameter has received all of this
    step's microbatches it is final; when a bucket's parameters are all final, the
-   bucket is reduce-scattered over the replicas in place, asynchronously, while the
-   backward goes on (``overlap_grad_reduce``; otherwise all buckets after the last
-   backward). Buckets are launched in index order, the same on every rank.
+   bucket is reduce-scattered (unsharded: all-reduced) over the replicas in place,
+   asynchronously, while the backward goes on (``overlap_grad_reduce``; otherwise all
+   buckets after the last backward). Buckets are launched in index order, the same on every rank.
 2. The copies of a tied word embedding are summed first (the last bucket holds them and
    is reduced only after that sum: summing after the reduce-scatter would add shards of
    different elements, since the first and last stage have different buffers).
@@ -23,9 +29,9 @@ A step.
    parameters of those shards (pieces of parameters) are stepped by ``torch.optim.AdamW``
    (foreach); the norm, clipping and fp16 unscaling use the same shards, each element
    counted once.
-4. The updated shards are written into ``param_data`` and every bucket is all-gathered
-   in place (``overlap_param_gather``: in the background, each bucket waited for by a
-   forward pre-hook of the modules that own its parameters).
+4. The updated shards are written into ``param_data`` and, sharded, every bucket is
+   all-gathered in place (``overlap_param_gather``: in the background, each bucket
+   waited for by a forward pre-hook of the modules that own its parameters).
 """
 
 from __future__ import annotations
@@ -135,21 +141,22 @@ def plan_buckets(sizes: list[int], late: list[bool], bucket_size: int, num_shard
     return buckets
 
 
-class DistributedOptimizer:
-    """Sharded gradients, fp32 main parameters and AdamW state over the replicas for this rank's chunks.
+class BucketedOptimizer:
+    """fp32 main gradients, fp32 main parameters and AdamW state of this rank's chunks, in bucketed flat buffers.
 
-    ``shard=False`` keeps the same buffers, fp32 main gradients and fp32 main parameters
-    but all-reduces every bucket and steps every parameter on every rank: the plain path
-    of a bf16 model (Megatron's mixed-precision optimizer without sharding).
+    ``sharded``: each rank keeps the gradients, main parameters and AdamW state of its
+    shard of every bucket only (buckets reduce-scattered, then all-gathered after the
+    step: the distributed optimizer); else every bucket is all-reduced and every
+    parameter stepped on every rank.
     """
 
-    def __init__(self, chunks: Mapping[int, torch.nn.Module], context, settings, num_microbatches: int,
-                 decays=None, shard: bool = True):
+    def __init__(self, chunks: Mapping[int, torch.nn.Module], context, settings, num_microbatches: int, *,
+                 sharded: bool, decays=None):
         self.chunks, self.context, self.settings = chunks, context, settings
         self.num_microbatches = num_microbatches
         self.group = context.groups["replica"] if context.size("replica") > 1 else None
-        self.sharded = shard
-        self.num_shards, self.shard_rank = ((max(context.size("replica"), 1), context.index("replica")) if shard
+        self.sharded = sharded
+        self.num_shards, self.shard_rank = ((max(context.size("replica"), 1), context.index("replica")) if sharded
                                             else (1, 0))
         # DualPipe's second parameter copy: its elements are the first copy's, counted once in the norm.
         copy_of = context.layout.placement.copy_of

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ppctl.config import PpctlConfig, message_seq_length
-from ppctl.model.factory import parameter_dtype
+from ppctl.model.from_config import parameter_dtype
 from ppctl.model.gpt import GPTChunk
 from ppctl.pipeline.stage import PipelineStage, StageIO, TensorSpec
 

@@ -1,0 +1,119 @@
+"""What follows from a config: its layout and layer map, its schedule's registry entry, and sizes.
+
+The layout (with the schedule's stage placement), microbatches per step, the padded vocabulary,
+the tokens of a pipeline message, workers per node, the tokenizer's vocabulary, the rendezvous
+endpoint, and ``fill_unset``: the values of the settings that follow another part of ppctl when
+left unset. Each raises ``ConfigError`` (one line) where the config cannot give an answer.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ppctl.config.schema import SYNTHETIC_VOCAB_SIZE, ConfigError, DataConfig, PpctlConfig, require
+from ppctl.parallel.layout import LayoutError, ParallelLayout
+from ppctl.parallel.placement import PlacementError
+
+DEFAULT_RDZV_PORT = 29400  # torchrun's c10d rendezvous port when the endpoint names none
+
+
+def fill_unset(config: PpctlConfig) -> None:
+    """Give the settings left unset the values they follow (``PpctlConfig.__post_init__`` calls this).
+
+    ``parallel.vpp``: the chunks per rank the schedule places (2 for the V schedules, else 1), so
+    ``schedule=zbv parallel.pp=2`` needs no vpp; ``model.vocab_size``: the tokenizer's ids, so the
+    resolved config.yaml holds the number.
+    """
+    if config.parallel.vpp is None:
+        spec = schedule_specs().get(config.schedule.name)
+        config.parallel.vpp = spec.chunks_per_rank if spec is not None and spec.chunks_per_rank else 1
+    if config.model.vocab_size is None:
+        config.model.vocab_size = tokenizer_vocab_size(config.data)
+
+
+def schedule_specs() -> dict:
+    """The schedule registry (``ppctl.pipeline.schedules.SCHEDULE_SPECS``), imported when first needed."""
+    from ppctl.pipeline.schedules import SCHEDULE_SPECS
+
+    return SCHEDULE_SPECS
+
+
+def schedule_spec(config: PpctlConfig):
+    """The registry entry of the configured schedule, or ``ConfigError`` naming the known ones."""
+    specs, name = schedule_specs(), config.schedule.name
+    require(name in specs, f"schedule.name={name!r} is unknown; choose one of {', '.join(specs)}")
+    return specs[name]
+
+
+def layout_of(config: PpctlConfig) -> ParallelLayout:
+    """The ``ParallelLayout`` a config describes, with the schedule's stage placement."""
+    parallel = config.parallel
+    spec = schedule_spec(config)
+    try:
+        return ParallelLayout(
+            tp=parallel.tp, cp=parallel.cp, dp=parallel.dp, pp=parallel.pp, vpp=parallel.vpp, order=parallel.order,
+            placement=spec.placement(parallel.pp, parallel.vpp),
+        )
+    except (LayoutError, PlacementError) as error:
+        raise ConfigError(str(error)) from None
+
+
+def config_layer_map(config: PpctlConfig):
+    """``{(pp_rank, chunk): StageLayers}`` for the configured model, split and schedule placement."""
+    return layout_of(config).layer_map(config.model.num_layers, config.parallel.pipeline_layout)
+
+
+def num_microbatches(config: PpctlConfig) -> int:
+    """Microbatches per DP rank per step."""
+    trainer = config.trainer
+    return max(1, trainer.global_batch_size // (trainer.micro_batch_size * config.parallel.dp))
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Round the vocabulary up to a multiple of ``divisible_by * tp`` (Megatron's padding)."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def message_seq_length(config: PpctlConfig) -> int:
+    """Tokens of each sequence a rank holds between blocks, so in one pipeline message.
+
+    A CP rank's part of the sequence (seq_length / cp), and with sequence parallelism
+    a TP rank's part of that.
+    """
+    parallel = config.parallel
+    tokens = config.trainer.seq_length // parallel.cp
+    return tokens // parallel.tp if parallel.sequence_parallel else tokens
+
+
+def nproc_per_node(config: PpctlConfig) -> int:
+    """Workers per node (default: the world size split evenly over the nodes)."""
+    if config.launcher.nproc_per_node is not None:
+        return config.launcher.nproc_per_node
+    world = config.parallel.tp * config.parallel.cp * config.parallel.dp * config.parallel.pp
+    return max(1, world // config.launcher.nnodes)
+
+
+def tokenizer_vocab_size(data: DataConfig) -> int:
+    """The ids the configured tokenizer emits, end of document included (synthetic data: ``SYNTHETIC_VOCAB_SIZE``)."""
+    if data.source == "synthetic":
+        return SYNTHETIC_VOCAB_SIZE
+    from ppctl.data.tokenizer import build_tokenizer
+
+    try:
+        return build_tokenizer(data.tokenizer).vocab_size
+    except (OSError, ValueError) as error:
+        raise ConfigError(str(error)) from None
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """The host and port of ``launcher.rdzv_endpoint`` (``host:port``, ``[v6 address]:port``; no port: torchrun's
+    29400), or ``ConfigError``."""
+    text = endpoint.strip()
+    host, colon, port = text.rpartition(":") if not text.endswith("]") else (text, "", "")
+    if not colon or (":" in host and not host.startswith("[")):  # no port, or a bare IPv6 address
+        host, port = text, str(DEFAULT_RDZV_PORT)
+    host = host.removeprefix("[").removesuffix("]")
+    require(bool(host) and port.isdigit() and int(port) < 1 << 16,
+            f"launcher.rdzv_endpoint={endpoint!r} must be host:port with a port from 0 to 65535")
+    return host, int(port)

@@ -1,0 +1,45 @@
+"""The key reference: every schema field with its default and meaning, as the markdown table of
+docs/configuration.md (between its markers; ``tests/unit/test_config_defaults.py`` checks that the two
+agree). ``python -m ppctl.config`` prints the table to paste there.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from typing import Any
+
+from ppctl.config.schema import PpctlConfig
+
+
+def render_default(value: Any) -> str:
+    """A default as docs/configuration.md shows it: ``null``, ``true``/``false``, numbers as written, strings in
+    backticks."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return re.sub(r"e([+-])0*(\d)", r"e\1\2", repr(value))  # 1e-05 -> 1e-5
+    if isinstance(value, str):
+        return f"`{value}`"
+    return str(value)
+
+
+def config_reference() -> list[tuple[str, Any, str]]:
+    """``(section.key, default, meaning)`` for every schema field, in schema order."""
+    rows = []
+    for section in fields(PpctlConfig):
+        for item in fields(section.default_factory):
+            rows.append((f"{section.name}.{item.name}", item.default, item.metadata["doc"]))
+    return rows
+
+
+def config_reference_table() -> str:
+    """The markdown table ``| key | default | meaning |`` of every field (docs/configuration.md's, between its
+    markers)."""
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    for key, default, doc in config_reference():
+        meaning = doc.replace("|", r"\|")  # a pipe inside a cell would split it
+        lines.append(f"| `{key}` | {render_default(default)} | {meaning} |")
+    return "\n".join(lines) + "\n"

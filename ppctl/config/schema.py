@@ -1,0 +1,268 @@
+"""The configuration schema: typed dataclasses, each field with its default and its one-line meaning.
+
+The tree is ``PpctlConfig`` (model, parallel, schedule, data, optimizer, trainer, launcher), registered
+in Hydra's ConfigStore by ``ppctl.config.compose`` so that a misspelled key or a wrong type is refused
+while composing. The schema also names the values some fields allow (``POSITION_EMBEDDINGS``,
+``PRECISIONS``, ``DATA_SOURCES``, ``BACKENDS``) and ``ConfigError``.
+
+This module imports nothing of ppctl's (``tests/unit/test_layering.py`` checks it): what a default or a
+doc string says about another part of ppctl is written here literally, and
+``tests/unit/test_config_schema.py`` checks that it still agrees with that part. The two settings that
+follow another part when unset (``parallel.vpp``, ``model.vocab_size``) are filled by a function the
+package hands in (see ``fill_unset_with``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+# The values some fields allow (validation refuses others; their doc strings name them).
+POSITION_EMBEDDINGS = ("learned", "rope")
+PRECISIONS = ("fp32", "fp64", "bf16", "fp16")
+DATA_SOURCES = ("python_stdlib", "text", "synthetic")
+BACKENDS = ("auto", "gloo", "nccl")
+SYNTHETIC_VOCAB_SIZE = 257  # synthetic data's default vocabulary: the byte tokenizer's
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message is one line naming the setting and the rule."""
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise ``ConfigError(message)`` unless ``condition`` holds."""
+    if not condition:
+        raise ConfigError(message)
+
+
+def setting(default: Any, doc: str) -> Any:
+    """A schema field with its default and its one-line meaning (``metadata["doc"]``, shown in
+    docs/configuration.md)."""
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass
+class ModelConfig:
+    """GPT shape. ``vocab_size`` follows the tokenizer unless set; it is padded for TP (see ``padded_vocab_size``)."""
+
+    name: str = setting("gpt_tiny", "a label for logs")
+    num_layers: int = setting(4, "transformer layers")
+    hidden_size: int = setting(64, "width of the residual stream; divisible by `num_heads`")
+    num_heads: int = setting(4, "attention heads; divisible by `parallel.tp`")
+    ffn_hidden_size: int = setting(256, "MLP inner width; divisible by `parallel.tp`")
+    vocab_size: Optional[int] = setting(
+        None, "the classes the model predicts; unset: the tokenizer's (257 for `byte`: bytes + end of document; a "
+        "tokenizer file's size, +1 when it has no end-of-text token; 257 for synthetic data); never smaller than "
+        "the tokenizer's. The embedding rows are padded to a multiple of `make_vocab_size_divisible_by * tp` "
+        "(shown by `inspect-layout`), padded rows never enter the math")
+    max_seq_length: int = setting(256, "longest sequence (learned position table size)")
+    position_embedding: str = setting("learned", "`learned` or `rope` (rotary)")
+    tie_embeddings: bool = setting(
+        False, "output layer shares the word embedding (across stages: gradients all-reduced over the "
+        "`embedding` group)")
+    norm_epsilon: float = setting(1e-5, "LayerNorm epsilon")
+    init_std: float = setting(
+        0.02, "std of the normal initialisation (layout independent: seeded by (seed, parameter name))")
+    make_vocab_size_divisible_by: int = setting(64, "vocabulary padding unit (times tp)")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel sizes; world size = tp * cp * dp * pp."""
+
+    tp: int = setting(1, "tensor-parallel size")
+    pp: int = setting(2, "pipeline-parallel size (the `single` option sets 1)")
+    vpp: Optional[int] = setting(
+        None, "model chunks per pipeline rank: several with `interleaved_1f1b`, exactly 2 with `zbv`, "
+        "`dualpipe` and `dualpipev`; unset: what the schedule places (2 for those three, else 1)")
+    dp: int = setting(1, "data-parallel size")
+    cp: int = setting(1, "context-parallel size (seq_length divisible by 2*cp)")
+    cp_comm: str = setting(
+        "allgather", "how attention spans the CP group: `allgather` (keys and values gathered), `ring` "
+        "(key/value blocks passed around the CP ring, overlapped with compute) or `a2a` (all-to-all to "
+        "head-split, as DeepSpeed-Ulysses; num_heads divisible by tp*cp)")
+    sequence_parallel: bool = setting(
+        False, "Megatron sequence parallelism (needs tp > 1, seq_length divisible by cp*tp)")
+    order: str = setting("tp-cp-dp-pp", "rank order, fastest-varying first (Megatron-Core's convention)")
+    pipeline_layout: Optional[str] = setting(
+        None, "explicit per-stage split in Megatron-LM syntax, e.g. `Ettt|tttt|tttL` (`t*3` repeats); "
+        "default: even split, `num_layers` divisible by pp*vpp (by pp with `dualpipe`'s two model copies)")
+
+
+@dataclass
+class ScheduleConfig:
+    """Which pipeline schedule runs the microbatches."""
+
+    name: str = setting("1f1b", "the pipeline schedule")
+
+
+@dataclass
+class DataConfig:
+    """Where samples come from: ``python_stdlib`` (embedded default), ``text`` or ``synthetic``."""
+
+    source: str = setting(
+        "python_stdlib", "`python_stdlib` (the standard library's source, one document per file), `text` (your "
+        "corpus: `data.path`), `synthetic` (random tokens)")
+    path: Optional[str] = setting(
+        None, "for `text`: a file, a folder or a glob of `.txt` (one document per file), `.json`/`.jsonl`, "
+        "`.parquet` or `.csv` files (one document per row), one type at a time; or a hub dataset name "
+        "(`owner/name`, needs the network once)")
+    text_field: str = setting("text", "the field (column) holding the text in json, parquet and csv files")
+    cache_dir: str = setting("data/cache", "where token files and their indexes are cached")
+    tokenizer: str = setting(
+        "byte", "`byte` (UTF-8 bytes, 256 = end of document) or the path of a Hugging Face `tokenizers` JSON file "
+        "(end of document: its own end-of-text token, else a new id)")
+    token_dtype: str = setting(
+        "auto", "dtype of the token file: `auto` (uint16 up to 65,536 ids, else uint32), `uint16`, `uint32`")
+    validation_fraction: float = setting(
+        0.05, "the last fraction of the tokens that forms the validation split (0: none; then set "
+        "`trainer.eval_every=0`)")
+    num_proc: Optional[int] = setting(
+        None, "processes that tokenise (`datasets.map`); unset: 1 below 64 MB of text, else min(4, cores)")
+    eod_mask_loss: bool = setting(
+        False, "give labels that are the end-of-document id zero loss weight (Megatron-LM's `--eod-mask-loss`); "
+        "synthetic data uses its last id, vocab_size - 1, as end of document")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW settings; ``clip_grad`` <= 0 disables clipping."""
+
+    name: str = setting(
+        "adamw", "`torch.optim.AdamW` (weight decay on weight matrices only: never on norms and biases, on "
+        "embeddings only with `decay_embeddings`)")
+    lr: float = setting(0.003, "peak learning rate (reached at the end of the warm-up)")
+    warmup_steps: int = setting(
+        0, "linear warm-up steps: the n-th step (counted from 1, as on the console) uses lr * n / warmup_steps")
+    lr_decay_style: str = setting(
+        "constant", "after the warm-up: `constant` (lr), `linear` or `cosine` (from lr down to `min_lr` over the "
+        "steps from `warmup_steps` to `decay_steps`, as Megatron-LM)")
+    min_lr: float = setting(0.0, "the learning rate the decay ends at (0 <= min_lr <= lr)")
+    decay_steps: Optional[int] = setting(
+        None, "the lr is `min_lr` once this many steps are done (default `trainer.max_steps`); greater than "
+        "`warmup_steps`")
+    weight_decay: float = setting(0.01, "AdamW weight decay")
+    decay_embeddings: bool = setting(
+        False, "weight decay also on the word and position embeddings and the output layer")
+    beta1: float = setting(0.9, "AdamW beta1 (first-moment decay)")
+    beta2: float = setting(0.95, "AdamW beta2 (second-moment decay)")
+    eps: float = setting(1e-8, "AdamW epsilon")
+    clip_grad: float = setting(
+        1.0, "clip the global gradient norm (every parameter counted once across TP/PP/DP); <= 0 disables")
+    distributed: bool = setting(
+        False, "distributed optimizer (ZeRO-1 as Megatron-Core): gradients reduce-scattered over dp*cp, each rank "
+        "keeps the fp32 main parameters and AdamW state of its shard only, parameters all-gathered after the step")
+    bucket_size: int = setting(
+        4_000_000, "elements per gradient bucket of the distributed optimizer (each padded to split evenly over dp*cp)")
+    overlap_grad_reduce: bool = setting(
+        True, "distributed optimizer: reduce-scatter each bucket as soon as its last gradient is ready, "
+        "overlapping the rest of the backward")
+    loss_scale: float = setting(
+        65536.0, "fp16: the initial loss scale (halved on each overflow, which skips that step)")
+    loss_scale_window: int = setting(1000, "fp16: good steps in a row before the loss scale doubles")
+    min_loss_scale: float = setting(1.0, "fp16: the loss scale never goes below this")
+    overlap_param_gather: bool = setting(
+        True, "distributed optimizer: all-gather the updated parameters bucket by bucket in the background, "
+        "each waited for just before the first forward that uses it")
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop."""
+
+    max_steps: int = setting(200, "optimizer steps")
+    global_batch_size: int = setting(8, "sequences per step; divisible by micro_batch_size * dp")
+    micro_batch_size: int = setting(1, "sequences per microbatch")
+    seq_length: int = setting(64, "tokens per sequence (<= model.max_seq_length)")
+    seed: int = setting(1234, "model initialisation and sample order")
+    out_dir: Optional[str] = setting(None, "run directory (default `runs/<timestamp>`)")
+    overwrite: bool = setting(
+        False, "start over in a run directory that holds checkpoints: delete its checkpoints and TensorBoard logs "
+        "first (without it, a run that does not resume that directory is refused there)")
+    precision: str = setting(
+        "fp32", "`fp32`, `fp64`, `bf16` or `fp16` (half-precision parameters, activations and messages; fp32 "
+        "main parameters, gradient accumulation, loss and softmax statistics; fp16 adds dynamic loss scaling)")
+    log_every: int = setting(10, "console line every N steps (and the first and last)")
+    tensorboard: bool = setting(True, "write TensorBoard event files")
+    trace: bool = setting(False, "record per-rank action timelines")
+    stop_on_nonfinite: bool = setting(
+        False, "stop with a one-line error at the first non-finite gradient norm (default: skip that step, "
+        "count it in `train/skipped_steps`)")
+    eval_every: int = setting(
+        50, "validation loss (`val/loss`, `val/perplexity`) every N steps, through the schedule's forward-only "
+        "path; 0 disables")
+    eval_iters: int = setting(2, "global batches of the validation split per validation loss")
+    checkpoints: bool = setting(
+        True, "write checkpoints under `<run dir>/checkpoints` (every `save_every` steps, at the end, and when "
+        "interrupted by SIGTERM/SIGINT)")
+    save_every: int = setting(0, "also save every N steps; 0: only at the end and when interrupted")
+    keep_last: int = setting(2, "complete checkpoints kept (older ones are deleted after a save)")
+    resume_from: Optional[str] = setting(
+        None, "a run directory (its latest complete checkpoint; logs continue there) or a checkpoint directory; "
+        "any layout, schedule and optimizer sharding")
+
+
+@dataclass
+class LauncherConfig:
+    """How workers are started (torchrun)."""
+
+    nnodes: int = setting(1, "nodes")
+    nproc_per_node: Optional[int] = setting(
+        None, "workers per node (default world size / nnodes); nnodes * nproc_per_node must equal the world size")
+    node_rank: int = setting(0, "this node's rank (multi-node)")
+    rdzv_endpoint: Optional[str] = setting(
+        None, "`host:port` of the c10d rendezvous (required with nnodes > 1); unset on one node: the run hosts its "
+        "own on a free port")
+    rdzv_id: Optional[str] = setting(None, "rendezvous id, the same on every node of a job (default `ppctl`)")
+    backend: str = setting(
+        "auto", "`auto` (NCCL when CUDA has a GPU per local worker, else gloo), `gloo`, `nccl`")
+    threads_per_worker: Optional[int] = setting(None, "intra-op threads per worker (default cores / local workers)")
+    timeout_s: int = setting(
+        120, "process-group and point-to-point timeout: a stuck collective or receive fails naming the rank and "
+        "the wait instead of hanging")
+    shutdown_timeout_s: int = setting(
+        60, "after SIGTERM/SIGINT (Ctrl-C): how long workers get to finish the step and save a checkpoint before "
+        "`ppctl` kills what is left")
+    inject_fault: Optional[str] = setting(
+        None, "testing aid: `RANK:raise` or `RANK:kill` makes that rank fail on purpose")
+
+
+@dataclass
+class PpctlConfig:
+    """The whole configuration tree."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+    def __post_init__(self) -> None:
+        # An unset vpp follows the schedule's placement, so `schedule=zbv parallel.pp=2` needs no vpp; an unset
+        # vocabulary follows the tokenizer, so the resolved config.yaml holds the numbers.
+        if _fill_unset is not None:
+            _fill_unset(self)
+
+
+SCHEMA_GROUPS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "schedule": ScheduleConfig,
+    "data": DataConfig,
+    "optimizer": OptimizerConfig,
+}
+
+
+# The function that fills the settings left unset that follow another part of ppctl (the schedule
+# registry, the tokenizer): ``ppctl.config.derived.fill_unset``. The package (ppctl/config/__init__.py)
+# hands it in as it is imported, which happens before any of its modules is used, so every
+# ``PpctlConfig`` built (composed, loaded, or constructed directly) is filled.
+_fill_unset: Optional[Callable[[PpctlConfig], None]] = None
+
+
+def fill_unset_with(fill: Callable[[PpctlConfig], None]) -> None:
+    """Install ``fill`` as what ``PpctlConfig.__post_init__`` calls to fill the unset settings."""
+    global _fill_unset
+    _fill_unset = fill

@@ -1,0 +1,269 @@
+"""Validation: the rules that span several settings, each refused in one line.
+
+``validate`` checks world size, divisibility, the schedule's rules (the schedule is built and
+proved by the schedule checker), the data source and the learning-rate schedule, and returns
+``DerivedSizes``. Every failure is a ``ConfigError`` naming the setting and the rule. Pure: no
+process is started and no process group is touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ppctl.config.derived import (layout_of, nproc_per_node, num_microbatches, padded_vocab_size, parse_endpoint,
+                                  schedule_spec, tokenizer_vocab_size)
+from ppctl.config.schema import (BACKENDS, DATA_SOURCES, POSITION_EMBEDDINGS, PRECISIONS, ConfigError, PpctlConfig,
+                                 require)
+from ppctl.optim.lr import DECAY_STYLES
+from ppctl.parallel.layout import CP_COMM_MODES, LayoutError, ParallelLayout, split_layers
+
+
+@dataclass(frozen=True)
+class DerivedSizes:
+    """Numbers that follow from a valid config."""
+
+    world_size: int
+    num_microbatches: int
+    padded_vocab_size: int
+    nproc_per_node: int
+
+
+def validate(config: PpctlConfig, layer_split: bool = True) -> DerivedSizes:
+    """Check every cross-setting rule; return derived sizes or raise ``ConfigError`` (one line).
+
+    Every command runs this before anything starts. The schedule is also
+    built and proved by the schedule checker (complete, and it runs under NCCL-like sends).
+    ``layer_split=False`` leaves out whether the model's layers divide into the stages
+    (``inspect-schedule`` draws a schedule, whatever the model).
+    """
+    _check_positive(config)
+    _check_schedule_chunks(config)
+    layout = layout_of(config)
+    if layer_split:
+        _check_layer_split(config, layout)
+    _check_model(config)
+    _check_batch(config, layout)
+    _check_schedule(config)
+    _check_misc(config)
+    _check_lr_schedule(config)
+    _check_schedule_plan(config)
+    return DerivedSizes(
+        world_size=layout.world_size,
+        num_microbatches=num_microbatches(config),
+        padded_vocab_size=padded_vocab_size(
+            config.model.vocab_size, config.model.make_vocab_size_divisible_by, config.parallel.tp
+        ),
+        nproc_per_node=nproc_per_node(config),
+    )
+
+
+def _check_layer_split(config: PpctlConfig, layout: ParallelLayout) -> None:
+    try:
+        split_layers(config.model.num_layers, layout.placement.stages_per_copy, config.parallel.pipeline_layout)
+    except LayoutError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _check_schedule_plan(config: PpctlConfig) -> None:
+    """Build the schedule and run the checker on it (the same proof the workers rely on)."""
+    from ppctl.pipeline.check import check_schedule
+    from ppctl.pipeline.schedules import ScheduleError, build_schedule
+
+    spec, parallel = schedule_spec(config), config.parallel
+    try:
+        check_schedule(build_schedule(spec.name, parallel.pp, parallel.vpp, num_microbatches(config)))
+    except ScheduleError as error:
+        raise ConfigError(f"schedule {spec.name}: {error}") from None
+
+
+POSITIVE_FIELDS = {
+    "model": ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size", "max_seq_length",
+              "make_vocab_size_divisible_by"),
+    "parallel": ("tp", "pp", "vpp", "dp", "cp"),
+    "trainer": ("max_steps", "global_batch_size", "micro_batch_size", "seq_length", "log_every", "eval_iters",
+                "keep_last"),
+    "launcher": ("nnodes", "timeout_s", "shutdown_timeout_s"),
+    "optimizer": ("bucket_size", "loss_scale_window"),
+}
+
+
+def _check_positive(config: PpctlConfig) -> None:
+    for section, names in POSITIVE_FIELDS.items():
+        for name in names:
+            value = getattr(getattr(config, section), name)
+            require(value >= 1, f"{section}.{name}={value} must be a positive integer")
+    for name in ("nproc_per_node", "threads_per_worker"):
+        value = getattr(config.launcher, name)
+        require(value is None or value >= 1, f"launcher.{name}={value} must be a positive integer")
+    require(config.optimizer.lr > 0, f"optimizer.lr={config.optimizer.lr} must be positive")
+    optimizer = config.optimizer
+    require(0 < optimizer.min_loss_scale <= optimizer.loss_scale,
+            f"optimizer.min_loss_scale={optimizer.min_loss_scale} must be > 0 and <= "
+            f"optimizer.loss_scale={optimizer.loss_scale}")
+    require(config.trainer.seed >= 0, f"trainer.seed={config.trainer.seed} must be >= 0")
+    for name in ("eval_every", "save_every"):
+        value = getattr(config.trainer, name)
+        require(value >= 0, f"trainer.{name}={value} must be >= 0 (0 disables)")
+    require(config.optimizer.weight_decay >= 0, "optimizer.weight_decay must be >= 0")
+
+
+def _check_model(config: PpctlConfig) -> None:
+    model, parallel = config.model, config.parallel
+    require(
+        model.hidden_size % model.num_heads == 0,
+        f"model.hidden_size={model.hidden_size} must be divisible by model.num_heads={model.num_heads}",
+    )
+    require(
+        model.num_heads % parallel.tp == 0,
+        f"model.num_heads={model.num_heads} must be divisible by parallel.tp={parallel.tp}",
+    )
+    require(
+        model.ffn_hidden_size % parallel.tp == 0,
+        f"model.ffn_hidden_size={model.ffn_hidden_size} must be divisible by parallel.tp={parallel.tp}",
+    )
+    require(
+        model.position_embedding in POSITION_EMBEDDINGS,
+        f"model.position_embedding={model.position_embedding!r} must be one of {', '.join(POSITION_EMBEDDINGS)}",
+    )
+    if model.position_embedding == "rope":
+        require((model.hidden_size // model.num_heads) % 2 == 0, "model.position_embedding=rope needs an even head dim")
+    _check_context_parallel_attention(config)
+
+
+def _check_context_parallel_attention(config: PpctlConfig) -> None:
+    """The CP communication mode exists, and a2a can split each TP rank's heads over the CP ranks."""
+    model, parallel = config.model, config.parallel
+    require(parallel.cp_comm in CP_COMM_MODES,
+            f"parallel.cp_comm={parallel.cp_comm!r} must be one of {', '.join(CP_COMM_MODES)}")
+    if parallel.cp > 1 and parallel.cp_comm == "a2a":
+        require(
+            model.num_heads % (parallel.tp * parallel.cp) == 0,
+            f"parallel.cp_comm=a2a splits heads over tp*cp: model.num_heads={model.num_heads} must be divisible "
+            f"by parallel.tp * parallel.cp = {parallel.tp * parallel.cp}",
+        )
+
+
+def _check_batch_division(config: PpctlConfig) -> None:
+    trainer, parallel = config.trainer, config.parallel
+    per_step = trainer.micro_batch_size * parallel.dp
+    require(
+        trainer.global_batch_size % per_step == 0,
+        f"trainer.global_batch_size={trainer.global_batch_size} must be divisible by "
+        f"trainer.micro_batch_size * parallel.dp = {per_step}",
+    )
+
+
+def _check_batch(config: PpctlConfig, layout: ParallelLayout) -> None:
+    trainer, parallel = config.trainer, config.parallel
+    _check_batch_division(config)
+    require(
+        trainer.seq_length <= config.model.max_seq_length,
+        f"trainer.seq_length={trainer.seq_length} must not exceed model.max_seq_length={config.model.max_seq_length}",
+    )
+    if parallel.cp > 1:
+        require(
+            trainer.seq_length % (2 * parallel.cp) == 0,
+            f"trainer.seq_length={trainer.seq_length} must be divisible by 2 * parallel.cp = {2 * parallel.cp}",
+        )
+    if parallel.sequence_parallel:
+        require(parallel.tp > 1, "parallel.sequence_parallel=true needs parallel.tp > 1")
+        # SP splits each CP rank's tokens (seq_length / cp of them) over the TP ranks.
+        require(
+            trainer.seq_length % (parallel.cp * parallel.tp) == 0,
+            f"trainer.seq_length={trainer.seq_length} must be divisible by parallel.cp * parallel.tp = "
+            f"{parallel.cp * parallel.tp} with sequence parallelism",
+        )
+    world = layout.world_size
+    require(
+        config.launcher.nnodes * nproc_per_node(config) == world,
+        f"launcher.nproc_per_node * launcher.nnodes = {config.launcher.nnodes * nproc_per_node(config)} must equal "
+        f"the world size tp*cp*dp*pp = {world}",
+    )
+
+
+def _check_schedule_chunks(config: PpctlConfig) -> None:
+    """The chunks per rank the schedule's placement allows: one, several (looped), or exactly two (a V)."""
+    spec, vpp = schedule_spec(config), config.parallel.vpp
+    if spec.chunks_per_rank is not None:
+        require(vpp == spec.chunks_per_rank,
+                f"parallel.vpp={vpp}: schedule {spec.name} places exactly {spec.chunks_per_rank} chunks on each "
+                f"rank ({spec.placement_name}); set parallel.vpp={spec.chunks_per_rank}")
+        return
+    require(
+        vpp == 1 or spec.multi_chunk,
+        f"parallel.vpp={vpp} needs a schedule with several chunks per rank (e.g. interleaved_1f1b); "
+        f"schedule {spec.name} uses one",
+    )
+
+
+def _check_schedule(config: PpctlConfig) -> None:
+    spec, parallel = schedule_spec(config), config.parallel
+    error = spec.microbatch_error(parallel.pp, parallel.vpp, num_microbatches(config))
+    require(error is None, f"schedule {spec.name}: {error}")
+
+
+def _check_misc(config: PpctlConfig) -> None:
+    require(
+        config.trainer.precision in PRECISIONS,
+        f"trainer.precision={config.trainer.precision!r} must be one of {', '.join(PRECISIONS)}",
+    )
+    _check_data(config)
+    require(
+        config.launcher.backend in BACKENDS,
+        f"launcher.backend={config.launcher.backend!r} must be one of {', '.join(BACKENDS)}",
+    )
+    fault = config.launcher.inject_fault
+    if fault:
+        rank, _, kind = fault.partition(":")
+        require(rank.isdigit() and kind in ("raise", "kill"), "launcher.inject_fault must look like RANK:raise or RANK:kill")
+    if config.launcher.nnodes > 1:
+        require(bool(config.launcher.rdzv_endpoint), "launcher.nnodes > 1 needs launcher.rdzv_endpoint (host:port)")
+    if config.launcher.rdzv_endpoint:
+        parse_endpoint(config.launcher.rdzv_endpoint)
+    require(
+        0 <= config.launcher.node_rank < config.launcher.nnodes,
+        f"launcher.node_rank={config.launcher.node_rank} must be in 0..launcher.nnodes-1",
+    )
+
+
+def _check_data(config: PpctlConfig) -> None:
+    """The data source exists, its tokenizer fits the vocabulary and the token dtype, the split can be made."""
+    data, trainer = config.data, config.trainer
+    require(data.source in DATA_SOURCES, f"data.source={data.source!r} must be one of {', '.join(DATA_SOURCES)}")
+    require(0 <= data.validation_fraction < 1,
+            f"data.validation_fraction={data.validation_fraction} must be >= 0 and < 1")
+    require(data.num_proc is None or data.num_proc >= 1, f"data.num_proc={data.num_proc} must be a positive integer")
+    if data.source == "synthetic":
+        return
+    require(data.validation_fraction > 0 or trainer.eval_every == 0,
+            f"data.validation_fraction={data.validation_fraction} leaves no validation split but "
+            f"trainer.eval_every={trainer.eval_every}; set trainer.eval_every=0 or raise data.validation_fraction")
+    from ppctl.data.prepare import CorpusSpec, token_dtype_for
+
+    vocab_size = tokenizer_vocab_size(data)
+    try:
+        CorpusSpec.of(data).corpus()  # the files exist, are of one type; a hub name is tried when preparing
+        token_dtype_for(data.token_dtype, vocab_size)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    require(config.model.vocab_size >= vocab_size,
+            f"model.vocab_size={config.model.vocab_size} is smaller than the {vocab_size} ids of data.tokenizer="
+            f"{data.tokenizer}; set model.vocab_size >= {vocab_size} or leave it unset to follow the tokenizer")
+
+
+def _check_lr_schedule(config: PpctlConfig) -> None:
+    """The learning-rate schedule's settings (see ``ppctl.optim.lr``)."""
+    optimizer = config.optimizer
+    require(optimizer.lr_decay_style in DECAY_STYLES,
+            f"optimizer.lr_decay_style={optimizer.lr_decay_style!r} must be one of {', '.join(DECAY_STYLES)}")
+    require(optimizer.warmup_steps >= 0, f"optimizer.warmup_steps={optimizer.warmup_steps} must be >= 0")
+    require(0 <= optimizer.min_lr <= optimizer.lr,
+            f"optimizer.min_lr={optimizer.min_lr} must be >= 0 and <= optimizer.lr={optimizer.lr}")
+    if optimizer.decay_steps is not None:
+        require(optimizer.decay_steps > optimizer.warmup_steps,
+                f"optimizer.decay_steps={optimizer.decay_steps} must be greater than "
+                f"optimizer.warmup_steps={optimizer.warmup_steps}")
+    else:  # the decay defaults to the whole run, which must outlast the warm-up too
+        require(config.trainer.max_steps > optimizer.warmup_steps,
+                f"optimizer.warmup_steps={optimizer.warmup_steps} must be less than optimizer.decay_steps "
+                f"(default trainer.max_steps={config.trainer.max_steps})")
