@@ -28,17 +28,13 @@ from ppctl.config.derived import (config_layer_map, fill_unset, layout_of, messa
 from ppctl.config.reference import config_reference, config_reference_table, render_default
 from ppctl.config.schema import (SCHEMA_GROUPS, ConfigError, DataConfig, LauncherConfig, ModelConfig,
                                  OptimizerConfig, ParallelConfig, PpctlConfig, ScheduleConfig, TrainerConfig,
-                                 fill_unset_with, setting)
+                                 setting)
 from ppctl.config.validate import DerivedSizes, validate
-
-# The schema imports nothing of ppctl's: the settings that follow the schedule registry and the tokenizer
-# when unset are filled by ``derived.fill_unset``, handed in here, before any config can be built.
-fill_unset_with(fill_unset)
 
 __all__ = [
     "ConfigError", "DataConfig", "DerivedSizes", "LauncherConfig", "ModelConfig", "OptimizerConfig",
     "PACKAGE_CONF_DIR", "ParallelConfig", "PpctlConfig", "SCHEMA_GROUPS", "ScheduleConfig", "TrainerConfig",
-    "compose_config", "config_layer_map", "config_reference", "config_reference_table",
+    "compose_config", "config_layer_map", "fill_unset", "config_reference", "config_reference_table",
     "layout_of", "load_config_file", "message_seq_length", "nproc_per_node", "num_microbatches",
     "padded_vocab_size", "parse_endpoint", "render_default", "schedule_spec", "setting", "to_yaml",
     "tokenizer_vocab_size", "validate",

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ppctl.config.derived import fill_unset
 from ppctl.config.schema import SCHEMA_GROUPS, ConfigError, PpctlConfig
 
 PACKAGE_CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # ppctl/conf: ppctl's config groups
@@ -63,7 +64,9 @@ def compose_config(
         with initialize_config_dir(config_dir=str(primary), version_base=None):
             composed = compose(config_name=name, overrides=list(overrides or []) + extra)
         composed = OmegaConf.merge(OmegaConf.structured(PpctlConfig), _without_hydra(composed))
-        return OmegaConf.to_object(composed)
+        config = OmegaConf.to_object(composed)
+        fill_unset(config)
+        return config
     except ConfigError:
         raise
     except Exception as error:  # Hydra and OmegaConf errors are many classes; report one line
@@ -212,4 +215,6 @@ def load_config_file(path: str | os.PathLike) -> PpctlConfig:
     from omegaconf import OmegaConf
 
     loaded = OmegaConf.merge(OmegaConf.structured(PpctlConfig), OmegaConf.load(path))
-    return OmegaConf.to_object(loaded)
+    config = OmegaConf.to_object(loaded)
+    fill_unset(config)
+    return config

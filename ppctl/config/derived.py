@@ -18,7 +18,7 @@ DEFAULT_RDZV_PORT = 29400  # torchrun's c10d rendezvous port when the endpoint n
 
 
 def fill_unset(config: PpctlConfig) -> None:
-    """Give the settings left unset the values they follow (``PpctlConfig.__post_init__`` calls this).
+    """Give the settings left unset the values they follow (``compose_config`` and ``load_config_file`` call this).
 
     ``parallel.vpp``: the chunks per rank the schedule places (2 for the V schedules, else 1), so
     ``schedule=zbv parallel.pp=2`` needs no vpp; ``model.vocab_size``: the tokenizer's ids, so the

@@ -8,14 +8,14 @@ while composing. The schema also names the values some fields allow (``POSITION_
 This module imports nothing of ppctl's (``tests/unit/test_layering.py`` checks it): what a default or a
 doc string says about another part of ppctl is written here literally, and
 ``tests/unit/test_config_schema.py`` checks that it still agrees with that part. The two settings that
-follow another part when unset (``parallel.vpp``, ``model.vocab_size``) are filled by a function the
-package hands in (see ``fill_unset_with``).
+follow another part when unset (``parallel.vpp``, ``model.vocab_size``) are left ``None`` here and
+filled where a config is composed or read (``ppctl.config.derived.fill_unset``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 # The values some fields allow (validation refuses others; their doc strings name them).
 POSITION_EMBEDDINGS = ("learned", "rope")
@@ -239,12 +239,6 @@ class PpctlConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
-    def __post_init__(self) -> None:
-        # An unset vpp follows the schedule's placement, so `schedule=zbv parallel.pp=2` needs no vpp; an unset
-        # vocabulary follows the tokenizer, so the resolved config.yaml holds the numbers.
-        if _fill_unset is not None:
-            _fill_unset(self)
-
 
 SCHEMA_GROUPS = {
     "model": ModelConfig,
@@ -253,16 +247,3 @@ SCHEMA_GROUPS = {
     "data": DataConfig,
     "optimizer": OptimizerConfig,
 }
-
-
-# The function that fills the settings left unset that follow another part of ppctl (the schedule
-# registry, the tokenizer): ``ppctl.config.derived.fill_unset``. The package (ppctl/config/__init__.py)
-# hands it in as it is imported, which happens before any of its modules is used, so every
-# ``PpctlConfig`` built (composed, loaded, or constructed directly) is filled.
-_fill_unset: Optional[Callable[[PpctlConfig], None]] = None
-
-
-def fill_unset_with(fill: Callable[[PpctlConfig], None]) -> None:
-    """Install ``fill`` as what ``PpctlConfig.__post_init__`` calls to fill the unset settings."""
-    global _fill_unset
-    _fill_unset = fill

@@ -12,6 +12,7 @@ from ppctl.config import (
     compose_config,
     config_reference,
     config_reference_table,
+    fill_unset,
     render_default,
 )
 
@@ -53,12 +54,19 @@ def flat(config: PpctlConfig) -> dict:
             for section, values in dataclasses.asdict(config).items() for key, value in values.items()}
 
 
+def schema_defaults() -> PpctlConfig:
+    """The schema's defaults, with the settings it leaves unset filled as composing fills them."""
+    config = PpctlConfig()
+    fill_unset(config)
+    return config
+
+
 def test_default_composition_equals_the_schema_defaults():
-    assert flat(compose_config([])) == flat(PpctlConfig())
+    assert flat(compose_config([])) == flat(schema_defaults())
 
 
 def test_schema_defaults_keep_the_shipped_values():
-    defaults = flat(PpctlConfig())
+    defaults = flat(schema_defaults())
     assert {key: defaults[key] for key in KNOWN_DEFAULTS} == KNOWN_DEFAULTS
 
 
@@ -69,7 +77,7 @@ def test_every_shipped_option_is_in_the_table():
 
 @pytest.mark.parametrize("option", sorted(OPTION_CHANGES))
 def test_each_option_composes_as_before(option):
-    expected = {**flat(PpctlConfig()), **OPTION_CHANGES[option]}
+    expected = {**flat(schema_defaults()), **OPTION_CHANGES[option]}
     assert flat(compose_config([option])) == expected
 
 

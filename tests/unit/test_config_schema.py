@@ -6,7 +6,7 @@ from dataclasses import fields
 
 import pytest
 
-from ppctl.config import DataConfig, PpctlConfig, ScheduleConfig
+from ppctl.config import DataConfig, PpctlConfig, ScheduleConfig, compose_config, fill_unset
 from ppctl.config.schema import BACKENDS, DATA_SOURCES, POSITION_EMBEDDINGS, PRECISIONS, SYNTHETIC_VOCAB_SIZE
 from ppctl.data.prepare import TOKEN_DTYPES
 from ppctl.data.tokenizer import build_tokenizer
@@ -73,8 +73,11 @@ def test_the_default_schedule_is_registered():
     assert default(ScheduleConfig, "name") in SCHEDULE_SPECS
 
 
-def test_unset_settings_follow_the_schedule_and_the_tokenizer_even_when_built_directly():
+def test_unset_settings_are_filled_from_the_schedule_and_the_tokenizer_where_a_config_is_composed():
     config = PpctlConfig(schedule=ScheduleConfig(name="zbv"), data=DataConfig(source="synthetic"))
+    assert config.parallel.vpp is None and config.model.vocab_size is None  # the schema alone knows neither
+    fill_unset(config)
     assert config.parallel.vpp == SCHEDULE_SPECS["zbv"].chunks_per_rank
     assert config.model.vocab_size == SYNTHETIC_VOCAB_SIZE
-    assert PpctlConfig().parallel.vpp == 1 and PpctlConfig().model.vocab_size == build_tokenizer("byte").vocab_size
+    composed = compose_config([])
+    assert composed.parallel.vpp == 1 and composed.model.vocab_size == build_tokenizer("byte").vocab_size

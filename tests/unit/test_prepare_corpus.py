@@ -10,7 +10,7 @@ import pytest
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from ppctl.config import (  # noqa: E402
-    ConfigError, DataConfig, ModelConfig, PpctlConfig, compose_config, to_yaml, validate,
+    ConfigError, DataConfig, ModelConfig, PpctlConfig, compose_config, fill_unset, to_yaml, validate,
 )
 from ppctl.data import prepare as prepare_module  # noqa: E402
 from ppctl.data.dataset import SYNTHETIC_VALIDATION_SAMPLES, build_dataset  # noqa: E402
@@ -407,6 +407,7 @@ def config_of(vocab_size=None, eval_every=50, **data) -> PpctlConfig:
     """A config with these data settings, resolved as composing resolves it (without Hydra's cost)."""
     config = PpctlConfig(model=ModelConfig(vocab_size=vocab_size), data=DataConfig(**data))
     config.trainer.eval_every = eval_every
+    fill_unset(config)
     return config
 
 
