@@ -43,6 +43,14 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def os_reason(error: OSError, named: Optional[Path] = None) -> str:
+    """Why an OS call failed, and on which file when that is not ``named`` (already in the message)."""
+    reason = error.strerror or str(error)
+    if error.filename and (named is None or Path(error.filename) != named):
+        reason += f" ({error.filename})"
+    return reason
+
+
 def load_config(
     overrides: Optional[List[str]],
     config_dir: Optional[Path],
@@ -106,8 +114,7 @@ def inspect_schedule(
     except ValueError as error:
         fail(str(error))
     except OSError as error:
-        fail(f"--out {out}: cannot write the picture: {error.strerror or error}"
-             + (f" ({error.filename})" if error.filename and Path(error.filename) != out else ""))
+        fail(f"--out {out}: cannot write the picture: {os_reason(error, out)}")
     if as_json:
         sys.stdout.write(json.dumps(result.to_json(), separators=(",", ":")) + "\n")
     else:
@@ -294,8 +301,7 @@ def _clear_earlier_run(run_dir: Path) -> None:
     try:
         said = clear_earlier_run(run_dir)
     except OSError as error:
-        fail(f"trainer.overwrite=true: cannot delete the earlier run's files in {run_dir}: {error.strerror or error}"
-             + (f" ({error.filename})" if error.filename else ""))
+        fail(f"trainer.overwrite=true: cannot delete the earlier run's files in {run_dir}: {os_reason(error)}")
     if said:
         typer.echo(said, err=True)
 
@@ -320,8 +326,7 @@ def write_run_dir(config: PpctlConfig, run_dir: Path) -> RunDirLock:
         fail(str(error))
     except OSError as error:
         lock.release()
-        where = f" ({error.filename})" if error.filename and Path(error.filename) != run_dir else ""
-        fail(f"trainer.out_dir={run_dir}: cannot create the run directory: {error.strerror or error}{where}")
+        fail(f"trainer.out_dir={run_dir}: cannot create the run directory: {os_reason(error, run_dir)}")
     return lock
 
 
