@@ -1,7 +1,7 @@
-"""Speed of the communication planner, the schedule checker and the simulator on large schedules.
+"""Speed of the lowering, the schedule checker and the simulator on large schedules.
 
 For each case the table shows the median wall time, over several repeats, of
-``plan_communication``, ``check_schedule`` and ``simulate`` (unit costs). The checker
+``lower`` (the program with its sends and receives), ``check_schedule`` and ``simulate`` (unit costs). The checker
 runs at config validation on every ``train``, so its time at pp=64 with 512
 microbatches is the one to watch. Times on a shared CPU are noisy: compare them
 side by side from one run.
@@ -19,7 +19,7 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ppctl.pipeline.check import check_schedule  # noqa: E402
-from ppctl.pipeline.comm import plan_communication  # noqa: E402
+from ppctl.pipeline.program import lower  # noqa: E402
 from ppctl.pipeline.schedules import Schedule, build_schedule  # noqa: E402
 from ppctl.pipeline.simulate import simulate  # noqa: E402
 
@@ -29,7 +29,7 @@ CASES = [  # (schedule, pp, vpp, microbatches)
     ("gpipe", 8, 1, 64),
 ]
 MEASURED: dict[str, Callable[[Schedule], object]] = {
-    "plan_communication": plan_communication,
+    "lower": lower,
     "check_schedule": check_schedule,
     "simulate": simulate,
 }

@@ -10,8 +10,9 @@
    backward (one BW, or one B and one W; never both forms);
 4. order on a rank: F before its B/BW, B before its W; each overlapped pair is an F
    followed by a backward;
-5. the communication plan: for every pair of ranks, receives are posted in send order;
-6. progress: the plan replayed with NCCL-like sends must finish: each rank's batches
+5. the lowered program (``ppctl.pipeline.program``): each receive posted once, before
+   the step that waits for it; for every pair of ranks, receives posted in send order;
+6. progress: the program replayed with NCCL-like sends must finish: each rank's batches
    run one after another and a send completes only once the peer posted its receive.
    When it does not, a replay with buffered sends tells a real dependency cycle
    ("deadlock: rank r stuck at ... waiting for ...") from a hang that only blocking
@@ -24,19 +25,20 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .comm import CommPlan, Message, NumberedPlan, number_plan, plan_numbered
-from .replay import gc_paused, run
+from .program import Message, Program, lower
+from .replay import gc_paused, run_timed
 from .schedules.base import (ACTION_KINDS, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action,
                              Schedule, ScheduleError)
-from .simulate import compile_plan
 
 
 @gc_paused
-def check_schedule(schedule: Schedule) -> None:
-    """Raise ``ScheduleError`` (one line) unless ``schedule`` is complete, well placed and runs to the end."""
+def check_schedule(schedule: Schedule) -> Program:
+    """The lowered program of ``schedule``; ``ScheduleError`` (one line) unless it is complete, well placed and runs."""
     check_placement(schedule)
     check_actions(schedule)
-    _check_numbered_plan(schedule, plan_numbered(schedule))
+    program = lower(schedule)
+    check_program(program)
+    return program
 
 
 def check_placement(schedule: Schedule) -> None:
@@ -178,50 +180,56 @@ def _check_overlapped(schedule: Schedule) -> None:
 
 
 @gc_paused
-def check_plan(schedule: Schedule, plan: CommPlan) -> None:
-    """Per-pair message order, then progress under buffered and under NCCL-like sends."""
-    _check_numbered_plan(schedule, number_plan(plan, schedule))
-
-
-def _check_numbered_plan(schedule: Schedule, plan: NumberedPlan) -> None:
-    """``check_plan`` on a plan whose messages are numbers."""
-    _check_numbered_pair_order(plan)
-    program = compile_plan(schedule, plan)
-    nccl_like = run(program, rendezvous=True)
+def check_program(program: Program) -> None:
+    """Receives posted once and before their wait, per-pair message order, progress under both transports."""
+    _check_posting(program)
+    _check_pair_order(program)
+    timed = program.timed()
+    nccl_like = run_timed(timed, rendezvous=True)
     if not nccl_like.deadlocked:
         return  # buffered sends make messages available no later, so that replay would finish too
-    buffered = run(program)
+    buffered = run_timed(timed)
+    name = program.schedule.name
     if buffered.deadlocked:
-        raise ScheduleError(f"{schedule.name}: {buffered.deadlock_message()}")
-    raise ScheduleError(f"{schedule.name} hangs with NCCL-like blocking sends: {nccl_like.deadlock_message()}")
+        raise ScheduleError(f"{name}: {buffered.deadlock_message()}")
+    raise ScheduleError(f"{name} hangs with NCCL-like blocking sends: {nccl_like.deadlock_message()}")
 
 
-def check_pair_order(plan: CommPlan) -> None:
+def _check_posting(program: Program) -> None:
+    """Each rank posts a receive once, for a message sent to it by another rank, before any step waits for it."""
+    messages, src_ranks, dst_ranks = program.messages, program.src_ranks, program.dst_ranks
+    for rank, steps in enumerate(program.steps):
+        posted = set(program.initial_receives[rank])
+        count = len(program.initial_receives[rank])
+        for action, inputs, _, _, receives in steps:
+            for number in inputs:
+                if number not in posted and src_ranks[number] != dst_ranks[number]:
+                    raise ScheduleError(f"rank {rank}: {action} waits for {messages[number]}, "
+                                        f"whose receive the rank has not posted before")
+            if receives:
+                posted.update(receives)
+                count += len(receives)
+        if len(posted) != count:
+            raise ScheduleError(f"rank {rank} posts a receive twice")
+        strays = [number for number in posted if dst_ranks[number] != rank or src_ranks[number] == rank]
+        if strays:
+            raise ScheduleError(f"rank {rank} posts a receive for {messages[strays[0]]}, "
+                                f"which is not a message from another rank to it")
+
+
+def _check_pair_order(program: Program) -> None:
     """For each pair (src -> dst), dst posts its receives in exactly the order src posts its sends."""
-    _check_numbered_pair_order(number_plan(plan))
-
-
-def _check_numbered_pair_order(plan: NumberedPlan) -> None:
-    """``check_pair_order`` on a plan whose messages are numbers (equal numbers: equal messages)."""
-    sent_by_pair = plan.planned_sends()
-    received_by_pair: dict[tuple[int, int], list[int]] = {}
-    src_ranks = plan.src_ranks
-    for dst_rank in range(plan.num_ranks):
-        for number in plan.posted_receives(dst_rank):
-            pair = (src_ranks[number], dst_rank)
-            received = received_by_pair.get(pair)
-            if received is None:
-                received = received_by_pair[pair] = []
-            received.append(number)
+    sent_by_pair, received_by_pair = program.sends_by_pair(), program.receives_by_pair()
     for src_rank, dst_rank in sorted(set(sent_by_pair) | set(received_by_pair)):
         sent = sent_by_pair.get((src_rank, dst_rank), [])
         received = received_by_pair.get((src_rank, dst_rank), [])
         if sent != received:
-            raise ScheduleError(_order_mismatch(src_rank, dst_rank, plan.as_messages(sent),
-                                                plan.as_messages(received)))
+            raise ScheduleError(_order_mismatch(src_rank, dst_rank, [program.messages[n] for n in sent],
+                                                [program.messages[n] for n in received]))
 
 
 def _order_mismatch(src_rank: int, dst_rank: int, sent: list[Message], received: list[Message]) -> str:
+    """The line for a pair whose send and receive orders differ: the first difference, or the counts."""
     for index, (sent_message, received_message) in enumerate(zip(sent, received)):
         if sent_message != received_message:
             return (f"rank {dst_rank} posts receive #{index} from rank {src_rank} for {received_message}, "

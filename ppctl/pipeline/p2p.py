@@ -1,6 +1,6 @@
 """Point-to-point transport for pipeline messages: batched non-blocking sends and receives.
 
-The communication plan (``pipeline/comm.py``) decides what is sent and received and in
+The lowered program (``pipeline/program.py``) decides what is sent and received and in
 which order; this module only moves tensors. Every batch (the sends of one action and
 the receives posted ahead for the next) goes through one ``batch_isend_irecv`` call,
 so crossing send/receive pairs between two ranks are issued together, on gloo and
@@ -22,8 +22,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ppctl.pipeline.comm import Message
-from ppctl.pipeline.messages import ACTIVATION, GRADIENT
+from ppctl.pipeline.program import ACTIVATION, GRADIENT, Message
 from ppctl.pipeline.stage import TensorSpec
 
 MESSAGE_KINDS = {ACTIVATION: "activation", GRADIENT: "gradient"}
@@ -83,9 +82,7 @@ class PipelineTransport:
         self._drop_completed_sends()
 
     def take(self, message: Message) -> torch.Tensor:
-        """Wait for a posted receive and return its tensor (posting it first if the plan did not)."""
-        if message not in self.pending_receives:
-            self.post([], [message])
+        """Wait for a posted receive and return its tensor (the checked program posted it before)."""
         works, buffer = self.pending_receives.pop(message)
         for work in works:
             self._wait(work, message, receiving=True)

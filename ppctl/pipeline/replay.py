@@ -1,10 +1,9 @@
-"""The replay engine: run every rank's actions against a cost model, with buffered or NCCL-like sends.
+"""The replay engine: run every rank's steps against a cost model, with buffered or NCCL-like sends.
 
-One engine serves the planner (a unit-cost replay decides where receives go), the
-simulator (timelines) and the checker (deadlock detection). It runs a ``Program``:
-per rank, steps whose messages are numbers. ``compile_schedule`` builds one from a
-bare schedule, its messages from stage adjacency (``ppctl.pipeline.messages``);
-``ppctl.pipeline.simulate`` builds one from a communication plan.
+One engine serves the lowering (a unit-cost replay decides where receives go), the
+simulator (timelines) and the checker (deadlock detection). It runs a ``TimedProgram``:
+a lowered program (``ppctl.pipeline.program``) with each step's duration, its messages
+numbers.
 
 An action starts once its rank is free and its inputs are there; its outputs become
 available to their consumers (after ``comm`` when they cross ranks). A rank that waits
@@ -29,10 +28,10 @@ layers it meets on a rank: all of the rank's layers, or with several model copie
 ``Schedule.chunks_per_copy`` (the rank's chunks of one copy); an unsplit backward ``BW``
 takes ``B + W``. ``Costs.FB`` is the time of an overlapped pair of a forward and a whole
 backward, in the same unit. Left None, a pair's halves are two plain actions, as the
-runtime runs them today (back to back, no overlap gain). Set, a replay of the bare
-schedule times each pair as one overlapped action (``time_pairs``): its two steps split
-the pair's time in proportion (``pair_durations``), it starts once both halves' inputs
-are in, and both halves' messages leave at its end, as DualPipe runs it.
+runtime runs them today (back to back, no overlap gain). Set, a pair's two steps split
+its time in proportion (``pair_durations``), and the simulator runs each pair as one
+overlapped action (``TimedProgram.of``): it starts once both halves' inputs are in, and
+both halves' messages leave at its end, as DualPipe runs it.
 """
 
 from __future__ import annotations
@@ -41,10 +40,9 @@ import gc
 from collections import deque
 from dataclasses import dataclass
 from functools import wraps
-from typing import Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
-from .messages import AdjacentMessages, Message, adjacent_stages
-from .schedules.base import ACTION_KINDS, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Schedule
+from .schedules.base import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Schedule
 
 
 _Result = TypeVar("_Result")
@@ -124,9 +122,9 @@ def pair_durations(chunks_per_copy: int, costs: Costs, backward_kind: str) -> tu
 class Replay:
     """What a replay reached: per-rank start and end times of the actions run, and where it stuck."""
 
-    starts: list[list[float]]  # per rank, in plan order, for the actions that ran
+    starts: list[list[float]]  # per rank, in program order, for the actions that ran
     ends: list[list[float]]
-    stuck: list[tuple[int, Action, Message]]  # (rank, its next action, the message it waits for)
+    stuck: list[tuple[int, Action, Any]]  # (rank, its next action, the message it waits for)
     stalled_batches: list[str]  # rendezvous only: each rank's p2p batch that never completed
 
     @property
@@ -140,104 +138,56 @@ class Replay:
         return "deadlock: " + "; ".join(parts + self.stalled_batches)
 
 
-# One action compiled for replay, a plain tuple (programs hold one per action, and tuples build fastest):
-# (inputs, duration, local_output, sends, post_first, prefetch). Messages are numbers, indices into
-# ``Program.messages``; ``local_output`` is the message handed to a stage on the same rank, or -1;
-# ``post_first`` are waits not posted yet, which the runtime posts before waiting.
-Step = tuple[tuple[int, ...], float, int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
-NO_MESSAGE = -1
+# One step as the engine runs it, a plain tuple (unpacked in the hot loop):
+# (inputs, duration, local_output, sends, receives); messages are numbers, local_output None if none.
+EngineStep = tuple[tuple[int, ...], float, Optional[int], tuple[int, ...], tuple[int, ...]]
 
 
 @dataclass
-class Program:
-    """Per rank, the actions and their compiled steps; the receives posted first; number -> message."""
+class TimedProgram:
+    """A program against a cost model: per rank, its actions and their engine steps, its initial receives."""
 
-    actions: list[Sequence[Action]]
-    steps: list[list[Step]]
-    initial: list[tuple[int, ...]]  # receives each rank posts before its first action
-    messages: Sequence[Message]
+    actions: Sequence[Sequence[Action]]
+    steps: list[list[EngineStep]]
+    initial: Sequence[tuple[int, ...]]
+    messages: Sequence  # message number -> message (only named in deadlock lines)
 
+    @classmethod
+    def of(cls, schedule: Schedule, messages: Sequence, initial: Sequence[tuple[int, ...]], columns: Sequence,
+           costs: Costs = Costs(), pairs_as_one: bool = False) -> "TimedProgram":
+        """Per rank, ``columns`` (inputs, local outputs, sends, receives) zipped with each action's duration.
 
-def compile_schedule(schedule: Schedule, costs: Costs = Costs()) -> Program:
-    """Each action's input and output from stage adjacency; no receives to post (for a buffered replay).
-
-    ``Program.messages`` is then an ``AdjacentMessages``: every message numbered once.
-    With ``costs.FB`` set, each overlapped pair is timed as one action (``time_pairs``);
-    the planner compiles with unit costs, so it sees the runtime's plain steps.
-    """
-    owners = schedule.placement.owners  # a plain tuple: indexed in the loops below
-    messages = AdjacentMessages(owners)
-    durations = action_durations(schedule.chunks_per_copy, costs)
-    stages_per_copy = schedule.placement.stages_per_copy
-    templates = {(kind, stage): _step_template(Action(kind, stage, 0), owners, stages_per_copy, durations)
-                 for kind in ACTION_KINDS for stage in range(len(owners))}
-    steps = [_schedule_steps(rank_actions, templates, messages, stages_per_copy, durations)
-             for rank_actions in schedule.actions]
-    time_pairs(schedule, steps, costs, as_one=True)
-    return Program(list(schedule.actions), steps, [() for _ in steps], messages)
-
-
-def time_pairs(schedule: Schedule, steps: list[list[Step]], costs: Costs, as_one: bool) -> None:
-    """With ``costs.FB`` set, give the two steps of each overlapped pair their share of its time (``pair_durations``).
-
-    ``as_one`` times each pair as one overlapped action, as DualPipe runs it: the pair
-    starts once the inputs of both halves are in, and the messages both halves send
-    leave at its end. (Hand-overs on the rank need no moving: their consumers run on
-    the same rank, so after the pair anyway.) Without it the halves stay two steps,
-    as the runtime posts them (a plan replay). With ``FB`` None nothing changes: the
-    halves are two plain actions.
-    """
-    if costs.FB is None:
-        return
-    for pp_rank, rank_steps in enumerate(steps):
-        rank_actions = schedule.actions[pp_rank]
-        for index in schedule.pair_starts(pp_rank):
-            forward_time, backward_time = pair_durations(schedule.chunks_per_copy, costs,
-                                                         rank_actions[index + 1].kind)
-            f_inputs, _, f_output, f_sends, f_post_first, f_prefetch = rank_steps[index]
-            b_inputs, _, b_output, b_sends, b_post_first, b_prefetch = rank_steps[index + 1]
-            if as_one:
-                f_inputs, b_inputs, f_sends, b_sends = f_inputs + b_inputs, (), (), f_sends + b_sends
-            rank_steps[index] = (f_inputs, forward_time, f_output, f_sends, f_post_first, f_prefetch)
-            rank_steps[index + 1] = (b_inputs, backward_time, b_output, b_sends, b_post_first, b_prefetch)
+        With ``costs.FB`` set, the two steps of each overlapped pair share its time
+        (``pair_durations``); ``pairs_as_one`` also runs each pair as one overlapped action,
+        as DualPipe does: it starts once the inputs of both halves are in, and the
+        messages both halves send leave at its end. (Hand-overs on the rank need no moving:
+        their consumers run on the same rank, so after the pair anyway.)
+        """
+        durations = action_durations(schedule.chunks_per_copy, costs)
+        steps = []
+        for rank_actions, (inputs, local_outputs, sends, receives) in zip(schedule.actions, columns):
+            kinds = [action.kind for action in rank_actions]
+            steps.append(list(zip(inputs, map(durations.__getitem__, kinds), local_outputs, sends, receives)))
+        if costs.FB is not None:
+            for pp_rank, rank_steps in enumerate(steps):
+                _time_pairs(schedule, pp_rank, rank_steps, costs, pairs_as_one)
+        return cls(schedule.actions, steps, initial, messages)
 
 
-# What compiling an action takes from its kind and stage alone: (the stage its input comes
-# from, the stage its output goes to, whether that stage is on the same rank, its duration).
-_Template = tuple[Optional[int], Optional[int], bool, float]
+def _time_pairs(schedule: Schedule, pp_rank: int, steps: list[EngineStep], costs: Costs, as_one: bool) -> None:
+    """Give the two steps of each of ``pp_rank``'s overlapped pairs their share of its time (see ``TimedProgram.of``)."""
+    for index in schedule.pair_starts(pp_rank):
+        forward_time, backward_time = pair_durations(schedule.chunks_per_copy, costs,
+                                                     schedule.actions[pp_rank][index + 1].kind)
+        f_inputs, _, f_output, f_sends, f_receives = steps[index]
+        b_inputs, _, b_output, b_sends, b_receives = steps[index + 1]
+        if as_one:
+            f_inputs, b_inputs, f_sends, b_sends = f_inputs + b_inputs, (), (), f_sends + b_sends
+        steps[index] = (f_inputs, forward_time, f_output, f_sends, f_receives)
+        steps[index + 1] = (b_inputs, backward_time, b_output, b_sends, b_receives)
 
 
-def _step_template(action: Action, placement: tuple[int, ...], stages_per_copy: int,
-                   durations: dict[str, float]) -> _Template:
-    """The template of ``action``'s kind and stage."""
-    source, target = adjacent_stages(action, len(placement), stages_per_copy)
-    local = target is not None and placement[target] == placement[action.stage]
-    return source, target, local, durations[action.kind]
-
-
-def _schedule_steps(rank_actions: Sequence[Action], templates: dict[tuple[str, int], _Template],
-                    messages: AdjacentMessages, stages_per_copy: int, durations: dict[str, float]) -> list[Step]:
-    """One rank's bare actions: each one's input number, and its output number as a local hand-over or a send."""
-    number = messages.number
-    steps = []
-    for action in rank_actions:
-        kind, stage, microbatch = action.kind, action.stage, action.microbatch
-        source, target, local, duration = (templates.get((kind, stage))
-                                           or _step_template(action, messages.placement, stages_per_copy,
-                                                             durations))
-        inputs, local_output, sends = (), NO_MESSAGE, ()
-        if source is not None:
-            inputs = (number((source, stage, microbatch)),)
-        if target is not None:
-            if local:
-                local_output = number((stage, target, microbatch))
-            else:
-                sends = (number((stage, target, microbatch)),)
-        steps.append((inputs, duration, local_output, sends, (), ()))
-    return steps
-
-
-def run(program: Program, comm: float = 0.0, rendezvous: bool = False) -> Replay:
+def run_timed(program: TimedProgram, comm: float = 0.0, rendezvous: bool = False) -> Replay:
     """Replay ``program`` with point-to-point latency ``comm``; see the module docstring for the transports."""
     engine = (_RendezvousEngine if rendezvous else _BufferedEngine)(program, comm)
     engine.run()
@@ -253,7 +203,7 @@ class _Engine:
     written out where it happens, on the hot paths, rather than called.
     """
 
-    def __init__(self, program: Program, comm: float):
+    def __init__(self, program: TimedProgram, comm: float):
         self.program, self.comm = program, comm
         pp = len(program.steps)
         self.available: list[Optional[float]] = [None] * len(program.messages)  # time usable by consumer
@@ -261,7 +211,6 @@ class _Engine:
         self.starts: list[list[float]] = [[] for _ in range(pp)]
         self.ends: list[list[float]] = [[] for _ in range(pp)]
         self.ready: deque[int] = deque()
-        self.posted_first = [-1] * pp  # per rank: the last step whose missing waits were posted
 
     def run(self) -> None:
         """Post the initial receives, then advance ranks until none can move."""
@@ -277,17 +226,13 @@ class _Engine:
         """
         all_steps, all_starts, all_ends = self.program.steps, self.starts, self.ends
         available, sleeping, ready, post = self.available, self.sleeping, self.ready, self._post
-        posted_first = self.posted_first
         while ready:
             pp_rank = ready.popleft()
             steps, starts, ends = all_steps[pp_rank], all_starts[pp_rank], all_ends[pp_rank]
             free_at = ends[-1] if ends else 0.0
             for index in range(len(ends), len(steps)):
-                inputs, duration, local_output, sends, post_first, prefetch = steps[index]
-                if post_first and posted_first[pp_rank] < index:  # once, even if the rank sleeps here
-                    posted_first[pp_rank] = index
-                    post(pp_rank, (), post_first, free_at)
-                start, missing = free_at, NO_MESSAGE
+                inputs, duration, local_output, sends, receives = steps[index]
+                start, missing = free_at, None
                 for number in inputs:
                     arrived = available[number]
                     if arrived is None:
@@ -295,24 +240,24 @@ class _Engine:
                         break
                     if arrived > start:
                         start = arrived
-                if missing != NO_MESSAGE:
+                if missing is not None:
                     sleeping[missing] = pp_rank
                     break
                 free_at = start + duration
                 starts.append(start)
                 ends.append(free_at)
-                if local_output != NO_MESSAGE:
+                if local_output is not None:
                     available[local_output] = free_at  # delivered
                     if local_output in sleeping:
                         ready.append(sleeping.pop(local_output))
-                if sends or prefetch:
-                    post(pp_rank, sends, prefetch, free_at)
+                if sends or receives:
+                    post(pp_rank, sends, receives, free_at)
 
     def _post(self, pp_rank: int, sends: tuple[int, ...], receives: tuple[int, ...], time: float) -> None:
         """Issue one batch of point-to-point operations of ``pp_rank`` at ``time``."""
         raise NotImplementedError
 
-    def stuck(self) -> list[tuple[int, Action, Message]]:
+    def stuck(self) -> list[tuple[int, Action, Any]]:
         """Ranks that did not finish, with their next action and the message they sleep on."""
         waiting_for = {rank: self.program.messages[number] for number, rank in self.sleeping.items()}
         actions = self.program.actions
@@ -345,7 +290,7 @@ _REMAINING, _DONE_AT, _STARTED_AT, _RANK, _POSTED_AT, _SENDS, _RECEIVES = range(
 class _RendezvousEngine(_Engine):
     """NCCL-like: per rank, batches run one after another; a message moves when both sides' batches run."""
 
-    def __init__(self, program: Program, comm: float):
+    def __init__(self, program: TimedProgram, comm: float):
         super().__init__(program, comm)
         pp = len(program.steps)
         self.streams: list[list[list]] = [[] for _ in range(pp)]  # per rank, its batches in order

@@ -1,16 +1,14 @@
-"""One executor for every schedule: walks a rank's communication plan over its pipeline stages.
+"""One executor for every schedule: walks a rank's steps of the lowered program over its pipeline stages.
 
 The runtime is a table from action kind to handler; each handler calls one method of
 a ``PipelineStage`` (``ppctl.pipeline.stage``), which knows its chunk and keeps what
 passes between forward and backward. The runtime itself knows no model, no data
 field and no loss: those come from the stages and the step's ``loss_fn``.
 
-Per action (see ``pipeline/comm.py`` for the protocol): take the inputs (received or
-handed over on this rank), run the handler, then post the action's sends together
-with the receives planned next. A remotely sent activation is released right after
-sending, keeping only its autograd node (Megatron's ``deallocate_output_tensor``).
-A composite action (DualPipe's overlapped forward-and-backward pair) is one more
-entry in the table; actions carry a ``step`` for schedules that run across steps.
+Per step (``ppctl.pipeline.program`` gives the protocol): take the inputs (received or
+handed over on this rank), run the handler, then post the step's sends together with
+its receives. A remotely sent activation is released right after sending, keeping
+only its autograd node (Megatron's ``deallocate_output_tensor``).
 """
 
 from __future__ import annotations
@@ -21,43 +19,34 @@ from typing import Callable, Sequence
 
 import torch
 
-from ppctl.pipeline.comm import ActionStep, CommPlan, Message, initial_receives
 from ppctl.pipeline.p2p import PipelineTransport
+from ppctl.pipeline.program import Message, Program, Step
 from ppctl.pipeline.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 from ppctl.pipeline.stage import LossFn, PipelineStage, release_output
 from ppctl.pipeline.trace import Tracer
 
 
-@dataclass(frozen=True)
-class RankProgram:
-    """One rank's part of a communication plan: its steps and the receives posted before them."""
-
-    steps: tuple[ActionStep, ...]
-    initial_receives: tuple[Message, ...]
-
-
-def rank_program(plan: CommPlan, pp_rank: int) -> RankProgram:
-    """The program ``pp_rank`` runs from ``plan``."""
-    return RankProgram(tuple(plan[pp_rank]), tuple(initial_receives(plan, pp_rank)))
-
-
 @dataclass
 class StepState:
-    """What one run of a program reports: the summed logged loss and, when tracked, peak held bytes."""
+    """What one run of a program reports: the summed logged loss and, when tracked, peak held bytes.
+
+    ``local`` holds the tensors handed over on the rank, by message number.
+    """
 
     loss_sum: torch.Tensor | float = 0.0
     peak_held_bytes: int = 0
-    local: dict[Message, torch.Tensor] = field(default_factory=dict)
+    local: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-Handler = Callable[[ActionStep, list, StepState], "torch.Tensor | None"]
+Handler = Callable[[Step, list, StepState], "torch.Tensor | None"]
 
 
 class PipelineRuntime:
-    """Runs rank programs over ``stages`` (global stage -> ``PipelineStage``) through ``transport``."""
+    """Runs rank ``pp_rank``'s steps of programs over ``stages`` (global stage -> ``PipelineStage``)."""
 
-    def __init__(self, stages: dict[int, PipelineStage], transport: PipelineTransport, tracer: Tracer | None = None,
-                 release_outputs: bool = True, track_memory: bool = False):
+    def __init__(self, pp_rank: int, stages: dict[int, PipelineStage], transport: PipelineTransport,
+                 tracer: Tracer | None = None, release_outputs: bool = True, track_memory: bool = False):
+        self.pp_rank = pp_rank
         self.stages = stages
         self.transport = transport
         self.tracer = tracer
@@ -65,6 +54,7 @@ class PipelineRuntime:
         self.track_memory = track_memory
         self.loss_fn: LossFn | None = None  # the current run's: set by ``run``
         self.microbatches: Sequence = ()
+        self.messages: Sequence[Message] = ()  # the current program's message table
         self.handlers: dict[str, Handler] = {
             FORWARD: self._forward,
             BACKWARD: self._backward,
@@ -73,18 +63,18 @@ class PipelineRuntime:
         }
         self.forward_only_handlers: dict[str, Handler] = {FORWARD: self._forward_only}
 
-    def run(self, program: RankProgram, microbatches: Sequence, loss_fn: LossFn | None,
+    def run(self, program: Program, microbatches: Sequence, loss_fn: LossFn | None,
             forward_only: bool = False) -> StepState:
-        """Execute every action of ``program``; returns the step state (logged loss sum on the last stage).
+        """Execute this rank's steps of ``program``; returns the step state (logged loss sum on the last stage).
 
         ``forward_only`` runs forwards without graphs (evaluation; the program holds F actions only).
         """
         state = StepState()
-        self.loss_fn, self.microbatches = loss_fn, microbatches
+        self.loss_fn, self.microbatches, self.messages = loss_fn, microbatches, program.messages
         handlers = self.forward_only_handlers if forward_only else self.handlers
-        self.transport.post([], program.initial_receives)
-        for step in program.steps:
-            inputs = [self._input(message, state) for message in step.waits + step.local_inputs]
+        self.transport.post([], [self.messages[number] for number in program.initial_receives[self.pp_rank]])
+        for step in program.steps[self.pp_rank]:
+            inputs = [self._input(number, state) for number in step.inputs]
             started = time.perf_counter() if self.tracer is not None else 0.0
             handler = handlers.get(step.action.kind)
             if handler is None:
@@ -99,9 +89,11 @@ class PipelineRuntime:
         self._check_drained(state)
         return state
 
-    def _input(self, message: Message, state: StepState) -> torch.Tensor:
+    def _input(self, number: int, state: StepState) -> torch.Tensor:
+        """Input message ``number``: handed over on this rank, or received."""
+        message = self.messages[number]
         if message.local:
-            return state.local.pop(message)
+            return state.local.pop(number)
         if self.tracer is None:
             return self.transport.take(message)
         started = time.perf_counter()
@@ -111,7 +103,7 @@ class PipelineRuntime:
 
     # --- handlers: one per action kind --------------------------------------------------
 
-    def _forward(self, step: ActionStep, inputs: list, state: StepState) -> torch.Tensor | None:
+    def _forward(self, step: Step, inputs: list, state: StepState) -> torch.Tensor | None:
         action = step.action
         stage = self.stages[action.stage]
         output, logged = stage.forward(action.microbatch, self.microbatches[action.microbatch],
@@ -121,7 +113,7 @@ class PipelineRuntime:
         state.loss_sum = state.loss_sum + logged.detach()
         return None
 
-    def _forward_only(self, step: ActionStep, inputs: list, state: StepState) -> torch.Tensor | None:
+    def _forward_only(self, step: Step, inputs: list, state: StepState) -> torch.Tensor | None:
         action = step.action
         output, logged = self.stages[action.stage].forward_only(
             self.microbatches[action.microbatch], inputs[0] if inputs else None, self.loss_fn)
@@ -130,28 +122,30 @@ class PipelineRuntime:
         state.loss_sum = state.loss_sum + logged
         return None
 
-    def _backward(self, step: ActionStep, inputs: list, state: StepState) -> torch.Tensor | None:
+    def _backward(self, step: Step, inputs: list, state: StepState) -> torch.Tensor | None:
         action = step.action
         return self.stages[action.stage].backward(action.microbatch, inputs[0] if inputs else None)
 
-    def _backward_input(self, step: ActionStep, inputs: list, state: StepState) -> torch.Tensor | None:
+    def _backward_input(self, step: Step, inputs: list, state: StepState) -> torch.Tensor | None:
         action = step.action
         return self.stages[action.stage].backward_input(action.microbatch, inputs[0] if inputs else None)
 
-    def _backward_weight(self, step: ActionStep, inputs: list, state: StepState) -> None:
+    def _backward_weight(self, step: Step, inputs: list, state: StepState) -> None:
         action = step.action
         self.stages[action.stage].backward_weight(action.microbatch)
         return None
 
     # --- communication ------------------------------------------------------------------------
 
-    def _hand_over(self, step: ActionStep, produced: torch.Tensor | None, state: StepState) -> None:
-        """Post this action's sends with the receives planned next; keep a local output in memory."""
+    def _hand_over(self, step: Step, produced: torch.Tensor | None, state: StepState) -> None:
+        """Post this step's sends with its receives; keep a local output in memory."""
         if step.local_output is not None:
             # The next stage runs on this rank: hand over a detached tensor, so the consumer's
             # input is a leaf whose gradient its backward can read (as for a received tensor).
             state.local[step.local_output] = produced.detach()
-        self.transport.post([(message, produced) for message in step.sends], step.prefetch)
+        messages = self.messages
+        self.transport.post([(messages[number], produced) for number in step.sends],
+                            [messages[number] for number in step.receives])
         if step.sends and step.action.kind == FORWARD and self.release_outputs and produced.requires_grad:
             release_output(produced)
 

@@ -1,9 +1,8 @@
-"""Simulate a schedule against a cost model: timelines, makespan, bubble, memory; replay a plan.
+"""Simulate a schedule against a cost model: timelines, makespan, bubble, memory.
 
-The replay engine and its two transports (buffered, NCCL-like rendezvous) live in
-``ppctl.pipeline.replay``. This module times a bare schedule with it (``simulate``)
-and compiles a communication plan into a replay program, each step as the runtime
-runs it (``replay`` with a plan: what the checker needs).
+The simulator times the schedule's lowered program (``ppctl.pipeline.program``) with
+the replay engine (``ppctl.pipeline.replay``), sends buffered: a message arrives
+``comm`` after its producer finished.
 
 Cost model (``ppctl.pipeline.replay``): ``Costs.F`` (``B``, ``W``, ``FB``) is the time of
 one microbatch through the layers it meets on a rank (all of the rank's layers, or its
@@ -16,13 +15,12 @@ chunk-level activation in flight counts ``1 / chunks_per_copy``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import add, attrgetter, itemgetter
-from typing import Optional, Sequence
+from operator import itemgetter
+from typing import Optional, Sequence, Union
 
-from .comm import Column, CommPlan, NumberedPlan, number_plan
-from .replay import Costs, Program, Replay, Step, action_durations, compile_schedule, gc_paused, run, time_pairs
-from .schedules.base import BACKWARD, BACKWARD_WEIGHT, FORWARD, Action, Schedule, ScheduleError
+from .program import Program, lower
+from .replay import Costs, Replay, gc_paused, run_timed
+from .schedules.base import BACKWARD, BACKWARD_WEIGHT, Action, FORWARD, Schedule, ScheduleError
 
 __all__ = ["Costs", "RankTimeline", "Replay", "SimResult", "TimedAction", "parse_costs", "peak_activations",
            "replay", "simulate"]
@@ -80,7 +78,8 @@ class SimResult:
     """The simulated timeline of one step of a schedule under a cost model.
 
     ``copies`` is the number of model copies the schedule holds (DualPipe: 2), so each
-    rank holds ``copies / pp`` of the model's parameters.
+    rank holds ``copies / pp`` of the model's parameters. ``program`` is the lowered
+    program the timeline replays.
     """
 
     schedule: str
@@ -92,6 +91,7 @@ class SimResult:
     makespan: float
     bubble_ratio: float
     copies: int = 1
+    program: Optional[Program] = None  # the lowered program simulated (None: a measured timeline)
 
     def idle_times(self) -> list[float]:
         """Per rank, the makespan less the rank's compute time: its bubble (what DualPipe's table calls one)."""
@@ -109,6 +109,7 @@ class SimResult:
             "makespan": self.makespan,
             "bubble_ratio": self.bubble_ratio,
             "ranks": [_rank_json(timeline) for timeline in self.ranks],
+            **({"program": self.program.to_json()} if self.program is not None else {}),
         }
 
 
@@ -126,23 +127,25 @@ def _rank_json(timeline: RankTimeline) -> dict:
 # --- the simulator ------------------------------------------------------------------------
 
 @gc_paused
-def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
-    """Replay ``schedule`` against ``costs``; raises ``ScheduleError`` if it deadlocks.
+def simulate(schedule: Union[Schedule, Program], costs: Costs = Costs()) -> SimResult:
+    """Replay the program of ``schedule`` (lowered here unless given) against ``costs``; ScheduleError on deadlock.
 
     The bubble ratio is (makespan - the busiest rank's compute) / that compute.
     """
-    program = compile_schedule(schedule, costs)
-    outcome = run(program, costs.comm)
+    program = schedule if isinstance(schedule, Program) else lower(schedule)
+    schedule = program.schedule
+    timed = program.timed(costs, pairs_as_one=True)
+    outcome = run_timed(timed, costs.comm)
     if outcome.deadlocked:
         raise ScheduleError(f"{schedule.name}: {outcome.deadlock_message()}")
     ranks = [RankTimeline(pp_rank, _timed_actions(schedule, pp_rank, outcome),
                           peak_activations(rank_actions, schedule.chunks_per_copy))
              for pp_rank, rank_actions in enumerate(schedule.actions)]
     makespan = max((ends[-1] for ends in outcome.ends if ends), default=0.0)
-    busiest = max(sum(map(itemgetter(1), rank_steps)) for rank_steps in program.steps)  # (inputs, duration, ...)
+    busiest = max(sum(map(itemgetter(1), rank_steps)) for rank_steps in timed.steps)  # (inputs, duration, ...)
     bubble_ratio = (makespan - busiest) / busiest if busiest > 0 else 0.0
     return SimResult(schedule.name, schedule.pp, schedule.chunks_per_rank, schedule.num_microbatches,
-                     costs, ranks, makespan, bubble_ratio, schedule.placement.copies)
+                     costs, ranks, makespan, bubble_ratio, schedule.placement.copies, program)
 
 
 def _timed_actions(schedule: Schedule, pp_rank: int, outcome: Replay) -> list[TimedAction]:
@@ -177,78 +180,11 @@ def peak_activations(rank_actions: Sequence[Action], chunks_per_copy: int) -> fl
     return peak / chunks_per_copy
 
 
-# --- replaying a plan -----------------------------------------------------------------------
-
 @gc_paused
-def replay(schedule: Schedule, plan: Optional[CommPlan] = None, costs: Costs = Costs(),
-           rendezvous: bool = False) -> Replay:
-    """Run every rank's actions against ``costs`` (see ``ppctl.pipeline.replay`` for the two transports).
+def replay(program: Program, costs: Costs = Costs(), rendezvous: bool = False, pairs_as_one: bool = False) -> Replay:
+    """Run every rank's steps of ``program`` against ``costs`` (see ``ppctl.pipeline.replay`` for the transports).
 
-    With ``plan`` the replay follows the communication plan step by step, receives
-    posted as the runtime posts them (what the checker needs); without it, the
-    schedule's actions with their inputs and outputs from stage adjacency, buffered
-    (what the simulator and the planner need, and faster).
+    ``pairs_as_one`` runs each overlapped pair as one action, as the simulator does;
+    without it, its two steps as the runtime posts them (what the checker replays).
     """
-    if plan is None:
-        if rendezvous:
-            raise ValueError("a rendezvous replay needs the communication plan")
-        program = compile_schedule(schedule, costs)
-    else:
-        program = compile_plan(schedule, number_plan(plan, schedule), costs)
-    return run(program, costs.comm, rendezvous)
-
-
-def compile_plan(schedule: Schedule, plan: NumberedPlan, costs: Costs = Costs()) -> Program:
-    """Each step as the runtime runs it: post missing waits, wait, compute, send and prefetch."""
-    if plan.local_outputs is None:
-        raise ValueError("a replay needs the plan numbered with its schedule (its local hand-overs)")
-    durations = action_durations(schedule.chunks_per_copy, costs)
-    initial = [plan.initial_receives(pp_rank) for pp_rank in range(plan.num_ranks)]
-    steps = [_compiled_steps(plan, pp_rank, initial[pp_rank], durations) for pp_rank in range(plan.num_ranks)]
-    time_pairs(schedule, steps, costs, as_one=False)  # the runtime's steps, only their times
-    return Program(plan.actions, steps, initial, plan.messages)
-
-
-def _compiled_steps(plan: NumberedPlan, pp_rank: int, initial: tuple[int, ...],
-                    durations: dict[str, float]) -> list[Step]:
-    """One rank's plan steps compiled, given the receives it posts before them."""
-    waits, prefetch = plan.waits[pp_rank], plan.prefetch[pp_rank]
-    if not _posts_once_ahead(initial, waits, prefetch):
-        return _compiled_steps_posting(plan, pp_rank, set(initial), durations)
-    # Nothing to post before a wait, no receive posted twice: each step as the plan lists it.
-    inputs = map(add, waits, plan.local_inputs[pp_rank])
-    step_durations = map(durations.__getitem__, map(attrgetter("kind"), plan.actions[pp_rank]))
-    return list(zip(inputs, step_durations, plan.local_outputs[pp_rank], plan.sends[pp_rank],
-                    repeat(()), prefetch))
-
-
-def _posts_once_ahead(initial: tuple[int, ...], waits: Column, prefetch: Column) -> bool:
-    """Whether a rank posts each receive once, and each wait's receive before the step that waits.
-
-    Receives posted initially count as posted at step -1; a prefetch of step i at step i.
-    """
-    posted_at = dict.fromkeys(initial, -1)
-    prefetched = [(number, index) for index, numbers in enumerate(prefetch) for number in numbers]
-    posted_at.update(prefetched)
-    if len(posted_at) != len(initial) + len(prefetched):
-        return False
-    never = len(waits)
-    return all(posted_at.get(number, never) < index for index, numbers in enumerate(waits) for number in numbers)
-
-
-def _compiled_steps_posting(plan: NumberedPlan, pp_rank: int, posted: set[int],
-                            durations: dict[str, float]) -> list[Step]:
-    """One rank's plan steps compiled; ``posted`` holds the receives the rank posted before them."""
-    compiled = []
-    for action, waits, local_inputs, sends, prefetch, local_output in zip(
-            plan.actions[pp_rank], plan.waits[pp_rank], plan.local_inputs[pp_rank], plan.sends[pp_rank],
-            plan.prefetch[pp_rank], plan.local_outputs[pp_rank]):
-        post_first = ()
-        if waits:
-            post_first = tuple([number for number in waits if number not in posted])
-            posted.update(post_first)
-        if prefetch:
-            prefetch = tuple([number for number in prefetch if number not in posted])
-            posted.update(prefetch)
-        compiled.append((waits + local_inputs, durations[action.kind], local_output, sends, post_first, prefetch))
-    return compiled
+    return run_timed(program.timed(costs, pairs_as_one), costs.comm, rendezvous)

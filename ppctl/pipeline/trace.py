@@ -82,24 +82,25 @@ def _laid_out_in_sequence(all_traces: list[tuple[int, list[dict]]]) -> list[tupl
     return shifted
 
 
-def measured_timelines(snapshots: list[dict], pipeline_ranks: list[int], chunks_per_copy: int):
-    """``RankTimeline`` rows (one per pipeline rank, in ms) from one step's gathered snapshots.
+def measured_timelines(snapshots: list[dict], pipeline_ranks: list[int], program):
+    """``RankTimeline`` rows (one per pipeline rank, in ms) from one step's gathered snapshots of ``program``.
 
-    ``chunks_per_copy`` is the schedule's (``Schedule.chunks_per_copy``): the unit of
-    peak activations. An overlapped pair shows as its two halves, as measured.
+    Each rank's recorded actions are its steps of the program, in order; an overlapped pair
+    shows as its two halves, as measured. Peak activations are in the schedule's unit
+    (``Schedule.chunks_per_copy``).
     """
-    from ppctl.pipeline.schedules import Action
     from ppctl.pipeline.simulate import RankTimeline, TimedAction, peak_activations
 
+    schedule = program.schedule
     by_rank = {snapshot["rank"]: snapshot for snapshot in snapshots}
     rows = []
     for pp_rank, global_rank in enumerate(pipeline_ranks):
         snapshot = by_rank[global_rank]
         actions = [TimedAction(kind, stage, mb, start * 1e3, end * 1e3)
                    for kind, stage, mb, start, end in snapshot["actions"]]
-        plain = [Action(a.kind, a.stage, a.microbatch) for a in actions]
+        steps = [step.action for step in program.steps[pp_rank]]
         waits = [(start * 1e3, end * 1e3) for start, end in snapshot["waits"]]
-        rows.append(RankTimeline(pp_rank, actions, peak_activations(plain, chunks_per_copy), waits))
+        rows.append(RankTimeline(pp_rank, actions, peak_activations(steps, schedule.chunks_per_copy), waits))
     return rows
 
 
@@ -132,10 +133,11 @@ def write_trace_files(all_traces: list[tuple[int, list[dict]]], trainer, run_dir
     temporary.replace(run_dir / "trace.json")
 
     step, snapshots = all_traces[-1]
-    schedule, context = trainer.schedule, trainer.context
+    program, context = trainer.program, trainer.context
+    schedule = program.schedule
     replica = context.layout.rank(**{**context.coords, "pp": 0})
     pipeline_ranks = context.layout.group_of("pp", replica)
-    rows = measured_timelines(snapshots, pipeline_ranks, schedule.chunks_per_copy)
+    rows = measured_timelines(snapshots, pipeline_ranks, program)
     makespan = max(action.end for row in rows for action in row.actions)
     busiest = max(sum(a.end - a.start for a in row.actions) for row in rows)
     title = f"{schedule.name}: measured step {step} (pp={schedule.pp}, {schedule.num_microbatches} microbatches)"
@@ -143,7 +145,7 @@ def write_trace_files(all_traces: list[tuple[int, list[dict]]], trainer, run_dir
              "(makespan - busiest rank's compute) / that compute; grey = waiting for a message"]
     write_timeline(rows, run_dir / "timeline.svg", title, lines, time_label="ms")
 
-    predicted = simulate(schedule, costs_from_measurement(rows, schedule.chunks_per_copy))
+    predicted = simulate(program, costs_from_measurement(rows, schedule.chunks_per_copy))
     title = f"{schedule.name}: simulated with the measured mean action times"
     lines = [f"makespan {predicted.makespan:.1f} ms; bubble ratio {predicted.bubble_ratio:.3f}"]
     write_timeline(predicted.ranks, run_dir / "timeline_simulated.svg", title, lines, time_label="ms")

@@ -1,6 +1,6 @@
 """The training loop: one ``Trainer`` per worker, built once from the config and the parallel context.
 
-A step is: this rank's schedule actions (the runtime walks its communication plan) ->
+A step is: this rank's schedule actions (the runtime walks its steps of the lowered program) ->
 the optimizer's gradient sync (SP, DP/CP reduction, tied embeddings; overlapped with
 the backward by the distributed optimizer) -> global grad norm and clipping ->
 ``torch.optim.AdamW`` (sharded or not) -> the loss reduced to the rank that logs it.
@@ -29,10 +29,10 @@ from ppctl.optim.lr import learning_rate, lr_schedule_of, set_learning_rate
 from ppctl.parallel.context_parallel import CPGroup
 from ppctl.parallel.groups import ParallelContext
 from ppctl.parallel.tensor_parallel import TPGroup
-from ppctl.pipeline.check import check_plan, check_schedule
-from ppctl.pipeline.comm import Message, plan_communication
+from ppctl.pipeline.check import check_program, check_schedule
+from ppctl.pipeline.program import Message, Program, lower
 from ppctl.pipeline.p2p import PipelineTransport
-from ppctl.pipeline.runtime import PipelineRuntime, RankProgram, rank_program
+from ppctl.pipeline.runtime import PipelineRuntime
 from ppctl.pipeline.schedules import Schedule, build_schedule
 from ppctl.pipeline.stage import TensorSpec
 from ppctl.pipeline.trace import Tracer
@@ -136,8 +136,9 @@ class Trainer:
         layout = context.layout
         if schedule is None:
             schedule = build_schedule(config.schedule.name, layout.pp, layout.vpp, num_microbatches(config))
+            program = lower(schedule)
         else:
-            check_schedule(schedule)
+            program = check_schedule(schedule)
         if schedule.placement != layout.placement:
             raise RuntimeError(f"schedule {schedule.name} places stages {schedule.placement.owners} "
                                f"({schedule.placement.copies} model copies) but the layout says "
@@ -159,9 +160,10 @@ class Trainer:
         self.tracer = Tracer(context.rank) if config.trainer.trace else None
         transport = PipelineTransport(context.pp_peer, self._receive_spec, context.device,
                                       timeout_s=config.launcher.timeout_s)
-        self.runtime = PipelineRuntime(self.stages, transport, self.tracer, release_outputs, track_memory)
-        self.program = rank_program(plan_communication(schedule), context.pp_rank)
-        self._eval_program: RankProgram | None = None
+        self.runtime = PipelineRuntime(context.pp_rank, self.stages, transport, self.tracer, release_outputs,
+                                       track_memory)
+        self.program = program
+        self._eval_program: Program | None = None
         self.holds_loss = context.pp_rank in layout.placement.loss_pp_ranks
         self.logging_rank = layout.rank(pp=layout.placement.last_stage_rank)
 
@@ -169,13 +171,11 @@ class Trainer:
         return self.stages[message.dst_stage].receive_spec(message.kind)
 
     @property
-    def eval_program(self) -> RankProgram:
-        """The forward-only program of the schedule (built and checked on first use)."""
+    def eval_program(self) -> Program:
+        """The forward-only program of the schedule (lowered and checked on first use)."""
         if self._eval_program is None:
-            forwards = self.schedule.forward_only()
-            plan = plan_communication(forwards)
-            check_plan(forwards, plan)
-            self._eval_program = rank_program(plan, self.context.pp_rank)
+            self._eval_program = lower(self.schedule.forward_only())
+            check_program(self._eval_program)  # its messages and progress (it has no backwards to check)
         return self._eval_program
 
     def parameters(self):

@@ -119,8 +119,14 @@ def test_inspect_schedule_json_and_picture(ppctl, tmp_path):
                    "--cost", "F=1,B=2,W=0,comm=0", "--json", "--out", str(picture))
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert set(report) == {"schedule", "pp", "vpp", "microbatches", "costs", "makespan", "bubble_ratio", "ranks"}
+    assert set(report) == {"schedule", "pp", "vpp", "microbatches", "costs", "makespan", "bubble_ratio", "ranks",
+                           "program"}
     assert (report["schedule"], report["pp"], report["vpp"], report["microbatches"]) == ("interleaved_1f1b", 4, 2, 8)
+    program = report["program"]  # the lowered program: each remote message sent once and received once
+    sent = sorted(n for rank in program["ranks"] for step in rank["steps"] for n in step["sends"])
+    received = sorted(n for rank in program["ranks"]
+                      for n in rank["initial_receives"] + [n for step in rank["steps"] for n in step["receives"]])
+    assert sent == received == list(range(len(program["messages"]))) == list(range(8 * 2 * (8 - 1)))
     assert report["costs"] == {"F": 1.0, "B": 2.0, "W": 0.0, "comm": 0.0}
     assert report["bubble_ratio"] == pytest.approx((4 - 1) / (2 * 8))
     rank0 = report["ranks"][0]

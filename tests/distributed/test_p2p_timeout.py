@@ -13,8 +13,8 @@ def _wait_on_silent_peers(rank, world_size):
     import torch
     import torch.distributed as dist
 
-    from ppctl.pipeline.messages import Message
     from ppctl.pipeline.p2p import MessageWaitError, PipelineTransport
+    from ppctl.pipeline.program import Message
     from ppctl.pipeline.stage import TensorSpec
 
     if rank == 1:
@@ -33,6 +33,7 @@ def _wait_on_silent_peers(rank, world_size):
         transport = PipelineTransport(lambda pp_rank: pp_rank, lambda message: spec, "cpu", timeout_s=timeout_s)
         message = Message("act", src_stage=peer - 1, dst_stage=peer, microbatch=peer + 2, src_rank=peer, dst_rank=0)
         started = time.monotonic()
+        transport.post([], [message])
         with pytest.raises(MessageWaitError) as failure:
             transport.take(message)
         outcomes.append((str(failure.value), time.monotonic() - started))

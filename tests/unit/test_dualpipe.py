@@ -14,8 +14,7 @@ import pytest
 
 from ppctl.parallel.placement import v_placement
 from ppctl.pipeline.check import check_schedule
-from ppctl.pipeline.comm import plan_communication
-from ppctl.pipeline.messages import adjacent_stages
+from ppctl.pipeline.program import adjacent_stages, lower
 from ppctl.pipeline.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SCHEDULE_SPECS, Action,
                                       ScheduleError, build_schedule)
 from ppctl.pipeline.simulate import Costs, simulate
@@ -96,17 +95,17 @@ def test_no_message_crosses_from_one_copy_to_the_other():
     assert adjacent_stages(Action(BACKWARD, 4, 5), 8, 4) == (5, None)
     assert adjacent_stages(Action(BACKWARD_INPUT, 3, 0), 8, 4) == (None, 2)
     assert adjacent_stages(Action(FORWARD, 3, 0), 8, 8) == (2, 4)  # one copy: the V goes on
-    plan = plan_communication(build_schedule("dualpipe", 4, 2, 8))
-    messages = [m for steps in plan for step in steps for m in step.sends + step.local_inputs]
-    assert messages and all(m.src_stage // 4 == m.dst_stage // 4 for m in messages)
-    assert not any(step.local_inputs for steps in plan for step in steps)  # no two neighbours share a rank
+    program = lower(build_schedule("dualpipe", 4, 2, 8))
+    assert program.messages and all(m.src_stage // 4 == m.dst_stage // 4 for m in program.messages)
+    assert not any(m.local for m in program.messages)  # no two neighbours share a rank
 
 
 def test_forward_only_drops_pairs_and_keeps_copies():
     schedule = build_schedule("dualpipe", 4, 2, 8).forward_only()
     assert schedule.overlapped == () and schedule.placement.copies == 2
     assert {a.kind for rank_actions in schedule.actions for a in rank_actions} == {FORWARD}
-    assert plan_communication(schedule)  # evaluation plans its messages within each copy too
+    program = lower(schedule)  # evaluation sends its messages within each copy too
+    assert program.messages and all(m.src_stage // 4 == m.dst_stage // 4 for m in program.messages)
 
 
 # --- validation rules -----------------------------------------------------------------------------

@@ -9,9 +9,9 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ppctl"
 
-# Pure: no torch at all (layout math, placement, schedules, plan, checker, simulator, config validation).
-PURE = ("ppctl.parallel.layout", "ppctl.parallel.placement", "ppctl.pipeline.schedules", "ppctl.pipeline.messages",
-        "ppctl.pipeline.replay", "ppctl.pipeline.comm", "ppctl.pipeline.simulate", "ppctl.pipeline.check",
+# Pure: no torch at all (layout math, placement, schedules, their programs, checker, simulator, config validation).
+PURE = ("ppctl.parallel.layout", "ppctl.parallel.placement", "ppctl.pipeline.schedules", "ppctl.pipeline.program",
+        "ppctl.pipeline.replay", "ppctl.pipeline.simulate", "ppctl.pipeline.check",
         "ppctl.optim.lr", "ppctl.optim.loss_scale", "ppctl.config", "ppctl.checkpoint.files",
         "ppctl.run.interrupt", "ppctl.fileio")
 # The folders are the layers. Each module's level is that of its longest listed prefix (a package covers
@@ -21,7 +21,7 @@ LEVELS = {
     # split (below both model/ and parallel/), the placement of stages on ranks (below layout and schedules),
     # the config schema (its dataclasses; the rest of config/ builds on the core at level 2).
     "ppctl.fileio": 0, "ppctl.autograd": 0, "ppctl.parallel.placement": 0, "ppctl.config.schema": 0,
-    # 1, the pure core and torch building blocks: layout, schedules and their plans, data, TP/CP layers.
+    # 1, the pure core and torch building blocks: layout, schedules and their programs, data, TP/CP layers.
     "ppctl.parallel": 1, "ppctl.pipeline": 1, "ppctl.data": 1, "ppctl.optim.lr": 1, "ppctl.optim.loss_scale": 1,
     "ppctl.checkpoint.files": 1, "ppctl.run.interrupt": 1,
     # 2, what the core is configured and run with: config, the model, groups, the runtime, the optimizer.

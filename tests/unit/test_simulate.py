@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from ppctl.pipeline.comm import plan_communication
+from ppctl.pipeline.program import lower
 from ppctl.pipeline.schedules import ScheduleError, build_schedule
 from ppctl.pipeline.schedules.base import Action, Schedule
 from ppctl.pipeline.simulate import Costs, parse_costs, replay, simulate
@@ -132,13 +132,19 @@ def test_local_messages_pay_no_latency():
 def test_to_json_has_the_documented_keys():
     result = simulate(build_schedule("interleaved_1f1b", 2, 2, 4), Costs(F=1, B=2, W=0, comm=0.1))
     data = json.loads(json.dumps(result.to_json()))
-    assert list(data) == ["schedule", "pp", "vpp", "microbatches", "costs", "makespan", "bubble_ratio", "ranks"]
+    assert list(data) == ["schedule", "pp", "vpp", "microbatches", "costs", "makespan", "bubble_ratio", "ranks",
+                          "program"]
     assert data["schedule"] == "interleaved_1f1b" and data["vpp"] == 2 and data["microbatches"] == 4
     assert data["costs"] == {"F": 1.0, "B": 2.0, "W": 0.0, "comm": 0.1}
     assert [rank["rank"] for rank in data["ranks"]] == [0, 1]
     assert list(data["ranks"][0]) == ["rank", "peak_activations", "actions"]
     assert list(data["ranks"][0]["actions"][0]) == ["kind", "stage", "microbatch", "start", "end"]
     assert len(data["ranks"][0]["actions"]) == 2 * 2 * 4
+    assert data["program"] == result.program.to_json()  # the lowered program the timeline replays
+    assert list(data["program"]) == ["messages", "ranks"]
+    assert list(data["program"]["ranks"][0]) == ["rank", "initial_receives", "overlapped", "steps"]
+    assert list(data["program"]["ranks"][0]["steps"][0]) == ["kind", "stage", "microbatch", "inputs", "local_output",
+                                                             "sends", "receives"]
 
 
 def test_timed_actions_follow_the_schedule_order():
@@ -156,20 +162,16 @@ def test_a_deadlocked_schedule_cannot_be_simulated():
                       (Action("F", 1, 1), Action("F", 1, 0), Action("BW", 1, 0), Action("BW", 1, 1))))
     with pytest.raises(ScheduleError, match="cycle: deadlock: rank 0 stuck at BW"):
         simulate(cycle)
-    assert replay(cycle).deadlocked
-
-
-def test_rendezvous_replay_needs_a_plan():
-    with pytest.raises(ValueError, match="needs the communication plan"):
-        replay(build_schedule("1f1b", 2, 1, 2), rendezvous=True)
+    assert replay(lower(cycle)).deadlocked
 
 
 @pytest.mark.parametrize("name, pp, vpp, num_microbatches", [("1f1b", 4, 1, 8), ("gpipe", 3, 1, 5),
                                                              ("interleaved_1f1b", 4, 2, 8),
-                                                             ("interleaved_1f1b", 2, 3, 4)])
-def test_the_plan_replayed_with_buffered_sends_times_like_the_bare_schedule(name, pp, vpp, num_microbatches):
-    schedule = build_schedule(name, pp, vpp, num_microbatches)
+                                                             ("interleaved_1f1b", 2, 3, 4), ("dualpipev", 4, 2, 8)])
+def test_the_timeline_is_the_replay_of_the_lowered_program(name, pp, vpp, num_microbatches):
+    program = lower(build_schedule(name, pp, vpp, num_microbatches))
     costs = Costs(F=1, B=2, W=1, comm=0.25)
-    from_plan, bare = replay(schedule, plan_communication(schedule), costs), replay(schedule, costs=costs)
-    assert (from_plan.starts, from_plan.ends) == (bare.starts, bare.ends)
-    assert not from_plan.deadlocked and not bare.deadlocked
+    timeline, replayed = simulate(program, costs), replay(program, costs, pairs_as_one=True)
+    assert [[(a.start, a.end) for a in rank.actions] for rank in timeline.ranks] == \
+        [list(zip(starts, ends)) for starts, ends in zip(replayed.starts, replayed.ends)]
+    assert timeline.program is program and not replayed.deadlocked

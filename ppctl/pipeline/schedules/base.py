@@ -2,7 +2,7 @@
 
 A schedule is plain data: for each pipeline rank, the ordered list of computations
 it runs in one step. Nothing here knows about processes or tensors; sends and
-receives are derived from the actions by ``ppctl.pipeline.comm``.
+receives are derived from the actions when ``ppctl.pipeline.program`` lowers it.
 
 Stages are *global virtual stages*: the model is cut into ``num_stages`` pieces,
 stage 0 holds the embedding and the last stage the loss. The schedule's placement

@@ -1,28 +1,16 @@
-"""The communication plan and the checker: derived messages, per-pair order, deadlocks, broken schedules."""
+"""The lowered program and the checker: derived messages, receive posting, per-pair order, deadlocks."""
 
 import ast
+import dataclasses
+import json
 import re
 from pathlib import Path
 
 import pytest
 
 from ppctl.parallel.placement import Placement
-from ppctl.pipeline import simulate as simulate_module
-from ppctl.pipeline.check import check_pair_order, check_plan, check_schedule
-from ppctl.pipeline.comm import (
-    NO_MESSAGE,
-    ActionStep,
-    Message,
-    initial_receives,
-    number_plan,
-    plan_communication,
-    plan_numbered,
-    planned_sends,
-    posted_receives,
-    receive_order,
-    send_order,
-)
-from ppctl.pipeline.replay import Costs, action_durations
+from ppctl.pipeline.check import check_program, check_schedule
+from ppctl.pipeline.program import Message, Program, Step, lower
 from ppctl.pipeline.schedules import SCHEDULE_SPECS, Action, Schedule, ScheduleError, build_schedule
 from ppctl.pipeline.simulate import replay
 
@@ -63,69 +51,102 @@ def parse(text: str) -> list[Action]:
     return actions
 
 
-# --- the plan -------------------------------------------------------------------------------
+def spelled(program: Program, rank: int) -> list[tuple]:
+    """``rank``'s steps with message numbers replaced by messages: (action, inputs, local output, sends, receives)."""
+    messages = program.messages
+    return [(step.action, tuple(messages[n] for n in step.inputs),
+             None if step.local_output is None else messages[step.local_output],
+             tuple(messages[n] for n in step.sends), tuple(messages[n] for n in step.receives))
+            for step in program.steps[rank]]
+
+
+def with_receives(program: Program, rank: int, receives: list[tuple[int, ...]], initial=None) -> Program:
+    """``program`` with ``rank``'s per-step receives (and initial receives, if given) replaced."""
+    steps = list(program.steps)
+    steps[rank] = tuple(step._replace(receives=tuple(posted)) for step, posted in zip(steps[rank], receives))
+    initials = list(program.initial_receives)
+    if initial is not None:
+        initials[rank] = tuple(initial)
+    return dataclasses.replace(program, steps=tuple(steps), initial_receives=tuple(initials))
+
+
+# --- the program ----------------------------------------------------------------------------
 
 def test_message_is_local_when_both_stages_share_a_rank():
     assert Message("act", 0, 1, 0, 0, 0).local
     assert not Message("grad", 1, 0, 0, 1, 0).local
 
 
-def test_plan_of_1f1b_on_two_ranks():
-    schedule = build_schedule("1f1b", 2, 1, 2)
-    plan = plan_communication(schedule)
+def test_program_of_1f1b_on_two_ranks():
+    program = lower(build_schedule("1f1b", 2, 1, 2))
     act = {mb: Message("act", 0, 1, mb, 0, 1) for mb in range(2)}
     grad = {mb: Message("grad", 1, 0, mb, 1, 0) for mb in range(2)}
-    assert plan[0] == [
-        ActionStep(Action("F", 0, 0), (), (), (act[0],), ()),
-        ActionStep(Action("F", 0, 1), (), (), (act[1],), (grad[0],)),
-        ActionStep(Action("BW", 0, 0), (grad[0],), (), (), (grad[1],)),
-        ActionStep(Action("BW", 0, 1), (grad[1],), (), (), ()),
+    assert spelled(program, 0) == [
+        (Action("F", 0, 0), (), None, (act[0],), ()),
+        (Action("F", 0, 1), (), None, (act[1],), (grad[0],)),
+        (Action("BW", 0, 0), (grad[0],), None, (), (grad[1],)),
+        (Action("BW", 0, 1), (grad[1],), None, (), ()),
     ]
-    assert initial_receives(plan, 1) == (act[0],)
-    assert [step.waits for step in plan[1]] == [(act[0],), (), (act[1],), ()]
-    assert [step.sends for step in plan[1]] == [(), (grad[0],), (), (grad[1],)]
+    assert [program.messages[n] for n in program.initial_receives[1]] == [act[0]]
+    assert [inputs for _, inputs, _, _, _ in spelled(program, 1)] == [(act[0],), (), (act[1],), ()]
+    assert [sends for _, _, _, sends, _ in spelled(program, 1)] == [(), (grad[0],), (), (grad[1],)]
+    assert all(isinstance(step, Step) for steps in program.steps for step in steps)
 
 
 def test_single_rank_messages_are_all_local():
-    plan = plan_communication(build_schedule("interleaved_1f1b", 1, 3, 2))
-    steps = plan[0]
-    assert all(not step.waits and not step.sends and not step.prefetch for step in steps)
-    forward_of_stage_1 = next(step for step in steps if step.action == Action("F", 1, 0))
-    assert forward_of_stage_1.local_inputs == (Message("act", 0, 1, 0, 0, 0),)
-    assert initial_receives(plan, 0) == ()
+    program = lower(build_schedule("interleaved_1f1b", 1, 3, 2))
+    steps = spelled(program, 0)
+    assert all(not sends and not receives for _, _, _, sends, receives in steps)
+    forward_of_stage_1 = next(step for step in steps if step[0] == Action("F", 1, 0))
+    assert forward_of_stage_1[1] == (Message("act", 0, 1, 0, 0, 0),)
+    forward_of_stage_0 = next(step for step in steps if step[0] == Action("F", 0, 0))
+    assert forward_of_stage_0[2] == Message("act", 0, 1, 0, 0, 0)
+    assert program.initial_receives == ((),)
 
 
 @pytest.mark.parametrize("name, pp, vpp, num_microbatches",
                          [("1f1b", 4, 1, 8), ("gpipe", 3, 1, 5), ("interleaved_1f1b", 4, 2, 8),
-                          ("interleaved_1f1b", 3, 3, 7), ("interleaved_1f1b", 4, 2, 3)])
+                          ("interleaved_1f1b", 3, 3, 7), ("interleaved_1f1b", 4, 2, 3), ("dualpipev", 4, 2, 8)])
 def test_receives_are_posted_in_send_order_and_ahead_of_use(name, pp, vpp, num_microbatches):
-    plan = plan_communication(build_schedule(name, pp, vpp, num_microbatches))
-    for src in range(pp):
-        for dst in range(pp):
-            assert receive_order(plan, dst, src) == send_order(plan, src, dst)
-    for pp_rank, steps in enumerate(plan):
-        posted = set(initial_receives(plan, pp_rank))
+    program = lower(build_schedule(name, pp, vpp, num_microbatches))
+    assert program.receives_by_pair() == program.sends_by_pair()
+    for pp_rank, steps in enumerate(program.steps):
+        posted = set(program.initial_receives[pp_rank])
         for step in steps:
-            assert set(step.waits) <= posted, f"rank {pp_rank} {step.action} waits for an unposted receive"
-            posted.update(step.prefetch)
-        assert len(posted_receives(plan, pp_rank)) == len(posted)
+            remote = {n for n in step.inputs if not program.messages[n].local}
+            assert remote <= posted, f"rank {pp_rank} {step.action} waits for an unposted receive"
+            posted.update(step.receives)
+        assert len(program.posted_receives(pp_rank)) == len(posted)
 
 
 def test_every_remote_message_is_sent_once_and_received_once():
     schedule = build_schedule("interleaved_1f1b", 4, 2, 8)
-    plan = plan_communication(schedule)
-    sent = [m for steps in plan for step in steps for m in step.sends]
-    received = [m for pp_rank in range(4) for m in posted_receives(plan, pp_rank)]
+    program = lower(schedule)
+    sent = [n for steps in program.steps for step in steps for n in step.sends]
+    received = [n for pp_rank in range(4) for n in program.posted_receives(pp_rank)]
     assert len(sent) == len(set(sent)) == len(received) and set(sent) == set(received)
     # interleaved: 2 * (stages - 1) messages per microbatch, all remote with pp > 1
-    assert len(sent) == 8 * 2 * (schedule.placement.num_stages - 1)
+    assert len(sent) == len(program.messages) == 8 * 2 * (schedule.placement.num_stages - 1)
 
 
-def test_plan_refuses_an_input_nobody_produces():
+def test_lowering_refuses_an_input_nobody_produces():
     schedule = build_schedule("1f1b", 2, 1, 2)
     broken = with_actions(schedule, [schedule.actions[0][1:], schedule.actions[1]])  # rank 0 lost F0.0
     with pytest.raises(ScheduleError, match=r"rank 1: F\(stage 1, mb 0\) needs act of microbatch 0 from stage 0"):
-        plan_communication(broken)
+        lower(broken)
+
+
+def test_the_json_form_names_every_message_and_step():
+    program = lower(build_schedule("dualpipev", 2, 2, 4))
+    data = json.loads(json.dumps(program.to_json()))
+    assert [Message(**message) for message in data["messages"]] == list(program.messages)
+    for pp_rank, rank in enumerate(data["ranks"]):
+        assert rank["rank"] == pp_rank and tuple(rank["initial_receives"]) == program.initial_receives[pp_rank]
+        assert tuple(rank["overlapped"]) == program.schedule.pair_starts(pp_rank)
+        steps = tuple(Step(Action(step["kind"], step["stage"], step["microbatch"]), tuple(step["inputs"]),
+                           step["local_output"], tuple(step["sends"]), tuple(step["receives"]))
+                      for step in rank["steps"])
+        assert steps == program.steps[pp_rank]
 
 
 # --- the checker: the sweep -----------------------------------------------------------------
@@ -210,63 +231,65 @@ def test_cross_rank_cycle_is_a_deadlock_naming_each_stuck_rank():
 
 
 def test_mismatched_pair_order_is_reported():
-    plan = plan_communication(build_schedule("gpipe", 2, 1, 3))
-    receiver = plan[1]
-    # rank 1 posts act mb 2 before act mb 1, while rank 0 sends them the other way round
-    index_1 = next(i for i, step in enumerate(receiver) if any(m.microbatch == 1 for m in step.prefetch))
-    index_2 = next(i for i, step in enumerate(receiver) if any(m.microbatch == 2 for m in step.prefetch))
-    swapped = list(receiver)
-    swapped[index_1] = ActionStep(**{**vars_of(receiver[index_1]), "prefetch": receiver[index_2].prefetch})
-    swapped[index_2] = ActionStep(**{**vars_of(receiver[index_2]), "prefetch": receiver[index_1].prefetch})
+    program = lower(build_schedule("gpipe", 2, 1, 3))
+    act = {program.messages[n].microbatch: n for n in program.posted_receives(1)}
+    assert [step.receives for step in program.steps[1]][:2] == [(act[1],), (act[2],)]
+    # rank 1 posts act mb 2 before act mb 1 (both in time), while rank 0 sends them the other way round
+    swapped = with_receives(program, 1, [(act[2], act[1])] + [()] * 5)
     with pytest.raises(ScheduleError, match="rank 1 posts receive #1 from rank 0 for act mb 2 .* but rank 0 sends "
                                             "act mb 1"):
-        check_pair_order([plan[0], swapped])
+        check_program(swapped)
 
 
-def vars_of(step: ActionStep) -> dict:
-    return {"action": step.action, "waits": step.waits, "local_inputs": step.local_inputs, "sends": step.sends,
-            "prefetch": step.prefetch}
-
-
-def just_in_time(plan):
-    """Each receive posted only in the batch right before the action that waits for it."""
-    return [[ActionStep(step.action, step.waits, step.local_inputs, step.sends,
-                        steps[index + 1].waits if index + 1 < len(steps) else ())
-             for index, step in enumerate(steps)] for steps in plan]
+def just_in_time(program: Program) -> Program:
+    """Each receive posted only in the batch right before the step that waits for it."""
+    for rank, steps in enumerate(program.steps):
+        remote = [tuple(n for n in step.inputs if not program.messages[n].local) for step in steps]
+        program = with_receives(program, rank, remote[1:] + [()], initial=remote[0] if remote else ())
+    return program
 
 
 def test_nccl_like_hang_is_caught_when_receives_come_too_late():
-    schedule = build_schedule("interleaved_1f1b", 2, 2, 4)
-    late = just_in_time(plan_communication(schedule))
-    check_pair_order(late)
-    assert not replay(schedule, late).deadlocked  # buffered sends: fine
-    stuck = replay(schedule, late, rendezvous=True)
+    late = just_in_time(lower(build_schedule("interleaved_1f1b", 2, 2, 4)))
+    assert late.receives_by_pair() == late.sends_by_pair()
+    assert not replay(late).deadlocked  # buffered sends: fine
+    stuck = replay(late, rendezvous=True)
     assert stuck.deadlocked and stuck.stalled_batches
     with pytest.raises(ScheduleError, match="hangs with NCCL-like blocking sends: deadlock: .*p2p stream blocked "
                                             "on send grad"):
-        check_plan(schedule, late)
+        check_program(late)
 
 
-def test_the_derived_plan_survives_nccl_like_sends_where_just_in_time_fails():
-    schedule = build_schedule("interleaved_1f1b", 2, 2, 4)
-    check_plan(schedule, plan_communication(schedule))
-    assert not replay(schedule, plan_communication(schedule), rendezvous=True).deadlocked
+def test_the_lowered_program_survives_nccl_like_sends_where_just_in_time_fails():
+    program = lower(build_schedule("interleaved_1f1b", 2, 2, 4))
+    check_program(program)
+    assert not replay(program, rendezvous=True).deadlocked
 
 
-def test_a_receive_prefetched_too_late_is_posted_before_its_wait():
-    schedule = build_schedule("1f1b", 2, 1, 2)
-    plan = plan_communication(schedule)
-    grad_0, grad_1 = Message("grad", 1, 0, 0, 1, 0), Message("grad", 1, 0, 1, 1, 0)
-    assert plan[0][1].prefetch == (grad_0,) and plan[0][2].prefetch == (grad_1,)
-    late = [[plan[0][0], ActionStep(**{**vars_of(plan[0][1]), "prefetch": ()}),
-             ActionStep(**{**vars_of(plan[0][2]), "prefetch": (grad_0, grad_1)}), plan[0][3]], plan[1]]
-    assert posted_receives(late, 0) == [grad_0, grad_1]  # the runtime posts grad 0 before BW0 waits
-    check_plan(schedule, late)
+def test_a_wait_for_a_receive_not_yet_posted_is_refused():
+    program = lower(build_schedule("1f1b", 2, 1, 2))
+    receives = [step.receives for step in program.steps[0]]
+    assert [len(posted) for posted in receives] == [0, 1, 1, 0]
+    late = with_receives(program, 0, [(), (), receives[1] + receives[2], ()])  # grad 0 posted after BW0 waits
+    with pytest.raises(ScheduleError, match=r"rank 0: BW\(stage 0, mb 0\) waits for grad mb 0 stage 1->0 "
+                                            r"\(rank 1->0\), whose receive the rank has not posted before"):
+        check_program(late)
 
 
-# --- the plan did not change: small plans against frozen ones ----------------------------------
+def test_a_receive_posted_twice_or_for_another_rank_is_refused():
+    program = lower(build_schedule("1f1b", 2, 1, 2))
+    receives = [step.receives for step in program.steps[0]]
+    with pytest.raises(ScheduleError, match="rank 0 posts a receive twice"):
+        check_program(with_receives(program, 0, [(), receives[1] * 2, receives[2], ()]))
+    sent_by_rank_0 = program.steps[0][0].sends
+    with pytest.raises(ScheduleError, match="rank 0 posts a receive for act mb 0 .* which is not a message from "
+                                            "another rank to it"):
+        check_program(with_receives(program, 0, receives, initial=sent_by_rank_0))
 
-FROZEN_PLANS = {  # recorded from the planner before the module split and the speed-up
+
+# --- the program did not change: small programs against frozen ones ----------------------------------
+
+FROZEN_PLANS = {  # recorded from the planner before the module split, the speed-up and the lowering
     ("1f1b", 4, 1, 8): [
         "F0.0|||act0>1.0@0>1| F0.1|||act0>1.1@0>1| F0.2|||act0>1.2@0>1| F0.3|||act0>1.3@0>1|grad1>0.0@1>0 "
         "BW0.0|grad1>0.0@1>0||| F0.4|||act0>1.4@0>1|grad1>0.1@1>0 BW0.1|grad1>0.1@1>0||| "
@@ -364,83 +387,28 @@ FROZEN_PLANS = {  # recorded from the planner before the module split and the sp
 }
 
 
-def step_text(step: ActionStep) -> str:
-    """``F0.3|waits|local inputs|sends|prefetch``, each message as ``act0>1.3@0>1`` (stages.mb@ranks)."""
-    def text(messages):
+def step_text(program: Program, step: Step) -> str:
+    """``F0.3|waits|local inputs|sends|receives``, each message as ``act0>1.3@0>1`` (stages.mb@ranks)."""
+    def text(numbers):
         return ",".join(f"{m.kind}{m.src_stage}>{m.dst_stage}.{m.microbatch}@{m.src_rank}>{m.dst_rank}"
-                        for m in messages)
+                        for m in (program.messages[n] for n in numbers))
     action = step.action
-    return "|".join([f"{action.kind}{action.stage}.{action.microbatch}", text(step.waits),
-                     text(step.local_inputs), text(step.sends), text(step.prefetch)])
+    inputs = [(n, program.messages[n].local) for n in step.inputs]
+    return "|".join([f"{action.kind}{action.stage}.{action.microbatch}",
+                     text(n for n, local in inputs if not local), text(n for n, local in inputs if local),
+                     text(step.sends), text(step.receives)])
 
 
 @pytest.mark.parametrize("case", list(FROZEN_PLANS))
-def test_plan_is_the_frozen_one(case):
-    plan = plan_communication(build_schedule(*case))
-    assert [" ".join(step_text(step) for step in steps) for steps in plan] == FROZEN_PLANS[case]
-
-
-# --- numbered plans: the planner's and a plan numbered afterwards agree -----------------------------
-
-SMALL_CASES = [("1f1b", 4, 1, 8), ("gpipe", 3, 1, 5), ("interleaved_1f1b", 4, 2, 8), ("interleaved_1f1b", 3, 3, 7),
-               ("interleaved_1f1b", 1, 3, 2), ("interleaved_1f1b", 4, 2, 3)]
-
-
-@pytest.mark.parametrize("name, pp, vpp, num_microbatches", SMALL_CASES)
-def test_the_planner_numbered_plan_is_its_plan_numbered(name, pp, vpp, num_microbatches):
-    schedule = build_schedule(name, pp, vpp, num_microbatches)
-    derived = plan_numbered(schedule)
-    plan = derived.message_plan()
-    numbered = number_plan(plan, schedule)
-    assert numbered.message_plan() == plan
-    assert outputs_as_messages(numbered) == outputs_as_messages(derived)
-    for pp_rank in range(pp):
-        assert derived.as_messages(derived.initial_receives(pp_rank)) == list(initial_receives(plan, pp_rank))
-        assert derived.as_messages(derived.posted_receives(pp_rank)) == posted_receives(plan, pp_rank)
-        for src_rank in range(pp):
-            assert derived.as_messages(derived.send_order(src_rank, pp_rank)) == send_order(plan, src_rank, pp_rank)
-    assert {pair: derived.as_messages(numbers) for pair, numbers in derived.planned_sends().items()} == \
-        planned_sends(plan)
-
-
-def outputs_as_messages(numbered):
-    """Each step's local hand-over as a Message (None when it has none)."""
-    return [[None if number == NO_MESSAGE else numbered.messages[number] for number in rank_outputs]
-            for rank_outputs in numbered.local_outputs]
-
-
-@pytest.mark.parametrize("name, pp, vpp, num_microbatches", SMALL_CASES)
-def test_a_plan_posting_each_receive_once_ahead_compiles_as_in_the_general_case(name, pp, vpp, num_microbatches):
-    schedule = build_schedule(name, pp, vpp, num_microbatches)
-    plan = plan_numbered(schedule)
-    durations = action_durations(schedule.chunks_per_rank, Costs(1, 2, 3))
-    for pp_rank in range(pp):
-        initial = plan.initial_receives(pp_rank)
-        assert simulate_module._posts_once_ahead(initial, plan.waits[pp_rank], plan.prefetch[pp_rank])
-        general = simulate_module._compiled_steps_posting(plan, pp_rank, set(initial), durations)
-        assert simulate_module._compiled_steps(plan, pp_rank, initial, durations) == general
-
-
-def test_a_plan_posting_a_receive_late_or_twice_takes_the_general_path():
-    schedule = build_schedule("1f1b", 2, 1, 2)
-    plan = plan_communication(schedule)
-    grad_0, grad_1 = Message("grad", 1, 0, 0, 1, 0), Message("grad", 1, 0, 1, 1, 0)
-    late = [[plan[0][0], ActionStep(*plan[0][1][:4], ()), ActionStep(*plan[0][2][:4], (grad_0, grad_1)), plan[0][3]],
-            plan[1]]
-    twice = [[plan[0][0], ActionStep(*plan[0][1][:4], (grad_0, grad_0)), *plan[0][2:]], plan[1]]
-    for hand_made in (late, twice):
-        numbered = number_plan(hand_made, schedule)
-        assert not simulate_module._posts_once_ahead(numbered.initial_receives(0), numbered.waits[0],
-                                                     numbered.prefetch[0])
-    late_program = simulate_module.compile_plan(schedule, number_plan(late, schedule))
-    post_first = [step[4] for step in late_program.steps[0]]  # (inputs, duration, output, sends, post_first, ...)
-    assert [[late_program.messages[n] for n in numbers] for numbers in post_first] == [[], [], [grad_0], []]
+def test_the_program_is_the_frozen_one(case):
+    program = lower(build_schedule(*case))
+    assert [" ".join(step_text(program, step) for step in steps) for steps in program.steps] == FROZEN_PLANS[case]
 
 
 # --- module structure: no import cycle, nothing low imports something above it --------------------
 
 PIPELINE = Path(__file__).resolve().parents[2] / "ppctl" / "pipeline"
-LAYERS = {"schedules": 0, "messages": 1, "replay": 2, "comm": 3, "simulate": 4, "check": 5, "render": 5}
+LAYERS = {"schedules": 0, "replay": 1, "program": 2, "simulate": 3, "check": 3, "render": 4}
 
 
 def pipeline_imports() -> dict[str, set[str]]:
@@ -499,9 +467,9 @@ def test_no_pipeline_module_imports_one_above_it():
                                                         f"(layer {LAYERS[target]})"
 
 
-def test_only_the_messages_module_steps_from_a_stage_to_its_neighbour():
+def test_only_the_program_module_steps_from_a_stage_to_its_neighbour():
     neighbour = re.compile(r"stage\s*[-+]\s*(1\b|direction)")
     for path in sorted(PIPELINE.rglob("*.py")):
-        if path.name != "messages.py":
+        if path.name != "program.py":
             assert not neighbour.search(path.read_text()), f"{path.name} derives an adjacent stage itself"
 
