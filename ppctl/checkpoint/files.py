@@ -25,7 +25,7 @@ from typing import Any
 
 from ppctl.fileio import file_sha256, write_atomically
 
-FORMAT_VERSION = 2  # 2: the index carries its own digest
+FORMAT_VERSION = 3  # 2: the index carries its own digest; 3: the parts are Stateful (objects trainer, loss_scaler, data, rng)
 INDEX_NAME = "ppctl.json"
 INDEX_DIGEST_KEY = "index_sha256"
 LATEST_NAME = "latest"

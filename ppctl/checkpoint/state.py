@@ -1,28 +1,33 @@
-"""A trainer's checkpoint: what is saved, under which global names, and how it is loaded back.
+"""A trainer's checkpoint: its stateful parts, saved under global names, and loaded back at any layout.
 
-Saved (every tensor as the dense tensor of one process, by global parameter name,
-vocabulary unpadded, so any layout can read it):
+Each part is a ``Stateful`` in ``torch.distributed.checkpoint.stateful``'s sense (a
+``state_dict`` and a ``load_state_dict``), and the checkpoint saves what those give:
 
-* ``model/<name>``: every parameter, in the run's precision. A tied output layer is the
-  word embedding (``model/embedding.word.weight``); DualPipe's second parameter copy and
-  every other replica are the same rectangles, kept once by DCP.
-* ``optimizer/<name>/exp_avg`` and ``.../exp_avg_sq``: AdamW's moments, from whole
-  parameters (plain optimizer) or from the shard pieces of the distributed optimizer;
-  ``optimizer/<name>/main``: the fp32 main parameter of a bf16/fp16 run.
-* objects: ``optimizer/steps`` (AdamW's step count), ``trainer/skipped_steps``,
-  ``trainer/loss_scaler`` (fp16), ``rng/torch`` (rank 0's generator state).
+* ``model``: the model chunks (``torch.nn.Module``), as ``model/<name>``: every parameter,
+  in the run's precision. A tied output layer is the word embedding
+  (``model/embedding.word.weight``); DualPipe's second parameter copy and every other
+  replica are the same rectangles, kept once by DCP.
+* ``optimizer`` (``ppctl.optim.grads.AdamWStateful``): AdamW's moments as
+  ``optimizer/<name>/exp_avg`` and ``.../exp_avg_sq``, from whole parameters (plain
+  optimizer) or from the shard pieces of the distributed optimizer;
+  ``optimizer/<name>/main``: the fp32 main parameter of a bf16/fp16 run; and
+  ``optimizer/steps``, AdamW's step count.
+* objects, each one part's whole ``state_dict``: ``trainer`` (its skipped steps),
+  ``loss_scaler`` (fp16; None otherwise), ``data`` (the data position: the order is a
+  function of (seed, step), so the next step is all of it; the learning rate follows the
+  step too) and ``rng`` (this rank's torch generator, as rank 0 saves it).
 
-The learning rate is a function of the step and the data order a function of (seed,
-step), so the step (in ``ppctl.json``) is the learning-rate schedule's state and the
-data position. Loading creates AdamW state where the new layout has none yet, reads
-every rectangle this rank holds (both DualPipe copies, every replica), then lets the
-optimizer derive what follows from the parameters (fp32 main copies of fp32 runs).
+Every tensor is saved as the dense tensor of one process, by global parameter name,
+vocabulary unpadded, so any layout can read it. Loading asks each part for its
+``state_dict`` (views of the live tensors), lets DCP read every rectangle this rank
+holds into them (both DualPipe copies, every replica), then hands each part its state.
 """
 
 from __future__ import annotations
 
 import datetime
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +37,8 @@ import torch.distributed as dist
 from ppctl.checkpoint.files import DATA_KEYS, MODEL_KEYS, commit, read_index, temporary_dir
 from ppctl.checkpoint.pieces import parameter_pieces
 from ppctl.checkpoint.store import add_pieces, load_state, save_state
-from ppctl.optim.grads import adam_steps, set_adam_steps
 
-OBJECTS = ("optimizer/steps", "trainer/skipped_steps", "trainer/loss_scaler", "rng/torch")
+OBJECTS = ("optimizer/steps", "trainer", "loss_scaler", "data", "rng")
 
 
 def checkpoint_name(name: str, tie_embeddings: bool) -> str:
@@ -42,29 +46,80 @@ def checkpoint_name(name: str, tie_embeddings: bool) -> str:
     return "embedding.word.weight" if tie_embeddings and name == "output_layer.weight" else name
 
 
-def tensor_state(trainer, loading: bool, create_optimizer_state: bool = False) -> dict[str, Any]:
-    """Every rectangle of the model and optimizer state this rank holds, by checkpoint name (views, no copies).
+@dataclass
+class DataPosition:
+    """Where the data stream stands, as a ``Stateful``: the sample order is a function of (seed, step)."""
 
-    ``loading``: every copy of a rectangle is a destination; saving keeps each once.
-    """
+    step: int = 0
+
+    def state_dict(self) -> dict:
+        """The next step to train."""
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue at the saved step."""
+        self.step = int(state["step"])
+
+
+class TorchRng:
+    """The torch random generator of this process, as a ``Stateful``."""
+
+    def state_dict(self) -> dict:
+        """The generator's state."""
+        return {"torch": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the generator from a saved state."""
+        torch.set_rng_state(state["torch"])
+
+
+class _Absent:
+    """A part a run does not have (the loss scaler of a run not in fp16): saved as None, nothing to load."""
+
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state: Any) -> None:
+        """Nothing to continue."""
+
+
+def trainer_parts(trainer, step: int = 0) -> dict[str, Any]:
+    """The ``Stateful`` parts of ``trainer`` by checkpoint name, the data position at ``step``."""
+    return {"model": list(trainer.chunks.values()), "optimizer": trainer.optimizer, "trainer": trainer,
+            "loss_scaler": trainer.loss_scaler if trainer.loss_scaler is not None else _Absent(),
+            "data": DataPosition(step), "rng": TorchRng()}
+
+
+def part_states(parts: dict[str, Any]) -> dict[str, Any]:
+    """Each part's ``state_dict()`` (the model: one per chunk); tensors are views of the parts' own."""
+    return {name: [chunk.state_dict() for chunk in part] if name == "model" else part.state_dict()
+            for name, part in parts.items()}
+
+
+def checkpoint_state(trainer, states: dict[str, Any], loading: bool) -> dict[str, Any]:
+    """The flat DCP state of the parts' ``states``: every rectangle of the model and optimizer by global name,
+    then the objects. ``loading``: every copy of a rectangle is a destination; saving keeps each once."""
     config, context = trainer.config, trainer.context
     tp_size, tp_rank, vocab = context.layout.tp, context.coords["tp"], config.model.vocab_size
     tie = config.model.tie_embeddings
     state: dict[str, Any] = {}
-    for chunk in trainer.chunks.values():
-        for name, param in chunk.named_parameters():
-            shape, pieces = parameter_pieces(name, param.detach(), tp_size, tp_rank, vocab)
+    for chunk_state in states["model"]:
+        for name, tensor in chunk_state.items():
+            shape, pieces = parameter_pieces(name, tensor, tp_size, tp_rank, vocab)
             add_pieces(state, f"model/{checkpoint_name(name, tie)}", shape, pieces, unique=not loading)
-    for held in trainer.optimizer.state_tensors(create=create_optimizer_state):
+    for held in states["optimizer"]["tensors"]:
         for kind, tensor in held.tensors.items():
             shape, pieces = parameter_pieces(held.name, tensor.detach(), tp_size, tp_rank, vocab,
                                              flat_start=held.flat_start, local_shape=held.shape)
             add_pieces(state, f"optimizer/{checkpoint_name(held.name, tie)}/{kind}", shape, pieces,
                        unique=not loading)
+    state["optimizer/steps"] = states["optimizer"]["steps"]
+    for name in OBJECTS[1:]:
+        state[name] = states[name]
     return state
 
 
-def checkpoint_index(trainer, step: int, reason: str) -> dict[str, Any]:
+def checkpoint_index(trainer, step: int, reason: str, optimizer_steps: int) -> dict[str, Any]:
     """What ``ppctl.json`` records besides the files: the step, how the run was laid out, what it trains."""
     config, layout = trainer.config, trainer.context.layout
     return {
@@ -77,7 +132,7 @@ def checkpoint_index(trainer, step: int, reason: str) -> dict[str, Any]:
         "precision": config.trainer.precision,
         "model": {key: getattr(config.model, key) for key in MODEL_KEYS},
         "data": {**{key: getattr(config.trainer, key) for key in DATA_KEYS}, "source": config.data.source},
-        "optimizer_steps": adam_steps(trainer.optimizer.optimizer),
+        "optimizer_steps": optimizer_steps,
     }
 
 
@@ -94,41 +149,29 @@ def save_checkpoint(trainer, run_dir: Path, step: int, reason: str, keep_last: i
         if partial.exists():  # left by a save that died: start it again
             shutil.rmtree(partial)
     dist.barrier()
-    state = tensor_state(trainer, loading=False)
-    state.update(_objects(trainer))
+    state = checkpoint_state(trainer, part_states(trainer_parts(trainer, step)), loading=False)
     save_state(state, partial)
     dist.barrier()  # every rank's file is written (the coordinator has written .metadata)
     final = [None]
     if dist.get_rank() == 0:
-        final[0] = commit(run_dir, step, checkpoint_index(trainer, step, reason), keep_last)
+        index = checkpoint_index(trainer, step, reason, state["optimizer/steps"])
+        final[0] = commit(run_dir, step, index, keep_last)
     dist.broadcast_object_list(final, src=0)
     return Path(final[0])
 
 
-def _objects(trainer) -> dict[str, Any]:
-    scaler = trainer.loss_scaler
-    return {
-        "optimizer/steps": adam_steps(trainer.optimizer.optimizer),
-        "trainer/skipped_steps": trainer.skipped_steps,
-        "trainer/loss_scaler": None if scaler is None else {"scale": scaler.scale, "good_steps": scaler.good_steps},
-        "rng/torch": torch.get_rng_state(),
-    }
-
-
 def load_checkpoint(trainer, checkpoint: Path) -> int:
-    """Load a checkpoint saved at any layout into ``trainer`` (collective); return its step."""
-    checkpoint = Path(checkpoint)
-    index = read_index(checkpoint)
-    has_optimizer_state = index["optimizer_steps"] > 0
-    state = tensor_state(trainer, loading=True, create_optimizer_state=has_optimizer_state)
-    state.update({name: None for name in OBJECTS})
-    objects = load_state(state, checkpoint)
-    trainer.optimizer.after_load()
-    if has_optimizer_state:
-        set_adam_steps(trainer.optimizer.optimizer, objects["optimizer/steps"])
-    trainer.skipped_steps = objects["trainer/skipped_steps"]
-    if trainer.loss_scaler is not None and objects["trainer/loss_scaler"] is not None:
-        trainer.loss_scaler.scale = objects["trainer/loss_scaler"]["scale"]
-        trainer.loss_scaler.good_steps = objects["trainer/loss_scaler"]["good_steps"]
-    torch.set_rng_state(objects["rng/torch"])
-    return int(index["step"])
+    """Load a checkpoint saved at any layout into ``trainer``'s parts (collective); return its step.
+
+    As DCP loads ``Stateful`` objects: each part's ``state_dict()`` gives the destinations,
+    the tensors are read into them in place, then each part gets its state back.
+    """
+    parts = trainer_parts(trainer)
+    states = part_states(parts)
+    objects = load_state(checkpoint_state(trainer, states, loading=True), Path(checkpoint))
+    for chunk, chunk_state in zip(parts["model"], states["model"]):
+        chunk.load_state_dict(chunk_state)
+    parts["optimizer"].load_state_dict({**states["optimizer"], "steps": objects["optimizer/steps"]})
+    for name in OBJECTS[1:]:
+        parts[name].load_state_dict(objects[name])
+    return parts["data"].step

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ppctl.model.init import is_tp_replicated
-from ppctl.optim.grads import StateTensors, adam_state, all_reduce_coalesced, optimizer_state_bytes
+from ppctl.optim.grads import AdamWStateful, StateTensors, adam_state, all_reduce_coalesced, optimizer_state_bytes
 from ppctl.parallel.tensor_parallel import all_gather_single, reduce_scatter_single
 
 
@@ -141,7 +141,7 @@ def plan_buckets(sizes: list[int], late: list[bool], bucket_size: int, num_shard
     return buckets
 
 
-class BucketedOptimizer:
+class BucketedOptimizer(AdamWStateful):
     """fp32 main gradients, fp32 main parameters and AdamW state of this rank's chunks, in bucketed flat buffers.
 
     ``sharded``: each rank keeps the gradients, main parameters and AdamW state of its

@@ -82,6 +82,27 @@ def adam_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, create: bo
     return state
 
 
+class AdamWStateful:
+    """``state_dict``/``load_state_dict`` in ``torch.distributed.checkpoint.stateful.Stateful``'s sense for an
+    optimizer holding ``optimizer`` (AdamW) and giving ``state_tensors(create)`` and ``after_load()``.
+
+    ``state_dict()`` gives zero moments at step 0 to parameters that have none yet (what
+    AdamW's first step would create, so its next step is unchanged), as torch's
+    ``get_optimizer_state_dict`` does: a checkpoint then always holds them, and loading
+    reads into them in place before ``load_state_dict`` sets the step count.
+    """
+
+    def state_dict(self) -> dict:
+        """``steps`` (AdamW's step count) and ``tensors``: this rank's ``StateTensors``, views, no copies."""
+        tensors = self.state_tensors(create=True)
+        return {"steps": adam_steps(self.optimizer), "tensors": tensors}
+
+    def load_state_dict(self, state: dict) -> None:
+        """After the tensors of ``state_dict()`` were loaded in place: the derived copies, then the step count."""
+        self.after_load()
+        set_adam_steps(self.optimizer, int(state["steps"]))
+
+
 def adam_steps(optimizer: torch.optim.Optimizer) -> int:
     """How many steps AdamW has taken (0 before the first)."""
     for state in optimizer.state.values():

@@ -46,3 +46,11 @@ class DynamicLossScaler:
         if self.good_steps == self.growth_interval:
             self.scale *= self.growth_factor
             self.good_steps = 0
+
+    def state_dict(self) -> dict:
+        """What moves during training (``Stateful``): the scale and the run of good steps."""
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a ``state_dict()``."""
+        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])

@@ -16,11 +16,11 @@ from typing import Mapping
 import torch
 
 from ppctl.optim.bucketed import BucketedOptimizer
-from ppctl.optim.grads import (StateTensors, adam_state, build_optimizer, decays, finalize_gradients,
-                               global_grad_norm, optimizer_state_bytes, scale_gradients)
+from ppctl.optim.grads import (AdamWStateful, StateTensors, adam_state, build_optimizer, decays,
+                               finalize_gradients, global_grad_norm, optimizer_state_bytes, scale_gradients)
 
 
-class PlainOptimizer:
+class PlainOptimizer(AdamWStateful):
     """Gradients all-reduced over the replicas (and tied / SP sums), AdamW over every parameter of this rank."""
 
     def __init__(self, chunks: Mapping[int, torch.nn.Module], context, settings):

@@ -178,6 +178,14 @@ class Trainer:
             check_program(self._eval_program)  # its messages and progress (it has no backwards to check)
         return self._eval_program
 
+    def state_dict(self) -> dict:
+        """The trainer's own counters (``Stateful``; its parts have their own): the steps skipped so far."""
+        return {"skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the counters of a ``state_dict()``."""
+        self.skipped_steps = int(state["skipped_steps"])
+
     def parameters(self):
         """Every parameter of this rank's chunks."""
         return [param for chunk in self.chunks.values() for param in chunk.parameters()]

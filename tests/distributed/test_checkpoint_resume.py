@@ -4,9 +4,9 @@ Each case trains steps 0-1 at the saving layout, saves after step 2, builds a tr
 the loading layout (other tp, pp, dp, cp, schedule, optimizer sharding, world size),
 loads the checkpoint and trains steps 2-3. Compared in float64 with the single-process
 run of all four steps as a user would launch it (``parallel=single``): the losses and
-grad norms of steps 2-3 and every final parameter. A bf16 run resumed at its own layout
-is compared bitwise with its own uninterrupted run (fp32 main parameters and AdamW state
-must come back exactly).
+grad norms of steps 2-3 and every final parameter. A bf16 and an fp16 run resumed at their
+own layout are compared bitwise with their own uninterrupted runs (fp32 main parameters,
+AdamW state and the fp16 loss scaler must come back exactly).
 """
 
 import functools
@@ -33,7 +33,9 @@ PAIRS_4 = [
 ]
 # Saved by 2 workers, loaded by 4 into DualPipe's two parameter copies (each copy reads the same tensors).
 ACROSS_WORLDS = (["parallel.pp=2", "schedule=gpipe"], ["parallel.pp=2", "parallel.dp=2", "schedule=dualpipe", *DIST])
-BF16_SAME_LAYOUT = BASE + ["trainer.precision=bf16", "parallel.pp=1", "parallel.dp=2", *DIST]
+# Half precision resumed at its own layout: bitwise its uninterrupted run (fp16 also brings back its loss scaler).
+SAME_LAYOUT = [BASE + [f"trainer.precision={precision}", "parallel.pp=1", "parallel.dp=2", *DIST]
+               for precision in ("bf16", "fp16")]
 
 
 def _trainer(overrides, contexts):
@@ -79,14 +81,20 @@ def _save(trainer, root, name):
 
 
 def _launch_2(rank, world_size, root):
-    """Save the across-worlds checkpoint; resume bf16 at its own layout against its uninterrupted run."""
+    """Save the across-worlds checkpoint; resume bf16 and fp16 at their own layout against their uninterrupted runs."""
     contexts = {}
     across = _save(_trainer(EXACT + ACROSS_WORLDS[0], contexts), root, "across")
-    trainer = _trainer(BF16_SAME_LAYOUT, contexts)
-    checkpoint = _save(trainer, root, "bf16")
-    uninterrupted = _steps(trainer, range(SAVED_AT, STEPS))
-    params = {name: param.detach().clone() for name, param in trainer.named_parameters().items()}
-    return str(across), uninterrupted, params, _resumed(_trainer(BF16_SAME_LAYOUT, contexts), checkpoint)
+    same_layout = []
+    for index, overrides in enumerate(SAME_LAYOUT):
+        trainer = _trainer(overrides, contexts)
+        checkpoint = _save(trainer, root, f"half{index}")
+        uninterrupted = _steps(trainer, range(SAVED_AT, STEPS))
+        params = {name: param.detach().clone() for name, param in trainer.named_parameters().items()}
+        resumed_trainer = _trainer(overrides, contexts)
+        resumed = _resumed(resumed_trainer, checkpoint)
+        scalers = [None if t.loss_scaler is None else t.loss_scaler.state_dict() for t in (trainer, resumed_trainer)]
+        same_layout.append((uninterrupted, params, resumed, scalers))
+    return str(across), same_layout
 
 
 def _launch_4(rank, world_size, root, across):
@@ -122,9 +130,11 @@ def test_resume_at_other_layouts_and_world_sizes_equals_one_process(tmp_path):
     import torch
 
     two = run_workers(_launch_2, 2, str(tmp_path), timeout=200)
-    for _across, uninterrupted, params, resumed in two:
-        assert resumed["losses"] == uninterrupted[0] and resumed["norms"] == uninterrupted[1]
-        assert all(torch.equal(resumed["shards"][name], value) for name, value in params.items())
+    for _across, same_layout in two:
+        for (uninterrupted, params, resumed, (scaler, resumed_scaler)), overrides in zip(same_layout, SAME_LAYOUT):
+            assert resumed["losses"] == uninterrupted[0] and resumed["norms"] == uninterrupted[1], overrides
+            assert all(torch.equal(resumed["shards"][name], value) for name, value in params.items()), overrides
+            assert resumed_scaler == scaler and ((scaler is not None) == ("trainer.precision=fp16" in overrides))
     four = run_workers(_launch_4, 4, str(tmp_path), two[0][0], timeout=300)
     for index, (saving, loading) in enumerate(PAIRS_4):
         _assert_matches_single_process(four, index, EXACT + loading)

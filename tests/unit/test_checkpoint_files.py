@@ -121,7 +121,7 @@ def test_an_index_without_a_digest_is_refused_by_its_format(tmp_path):
     del index["index_sha256"]
     index["format_version"] = 1
     (checkpoint / "ppctl.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match="ppctl.json has format 1, this ppctl reads 2"):
+    with pytest.raises(CheckpointError, match="ppctl.json has format 1, this ppctl reads 3"):
         resolve_checkpoint(tmp_path)
 
 
