@@ -30,6 +30,8 @@ PAIRS_4 = [
     (["parallel.pp=2", "parallel.dp=2", *DIST, *TIED],
      ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true", "schedule=zbv", *TIED]),
     (["parallel.pp=2", "parallel.dp=2", "schedule=dualpipe", *DIST, *TIED], ["parallel.pp=4", *TIED]),
+    (["parallel.pp=2", "parallel.vpp=2", "parallel.dp=2", "schedule=looped_bfs", *DIST],
+     ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "schedule=interleaved_zb"]),
 ]
 # Saved by 2 workers, loaded by 4 into DualPipe's two parameter copies (each copy reads the same tensors).
 ACROSS_WORLDS = (["parallel.pp=2", "schedule=gpipe"], ["parallel.pp=2", "parallel.dp=2", "schedule=dualpipe", *DIST])

@@ -1,4 +1,5 @@
-"""ZB-H1 and ZB-V train exactly like one process (gloo workers).
+"""ZB-H1, ZB-V and the looped schedules torch defines (interleaved zero bubble, breadth-first) train exactly like
+one process (gloo workers).
 
 Each run is compared with the single-process run by ``assert_equivalent``: per-step loss
 and grad norm, step-0 gradients and final parameters. ZB-V puts both the embedding
@@ -16,14 +17,20 @@ TIED = ["model.tie_embeddings=true"]
 @pytest.mark.timeout(300)
 def test_zb_h1_and_zbv_at_world_size_4_match_single_process():
     """One launch of four workers: ZB-H1 at tp=2 pp=2 (tied; and float64 with sequence parallelism) and at
-    pp=4 (float64), ZB-V at pp=4 (tied). B defers the linears' and norms' weight gradients to W, so the
-    SP run checks that the split keeps the TP regions' collectives right."""
+    pp=4 (float64), ZB-V at pp=4 (tied), interleaved zero bubble at pp=4 (tied, 4 and 8 microbatches: one
+    round and two) and breadth-first at pp=2 dp=2. B defers the linears' and norms' weight gradients to W,
+    so the SP run checks that the split keeps the TP regions' collectives right."""
     zb_h1 = ["parallel.dp=1", "schedule=zb_h1"]
     zbv = ["parallel.pp=4", "parallel.vpp=2", "parallel.dp=1", "schedule=zbv", "model.num_layers=8"]
+    interleaved_zb = ["parallel.pp=4", "parallel.vpp=2", "parallel.dp=1", "schedule=interleaved_zb",
+                      "model.num_layers=8"]
     runs = [BASE + zb_h1 + ["parallel.tp=2", "parallel.pp=2"] + TIED,
             BASE + zb_h1 + ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"] + FP64,
             BASE + zb_h1 + ["parallel.pp=4"] + FP64,
-            BASE + zbv + TIED]
+            BASE + zbv + TIED,
+            BASE + interleaved_zb + TIED + ["trainer.global_batch_size=4"],
+            BASE + interleaved_zb + FP64,
+            BASE + ["parallel.pp=2", "parallel.vpp=2", "parallel.dp=2", "schedule=looped_bfs"] + FP64]
     assert_equivalent(runs, world_size=4)
 
 
@@ -31,5 +38,9 @@ def test_zb_h1_and_zbv_at_world_size_4_match_single_process():
 def test_zbv_pp2_matches_single_process_with_tied_embeddings_on_rank_0():
     """Both ends of the V on rank 0: the two tied copies summed there, plain and distributed optimizer."""
     layout = ["parallel.pp=2", "parallel.vpp=2", "parallel.dp=1", "schedule=zbv"]
-    runs = [BASE + layout + TIED, BASE + layout + TIED + ["optimizer.distributed=true"]]
+    runs = [BASE + layout + TIED, BASE + layout + TIED + ["optimizer.distributed=true"],
+            BASE + ["parallel.pp=2", "parallel.vpp=3", "parallel.dp=1", "schedule=looped_bfs", "model.num_layers=6"]
+            + TIED,
+            BASE + ["parallel.pp=2", "parallel.vpp=2", "parallel.dp=1", "schedule=interleaved_zb"]
+            + ["optimizer.distributed=true"]]
     assert_equivalent(runs, world_size=2)

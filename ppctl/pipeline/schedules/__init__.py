@@ -13,6 +13,7 @@ from .base import (ACTION_KINDS, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORW
 from .dualpipe import DUALPIPE_SPEC, DUALPIPEV_SPEC
 from .gpipe import GPIPE_SPEC
 from .interleaved import INTERLEAVED_SPEC
+from .looped import INTERLEAVED_ZB_SPEC, LOOPED_BFS_SPEC
 from .one_f_one_b import ONE_F_ONE_B_SPEC
 from .zero_bubble import ZB_H1_SPEC, ZBV_SPEC
 
@@ -23,7 +24,9 @@ SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
         GPIPE_SPEC,
         ONE_F_ONE_B_SPEC,
         INTERLEAVED_SPEC,
+        LOOPED_BFS_SPEC,
         ZB_H1_SPEC,
+        INTERLEAVED_ZB_SPEC,
         ZBV_SPEC,
         DUALPIPE_SPEC,
         DUALPIPEV_SPEC,
