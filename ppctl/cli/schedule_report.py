@@ -5,17 +5,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ppctl.config import PpctlConfig, num_microbatches
+from ppctl.config import PpctlConfig, configured_schedule
 from ppctl.pipeline.render import render_plain, render_terminal, simulation_lines, write_timeline
-from ppctl.pipeline.schedules import build_schedule
 from ppctl.pipeline.simulate import SimResult, parse_costs, simulate
 
 
 def simulate_config(config: PpctlConfig, cost_text: str) -> SimResult:
     """Build the configured schedule and replay it against the cost model ``cost_text``."""
-    parallel = config.parallel
-    schedule = build_schedule(config.schedule.name, parallel.pp, parallel.vpp, num_microbatches(config))
-    return simulate(schedule, parse_costs(cost_text))
+    return simulate(configured_schedule(config), parse_costs(cost_text))
 
 
 def _title(result: SimResult) -> str:

@@ -20,22 +20,62 @@ DEFAULT_RDZV_PORT = 29400  # torchrun's c10d rendezvous port when the endpoint n
 def fill_unset(config: PpctlConfig) -> None:
     """Give the settings left unset the values they follow (``compose_config`` and ``load_config_file`` call this).
 
-    ``parallel.vpp``: the chunks per rank the schedule places (2 for the V schedules, else 1), so
-    ``schedule=zbv parallel.pp=2`` needs no vpp; ``model.vocab_size``: the tokenizer's ids, so the
+    ``parallel.vpp``: the chunks per rank the schedule places (2 for the V schedules, the file's for
+    ``schedule=custom``, else 1), so ``schedule=zbv parallel.pp=2`` needs no vpp; ``model.vocab_size``: the tokenizer's ids, so the
     resolved config.yaml holds the number.
     """
     if config.parallel.vpp is None:
         spec = schedule_specs().get(config.schedule.name)
         config.parallel.vpp = spec.chunks_per_rank if spec is not None and spec.chunks_per_rank else 1
+        if spec is not None and spec.name == "custom" and config.schedule.file:
+            config.parallel.vpp = _file_chunks_per_rank(config.schedule.file) or 1
     if config.model.vocab_size is None:
         config.model.vocab_size = tokenizer_vocab_size(config.data)
 
 
-def schedule_specs() -> dict:
-    """The schedule registry (``ppctl.pipeline.schedules.SCHEDULE_SPECS``), imported when first needed."""
-    from ppctl.pipeline.schedules import SCHEDULE_SPECS
+def _file_chunks_per_rank(path: str):
+    """The chunks per rank of the schedule in ``path``, or None when it cannot be read (validation says why)."""
+    from ppctl.pipeline.schedules import ScheduleError, read_schedule_file
 
-    return SCHEDULE_SPECS
+    try:
+        return read_schedule_file(path).chunks_per_rank
+    except ScheduleError:
+        return None
+
+
+def schedule_specs() -> dict:
+    """The schedule registry (``ppctl.pipeline.schedules.SCHEDULE_SPECS``) and ``custom``, imported when first needed."""
+    from ppctl.pipeline.schedules import CUSTOM_SPEC, SCHEDULE_SPECS
+
+    return {**SCHEDULE_SPECS, CUSTOM_SPEC.name: CUSTOM_SPEC}
+
+
+def configured_schedule(config: PpctlConfig):
+    """The schedule a config runs: the registry builds it, or ``schedule=custom`` reads it from ``schedule.file``.
+
+    Raises ``ScheduleError`` (one line) where it cannot be built or read.
+    """
+    from ppctl.pipeline.schedules import CUSTOM, build_schedule, read_schedule_file
+
+    parallel = config.parallel
+    if config.schedule.name == CUSTOM:
+        require(bool(config.schedule.file), "schedule=custom needs schedule.file=PATH (torch's compute-only CSV or "
+                                            "ppctl's JSON, as inspect-schedule --json prints it)")
+        return read_schedule_file(config.schedule.file)
+    return build_schedule(config.schedule.name, parallel.pp, parallel.vpp, num_microbatches(config))
+
+
+def schedule_placement(config: PpctlConfig):
+    """The configured schedule's stage placement (``schedule=custom``: the file's), or ``ConfigError``."""
+    from ppctl.pipeline.schedules import CUSTOM, ScheduleError
+
+    spec, parallel = schedule_spec(config), config.parallel
+    if spec.name != CUSTOM:
+        return spec.placement(parallel.pp, parallel.vpp)
+    try:
+        return configured_schedule(config).placement
+    except ScheduleError as error:
+        raise ConfigError(str(error)) from None
 
 
 def schedule_spec(config: PpctlConfig):
@@ -48,11 +88,11 @@ def schedule_spec(config: PpctlConfig):
 def layout_of(config: PpctlConfig) -> ParallelLayout:
     """The ``ParallelLayout`` a config describes, with the schedule's stage placement."""
     parallel = config.parallel
-    spec = schedule_spec(config)
+    placement = schedule_placement(config)
     try:
         return ParallelLayout(
             tp=parallel.tp, cp=parallel.cp, dp=parallel.dp, pp=parallel.pp, vpp=parallel.vpp, order=parallel.order,
-            placement=spec.placement(parallel.pp, parallel.vpp),
+            placement=placement,
         )
     except (LayoutError, PlacementError) as error:
         raise ConfigError(str(error)) from None

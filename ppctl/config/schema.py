@@ -94,6 +94,8 @@ class ScheduleConfig:
     """Which pipeline schedule runs the microbatches."""
 
     name: str = setting("1f1b", "the pipeline schedule")
+    file: Optional[str] = setting(None, "`schedule=custom`: the schedule file, torch's compute-only CSV or ppctl's "
+                                        "JSON (what `inspect-schedule --json` prints)")
 
 
 @dataclass

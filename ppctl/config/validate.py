@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ppctl.config.derived import (layout_of, nproc_per_node, num_microbatches, padded_vocab_size, parse_endpoint,
-                                  schedule_spec, tokenizer_vocab_size)
+from ppctl.config.derived import (configured_schedule, layout_of, nproc_per_node, num_microbatches,
+                                  padded_vocab_size, parse_endpoint, schedule_spec, tokenizer_vocab_size)
 from ppctl.config.schema import (BACKENDS, DATA_SOURCES, POSITION_EMBEDDINGS, PRECISIONS, ConfigError, PpctlConfig,
                                  require)
 from ppctl.optim.lr import DECAY_STYLES
@@ -38,6 +38,7 @@ def validate(config: PpctlConfig, layer_split: bool = True) -> DerivedSizes:
     """
     _check_positive(config)
     _check_schedule_chunks(config)
+    _check_schedule_file(config)
     layout = layout_of(config)
     if layer_split:
         _check_layer_split(config, layout)
@@ -67,13 +68,39 @@ def _check_layer_split(config: PpctlConfig, layout: ParallelLayout) -> None:
 def _check_schedule_plan(config: PpctlConfig) -> None:
     """Build the schedule and run the checker on it (the same proof the workers rely on)."""
     from ppctl.pipeline.check import check_schedule
-    from ppctl.pipeline.schedules import ScheduleError, build_schedule
+    from ppctl.pipeline.schedules import CUSTOM, ScheduleError
 
-    spec, parallel = schedule_spec(config), config.parallel
+    schedule = configured_schedule(config)
     try:
-        check_schedule(build_schedule(spec.name, parallel.pp, parallel.vpp, num_microbatches(config)))
+        check_schedule(schedule)
     except ScheduleError as error:
-        raise ConfigError(f"schedule {spec.name}: {error}") from None
+        message = str(error).removeprefix(f"{schedule.name}: ")  # named once, below
+        where = f" ({config.schedule.file})" if schedule.name == CUSTOM else ""
+        raise ConfigError(f"schedule {config.schedule.name}{where}: {message}") from None
+
+
+def _check_schedule_file(config: PpctlConfig) -> None:
+    """``schedule=custom``: the file reads, and its ranks, chunks and microbatches are the config's."""
+    from ppctl.pipeline.schedules import CUSTOM, ScheduleError
+
+    if config.schedule.name != CUSTOM:
+        require(config.schedule.file is None, f"schedule.file={config.schedule.file} is read only with "
+                                              f"schedule=custom; schedule={config.schedule.name} is built by ppctl")
+        return
+    try:
+        schedule = configured_schedule(config)
+    except ScheduleError as error:
+        raise ConfigError(str(error)) from None
+    parallel, file = config.parallel, config.schedule.file
+    problem = schedule.placement.problem(schedule.pp, schedule.chunks_per_rank)
+    require(problem is None, f"schedule.file {file}: its stages do not make a pipeline: {problem}")
+    require(schedule.pp == parallel.pp, f"schedule.file {file} has {schedule.pp} ranks; set parallel.pp={schedule.pp}")
+    require(schedule.chunks_per_rank == parallel.vpp,
+            f"schedule.file {file} places {schedule.chunks_per_rank} chunks on each rank; set "
+            f"parallel.vpp={schedule.chunks_per_rank} (or leave it unset)")
+    require(schedule.num_microbatches == num_microbatches(config),
+            f"schedule.file {file} runs {schedule.num_microbatches} microbatches, the config "
+            f"{num_microbatches(config)} (trainer.global_batch_size / (micro_batch_size x dp)); make them equal")
 
 
 POSITIVE_FIELDS = {

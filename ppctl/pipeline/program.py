@@ -129,8 +129,10 @@ class Program:
         return TimedProgram.of(self.schedule, self.messages, self.initial_receives, columns, costs, pairs_as_one)
 
     def to_json(self) -> dict:
-        """The program as plain data: the message table, then per rank its initial receives and steps."""
+        """The program as plain data: the placement, the message table, then per rank its initial receives and steps."""
+        placement = self.schedule.placement
         return {
+            "placement": {"owners": list(placement.owners), "copies": placement.copies},
             "messages": [message._asdict() for message in self.messages],
             "ranks": [{"rank": rank, "initial_receives": list(self.initial_receives[rank]),
                        "overlapped": list(self.schedule.pair_starts(rank)),

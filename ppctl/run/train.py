@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ppctl.config import PpctlConfig, num_microbatches
+from ppctl.config import PpctlConfig, configured_schedule
 from ppctl.data.iterator import PipelineDataIterator
 from ppctl.model.from_config import dataset_of, gpt_config, parameter_dtype
 from ppctl.model.gpt import GPTChunk
@@ -33,7 +33,7 @@ from ppctl.pipeline.check import check_program, check_schedule
 from ppctl.pipeline.program import Message, Program, lower
 from ppctl.pipeline.p2p import PipelineTransport
 from ppctl.pipeline.runtime import PipelineRuntime
-from ppctl.pipeline.schedules import Schedule, build_schedule
+from ppctl.pipeline.schedules import Schedule
 from ppctl.pipeline.stage import TensorSpec
 from ppctl.pipeline.trace import Tracer
 
@@ -135,7 +135,7 @@ class Trainer:
         self.config, self.context = config, context
         layout = context.layout
         if schedule is None:
-            schedule = build_schedule(config.schedule.name, layout.pp, layout.vpp, num_microbatches(config))
+            schedule = configured_schedule(config)
             program = lower(schedule)
         else:
             program = check_schedule(schedule)

@@ -35,12 +35,32 @@ def test_zb_h1_and_zbv_at_world_size_4_match_single_process():
 
 
 @pytest.mark.timeout(300)
-def test_zbv_pp2_matches_single_process_with_tied_embeddings_on_rank_0():
-    """Both ends of the V on rank 0: the two tied copies summed there, plain and distributed optimizer."""
+def test_world_size_2_zbv_looped_and_schedule_files_match_single_process(tmp_path):
+    """One launch of two workers. ZB-V with both ends of the V on rank 0: the two tied copies summed there, plain
+    and distributed optimizer; breadth-first at vpp=3, interleaved zero bubble. ``schedule=custom``: interleaved
+    1F1B written to torch's CSV trains bit for bit as the built-in, and DualPipe written to ppctl's JSON (its two
+    copies in the file's placement) equal to one process."""
+    import json
+
+    import torch
+
+    from ppctl.pipeline.schedules import build_schedule, schedule_csv
+    from ppctl.pipeline.simulate import simulate
+
+    interleaved, dualpipe = tmp_path / "interleaved.csv", tmp_path / "dualpipe.json"
+    interleaved.write_text(schedule_csv(build_schedule("interleaved_1f1b", 2, 2, 8)))
+    dualpipe.write_text(json.dumps(simulate(build_schedule("dualpipe", 2, 2, 8)).to_json()))
     layout = ["parallel.pp=2", "parallel.vpp=2", "parallel.dp=1", "schedule=zbv"]
     runs = [BASE + layout + TIED, BASE + layout + TIED + ["optimizer.distributed=true"],
             BASE + ["parallel.pp=2", "parallel.vpp=3", "parallel.dp=1", "schedule=looped_bfs", "model.num_layers=6"]
             + TIED,
             BASE + ["parallel.pp=2", "parallel.vpp=2", "parallel.dp=1", "schedule=interleaved_zb"]
-            + ["optimizer.distributed=true"]]
-    assert_equivalent(runs, world_size=2)
+            + ["optimizer.distributed=true"],
+            BASE + ["parallel.pp=2", "parallel.vpp=2", "schedule=interleaved_1f1b"] + FP64,
+            BASE + ["parallel.pp=2", "schedule=custom", f"schedule.file={interleaved}"] + FP64,
+            BASE + ["parallel.pp=2", "schedule=custom", f"schedule.file={dualpipe}"] + TIED]
+    per_rank = assert_equivalent(runs, world_size=2)
+    for rank_results in per_rank:
+        built_in, from_file = rank_results[4], rank_results[5]
+        assert from_file["losses"] == built_in["losses"] and from_file["norms"] == built_in["norms"]
+        assert all(torch.equal(from_file["shards"][name], shard) for name, shard in built_in["shards"].items())

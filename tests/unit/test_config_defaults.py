@@ -35,6 +35,7 @@ OPTION_CHANGES = {
     "schedule=zb_h1": {"schedule.name": "zb_h1"},
     "schedule=looped_bfs": {"schedule.name": "looped_bfs"},
     "schedule=interleaved_zb": {"schedule.name": "interleaved_zb"},
+    "schedule=custom": {"schedule.name": "custom"},  # with no schedule.file yet: vpp 1
     "schedule=zbv": {"schedule.name": "zbv", "parallel.vpp": 2},  # vpp follows the placement
     "schedule=dualpipe": {"schedule.name": "dualpipe", "parallel.vpp": 2},  # vpp follows the placement
     "schedule=dualpipev": {"schedule.name": "dualpipev", "parallel.vpp": 2},  # vpp follows the placement

@@ -21,6 +21,12 @@ KINDS = {"F": "F", "B": "BW", "I": "B", "W": "W"}  # torch's FORWARD, FULL_BACKW
 
 def torch_order(schedule_class, pp: int, vpp: int, num_microbatches: int, pp_rank: int) -> list[str]:
     """torch's order for one rank, as ``F3.0`` strings (kind, global stage, microbatch)."""
+    return [f"{KINDS[action.computation_type.value]}{action.stage_index}.{action.microbatch_index}"
+            for action in torch_order_actions(schedule_class, pp, vpp, num_microbatches, pp_rank) if action is not None]
+
+
+def torch_order_actions(schedule_class, pp: int, vpp: int, num_microbatches: int, pp_rank: int) -> list:
+    """torch's own actions for one rank (``None``: an idle slot)."""
     schedule = schedule_class.__new__(schedule_class)  # only the order's inputs, no stages or process group
     schedule._stages = [None] * vpp
     schedule._n_microbatches = num_microbatches
@@ -29,8 +35,7 @@ def torch_order(schedule_class, pp: int, vpp: int, num_microbatches: int, pp_ran
     schedule.rank = pp_rank
     schedule.number_of_rounds = max(1, num_microbatches // pp)
     schedule.microbatches_per_round = num_microbatches // schedule.number_of_rounds
-    return [f"{KINDS[action.computation_type.value]}{action.stage_index}.{action.microbatch_index}"
-            for action in schedule._calculate_single_rank_operations(pp_rank) if action is not None]
+    return schedule._calculate_single_rank_operations(pp_rank)
 
 
 def ppctl_order(name: str, pp: int, vpp: int, num_microbatches: int, pp_rank: int) -> list[str]:

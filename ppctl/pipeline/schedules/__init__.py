@@ -1,7 +1,9 @@
 """Pipeline schedules as data: the registry of schedule names and ``build_schedule``.
 
 Every schedule is a pure function ``(pp, vpp, num_microbatches) -> Schedule`` in its
-own module; this package maps names to them. Import from here::
+own module; this package maps names to them. ``schedule=custom`` is read from a file
+instead (``read_schedule_file``; its entry ``CUSTOM_SPEC`` stands outside the registry).
+Import from here::
 
     from ppctl.pipeline.schedules import SCHEDULE_SPECS, build_schedule, Action, Schedule
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 from .base import (ACTION_KINDS, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action,
                    Schedule, ScheduleError, ScheduleSpec)
 from .dualpipe import DUALPIPE_SPEC, DUALPIPEV_SPEC
+from .from_file import CUSTOM, CUSTOM_SPEC, read_schedule_file, schedule_csv
 from .gpipe import GPIPE_SPEC
 from .interleaved import INTERLEAVED_SPEC
 from .looped import INTERLEAVED_ZB_SPEC, LOOPED_BFS_SPEC
@@ -51,6 +54,7 @@ def build_schedule(name: str, pp: int, vpp: int, num_microbatches: int) -> Sched
 
 
 __all__ = [
-    "ACTION_KINDS", "BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "FORWARD", "Action", "Schedule",
-    "ScheduleError", "ScheduleSpec", "SCHEDULE_SPECS", "build_schedule",
+    "ACTION_KINDS", "BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "CUSTOM", "CUSTOM_SPEC", "FORWARD", "Action",
+    "Schedule", "ScheduleError", "ScheduleSpec", "SCHEDULE_SPECS", "build_schedule", "read_schedule_file",
+    "schedule_csv",
 ]
