@@ -31,6 +31,7 @@ OPTION_CHANGES = {
     "parallel=tp2_pp2_dp2": {"parallel.tp": 2, "parallel.dp": 2},
     "schedule=1f1b": {},
     "schedule=gpipe": {"schedule.name": "gpipe"},
+    "schedule=pipedream_flush": {"schedule.name": "pipedream_flush"},
     "schedule=interleaved_1f1b": {"schedule.name": "interleaved_1f1b"},
     "schedule=zb_h1": {"schedule.name": "zb_h1"},
     "schedule=looped_bfs": {"schedule.name": "looped_bfs"},

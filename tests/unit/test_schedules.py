@@ -12,7 +12,7 @@ from ppctl.pipeline.schedules import (
 from ppctl.parallel.placement import Placement, v_placement
 from ppctl.pipeline.schedules.interleaved import microbatch_groups
 
-ALL_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "interleaved_zb", "zbv", "dualpipe",
+ALL_NAMES = ("gpipe", "1f1b", "pipedream_flush", "interleaved_1f1b", "looped_bfs", "zb_h1", "interleaved_zb", "zbv", "dualpipe",
              "dualpipev")
 
 
@@ -54,6 +54,13 @@ def test_microbatch_rule_refuses_zero_and_accepts_enough(name):
 def test_bad_arguments_raise_schedule_error(args, message):
     with pytest.raises(ScheduleError, match=message):
         build_schedule(*args)
+
+
+def test_pipedream_flush_is_1f1b_by_its_paper_name():
+    for pp, num_microbatches in ((1, 3), (2, 4), (4, 8), (4, 3)):
+        alias, original = (build_schedule(name, pp, 1, num_microbatches) for name in ("pipedream_flush", "1f1b"))
+        assert alias.name == "pipedream_flush" and alias.actions == original.actions
+        assert alias.placement == original.placement
 
 
 # --- the Schedule type ---------------------------------------------------------------------

@@ -17,7 +17,7 @@ from .from_file import CUSTOM, CUSTOM_SPEC, read_schedule_file, schedule_csv
 from .gpipe import GPIPE_SPEC
 from .interleaved import INTERLEAVED_SPEC
 from .looped import INTERLEAVED_ZB_SPEC, LOOPED_BFS_SPEC
-from .one_f_one_b import ONE_F_ONE_B_SPEC
+from .one_f_one_b import ONE_F_ONE_B_SPEC, PIPEDREAM_FLUSH_SPEC
 from .zero_bubble import ZB_H1_SPEC, ZBV_SPEC
 
 
@@ -26,6 +26,7 @@ SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
     for spec in (
         GPIPE_SPEC,
         ONE_F_ONE_B_SPEC,
+        PIPEDREAM_FLUSH_SPEC,
         INTERLEAVED_SPEC,
         LOOPED_BFS_SPEC,
         ZB_H1_SPEC,

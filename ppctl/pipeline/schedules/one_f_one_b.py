@@ -1,6 +1,14 @@
-"""1F1B (PipeDream-flush, Megatron's non-interleaved schedule), one chunk per rank."""
+"""1F1B (PipeDream-flush, Megatron's non-interleaved schedule), one chunk per rank.
+
+``pipedream_flush`` is the same schedule under the name the PipeDream-2BW paper gives it
+(Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training"): 1F1B with a flush
+at the end of every step, so every microbatch of a step sees the same weights (vanilla
+semantics), unlike PipeDream-2BW's double-buffered weights.
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 from ppctl.parallel.placement import looped_placement
 
@@ -37,4 +45,17 @@ ONE_F_ONE_B_SPEC = ScheduleSpec(
     description="one forward, one backward (PipeDream-flush); at most pp microbatches in flight",
     microbatch_error=at_least_one_microbatch,
     generate=one_f_one_b,
+)
+
+
+def pipedream_flush(pp: int, vpp: int, num_microbatches: int) -> Schedule:
+    """1F1B under its PipeDream name: the same actions, the same placement."""
+    return dataclasses.replace(one_f_one_b(pp, vpp, num_microbatches), name="pipedream_flush")
+
+
+PIPEDREAM_FLUSH_SPEC = dataclasses.replace(
+    ONE_F_ONE_B_SPEC,
+    name="pipedream_flush",
+    description="PipeDream-flush, the PipeDream-2BW paper's name for 1F1B: an alias of 1f1b (vanilla semantics)",
+    generate=pipedream_flush,
 )
