@@ -20,8 +20,8 @@ DEFAULT_RDZV_PORT = 29400  # torchrun's c10d rendezvous port when the endpoint n
 def fill_unset(config: PpctlConfig) -> None:
     """Give the settings left unset the values they follow (``compose_config`` and ``load_config_file`` call this).
 
-    ``parallel.vpp``: the chunks per rank the schedule places (2 for the V schedules, the file's for
-    ``schedule=custom``, else 1), so ``schedule=zbv parallel.pp=2`` needs no vpp; ``model.vocab_size``: the tokenizer's ids, so the
+    ``parallel.vpp``: the chunks per rank the schedule places (2 for the V schedules, 2 * waves for
+    ``hanayo``, the file's for ``schedule=custom``, else 1), so ``schedule=zbv parallel.pp=2`` needs no vpp; ``model.vocab_size``: the tokenizer's ids, so the
     resolved config.yaml holds the number.
     """
     if config.parallel.vpp is None:
@@ -29,6 +29,8 @@ def fill_unset(config: PpctlConfig) -> None:
         config.parallel.vpp = spec.chunks_per_rank if spec is not None and spec.chunks_per_rank else 1
         if spec is not None and spec.name == "custom" and config.schedule.file:
             config.parallel.vpp = _file_chunks_per_rank(config.schedule.file) or 1
+        if spec is not None and spec.name == "hanayo":
+            config.parallel.vpp = 2 * (config.parallel.waves or 1)
     if config.model.vocab_size is None:
         config.model.vocab_size = tokenizer_vocab_size(config.data)
 

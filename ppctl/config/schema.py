@@ -73,8 +73,12 @@ class ParallelConfig:
     tp: int = setting(1, "tensor-parallel size")
     pp: int = setting(2, "pipeline-parallel size (the `single` option sets 1)")
     vpp: Optional[int] = setting(
-        None, "model chunks per pipeline rank: several with `interleaved_1f1b`, exactly 2 with `zbv`, "
-        "`dualpipe` and `dualpipev`; unset: what the schedule places (2 for those three, else 1)")
+        None, "model chunks per pipeline rank: several with `interleaved_1f1b`, `looped_bfs` and "
+        "`interleaved_zb`, 2 * `waves` with `hanayo`, exactly 2 with `zbv`, `dualpipe` and `dualpipev`, the "
+        "file's with `custom`; unset: what the schedule places (2 for those three, else 1)")
+    waves: Optional[int] = setting(
+        None, "`hanayo` only: the waves, each taking the stages down the ranks and back up (2 * waves chunks "
+        "per rank); unset: 1")
     dp: int = setting(1, "data-parallel size")
     cp: int = setting(1, "context-parallel size (seq_length divisible by 2*cp)")
     cp_comm: str = setting(

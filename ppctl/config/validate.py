@@ -209,8 +209,15 @@ def _check_batch(config: PpctlConfig, layout: ParallelLayout) -> None:
 
 
 def _check_schedule_chunks(config: PpctlConfig) -> None:
-    """The chunks per rank the schedule's placement allows: one, several (looped), or exactly two (a V)."""
-    spec, vpp = schedule_spec(config), config.parallel.vpp
+    """The chunks per rank the schedule's placement allows: one, several (looped), two per wave, or two (a V)."""
+    spec, vpp, waves = schedule_spec(config), config.parallel.vpp, config.parallel.waves
+    if spec.name != "hanayo":
+        require(waves is None, f"parallel.waves={waves} is read only with schedule=hanayo; schedule {spec.name} "
+                               f"has no waves")
+    else:
+        require(waves is None or waves >= 1, f"parallel.waves={waves} must be at least 1")
+        require(vpp == 2 * (waves or 1), f"parallel.vpp={vpp}: schedule hanayo places 2 * parallel.waves = "
+                                         f"{2 * (waves or 1)} chunks on each rank; leave parallel.vpp unset")
     if spec.chunks_per_rank is not None:
         require(vpp == spec.chunks_per_rank,
                 f"parallel.vpp={vpp}: schedule {spec.name} places exactly {spec.chunks_per_rank} chunks on each "

@@ -174,6 +174,17 @@ def v_placement(pp: int, copies: int = 1) -> Placement:
     return Placement(tuple(stage if stage < pp else 2 * pp - 1 - stage for stage in range(2 * pp)), copies)
 
 
+def wave_placement(pp: int, waves: int) -> Placement:
+    """Hanayo's waves: ``2 * waves * pp`` stages folded down and up the ranks ``waves`` times (one copy).
+
+    Stage s runs on rank ``s mod 2pp`` when that is below pp, else on ``2pp - 1 - (s mod 2pp)``;
+    rank r holds ``2 * waves`` stages, and one wave is the V placement.
+    """
+    _check_sizes(pp, 2 * waves)
+    return Placement(tuple(fold if fold < pp else 2 * pp - 1 - fold
+                           for fold in (stage % (2 * pp) for stage in range(2 * waves * pp))))
+
+
 def _check_sizes(pp: int, chunks_per_rank: int) -> None:
     """Refuse fewer than one rank or one chunk per rank."""
     if pp < 1 or chunks_per_rank < 1:

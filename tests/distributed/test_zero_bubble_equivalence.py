@@ -1,5 +1,5 @@
-"""ZB-H1, ZB-V and the looped schedules torch defines (interleaved zero bubble, breadth-first) train exactly like
-one process (gloo workers).
+"""ZB-H1, ZB-V, the looped schedules torch defines (interleaved zero bubble, breadth-first), Hanayo's waves and
+schedules read from files train exactly like one process (gloo workers).
 
 Each run is compared with the single-process run by ``assert_equivalent``: per-step loss
 and grad norm, step-0 gradients and final parameters. ZB-V puts both the embedding
@@ -18,7 +18,7 @@ TIED = ["model.tie_embeddings=true"]
 def test_zb_h1_and_zbv_at_world_size_4_match_single_process():
     """One launch of four workers: ZB-H1 at tp=2 pp=2 (tied; and float64 with sequence parallelism) and at
     pp=4 (float64), ZB-V at pp=4 (tied), interleaved zero bubble at pp=4 (tied, 4 and 8 microbatches: one
-    round and two) and breadth-first at pp=2 dp=2. B defers the linears' and norms' weight gradients to W,
+    round and two), breadth-first at pp=2 dp=2 and Hanayo at pp=4 with one wave (tied) and two. B defers the linears' and norms' weight gradients to W,
     so the SP run checks that the split keeps the TP regions' collectives right."""
     zb_h1 = ["parallel.dp=1", "schedule=zb_h1"]
     zbv = ["parallel.pp=4", "parallel.vpp=2", "parallel.dp=1", "schedule=zbv", "model.num_layers=8"]
@@ -30,14 +30,17 @@ def test_zb_h1_and_zbv_at_world_size_4_match_single_process():
             BASE + zbv + TIED,
             BASE + interleaved_zb + TIED + ["trainer.global_batch_size=4"],
             BASE + interleaved_zb + FP64,
-            BASE + ["parallel.pp=2", "parallel.vpp=2", "parallel.dp=2", "schedule=looped_bfs"] + FP64]
+            BASE + ["parallel.pp=2", "parallel.vpp=2", "parallel.dp=2", "schedule=looped_bfs"] + FP64,
+            BASE + ["parallel.pp=4", "parallel.dp=1", "schedule=hanayo", "model.num_layers=8"] + TIED,
+            BASE + ["parallel.pp=4", "parallel.dp=1", "schedule=hanayo", "parallel.waves=2", "model.num_layers=16"]]
     assert_equivalent(runs, world_size=4)
 
 
 @pytest.mark.timeout(300)
 def test_world_size_2_zbv_looped_and_schedule_files_match_single_process(tmp_path):
     """One launch of two workers. ZB-V with both ends of the V on rank 0: the two tied copies summed there, plain
-    and distributed optimizer; breadth-first at vpp=3, interleaved zero bubble. ``schedule=custom``: interleaved
+    and distributed optimizer; breadth-first at vpp=3, interleaved zero bubble; Hanayo with one wave and two (tied:
+    the first and last stage both on rank 0). ``schedule=custom``: interleaved
     1F1B written to torch's CSV trains bit for bit as the built-in, and DualPipe written to ppctl's JSON (its two
     copies in the file's placement) equal to one process."""
     import json
@@ -58,7 +61,9 @@ def test_world_size_2_zbv_looped_and_schedule_files_match_single_process(tmp_pat
             + ["optimizer.distributed=true"],
             BASE + ["parallel.pp=2", "parallel.vpp=2", "schedule=interleaved_1f1b"] + FP64,
             BASE + ["parallel.pp=2", "schedule=custom", f"schedule.file={interleaved}"] + FP64,
-            BASE + ["parallel.pp=2", "schedule=custom", f"schedule.file={dualpipe}"] + TIED]
+            BASE + ["parallel.pp=2", "schedule=custom", f"schedule.file={dualpipe}"] + TIED,
+            BASE + ["parallel.pp=2", "schedule=hanayo"] + TIED,
+            BASE + ["parallel.pp=2", "schedule=hanayo", "parallel.waves=2", "model.num_layers=8"] + TIED]
     per_rank = assert_equivalent(runs, world_size=2)
     for rank_results in per_rank:
         built_in, from_file = rank_results[4], rank_results[5]

@@ -12,8 +12,8 @@ from ppctl.pipeline.schedules import (
 from ppctl.parallel.placement import Placement, v_placement
 from ppctl.pipeline.schedules.interleaved import microbatch_groups
 
-ALL_NAMES = ("gpipe", "1f1b", "pipedream_flush", "interleaved_1f1b", "looped_bfs", "zb_h1", "interleaved_zb", "zbv", "dualpipe",
-             "dualpipev")
+ALL_NAMES = ("gpipe", "1f1b", "pipedream_flush", "interleaved_1f1b", "looped_bfs", "zb_h1", "interleaved_zb",
+             "hanayo", "zbv", "dualpipe", "dualpipev")
 
 
 def compact(schedule: Schedule, pp_rank: int) -> list[str]:
@@ -26,7 +26,8 @@ def compact(schedule: Schedule, pp_rank: int) -> list[str]:
 def test_registry_lists_every_schedule_with_its_flags():
     assert set(SCHEDULE_SPECS) == set(ALL_NAMES)
     assert [n for n, s in SCHEDULE_SPECS.items() if s.multi_chunk] == ["interleaved_1f1b", "looped_bfs",
-                                                                      "interleaved_zb", "zbv", "dualpipe", "dualpipev"]
+                                                                      "interleaved_zb", "hanayo", "zbv", "dualpipe",
+                                                                      "dualpipev"]
     assert {n for n, s in SCHEDULE_SPECS.items() if s.splits_backward} == {"zb_h1", "interleaved_zb", "zbv", "dualpipe",
                                                                            "dualpipev"}
     for name, spec in SCHEDULE_SPECS.items():

@@ -15,6 +15,7 @@ from .base import (ACTION_KINDS, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORW
 from .dualpipe import DUALPIPE_SPEC, DUALPIPEV_SPEC
 from .from_file import CUSTOM, CUSTOM_SPEC, read_schedule_file, schedule_csv
 from .gpipe import GPIPE_SPEC
+from .hanayo import HANAYO_SPEC
 from .interleaved import INTERLEAVED_SPEC
 from .looped import INTERLEAVED_ZB_SPEC, LOOPED_BFS_SPEC
 from .one_f_one_b import ONE_F_ONE_B_SPEC, PIPEDREAM_FLUSH_SPEC
@@ -31,6 +32,7 @@ SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
         LOOPED_BFS_SPEC,
         ZB_H1_SPEC,
         INTERLEAVED_ZB_SPEC,
+        HANAYO_SPEC,
         ZBV_SPEC,
         DUALPIPE_SPEC,
         DUALPIPEV_SPEC,
