@@ -32,6 +32,7 @@ PAIRS_4 = [
     (["parallel.pp=2", "parallel.dp=2", "schedule=dualpipe", *DIST, *TIED], ["parallel.pp=4", *TIED]),
     (["parallel.pp=2", "parallel.vpp=2", "parallel.dp=2", "schedule=looped_bfs", *DIST],
      ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "schedule=interleaved_zb"]),
+    (["parallel.pp=2", "parallel.dp=2", "schedule=hanayo", *TIED], ["parallel.pp=4", "schedule=pipedream_flush", *TIED]),
 ]
 # Saved by 2 workers, loaded by 4 into DualPipe's two parameter copies (each copy reads the same tensors).
 ACROSS_WORLDS = (["parallel.pp=2", "schedule=gpipe"], ["parallel.pp=2", "parallel.dp=2", "schedule=dualpipe", *DIST])
