@@ -228,3 +228,31 @@ def test_inspect_schedule_without_a_terminal_prints_the_plain_grid(capsys):
 def test_write_timeline_creates_missing_folders(tmp_path):
     path = write_timeline(measured(), tmp_path / "new" / "deeper" / "t.svg", "x")
     assert path.is_file()
+
+
+def smallest_sizes():
+    """(name, pp, vpp, microbatches): every registered schedule at pp=4 with its chunks and the fewest
+    microbatches it takes from 8 up."""
+    from ppctl.pipeline.schedules import SCHEDULE_SPECS
+
+    for name, spec in SCHEDULE_SPECS.items():
+        vpp = spec.chunks_per_rank or (2 if spec.multi_chunk else 1)
+        yield name, 4, vpp, next(m for m in range(8, 64) if spec.microbatch_error(4, vpp, m) is None)
+
+
+@pytest.mark.parametrize("name, pp, vpp, num_microbatches", list(smallest_sizes()))
+def test_every_schedule_draws_on_a_terminal_as_svg_and_as_json(name, pp, vpp, num_microbatches):
+    """One box per action in the SVG, one row per rank on the terminal, the program in the JSON."""
+    import json
+
+    result = simulate(build_schedule(name, pp, vpp, num_microbatches))
+    actions = sum(len(rank.actions) for rank in result.ranks)
+    svg = render_svg(result.ranks, name, simulation_lines(result))
+    assert len(svg_rects(svg, "action")) == actions
+    console = Console(file=io.StringIO(), width=160, color_system=None)
+    render_terminal(result.ranks, console, title=name)
+    text = console.file.getvalue()
+    assert all(f"rank {rank}" in text for rank in range(pp))
+    data = json.loads(json.dumps(result.to_json()))
+    assert sum(len(rank["actions"]) for rank in data["ranks"]) == actions
+    assert sum(len(rank["steps"]) for rank in data["program"]["ranks"]) == actions
