@@ -31,8 +31,7 @@ from typing import Optional
 from ppctl.parallel.placement import Placement, wave_placement
 
 from .base import BACKWARD, FORWARD, Action, Schedule, ScheduleError, ScheduleSpec, at_least_one_microbatch
-
-_DURATION = {FORWARD: 1, BACKWARD: 2}  # F = B = W: a whole backward takes two forwards
+from .list_schedule import UnitListSchedule
 
 
 def hanayo(pp: int, vpp: int, num_microbatches: int) -> Schedule:
@@ -41,7 +40,7 @@ def hanayo(pp: int, vpp: int, num_microbatches: int) -> Schedule:
     if error is not None:
         raise ScheduleError(f"schedule hanayo: {error}")
     placement = wave_placement(pp, vpp // 2)
-    orders = _WaveListSchedule(placement, pp, num_microbatches).run()
+    orders = _WaveListSchedule(placement, pp, num_microbatches).run(2 * placement.num_stages * num_microbatches)
     return Schedule("hanayo", pp, vpp, num_microbatches, placement, tuple(tuple(order) for order in orders))
 
 
@@ -50,89 +49,45 @@ def activation_cap(pp: int, waves: int) -> int:
     return math.ceil(pp * (2 - 1 / (2 * waves)))
 
 
-class _WaveListSchedule:
-    """The list schedule of the module docstring; ``run`` returns each rank's action order."""
+class _WaveListSchedule(UnitListSchedule):
+    """The Hanayo policy of the module docstring on the unit-cost list schedule."""
+
+    name = "hanayo"
+    durations = {FORWARD: 1, BACKWARD: 2}  # F = B = W: a whole backward takes two forwards
 
     def __init__(self, placement: Placement, pp: int, num_microbatches: int):
-        self.placement, self.pp, self.num_microbatches = placement, pp, num_microbatches
-        self.num_stages = placement.num_stages
+        super().__init__(placement, pp, num_microbatches)
         self.chunks = self.num_stages // pp
         self.cap = activation_cap(pp, self.chunks // 2) * self.chunks  # in chunk activations
-        self.forward_end: list[list[Optional[int]]] = [[None] * num_microbatches for _ in range(self.num_stages)]
-        self.backward_end: list[list[Optional[int]]] = [[None] * num_microbatches for _ in range(self.num_stages)]
-        self.next_forward = [0] * self.num_stages
-        self.next_backward = [0] * self.num_stages
         self.held = [0] * pp  # chunk activations from F until BW
         self.owed = [0] * pp  # chunk forwards reserved when their microbatch entered, not run yet
-        self.free_at = [0] * pp
-        self.orders: list[list[Action]] = [[] for _ in range(pp)]
-        # a microbatch visits the stages in index order, one model copy (as zbv's list schedule;
-        # the checker proves the order against the program's messages)
-        order = range(self.num_stages)
-        self.previous_stage = dict(zip(order[1:], order))
-        self.next_stage = dict(zip(order, order[1:]))
 
-    def run(self) -> list[list[Action]]:
-        """Advance time one unit at a time; every free rank picks its next action from the state at that time."""
-        remaining, time = 2 * self.num_stages * self.num_microbatches, 0
-        while remaining:
-            chosen = [(rank, self._pick(rank, time)) for rank in range(self.pp) if self.free_at[rank] <= time]
-            chosen = [(rank, action) for rank, action in chosen if action is not None]
-            if not chosen and all(free_at <= time for free_at in self.free_at):
-                raise ScheduleError(f"hanayo: the list schedule stalled at time {time} (pp={self.pp}, "
-                                    f"stages={self.num_stages}, num_microbatches={self.num_microbatches})")
-            for rank, action in chosen:
-                self._apply(rank, action, time)
-            remaining -= len(chosen)
-            time += 1
-        return self.orders
+    def _entering(self, pp_rank: int, stage: int) -> bool:
+        """Whether a forward of ``stage`` brings a new microbatch to ``pp_rank`` (its first chunk)."""
+        return stage == self.placement.stages_of(pp_rank)[0]
 
-    def _done_by(self, ends: list[list[Optional[int]]], stage: int, mb: int, time: int) -> bool:
-        return ends[stage][mb] is not None and ends[stage][mb] <= time
+    def _fits(self, pp_rank: int, stage: int) -> bool:
+        """A microbatch already on this rank goes on; a new one enters only if all its chunks here fit."""
+        return not self._entering(pp_rank, stage) or self.held[pp_rank] + self.owed[pp_rank] + self.chunks <= self.cap
 
-    def _forward_ready(self, pp_rank: int, stage: int, time: int) -> bool:
-        """Its input is in and, for a microbatch entering this rank, all its chunks here fit under the cap."""
-        mb, previous = self.next_forward[stage], self.previous_stage.get(stage)
-        if mb >= self.num_microbatches or (previous is not None
-                                           and not self._done_by(self.forward_end, previous, mb, time)):
-            return False
-        entering = stage == self.placement.stages_of(pp_rank)[0]
-        return not entering or self.held[pp_rank] + self.owed[pp_rank] + self.chunks <= self.cap
-
-    def _backward_ready(self, stage: int, time: int) -> bool:
-        """Its forward is done and the gradient from the next stage is in."""
-        mb = self.next_backward[stage]
-        if mb >= self.num_microbatches or not self._done_by(self.forward_end, stage, mb, time):
-            return False
-        following = self.next_stage.get(stage)
-        return following is None or self._done_by(self.backward_end, following, mb, time)
-
-    def _pick(self, pp_rank: int, time: int) -> Optional[Action]:
-        """The deepest ready forward, else the highest ready backward (oldest on ties), else nothing."""
+    def pick(self, pp_rank: int, time: int) -> Optional[Action]:
+        """The deepest ready forward that fits, else the highest ready backward (oldest on ties), else nothing."""
         stages = self.placement.stages_of(pp_rank)
-        forwards = [stage for stage in stages if self._forward_ready(pp_rank, stage, time)]
+        forwards = [stage for stage in stages if self.forward_ready(stage, time) and self._fits(pp_rank, stage)]
         if forwards:
             return Action(FORWARD, max(forwards), self.next_forward[max(forwards)])
-        backwards = [stage for stage in stages if self._backward_ready(stage, time)]
+        backwards = [stage for stage in stages if self.backward_ready(stage, time)]
         if backwards:
             stage = min(backwards, key=lambda s: (-s, self.next_backward[s]))
             return Action(BACKWARD, stage, self.next_backward[stage])
         return None
 
-    def _apply(self, pp_rank: int, action: Action, time: int) -> None:
-        """Record ``action`` starting at ``time`` on ``pp_rank``: its order, end time, activations."""
-        end = time + _DURATION[action.kind]
-        self.free_at[pp_rank] = end
-        self.orders[pp_rank].append(action)
+    def after(self, pp_rank: int, action: Action) -> None:
+        """Activations held and reserved once ``action`` is placed."""
         if action.kind == FORWARD:
-            self.forward_end[action.stage][action.microbatch] = end
-            self.next_forward[action.stage] += 1
             self.held[pp_rank] += 1
-            entering = action.stage == self.placement.stages_of(pp_rank)[0]
-            self.owed[pp_rank] += self.chunks - 1 if entering else -1
+            self.owed[pp_rank] += self.chunks - 1 if self._entering(pp_rank, action.stage) else -1
         else:
-            self.backward_end[action.stage][action.microbatch] = end
-            self.next_backward[action.stage] += 1
             self.held[pp_rank] -= 1
 
 

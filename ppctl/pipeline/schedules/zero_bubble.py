@@ -29,6 +29,7 @@ from ppctl.parallel.placement import looped_placement, v_placement
 
 from .base import (BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, V_PLACEMENT_NAME, Action, Schedule, ScheduleError,
                    ScheduleSpec, at_least_one_microbatch, single_chunk_only, two_chunks_only, v_placement_of_spec)
+from .list_schedule import UnitListSchedule
 
 
 # --- ZB-H1 -----------------------------------------------------------------------------------
@@ -77,7 +78,7 @@ def zbv(pp: int, vpp: int, num_microbatches: int) -> Schedule:
     """
     two_chunks_only("zbv", vpp)
     _refuse_bad_count("zbv", pp, vpp, num_microbatches)
-    orders = _VListSchedule(pp, num_microbatches).run()
+    orders = _VListSchedule(pp, num_microbatches).run(3 * 2 * pp * num_microbatches)
     return Schedule("zbv", pp, 2, num_microbatches, v_placement(pp), tuple(tuple(order) for order in orders))
 
 
@@ -92,92 +93,42 @@ class _RankState:
     pending_weights: deque = field(default_factory=deque)
 
 
-class _VListSchedule:
-    """A unit-cost list schedule of the V placement; ``run`` returns each rank's action order."""
+class _VListSchedule(UnitListSchedule):
+    """The zbv policy on the unit-cost list schedule: B first, then F within the budget, then W."""
+
+    name = "zbv"
+    durations = {FORWARD: 1, BACKWARD_INPUT: 1, BACKWARD_WEIGHT: 1}
 
     def __init__(self, pp: int, num_microbatches: int):
-        self.pp, self.num_microbatches = pp, num_microbatches
-        self.num_stages = 2 * pp
+        super().__init__(v_placement(pp), pp, num_microbatches)
         self.budget = 2 * pp  # chunk activations per rank: pp microbatches through both chunks
         self.ranks = [_RankState(r, 2 * pp - 1 - r) for r in range(pp)]
-        # end time of each stage's F and B per microbatch (None: not run yet)
-        self.forward_end = [[None] * num_microbatches for _ in range(self.num_stages)]
-        self.backward_end = [[None] * num_microbatches for _ in range(self.num_stages)]
-        self.next_forward = [0] * self.num_stages
-        self.next_backward = [0] * self.num_stages
-        # a microbatch visits the stages in index order (schedules sit below messages.py, which
-        # the runtime follows; the checker proves the order against it)
-        order = range(self.num_stages)
-        self.previous_stage = dict(zip(order[1:], order))
-        self.next_stage = dict(zip(order, order[1:]))
-        self.orders: list[list[Action]] = [[] for _ in range(pp)]
 
-    def run(self) -> list[list[Action]]:
-        """Advance time one unit at a time; every free rank picks its next action from the state before it."""
-        total = 3 * self.num_stages * self.num_microbatches
-        time, done = 0, 0
-        while done < total:
-            chosen = [(rank, self._pick(rank, time)) for rank in range(self.pp)]
-            chosen = [(rank, action) for rank, action in chosen if action is not None]
-            if not chosen:  # every action lasts one unit: nothing runs, so nothing will change
-                raise ScheduleError(f"zbv: the list schedule stalled at time {time} (pp={self.pp}, "
-                                    f"num_microbatches={self.num_microbatches})")
-            for rank, action in chosen:
-                self._apply(rank, action, time + 1)
-            done += len(chosen)
-            time += 1
-        return self.orders
-
-    def _ready(self, ends: list, stage: int, mb: int, time: int) -> bool:
-        """Whether ``stage``'s action on ``mb`` (an F or B end time in ``ends``) has finished by ``time``."""
-        return ends[stage][mb] is not None and ends[stage][mb] <= time
-
-    def _backward_ready(self, stage: int, time: int) -> bool:
-        """Whether the stage's next B can start: its F is done and the gradient from the next stage is in."""
-        mb = self.next_backward[stage]
-        if mb >= self.num_microbatches or not self._ready(self.forward_end, stage, mb, time):
-            return False
-        following = self.next_stage.get(stage)
-        return following is None or self._ready(self.backward_end, following, mb, time)
-
-    def _forward_ready(self, stage: int, time: int) -> bool:
-        """Whether the stage's next F can start: the previous stage's output for it is in."""
-        mb = self.next_forward[stage]
-        if mb >= self.num_microbatches:
-            return False
-        previous = self.previous_stage.get(stage)
-        return previous is None or self._ready(self.forward_end, previous, mb, time)
-
-    def _pick(self, pp_rank: int, time: int):
+    def pick(self, pp_rank: int, time: int):
         """B first (oldest microbatch, last chunk on ties), then F within budget (last chunk first), then W."""
         state = self.ranks[pp_rank]
-        backwards = [stage for stage in (state.last_stage, state.first_stage) if self._backward_ready(stage, time)]
+        backwards = [stage for stage in (state.last_stage, state.first_stage) if self.backward_ready(stage, time)]
         if backwards:
             stage = min(backwards, key=lambda s: self.next_backward[s])
             return Action(BACKWARD_INPUT, stage, self.next_backward[stage])
-        if self._forward_ready(state.last_stage, time) and state.held + 1 <= self.budget:
+        if self.forward_ready(state.last_stage, time) and state.held + 1 <= self.budget:
             return Action(FORWARD, state.last_stage, self.next_forward[state.last_stage])
         # a new microbatch enters chunk 0 only while the chunk-1 activations owed to those already
         # started still fit: the V's far end can then always run, so Bs and hence Ws keep coming
-        if self._forward_ready(state.first_stage, time) and state.held + state.owed + 1 <= self.budget:
+        if self.forward_ready(state.first_stage, time) and state.held + state.owed + 1 <= self.budget:
             return Action(FORWARD, state.first_stage, self.next_forward[state.first_stage])
         if state.pending_weights:
             stage, mb = state.pending_weights[0]
             return Action(BACKWARD_WEIGHT, stage, mb)
         return None
 
-    def _apply(self, pp_rank: int, action: Action, end: int) -> None:
-        """Record ``action`` on ``pp_rank``, ending at ``end``: its rank's order, end times, activations."""
+    def after(self, pp_rank: int, action: Action) -> None:
+        """Activations held and owed, and the Ws pending, once ``action`` is placed."""
         state = self.ranks[pp_rank]
-        self.orders[pp_rank].append(action)
         if action.kind == FORWARD:
-            self.forward_end[action.stage][action.microbatch] = end
-            self.next_forward[action.stage] += 1
             state.held += 1
             state.owed += 1 if action.stage == state.first_stage else -1
         elif action.kind == BACKWARD_INPUT:
-            self.backward_end[action.stage][action.microbatch] = end
-            self.next_backward[action.stage] += 1
             state.pending_weights.append((action.stage, action.microbatch))
         else:
             state.pending_weights.popleft()
