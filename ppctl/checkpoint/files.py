@@ -197,9 +197,10 @@ DATA_KEYS = ("seed", "global_batch_size", "seq_length")
 
 
 def resume_problem(index: dict[str, Any], model: dict[str, Any], data: dict[str, Any], precision: str,
-                   max_steps: int) -> str | None:
-    """Why a run with this model, data position, precision and ``max_steps`` cannot resume from a checkpoint
-    whose ``ppctl.json`` is ``index`` (None when it can). The layout, schedule and optimizer sharding may change."""
+                   max_steps: int, gradient_delay: int = 0) -> str | None:
+    """Why a run with this model, data position, precision, ``max_steps`` and ``optimizer.gradient_delay`` cannot
+    resume from a checkpoint whose ``ppctl.json`` is ``index`` (None when it can). The layout, schedule and
+    optimizer sharding may change."""
     for section, keys, current in (("model", MODEL_KEYS, model), ("data", DATA_KEYS, data)):
         for key in keys:
             saved = index[section].get(key)
@@ -208,6 +209,9 @@ def resume_problem(index: dict[str, Any], model: dict[str, Any], data: dict[str,
                 return f"it was saved with {setting}={saved}, this run has {current[key]}"
     if index["precision"] != precision:
         return f"it was saved with trainer.precision={index['precision']}, this run has {precision}"
+    if index.get("gradient_delay", 0) != gradient_delay:
+        return (f"it was saved with optimizer.gradient_delay={index.get('gradient_delay', 0)}, this run has "
+                f"{gradient_delay} (the previous weight version is saved only with a delay)")
     if index["step"] >= max_steps:
         return f"it is at step {index['step']}, not before trainer.max_steps={max_steps}: raise trainer.max_steps"
     return None

@@ -12,6 +12,8 @@ Each part is a ``Stateful`` in ``torch.distributed.checkpoint.stateful``'s sense
   optimizer) or from the shard pieces of the distributed optimizer;
   ``optimizer/<name>/main``: the fp32 main parameter of a bf16/fp16 run; and
   ``optimizer/steps``, AdamW's step count.
+* ``previous`` (``optimizer.gradient_delay=1`` only; ``ppctl.optim.delay.DelayedWeights``): the
+  previous weight version as ``previous/<name>``, like the model.
 * objects, each one part's whole ``state_dict``: ``trainer`` (its skipped steps),
   ``loss_scaler`` (fp16; None otherwise), ``data`` (the data position: the order is a
   function of (seed, step), so the next step is all of it; the learning rate follows the
@@ -87,7 +89,8 @@ def trainer_parts(trainer, step: int = 0) -> dict[str, Any]:
     """The ``Stateful`` parts of ``trainer`` by checkpoint name, the data position at ``step``."""
     return {"model": list(trainer.chunks.values()), "optimizer": trainer.optimizer, "trainer": trainer,
             "loss_scaler": trainer.loss_scaler if trainer.loss_scaler is not None else _Absent(),
-            "data": DataPosition(step), "rng": TorchRng()}
+            "data": DataPosition(step), "rng": TorchRng(),
+            "previous": trainer.delayed if trainer.delayed is not None else _Absent()}
 
 
 def part_states(parts: dict[str, Any]) -> dict[str, Any]:
@@ -103,10 +106,13 @@ def checkpoint_state(trainer, states: dict[str, Any], loading: bool) -> dict[str
     tp_size, tp_rank, vocab = context.layout.tp, context.coords["tp"], config.model.vocab_size
     tie = config.model.tie_embeddings
     state: dict[str, Any] = {}
-    for chunk_state in states["model"]:
-        for name, tensor in chunk_state.items():
+    weights = [("model", chunk_state) for chunk_state in states["model"]]
+    if states["previous"] is not None:  # optimizer.gradient_delay=1: the previous version too
+        weights.append(("previous", states["previous"]["previous"]))
+    for prefix, named in weights:
+        for name, tensor in named.items():
             shape, pieces = parameter_pieces(name, tensor, tp_size, tp_rank, vocab)
-            add_pieces(state, f"model/{checkpoint_name(name, tie)}", shape, pieces, unique=not loading)
+            add_pieces(state, f"{prefix}/{checkpoint_name(name, tie)}", shape, pieces, unique=not loading)
     for held in states["optimizer"]["tensors"]:
         for kind, tensor in held.tensors.items():
             shape, pieces = parameter_pieces(held.name, tensor.detach(), tp_size, tp_rank, vocab,
@@ -133,6 +139,7 @@ def checkpoint_index(trainer, step: int, reason: str, optimizer_steps: int) -> d
         "model": {key: getattr(config.model, key) for key in MODEL_KEYS},
         "data": {**{key: getattr(config.trainer, key) for key in DATA_KEYS}, "source": config.data.source},
         "optimizer_steps": optimizer_steps,
+        "gradient_delay": config.optimizer.gradient_delay,
     }
 
 
@@ -174,4 +181,5 @@ def load_checkpoint(trainer, checkpoint: Path) -> int:
     parts["optimizer"].load_state_dict({**states["optimizer"], "steps": objects["optimizer/steps"]})
     for name in OBJECTS[1:]:
         parts[name].load_state_dict(objects[name])
+    parts["previous"].load_state_dict(states["previous"])  # read in place; nothing for a run without delay
     return parts["data"].step

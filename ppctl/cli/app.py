@@ -152,7 +152,7 @@ def _resolve_resume(config: PpctlConfig) -> None:
     except CheckpointError as error:
         fail(str(error))
     problem = resume_problem(index, vars(config.model), vars(config.trainer), config.trainer.precision,
-                             config.trainer.max_steps)
+                             config.trainer.max_steps, config.optimizer.gradient_delay)
     if problem is not None:
         fail(f"trainer.resume_from={location}: cannot resume from {checkpoint}: {problem}")
     if is_run_dir_checkpoint(location) and not config.trainer.out_dir:

@@ -170,6 +170,9 @@ class OptimizerConfig:
     overlap_param_gather: bool = setting(
         True, "distributed optimizer: all-gather the updated parameters bucket by bucket in the background, "
         "each waited for just before the first forward that uses it")
+    gradient_delay: int = setting(
+        0, "`1`: PipeDream-2BW's update W(t+1) = W(t) - lr * g_t(W(t-1)), each step's gradients computed on the "
+        "weights before the last update (two weight versions); `0`: the usual W(t+1) = W(t) - lr * g_t(W(t))")
 
 
 @dataclass

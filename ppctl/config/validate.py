@@ -242,6 +242,9 @@ def _check_misc(config: PpctlConfig) -> None:
         f"trainer.precision={config.trainer.precision!r} must be one of {', '.join(PRECISIONS)}",
     )
     _check_data(config)
+    require(config.optimizer.gradient_delay in (0, 1),
+            f"optimizer.gradient_delay={config.optimizer.gradient_delay} must be 0 (the usual update) or 1 "
+            f"(PipeDream-2BW's, one step late)")
     require(
         config.launcher.backend in BACKENDS,
         f"launcher.backend={config.launcher.backend!r} must be one of {', '.join(BACKENDS)}",

@@ -3,13 +3,15 @@
 No pipeline, no runtime, no process group: one ``GPTChunk`` holding every layer takes
 the whole global batch in one forward, the mean token loss is back-propagated, the
 gradient clipped with ``torch.nn.utils.clip_grad_norm_`` and AdamW steps at the learning
-rate of the configured schedule, with the same weight-decay groups as the workers. Equivalence
+rate of the configured schedule, with the same weight-decay groups as the workers (and, with
+``optimizer.gradient_delay=1``, each step's gradients computed on the previous weights). Equivalence
 tests compare every layout and schedule against it; the pp=1 overhead benchmark
 times it against ``ppctl train``.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,7 @@ from ppctl.config import PpctlConfig
 from ppctl.data.dataset import build_microbatch, global_batch_sample_ids
 from ppctl.model.from_config import dataset_of, gpt_config, parameter_dtype
 from ppctl.model.gpt import GPTChunk
+from ppctl.optim.delay import DelayedWeights
 from ppctl.optim.grads import build_optimizer
 from ppctl.optim.lr import learning_rate, lr_schedule_of, set_learning_rate
 from ppctl.parallel.tensor_parallel import TPGroup
@@ -41,16 +44,19 @@ def reference_model(config: PpctlConfig) -> GPTChunk:
 
 
 def reference_step(model: GPTChunk, optimizer, batch, clip_grad: float,
-                   gradients: dict[str, torch.Tensor] | None = None) -> tuple[float, float]:
+                   gradients: dict[str, torch.Tensor] | None = None,
+                   delayed: DelayedWeights | None = None) -> tuple[float, float]:
     """One full-batch step; returns (mean token loss, grad norm before clipping).
 
     ``gradients``, when given, receives a copy of every parameter's gradient before clipping.
+    ``delayed`` (``optimizer.gradient_delay=1``): the gradients are computed on the previous weights.
     """
     optimizer.zero_grad(set_to_none=False)
-    losses = model(batch.tokens, position_ids=batch.position_ids, labels=batch.labels)
-    mask = batch.loss_mask.to(losses.dtype)
-    loss = (losses * mask).sum() / mask.sum()
-    loss.backward()
+    with delayed.on_previous() if delayed is not None else nullcontext():
+        losses = model(batch.tokens, position_ids=batch.position_ids, labels=batch.labels)
+        mask = batch.loss_mask.to(losses.dtype)
+        loss = (losses * mask).sum() / mask.sum()
+        loss.backward()
     if gradients is not None:
         gradients.update({name: param.grad.detach().clone() for name, param in model.named_parameters()})
     max_norm = clip_grad if clip_grad > 0 else float("inf")
@@ -66,12 +72,13 @@ def run_reference(config: PpctlConfig, steps: int | None = None) -> ReferenceRun
     optimizer = build_optimizer([model], config.optimizer)
     schedule = lr_schedule_of(config)
     dataset = dataset_of(config)
+    delayed = DelayedWeights(dict(model.named_parameters())) if config.optimizer.gradient_delay else None
     losses, norms, first_gradients = [], [], {}
     for step in range(trainer.max_steps if steps is None else steps):
         ids = global_batch_sample_ids(trainer.seed, step, trainer.global_batch_size, len(dataset))
         set_learning_rate(optimizer, learning_rate(step, schedule))
         loss, norm = reference_step(model, optimizer, build_microbatch(dataset, ids), config.optimizer.clip_grad,
-                                    first_gradients if step == 0 else None)
+                                    first_gradients if step == 0 else None, delayed)
         losses.append(loss)
         norms.append(norm)
     parameters = {name: param.detach().clone() for name, param in model.named_parameters()}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import signal
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from ppctl.data.iterator import PipelineDataIterator
 from ppctl.model.from_config import dataset_of, gpt_config, parameter_dtype
 from ppctl.model.gpt import GPTChunk
 from ppctl.model.gpt_stages import MaskedTokenLoss, build_stages
+from ppctl.optim.delay import DelayedWeights
 from ppctl.optim.grads import clip_coefficient
 from ppctl.optim.loss_scale import DynamicLossScaler
 from ppctl.optim.optimizer import build_trainer_optimizer
@@ -155,6 +157,7 @@ class Trainer:
                                                  self.data.num_microbatches // layout.placement.copies)
         self.lr_schedule = lr_schedule_of(config)
         self.skipped_steps = 0
+        self.delayed = DelayedWeights(self.named_parameters()) if config.optimizer.gradient_delay else None
         self.loss_scaler = loss_scaler_of(config)
         self.loss_scale = 1.0  # the scale the current step's gradients carry
         self.tracer = Tracer(context.rank) if config.trainer.trace else None
@@ -220,10 +223,19 @@ class Trainer:
         if self.tracer is not None:
             self.tracer.start_step()
         self.loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        state = self.runtime.run(self.program, microbatches, MaskedTokenLoss(normalizer, self.loss_scale))
+        with self._gradient_weights():
+            state = self.runtime.run(self.program, microbatches, MaskedTokenLoss(normalizer, self.loss_scale))
         self.last_step_state = state
         self.optimizer.finish_grad_sync()
         return self._mean_loss(state, normalizer), self.optimizer.grad_norm() / self.loss_scale
+
+    def _gradient_weights(self):
+        """The weights a step's gradients are computed on: the current ones, or with ``optimizer.gradient_delay=1``
+        the previous version (``ppctl.optim.delay``; in-flight parameter gathers finished first)."""
+        if self.delayed is None:
+            return nullcontext()
+        self.optimizer.sync_parameters()
+        return self.delayed.on_previous()
 
     def evaluate(self, step: int, data: PipelineDataIterator | None = None) -> float | None:
         """Mean token loss of global batch ``step`` (of ``data``, default the training data) through the

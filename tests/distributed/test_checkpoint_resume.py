@@ -4,9 +4,10 @@ Each case trains steps 0-1 at the saving layout, saves after step 2, builds a tr
 the loading layout (other tp, pp, dp, cp, schedule, optimizer sharding, world size),
 loads the checkpoint and trains steps 2-3. Compared in float64 with the single-process
 run of all four steps as a user would launch it (``parallel=single``): the losses and
-grad norms of steps 2-3 and every final parameter. A bf16 and an fp16 run resumed at their
-own layout are compared bitwise with their own uninterrupted runs (fp32 main parameters,
-AdamW state and the fp16 loss scaler must come back exactly).
+grad norms of steps 2-3 and every final parameter. A bf16, an fp16 and a delayed-gradient
+(``optimizer.gradient_delay=1``) run resumed at their own layout are compared bitwise with
+their own uninterrupted runs (fp32 main parameters, AdamW state, the fp16 loss scaler and
+the previous weight version must come back exactly).
 """
 
 import functools
@@ -39,6 +40,7 @@ ACROSS_WORLDS = (["parallel.pp=2", "schedule=gpipe"], ["parallel.pp=2", "paralle
 # Half precision resumed at its own layout: bitwise its uninterrupted run (fp16 also brings back its loss scaler).
 SAME_LAYOUT = [BASE + [f"trainer.precision={precision}", "parallel.pp=1", "parallel.dp=2", *DIST]
                for precision in ("bf16", "fp16")]
+SAME_LAYOUT.append(BASE + ["parallel.pp=2", "optimizer.gradient_delay=1"])  # both weight versions come back
 
 
 def _trainer(overrides, contexts):

@@ -42,7 +42,8 @@ def test_world_size_2_zbv_looped_and_schedule_files_match_single_process(tmp_pat
     and distributed optimizer; breadth-first at vpp=3, interleaved zero bubble; Hanayo with one wave and two (tied:
     the first and last stage both on rank 0). ``schedule=custom``: interleaved
     1F1B written to torch's CSV trains bit for bit as the built-in, and DualPipe written to ppctl's JSON (its two
-    copies in the file's placement) equal to one process."""
+    copies in the file's placement) equal to one process. ``optimizer.gradient_delay=1`` (PipeDream-2BW's update)
+    at pp=2 and with the distributed optimizer at dp=2, against the delayed single-process run."""
     import json
 
     import torch
@@ -63,7 +64,10 @@ def test_world_size_2_zbv_looped_and_schedule_files_match_single_process(tmp_pat
             BASE + ["parallel.pp=2", "schedule=custom", f"schedule.file={interleaved}"] + FP64,
             BASE + ["parallel.pp=2", "schedule=custom", f"schedule.file={dualpipe}"] + TIED,
             BASE + ["parallel.pp=2", "schedule=hanayo"] + TIED,
-            BASE + ["parallel.pp=2", "schedule=hanayo", "parallel.waves=2", "model.num_layers=8"] + TIED]
+            BASE + ["parallel.pp=2", "schedule=hanayo", "parallel.waves=2", "model.num_layers=8"] + TIED,
+            BASE + ["parallel.pp=2", "optimizer.gradient_delay=1"] + FP64,
+            BASE + ["parallel.pp=1", "parallel.dp=2", "optimizer.distributed=true", "optimizer.gradient_delay=1"]
+            + FP64]
     per_rank = assert_equivalent(runs, world_size=2)
     for rank_results in per_rank:
         built_in, from_file = rank_results[4], rank_results[5]

@@ -78,6 +78,8 @@ def test_resume_rules_name_the_setting_that_changed():
                                                            "fp32", 10)
     assert "trainer.precision=fp32, this run has bf16" in resume_problem(index, model, data, "bf16", 10)
     assert "raise trainer.max_steps" in resume_problem(index, model, data, "fp32", 4)
+    assert "optimizer.gradient_delay=0, this run has 1" in resume_problem(index, model, data, "fp32", 10, 1)
+    assert resume_problem({**index, "gradient_delay": 1}, model, data, "fp32", 10, 1) is None
 
 
 def edit_index(checkpoint, **changes):
