@@ -100,10 +100,14 @@ def _train_one(config, context, schedule) -> dict:
         losses.append(loss)
         norms.append(grad_norm)
     shards = {name: param.detach().clone() for name, param in trainer.named_parameters().items()}
+    traced = None  # with trainer.trace=true: the last step's actions as the tracer recorded them, in order
+    if trainer.tracer is not None:
+        traced = [(kind, stage, microbatch) for kind, stage, microbatch, _, _ in trainer.tracer.actions]
     return {"losses": losses, "norms": norms, "gradients": first_gradients, "shards": shards,
             "eval_loss": eval_loss, "message_bytes": message_bytes,
             "optimizer_bytes": trainer.optimizer.state_bytes(),
-            "tp_rank": context.coords["tp"], "tp": context.layout.tp}
+            "tp_rank": context.coords["tp"], "tp": context.layout.tp, "pp_rank": context.pp_rank,
+            "traced": traced}
 
 
 def expected_shard(name: str, dense: torch.Tensor, shard: torch.Tensor, tp_size: int, tp_rank: int,

@@ -43,11 +43,13 @@ def test_world_size_2_zbv_looped_and_schedule_files_match_single_process(tmp_pat
     the first and last stage both on rank 0). ``schedule=custom``: interleaved
     1F1B written to torch's CSV trains bit for bit as the built-in, and DualPipe written to ppctl's JSON (its two
     copies in the file's placement) equal to one process. ``optimizer.gradient_delay=1`` (PipeDream-2BW's update)
-    at pp=2 and with the distributed optimizer at dp=2, against the delayed single-process run."""
+    at pp=2 and with the distributed optimizer at dp=2, against the delayed single-process run. Two runs are
+    traced: each rank's recorded actions are its steps of the lowered program, in order."""
     import json
 
     import torch
 
+    from ppctl.pipeline.program import lower
     from ppctl.pipeline.schedules import build_schedule, schedule_csv
     from ppctl.pipeline.simulate import simulate
 
@@ -59,16 +61,24 @@ def test_world_size_2_zbv_looped_and_schedule_files_match_single_process(tmp_pat
             BASE + ["parallel.pp=2", "parallel.vpp=3", "parallel.dp=1", "schedule=looped_bfs", "model.num_layers=6"]
             + TIED,
             BASE + ["parallel.pp=2", "parallel.vpp=2", "parallel.dp=1", "schedule=interleaved_zb"]
-            + ["optimizer.distributed=true"],
+            + ["optimizer.distributed=true", "trainer.trace=true"],
             BASE + ["parallel.pp=2", "parallel.vpp=2", "schedule=interleaved_1f1b"] + FP64,
             BASE + ["parallel.pp=2", "schedule=custom", f"schedule.file={interleaved}"] + FP64,
             BASE + ["parallel.pp=2", "schedule=custom", f"schedule.file={dualpipe}"] + TIED,
             BASE + ["parallel.pp=2", "schedule=hanayo"] + TIED,
-            BASE + ["parallel.pp=2", "schedule=hanayo", "parallel.waves=2", "model.num_layers=8"] + TIED,
+            BASE + ["parallel.pp=2", "schedule=hanayo", "parallel.waves=2", "model.num_layers=8", "trainer.trace=true"]
+            + TIED,
             BASE + ["parallel.pp=2", "optimizer.gradient_delay=1"] + FP64,
             BASE + ["parallel.pp=1", "parallel.dp=2", "optimizer.distributed=true", "optimizer.gradient_delay=1"]
             + FP64]
     per_rank = assert_equivalent(runs, world_size=2)
+    traced_runs = {3: build_schedule("interleaved_zb", 2, 2, 8), 8: build_schedule("hanayo", 2, 4, 8)}
+    for index, schedule in traced_runs.items():  # traced: each rank ran its steps of the program, in order
+        program = lower(schedule)
+        for rank_results in per_rank:
+            result = rank_results[index]
+            assert result["traced"] == [(step.action.kind, step.action.stage, step.action.microbatch)
+                                        for step in program.steps[result["pp_rank"]]]
     for rank_results in per_rank:
         built_in, from_file = rank_results[4], rank_results[5]
         assert from_file["losses"] == built_in["losses"] and from_file["norms"] == built_in["norms"]
