@@ -1,4 +1,7 @@
-"""Files written whole or not at all, and their digests: shared by the data cache and checkpoints. Pure."""
+"""Files written whole or not at all, their digests, and the error behind a file reader's wrapped one.
+
+Shared by the data cache, checkpoints and config files. Pure.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 
 def write_atomically(final_path: Path, write: Callable) -> None:
@@ -33,3 +36,18 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def exception_in_chain(error: Optional[BaseException], kind: type) -> Optional[BaseException]:
+    """The first exception of type ``kind`` in ``error``'s chain (itself, its causes and contexts), or None.
+
+    Readers wrap what went wrong (``datasets`` a decoding error, Hydra a YAML or override error);
+    the one-line message is built from the original.
+    """
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kind):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None

@@ -15,6 +15,7 @@ from typing import Any
 
 from ppctl.config.derived import fill_unset
 from ppctl.config.schema import SCHEMA_GROUPS, ConfigError, PpctlConfig
+from ppctl.fileio import exception_in_chain
 
 PACKAGE_CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # ppctl/conf: ppctl's config groups
 
@@ -120,22 +121,11 @@ def _one_line(error: BaseException) -> str:
     return text.rstrip(":")
 
 
-def _in_chain(error: BaseException, kind: type) -> BaseException | None:
-    """The first exception of type ``kind`` in ``error``'s chain (its causes and contexts), or None."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, kind):
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
-
-
 def _yaml_problem(error: BaseException) -> str | None:
     """``FILE, line L, column C: invalid YAML: ...`` for a YAML syntax error in ``error``'s chain, else None."""
     import yaml
 
-    found = _in_chain(error, yaml.MarkedYAMLError)
+    found = exception_in_chain(error, yaml.MarkedYAMLError)
     if found is None:
         return None
     mark = found.problem_mark or found.context_mark
@@ -155,7 +145,7 @@ def _override_problem(error: BaseException) -> str | None:
     """``override TEXT: cannot parse it at column C: ...`` for an override Hydra's grammar refused, else None."""
     from hydra.errors import OverrideParseException
 
-    found = _in_chain(error, OverrideParseException)
+    found = exception_in_chain(error, OverrideParseException)
     if found is None:
         return None
     text = found.override

@@ -20,19 +20,29 @@ DEFAULT_RDZV_PORT = 29400  # torchrun's c10d rendezvous port when the endpoint n
 def fill_unset(config: PpctlConfig) -> None:
     """Give the settings left unset the values they follow (``compose_config`` and ``load_config_file`` call this).
 
-    ``parallel.vpp``: the chunks per rank the schedule places (2 for the V schedules, 2 * waves for
-    ``hanayo``, the file's for ``schedule=custom``, else 1), so ``schedule=zbv parallel.pp=2`` needs no vpp; ``model.vocab_size``: the tokenizer's ids, so the
-    resolved config.yaml holds the number.
+    ``parallel.vpp``: the chunks per rank the schedule places (2 for the V schedules, 2 per wave of
+    ``parallel.waves`` for ``hanayo``, the file's for ``schedule=custom``, else 1), so ``schedule=zbv
+    parallel.pp=2`` needs no vpp; ``model.vocab_size``: the tokenizer's ids, so the resolved
+    config.yaml holds the number.
     """
     if config.parallel.vpp is None:
-        spec = schedule_specs().get(config.schedule.name)
-        config.parallel.vpp = spec.chunks_per_rank if spec is not None and spec.chunks_per_rank else 1
-        if spec is not None and spec.name == "custom" and config.schedule.file:
-            config.parallel.vpp = _file_chunks_per_rank(config.schedule.file) or 1
-        if spec is not None and spec.name == "hanayo":
-            config.parallel.vpp = 2 * (config.parallel.waves or 1)
+        config.parallel.vpp = _placed_chunks(config)
     if config.model.vocab_size is None:
         config.model.vocab_size = tokenizer_vocab_size(config.data)
+
+
+def _placed_chunks(config: PpctlConfig) -> int:
+    """The chunks per rank the configured schedule places when ``parallel.vpp`` is unset."""
+    from ppctl.pipeline.schedules import CUSTOM
+
+    spec = schedule_specs().get(config.schedule.name)
+    if spec is None:
+        return 1  # validation names the unknown schedule
+    if spec.chunks_per_wave is not None:
+        return spec.chunks_per_wave * (config.parallel.waves or 1)
+    if spec.name == CUSTOM and config.schedule.file:
+        return _file_chunks_per_rank(config.schedule.file) or 1
+    return spec.chunks_per_rank or 1
 
 
 def _file_chunks_per_rank(path: str):

@@ -211,13 +211,14 @@ def _check_batch(config: PpctlConfig, layout: ParallelLayout) -> None:
 def _check_schedule_chunks(config: PpctlConfig) -> None:
     """The chunks per rank the schedule's placement allows: one, several (looped), two per wave, or two (a V)."""
     spec, vpp, waves = schedule_spec(config), config.parallel.vpp, config.parallel.waves
-    if spec.name != "hanayo":
+    if spec.chunks_per_wave is None:
         require(waves is None, f"parallel.waves={waves} is read only with schedule=hanayo; schedule {spec.name} "
                                f"has no waves")
     else:
         require(waves is None or waves >= 1, f"parallel.waves={waves} must be at least 1")
-        require(vpp == 2 * (waves or 1), f"parallel.vpp={vpp}: schedule hanayo places 2 * parallel.waves = "
-                                         f"{2 * (waves or 1)} chunks on each rank; leave parallel.vpp unset")
+        chunks = spec.chunks_per_wave * (waves or 1)
+        require(vpp == chunks, f"parallel.vpp={vpp}: schedule {spec.name} places {spec.chunks_per_wave} * "
+                               f"parallel.waves = {chunks} chunks on each rank; leave parallel.vpp unset")
     if spec.chunks_per_rank is not None:
         require(vpp == spec.chunks_per_rank,
                 f"parallel.vpp={vpp}: schedule {spec.name} places exactly {spec.chunks_per_rank} chunks on each "

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ppctl.data.tokenizer import Tokenizer, build_tokenizer
-from ppctl.fileio import file_sha256, write_atomically
+from ppctl.fileio import exception_in_chain, file_sha256, write_atomically
 
 TOKEN_SOURCES = ("python_stdlib", "text")
 TOKEN_DTYPES = ("auto", "uint16", "uint32")
@@ -551,13 +551,7 @@ def _is_encoding_error(error: BaseException) -> bool:
 
 def _decode_error(error: BaseException) -> UnicodeDecodeError | None:
     """The ``UnicodeDecodeError`` that ``error`` is or was caused by (``datasets`` wraps it), or None."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, UnicodeDecodeError):
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
+    return exception_in_chain(error, UnicodeDecodeError)
 
 
 def not_utf8_error(corpus: Corpus, error: BaseException, documents=None) -> DataError:

@@ -135,6 +135,8 @@ class ScheduleSpec:
     their model copies (DualPipe holds 2); the layout (layer map, embedding group,
     data and logging ranks) and the schedule share it. ``chunks_per_rank`` is set
     when the placement fixes it (a V holds exactly 2); ``placement_name`` describes it.
+    ``chunks_per_wave`` is set when ``parallel.waves`` decides the chunks per rank
+    (Hanayo: 2 per wave).
     """
 
     name: str
@@ -146,6 +148,7 @@ class ScheduleSpec:
     placement: Callable[[int, int], Placement] = looped_placement
     chunks_per_rank: Optional[int] = None
     placement_name: str = "looped: rank r holds stages r, r+pp, ..."
+    chunks_per_wave: Optional[int] = None
 
 
 def at_least_one_microbatch(pp: int, vpp: int, num_microbatches: int) -> Optional[str]:

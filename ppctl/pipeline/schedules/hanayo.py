@@ -112,4 +112,5 @@ HANAYO_SPEC = ScheduleSpec(
     generate=hanayo,
     placement=_wave_placement_of_spec,
     placement_name="waves: stage s on rank s mod 2pp, or 2pp-1-(s mod 2pp) past pp",
+    chunks_per_wave=2,
 )
