@@ -96,6 +96,10 @@ def inspect_schedule(
                                   "unset: F+B+W), and the latency of one point-to-point message."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (docs/schedules.md lists the keys)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the timeline picture (.svg or .html)."),
+    steps: int = typer.Option(1, "--steps", min=1,
+                              help="Consecutive steps to simulate: one stream for pipedream_2bw (the fill shows "
+                                   "once), else each step after the last; adds the time and bubble per step after "
+                                   "the first."),
     config_dir: Optional[Path] = CONFIG_DIR_OPTION,
     config_name: str = CONFIG_NAME_OPTION,
 ) -> None:
@@ -106,7 +110,7 @@ def inspect_schedule(
     # The schedule does not depend on how the model's layers divide into its stages.
     config = load_config(overrides, config_dir, config_name, lambda loaded: validate(loaded, layer_split=False))
     try:
-        result = simulate_config(config, cost)
+        result = simulate_config(config, cost, steps)
         if out is not None:
             from ppctl.cli.schedule_report import write_schedule_picture
 

@@ -100,6 +100,9 @@ class ScheduleConfig:
     name: str = setting("1f1b", "the pipeline schedule")
     file: Optional[str] = setting(None, "`schedule=custom`: the schedule file, torch's compute-only CSV or ppctl's "
                                         "JSON (what `inspect-schedule --json` prints)")
+    stream_steps: int = setting(8, "`schedule=pipedream_2bw`: steps run as one continuous stream, with no flush "
+                                   "between them; after each stream the pipeline drains: logs are written, signals "
+                                   "read, and checkpoints and validation taken when due (those cut a stream short)")
 
 
 @dataclass

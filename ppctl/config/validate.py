@@ -111,6 +111,7 @@ POSITIVE_FIELDS = {
                 "keep_last"),
     "launcher": ("nnodes", "timeout_s", "shutdown_timeout_s"),
     "optimizer": ("bucket_size", "loss_scale_window"),
+    "schedule": ("stream_steps",),
 }
 
 
@@ -235,6 +236,23 @@ def _check_schedule(config: PpctlConfig) -> None:
     spec, parallel = schedule_spec(config), config.parallel
     error = spec.microbatch_error(parallel.pp, parallel.vpp, num_microbatches(config))
     require(error is None, f"schedule {spec.name}: {error}")
+    if spec.streams_steps:
+        _check_stream(config, spec.name)
+
+
+def _check_stream(config: PpctlConfig, name: str) -> None:
+    """A schedule that streams across steps (PipeDream-2BW) updates each rank on its own, with no barrier:
+    the delayed update it implies is asked for explicitly, and nothing may need every rank's gradients first."""
+    optimizer = config.optimizer
+    require(optimizer.gradient_delay == 1,
+            f"schedule {name} computes each step's gradients on the weights before the last update; set "
+            f"optimizer.gradient_delay=1 (its single-process reference is the same run with parallel=single)")
+    require(optimizer.clip_grad <= 0,
+            f"schedule {name} updates each rank without waiting for the others, but optimizer.clip_grad="
+            f"{optimizer.clip_grad} clips by the global norm of every rank's gradients; set optimizer.clip_grad=0")
+    require(config.trainer.precision != "fp16",
+            f"schedule {name} updates each rank without waiting for the others, but fp16's loss scaling skips a "
+            f"step on any rank's overflow; use trainer.precision=bf16 or fp32")
 
 
 def _check_misc(config: PpctlConfig) -> None:

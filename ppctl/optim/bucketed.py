@@ -299,16 +299,24 @@ class BucketedOptimizer(AdamWStateful):
 
     def grad_norm(self) -> float:
         """The global L2 gradient norm from the shards: each element of the model counted once over all ranks."""
+        squares = self.local_grad_squares().reshape(1)
+        self.sum_grad_squares(squares)
+        return math.sqrt(float(squares.item()))
+
+    def local_grad_squares(self) -> torch.Tensor:
+        """The sum of squares of this rank's share of the gradient (float64 scalar; no communication)."""
         squares = torch.zeros((), dtype=torch.float64, device=self.grad_data.device)
         for piece in self.pieces:
             if self._counted(piece.slot):
                 squares += piece.main.grad.double().pow(2).sum()
-        squares = squares.reshape(1)
+        return squares
+
+    def sum_grad_squares(self, squares: torch.Tensor) -> None:
+        """Sum ``local_grad_squares`` values (any shape, float64) over the ranks that share the model, in place."""
         if self.sharded:
             dist.all_reduce(squares)  # the shards partition the whole model over all ranks
         elif self.context.size("tp_pp") > 1:
             dist.all_reduce(squares, group=self.context.groups["tp_pp"])  # every dp_cp replica holds it all
-        return math.sqrt(float(squares.item()))
 
     def _counted(self, slot: Slot) -> bool:
         if is_tp_replicated(slot.name) and self.context.coords["tp"] != 0:

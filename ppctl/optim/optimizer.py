@@ -83,13 +83,15 @@ class PlainOptimizer(AdamWStateful):
         """Nothing derived from the parameters on this path."""
 
 
-def build_trainer_optimizer(chunks: Mapping[int, torch.nn.Module], context, settings, num_microbatches: int):
+def build_trainer_optimizer(chunks: Mapping[int, torch.nn.Module], context, settings, num_microbatches: int,
+                            bucketed: bool = False):
     """The distributed optimizer (sharded buckets) when ``settings.distributed``; else the plain path:
-    unsharded buckets of fp32 main parameters and gradients when the model is in half precision, else
+    unsharded buckets of fp32 main parameters and gradients when the model is in half precision or
+    ``bucketed`` is asked for (PipeDream-2BW keeps its two weight versions in flat buffers), else
     ``PlainOptimizer``."""
     half_precision = any(param.dtype in (torch.bfloat16, torch.float16)
                          for chunk in chunks.values() for param in chunk.parameters())
-    if settings.distributed or half_precision:
+    if settings.distributed or half_precision or bucketed:
         return BucketedOptimizer(chunks, context, settings, num_microbatches, sharded=settings.distributed,
                                  decays=lambda name, param: decays(name, param, settings))
     return PlainOptimizer(chunks, context, settings)

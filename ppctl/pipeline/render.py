@@ -80,10 +80,21 @@ def simulation_lines(result: SimResult) -> list[str]:
         f"costs F={_number(costs.F)} B={_number(costs.B)} W={_number(costs.W)}{overlapped} "
         f"comm={_number(costs.comm)}",
         f"makespan {_number(result.makespan)} · bubble ratio {result.bubble_ratio:.1%}",
+        *_steps_line(result),
         _idle_line(result),
         _peaks_line(result.ranks),
         _parameters_line(result),
     ]
+
+
+def _steps_line(result: SimResult) -> list[str]:
+    """With several steps: when each ends, and the time and bubble per step after the first (the steady state)."""
+    if result.steps == 1:
+        return []
+    step_time, bubble = result.steady_step()
+    ends = ", ".join(_number(end) for end in result.step_ends())
+    return [f"{result.steps} steps, ending at {ends} · after the first: {_number(step_time)} per step, "
+            f"bubble ratio {bubble:.1%} per step"]
 
 
 def _parameters_line(result: SimResult) -> str:
@@ -91,6 +102,9 @@ def _parameters_line(result: SimResult) -> str:
     line = f"parameters per rank: {result.copies}/{result.pp} of the model"
     if result.copies > 1:
         line += f" ({result.copies} model copies: {result.copies}x a one-copy schedule's)"
+    if result.weight_versions > 1:
+        line += (f", kept in {result.weight_versions} weight versions ({result.weight_versions}x a one-version "
+                 f"schedule's)")
     return line
 
 

@@ -15,30 +15,42 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
 from ppctl.pipeline.p2p import PipelineTransport
 from ppctl.pipeline.program import Message, Program, Step
-from ppctl.pipeline.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+from ppctl.pipeline.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
 from ppctl.pipeline.stage import LossFn, PipelineStage, release_output
 from ppctl.pipeline.trace import Tracer
 
 
 @dataclass
 class StepState:
-    """What one run of a program reports: the summed logged loss and, when tracked, peak held bytes.
+    """What one run of a program reports: the summed logged loss, each microbatch's logged loss (on the
+    last stage) and, when tracked, peak held bytes.
 
     ``local`` holds the tensors handed over on the rank, by message number.
     """
 
     loss_sum: torch.Tensor | float = 0.0
+    logged: dict[int, torch.Tensor] = field(default_factory=dict)
     peak_held_bytes: int = 0
     local: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 Handler = Callable[[Step, list, StepState], "torch.Tensor | None"]
+
+
+class ActionHooks(Protocol):
+    """What a run calls around each action (a stream of several steps: which weights, when to update)."""
+
+    def before(self, action: Action) -> None:
+        """Called just before ``action`` runs."""
+
+    def after(self, action: Action) -> None:
+        """Called just after ``action`` ran and its messages were posted."""
 
 
 class PipelineRuntime:
@@ -52,7 +64,7 @@ class PipelineRuntime:
         self.tracer = tracer
         self.release_outputs = release_outputs
         self.track_memory = track_memory
-        self.loss_fn: LossFn | None = None  # the current run's: set by ``run``
+        self.loss_fns: Sequence[LossFn | None] = ()  # the current run's, per microbatch: set by ``run``
         self.microbatches: Sequence = ()
         self.messages: Sequence[Message] = ()  # the current program's message table
         self.handlers: dict[str, Handler] = {
@@ -63,26 +75,33 @@ class PipelineRuntime:
         }
         self.forward_only_handlers: dict[str, Handler] = {FORWARD: self._forward_only}
 
-    def run(self, program: Program, microbatches: Sequence, loss_fn: LossFn | None,
-            forward_only: bool = False) -> StepState:
-        """Execute this rank's steps of ``program``; returns the step state (logged loss sum on the last stage).
+    def run(self, program: Program, microbatches: Sequence, loss_fn: LossFn | Sequence[LossFn] | None,
+            forward_only: bool = False, hooks: ActionHooks | None = None) -> StepState:
+        """Execute this rank's steps of ``program``; returns the step state (logged losses on the last stage).
 
+        ``loss_fn`` is the step's, or one per microbatch (a stream of steps, each with its normaliser).
         ``forward_only`` runs forwards without graphs (evaluation; the program holds F actions only).
+        ``hooks`` are called around every action.
         """
         state = StepState()
-        self.loss_fn, self.microbatches, self.messages = loss_fn, microbatches, program.messages
+        self.loss_fns = loss_fn if isinstance(loss_fn, Sequence) else [loss_fn] * len(microbatches)
+        self.microbatches, self.messages = microbatches, program.messages
         handlers = self.forward_only_handlers if forward_only else self.handlers
         self.transport.post([], [self.messages[number] for number in program.initial_receives[self.pp_rank]])
         for step in program.steps[self.pp_rank]:
             inputs = [self._input(number, state) for number in step.inputs]
-            started = time.perf_counter() if self.tracer is not None else 0.0
             handler = handlers.get(step.action.kind)
             if handler is None:
                 raise ValueError(f"the runtime has no handler for action kind {step.action.kind!r}")
+            if hooks is not None:
+                hooks.before(step.action)
+            started = time.perf_counter() if self.tracer is not None else 0.0
             produced = handler(step, inputs, state)
             if self.tracer is not None:
                 self.tracer.action(step.action, started, time.perf_counter())
             self._hand_over(step, produced, state)
+            if hooks is not None:
+                hooks.after(step.action)
             if self.track_memory:
                 state.peak_held_bytes = max(state.peak_held_bytes, self.held_bytes())
         self.transport.finish()
@@ -107,18 +126,20 @@ class PipelineRuntime:
         action = step.action
         stage = self.stages[action.stage]
         output, logged = stage.forward(action.microbatch, self.microbatches[action.microbatch],
-                                       inputs[0] if inputs else None, self.loss_fn)
+                                       inputs[0] if inputs else None, self.loss_fns[action.microbatch])
         if logged is None:
             return output
-        state.loss_sum = state.loss_sum + logged.detach()
+        state.logged[action.microbatch] = logged.detach()
+        state.loss_sum = state.loss_sum + state.logged[action.microbatch]
         return None
 
     def _forward_only(self, step: Step, inputs: list, state: StepState) -> torch.Tensor | None:
         action = step.action
         output, logged = self.stages[action.stage].forward_only(
-            self.microbatches[action.microbatch], inputs[0] if inputs else None, self.loss_fn)
+            self.microbatches[action.microbatch], inputs[0] if inputs else None, self.loss_fns[action.microbatch])
         if logged is None:
             return output
+        state.logged[action.microbatch] = logged
         state.loss_sum = state.loss_sum + logged
         return None
 

@@ -14,16 +14,17 @@ chunk-level activation in flight counts ``1 / chunks_per_copy``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 from .program import Program, lower
 from .replay import Costs, Replay, gc_paused, run_timed
 from .schedules.base import BACKWARD, BACKWARD_WEIGHT, Action, FORWARD, Schedule, ScheduleError
 
 __all__ = ["Costs", "RankTimeline", "Replay", "SimResult", "TimedAction", "parse_costs", "peak_activations",
-           "replay", "simulate"]
+           "replay", "simulate", "simulate_steps"]
 
 
 def parse_costs(text: str) -> Costs:
@@ -92,14 +93,39 @@ class SimResult:
     bubble_ratio: float
     copies: int = 1
     program: Optional[Program] = None  # the lowered program simulated (None: a measured timeline)
+    steps: int = 1  # consecutive steps shown; step k's microbatches are k*num_microbatches onwards
+    weight_versions: int = 1  # weight versions each rank keeps (PipeDream-2BW: 2)
 
     def idle_times(self) -> list[float]:
         """Per rank, the makespan less the rank's compute time: its bubble (what DualPipe's table calls one)."""
         return [self.makespan - sum(action.end - action.start for action in timeline.actions)
                 for timeline in self.ranks]
 
+    def step_ends(self) -> list[float]:
+        """When each step's last action ends, over all ranks."""
+        ends = [0.0] * self.steps
+        for timeline in self.ranks:
+            for action in timeline.actions:
+                step = action.microbatch // self.num_microbatches
+                ends[step] = max(ends[step], action.end)
+        return ends
+
+    def steady_step(self) -> tuple[float, float]:
+        """(time per step, bubble ratio per step) after the first step: what a long run pays per step.
+
+        The bubble is against the busiest rank's compute per step; with one step, the step's own.
+        """
+        if self.steps == 1:
+            return self.makespan, self.bubble_ratio
+        ends = self.step_ends()
+        step_time = (ends[-1] - ends[0]) / (self.steps - 1)
+        compute = max(sum(action.end - action.start for action in timeline.actions)
+                      for timeline in self.ranks) / self.steps
+        return step_time, (step_time - compute) / compute if compute > 0 else 0.0
+
     def to_json(self) -> dict:
         """The result as plain data (the ``inspect-schedule --json`` contract)."""
+        step_time, step_bubble = self.steady_step()
         return {
             "schedule": self.schedule,
             "pp": self.pp,
@@ -108,6 +134,11 @@ class SimResult:
             "costs": self.costs.to_json(),
             "makespan": self.makespan,
             "bubble_ratio": self.bubble_ratio,
+            "steps": self.steps,
+            "step_ends": self.step_ends(),
+            "steady_step_time": step_time,
+            "steady_bubble_ratio": step_bubble,
+            "weight_versions": self.weight_versions,
             "ranks": [_rank_json(timeline) for timeline in self.ranks],
             **({"program": self.program.to_json()} if self.program is not None else {}),
         }
@@ -125,6 +156,25 @@ def _rank_json(timeline: RankTimeline) -> dict:
 
 
 # --- the simulator ------------------------------------------------------------------------
+
+def simulate_steps(schedule_of: Callable[[int], Schedule], num_microbatches: int, steps: int, streams: bool,
+                   costs: Costs = Costs()) -> SimResult:
+    """``steps`` consecutive steps of ``num_microbatches``: one stream (``streams``: ``schedule_of(steps *
+    num_microbatches)``, PipeDream-2BW, two weight versions) or the one-step schedule ``schedule_of(num_microbatches)``
+    repeated, each step starting when the last one ended (a flush and a synchronous optimizer step between)."""
+    if streams:
+        result = simulate(schedule_of(steps * num_microbatches), costs)
+        return dataclasses.replace(result, num_microbatches=num_microbatches, steps=steps, weight_versions=2)
+    one = simulate(schedule_of(num_microbatches), costs)
+    ranks = [RankTimeline(timeline.rank, [dataclasses.replace(action, microbatch=action.microbatch + step *
+                                                               num_microbatches,
+                                                               start=action.start + step * one.makespan,
+                                                               end=action.end + step * one.makespan)
+                                           for step in range(steps) for action in timeline.actions],
+                          timeline.peak_activations)
+             for timeline in one.ranks]
+    return dataclasses.replace(one, ranks=ranks, makespan=one.makespan * steps, steps=steps)
+
 
 @gc_paused
 def simulate(schedule: Union[Schedule, Program], costs: Costs = Costs()) -> SimResult:

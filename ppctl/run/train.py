@@ -19,11 +19,12 @@ import torch
 import torch.distributed as dist
 
 from ppctl.config import PpctlConfig, configured_schedule
+from ppctl.config.derived import schedule_specs
 from ppctl.data.iterator import PipelineDataIterator
 from ppctl.model.from_config import dataset_of, gpt_config, parameter_dtype
 from ppctl.model.gpt import GPTChunk
 from ppctl.model.gpt_stages import MaskedTokenLoss, build_stages
-from ppctl.optim.delay import DelayedWeights
+from ppctl.optim.delay import DelayedWeights, WeightVersions
 from ppctl.optim.grads import clip_coefficient
 from ppctl.optim.loss_scale import DynamicLossScaler
 from ppctl.optim.optimizer import build_trainer_optimizer
@@ -38,6 +39,7 @@ from ppctl.pipeline.runtime import PipelineRuntime
 from ppctl.pipeline.schedules import Schedule
 from ppctl.pipeline.stage import TensorSpec
 from ppctl.pipeline.trace import Tracer
+from ppctl.run.stream import StepStream
 
 
 class NonFiniteGradients(RuntimeError):
@@ -153,11 +155,16 @@ class Trainer:
         self.data = build_data(config, context, self.fields)
         self._validation_data: PipelineDataIterator | None = None
         # Each parameter copy runs its share of the microbatches (DualPipe: half each).
+        streams = schedule_specs()[config.schedule.name].streams_steps
         self.optimizer = build_trainer_optimizer(self.chunks, context, config.optimizer,
-                                                 self.data.num_microbatches // layout.placement.copies)
+                                                 self.data.num_microbatches // layout.placement.copies,
+                                                 bucketed=streams)
         self.lr_schedule = lr_schedule_of(config)
         self.skipped_steps = 0
-        self.delayed = DelayedWeights(self.named_parameters()) if config.optimizer.gradient_delay else None
+        # PipeDream-2BW streams its steps over two weight versions; other delayed runs keep the previous one
+        self.delayed = (WeightVersions(self.optimizer) if streams
+                        else DelayedWeights(self.named_parameters()) if config.optimizer.gradient_delay else None)
+        self.stream = StepStream(self, self.delayed) if streams else None
         self.loss_scaler = loss_scaler_of(config)
         self.loss_scale = 1.0  # the scale the current step's gradients carry
         self.tracer = Tracer(context.rank) if config.trainer.trace else None
@@ -203,8 +210,32 @@ class Trainer:
         distributed optimizer, which gathers them from the ``dp_cp`` shards)."""
         return self.optimizer.full_gradients()
 
+    def train_steps(self, first_step: int, num_steps: int) -> list[StepResult]:
+        """Train steps ``first_step`` .. ``first_step + num_steps - 1``: one by one, or, for a schedule that streams
+        steps (PipeDream-2BW), as one stream (``ppctl.run.stream``) whose results come when it has drained.
+
+        A stream cannot skip a step (no rank waits for the others' norms before its update): a non-finite
+        norm stops the run after the stream.
+        """
+        if self.stream is None:
+            return [self.train_step(step) for step in range(first_step, first_step + num_steps)]
+        started = time.perf_counter()
+        streamed = self.stream.run(first_step, num_steps)
+        step_time = (time.perf_counter() - started) / num_steps
+        tokens = self.config.trainer.global_batch_size * self.config.trainer.seq_length
+        bubble = self._measured_bubble()
+        for step in streamed:
+            if not math.isfinite(step.grad_norm):
+                raise NonFiniteGradients(f"step {step.step}: the gradient norm is {step.grad_norm}; a stream of "
+                                         f"steps (schedule {self.schedule.name}) cannot skip a step")
+        return [StepResult(step.step, step.loss, step.grad_norm, step.lr, step_time, tokens / step_time, bubble,
+                           skipped_steps=self.skipped_steps) for step in streamed]
+
     def train_step(self, step: int) -> StepResult:
-        """Run one global batch through the schedule and update the parameters."""
+        """Run one global batch through the schedule and update the parameters (a stream of one step when the
+        schedule streams steps)."""
+        if self.stream is not None:
+            return self.train_steps(step, 1)[0]
         started = time.perf_counter()
         loss, grad_norm = self.compute_gradients(step)
         applied = self.apply_gradients(step, grad_norm)
@@ -325,20 +356,35 @@ def train(config: PpctlConfig, context: ParallelContext, run_dir: Path, stop=Non
     start = load_checkpoint(trainer, Path(config.trainer.resume_from)) if config.trainer.resume_from else 0
     logger = (TrainingLogger(config, run_dir, trainer, start_step=start)
               if context.rank == trainer.logging_rank else None)
-    results = []
-    for step in range(start, config.trainer.max_steps):
-        result = trainer.train_step(step)
+    results, step = [], start
+    while step < config.trainer.max_steps:
+        end = _run_until(trainer, step)
+        done = trainer.train_steps(step, end - step)
         if trainer.tracer is not None:
             gather_trace(trainer, run_dir, step, logger)
         if logger is not None:
-            logger.log(result)
-        results.append(result)
-        stopping = _after_step(trainer, run_dir, step + 1, stop, logger)
-        if stopping:
+            for result in done:
+                logger.log(result)
+        results += done
+        step = end
+        if _after_step(trainer, run_dir, step, stop, logger):
             break
     if logger is not None:
         logger.close()
     return results
+
+
+def _run_until(trainer: Trainer, step: int) -> int:
+    """Where the steps from ``step`` on pause to validate, save, read signals or end: the next step for most
+    schedules; for one that streams steps, up to ``schedule.stream_steps`` later, cut at validation and saves."""
+    if trainer.stream is None:
+        return step + 1
+    settings = trainer.config.trainer
+    end = min(settings.max_steps, step + trainer.config.schedule.stream_steps)
+    for every in (settings.eval_every, settings.save_every if settings.checkpoints else 0):
+        if every:
+            end = min(end, (step // every + 1) * every)
+    return end
 
 
 def _after_step(trainer: Trainer, run_dir: Path, done: int, stop, logger) -> bool:

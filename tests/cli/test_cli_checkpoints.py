@@ -47,3 +47,16 @@ def test_resume_a_run_at_another_layout_continues_its_logs(ppctl, single_run, tm
     refused = ppctl("train", *COMMON, *SECOND, "trainer.max_steps=7", f"trainer.resume_from={run}")
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
     assert "step_00000005 refused:" in refused.stderr and "is corrupt" in refused.stderr
+
+
+def test_pipedream_2bw_trains_like_its_delayed_single_process_run(ppctl, single_run, tmp_path):
+    """PipeDream-2BW end to end: streams of at most 2 steps, cut by validation every 2 steps; every step's loss,
+    grad norm and validation loss are those of one process with the same delayed update, each logged once."""
+    delayed = [*COMMON, "optimizer.gradient_delay=1", "optimizer.clip_grad=0", "trainer.max_steps=5"]
+    run = tmp_path / "2bw"
+    result = ppctl("train", *delayed, "parallel.pp=2", "schedule=pipedream_2bw", "schedule.stream_steps=2",
+                   f"trainer.out_dir={run}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "training gpt_tiny with pipedream_2bw" in result.stdout and "checkpoint saved (end)" in result.stdout
+    assert_same_series(run, single_run(delayed), tags=("train/loss", "train/grad_norm", "val/loss"))
+    assert sorted(event.step for event in scalars(run).Scalars("train/loss")) == [0, 1, 2, 3, 4]

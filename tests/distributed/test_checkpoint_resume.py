@@ -4,10 +4,11 @@ Each case trains steps 0-1 at the saving layout, saves after step 2, builds a tr
 the loading layout (other tp, pp, dp, cp, schedule, optimizer sharding, world size),
 loads the checkpoint and trains steps 2-3. Compared in float64 with the single-process
 run of all four steps as a user would launch it (``parallel=single``): the losses and
-grad norms of steps 2-3 and every final parameter. A bf16, an fp16 and a delayed-gradient
-(``optimizer.gradient_delay=1``) run resumed at their own layout are compared bitwise with
-their own uninterrupted runs (fp32 main parameters, AdamW state, the fp16 loss scaler and
-the previous weight version must come back exactly).
+grad norms of steps 2-3 and every final parameter. A bf16, an fp16, a delayed-gradient
+(``optimizer.gradient_delay=1``) and a PipeDream-2BW run resumed at their own layout are
+compared bitwise with their own uninterrupted runs (fp32 main parameters, AdamW state, the
+fp16 loss scaler and the previous weight version must come back exactly); a 2BW checkpoint
+(its two steps one stream) also resumes under 1F1B with the same delayed update.
 """
 
 import functools
@@ -23,6 +24,7 @@ SAVED_AT, STEPS = 2, 4
 EXACT = BASE + FP64
 TIED = ["model.tie_embeddings=true"]
 DIST = ["optimizer.distributed=true"]
+DELAYED = ["optimizer.gradient_delay=1", "optimizer.clip_grad=0"]  # PipeDream-2BW's update, and what 2BW allows
 # (saving layout, loading layout), both in one launch of 4 workers: between them every one of tp, pp,
 # vpp, dp, cp, sequence parallelism, the schedule, DualPipe's two copies and optimizer sharding changes.
 PAIRS_4 = [
@@ -34,6 +36,8 @@ PAIRS_4 = [
     (["parallel.pp=2", "parallel.vpp=2", "parallel.dp=2", "schedule=looped_bfs", *DIST],
      ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "schedule=interleaved_zb"]),
     (["parallel.pp=2", "parallel.dp=2", "schedule=hanayo", *TIED], ["parallel.pp=4", "schedule=pipedream_flush", *TIED]),
+    (["parallel.pp=2", "parallel.dp=2", "schedule=pipedream_2bw", *DELAYED, *DIST],
+     ["parallel.pp=4", "schedule=1f1b", *DELAYED]),
 ]
 # Saved by 2 workers, loaded by 4 into DualPipe's two parameter copies (each copy reads the same tensors).
 ACROSS_WORLDS = (["parallel.pp=2", "schedule=gpipe"], ["parallel.pp=2", "parallel.dp=2", "schedule=dualpipe", *DIST])
@@ -41,6 +45,7 @@ ACROSS_WORLDS = (["parallel.pp=2", "schedule=gpipe"], ["parallel.pp=2", "paralle
 SAME_LAYOUT = [BASE + [f"trainer.precision={precision}", "parallel.pp=1", "parallel.dp=2", *DIST]
                for precision in ("bf16", "fp16")]
 SAME_LAYOUT.append(BASE + ["parallel.pp=2", "optimizer.gradient_delay=1"])  # both weight versions come back
+SAME_LAYOUT.append(BASE + ["parallel.pp=2", "schedule=pipedream_2bw", *DELAYED])  # both of the stream's buffers
 
 
 def _trainer(overrides, contexts):
@@ -57,13 +62,8 @@ def _trainer(overrides, contexts):
 
 
 def _steps(trainer, steps):
-    losses, norms = [], []
-    for step in steps:
-        loss, norm = trainer.compute_gradients(step)
-        trainer.apply_gradients(step, norm)
-        losses.append(loss)
-        norms.append(norm)
-    return losses, norms
+    results = trainer.train_steps(steps.start, len(steps))  # PipeDream-2BW: as one stream
+    return [result.loss for result in results], [result.grad_norm for result in results]
 
 
 def _resumed(trainer, checkpoint):

@@ -9,9 +9,11 @@ there (plain and distributed optimizer).
 
 import pytest
 
-from tests.distributed.equivalence import BASE, FP64, assert_equivalent
+from tests.distributed.equivalence import BASE, FP64, STEPS, assert_equivalent
 
 TIED = ["model.tie_embeddings=true"]
+# PipeDream-2BW: its delayed update asked for, and no global-norm clipping (which would need a barrier)
+TWO_BW = ["schedule=pipedream_2bw", "optimizer.gradient_delay=1", "optimizer.clip_grad=0"]
 
 
 @pytest.mark.timeout(300)
@@ -43,8 +45,10 @@ def test_world_size_2_zbv_looped_and_schedule_files_match_single_process(tmp_pat
     the first and last stage both on rank 0). ``schedule=custom``: interleaved
     1F1B written to torch's CSV trains bit for bit as the built-in, and DualPipe written to ppctl's JSON (its two
     copies in the file's placement) equal to one process. ``optimizer.gradient_delay=1`` (PipeDream-2BW's update)
-    at pp=2 and with the distributed optimizer at dp=2, against the delayed single-process run. Two runs are
-    traced: each rank's recorded actions are its steps of the lowered program, in order."""
+    at pp=2 and with the distributed optimizer at dp=2, against the delayed single-process run, and PipeDream-2BW
+    itself (its three steps one stream, two weight versions; float64, and tied with the distributed optimizer).
+    Three runs are traced: each rank's recorded actions are its steps of the lowered program, in order (2BW's:
+    of the three steps' stream, step 1 starting before step 0 ends)."""
     import json
 
     import torch
@@ -70,15 +74,21 @@ def test_world_size_2_zbv_looped_and_schedule_files_match_single_process(tmp_pat
             + TIED,
             BASE + ["parallel.pp=2", "optimizer.gradient_delay=1"] + FP64,
             BASE + ["parallel.pp=1", "parallel.dp=2", "optimizer.distributed=true", "optimizer.gradient_delay=1"]
-            + FP64]
+            + FP64,
+            BASE + ["parallel.pp=2"] + TWO_BW + FP64 + ["trainer.trace=true"],
+            BASE + ["parallel.pp=2", "optimizer.distributed=true"] + TWO_BW + TIED]
     per_rank = assert_equivalent(runs, world_size=2)
-    traced_runs = {3: build_schedule("interleaved_zb", 2, 2, 8), 8: build_schedule("hanayo", 2, 4, 8)}
+    stream = build_schedule("pipedream_2bw", 2, 1, 8 * STEPS)  # the three steps as one stream
+    traced_runs = {3: build_schedule("interleaved_zb", 2, 2, 8), 8: build_schedule("hanayo", 2, 4, 8), 11: stream}
     for index, schedule in traced_runs.items():  # traced: each rank ran its steps of the program, in order
         program = lower(schedule)
         for rank_results in per_rank:
             result = rank_results[index]
             assert result["traced"] == [(step.action.kind, step.action.stage, step.action.microbatch)
                                         for step in program.steps[result["pp_rank"]]]
+    rank_0 = next(result[11]["traced"] for result in per_rank if result[11]["pp_rank"] == 0)
+    # no flush: rank 0 starts step 1 (microbatch 8) before it has finished step 0 (its backward of microbatch 7)
+    assert rank_0.index(("F", 0, 8)) < rank_0.index(("BW", 0, 7))
     for rank_results in per_rank:
         built_in, from_file = rank_results[4], rank_results[5]
         assert from_file["losses"] == built_in["losses"] and from_file["norms"] == built_in["norms"]

@@ -32,6 +32,7 @@ OPTION_CHANGES = {
     "schedule=1f1b": {},
     "schedule=gpipe": {"schedule.name": "gpipe"},
     "schedule=pipedream_flush": {"schedule.name": "pipedream_flush"},
+    "schedule=pipedream_2bw": {"schedule.name": "pipedream_2bw"},
     "schedule=interleaved_1f1b": {"schedule.name": "interleaved_1f1b"},
     "schedule=zb_h1": {"schedule.name": "zb_h1"},
     "schedule=looped_bfs": {"schedule.name": "looped_bfs"},

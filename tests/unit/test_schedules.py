@@ -12,7 +12,7 @@ from ppctl.pipeline.schedules import (
 from ppctl.parallel.placement import Placement, v_placement
 from ppctl.pipeline.schedules.interleaved import microbatch_groups
 
-ALL_NAMES = ("gpipe", "1f1b", "pipedream_flush", "interleaved_1f1b", "looped_bfs", "zb_h1", "interleaved_zb",
+ALL_NAMES = ("gpipe", "1f1b", "pipedream_flush", "pipedream_2bw", "interleaved_1f1b", "looped_bfs", "zb_h1", "interleaved_zb",
              "hanayo", "zbv", "dualpipe", "dualpipev")
 
 

@@ -132,8 +132,11 @@ def test_local_messages_pay_no_latency():
 def test_to_json_has_the_documented_keys():
     result = simulate(build_schedule("interleaved_1f1b", 2, 2, 4), Costs(F=1, B=2, W=0, comm=0.1))
     data = json.loads(json.dumps(result.to_json()))
-    assert list(data) == ["schedule", "pp", "vpp", "microbatches", "costs", "makespan", "bubble_ratio", "ranks",
+    assert list(data) == ["schedule", "pp", "vpp", "microbatches", "costs", "makespan", "bubble_ratio", "steps",
+                          "step_ends", "steady_step_time", "steady_bubble_ratio", "weight_versions", "ranks",
                           "program"]
+    assert data["steps"] == 1 and data["step_ends"] == [data["makespan"]] and data["weight_versions"] == 1
+    assert (data["steady_step_time"], data["steady_bubble_ratio"]) == (data["makespan"], data["bubble_ratio"])
     assert data["schedule"] == "interleaved_1f1b" and data["vpp"] == 2 and data["microbatches"] == 4
     assert data["costs"] == {"F": 1.0, "B": 2.0, "W": 0.0, "comm": 0.1}
     assert [rank["rank"] for rank in data["ranks"]] == [0, 1]

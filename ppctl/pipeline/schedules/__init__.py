@@ -18,7 +18,7 @@ from .gpipe import GPIPE_SPEC
 from .hanayo import HANAYO_SPEC
 from .interleaved import INTERLEAVED_SPEC
 from .looped import INTERLEAVED_ZB_SPEC, LOOPED_BFS_SPEC
-from .one_f_one_b import ONE_F_ONE_B_SPEC, PIPEDREAM_FLUSH_SPEC
+from .one_f_one_b import ONE_F_ONE_B_SPEC, PIPEDREAM_2BW_SPEC, PIPEDREAM_FLUSH_SPEC
 from .zero_bubble import ZB_H1_SPEC, ZBV_SPEC
 
 
@@ -28,6 +28,7 @@ SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
         GPIPE_SPEC,
         ONE_F_ONE_B_SPEC,
         PIPEDREAM_FLUSH_SPEC,
+        PIPEDREAM_2BW_SPEC,
         INTERLEAVED_SPEC,
         LOOPED_BFS_SPEC,
         ZB_H1_SPEC,

@@ -136,7 +136,10 @@ class ScheduleSpec:
     data and logging ranks) and the schedule share it. ``chunks_per_rank`` is set
     when the placement fixes it (a V holds exactly 2); ``placement_name`` describes it.
     ``chunks_per_wave`` is set when ``parallel.waves`` decides the chunks per rank
-    (Hanayo: 2 per wave).
+    (Hanayo: 2 per wave). ``streams_steps``: consecutive steps run as one continuous
+    stream of ``steps * num_microbatches`` microbatches, each rank updating its weights
+    after its last backward of a step with no flush (PipeDream-2BW); ``generate`` with
+    that many microbatches builds the stream.
     """
 
     name: str
@@ -149,6 +152,7 @@ class ScheduleSpec:
     chunks_per_rank: Optional[int] = None
     placement_name: str = "looped: rank r holds stages r, r+pp, ..."
     chunks_per_wave: Optional[int] = None
+    streams_steps: bool = False
 
 
 def at_least_one_microbatch(pp: int, vpp: int, num_microbatches: int) -> Optional[str]:
