@@ -133,14 +133,16 @@ def write_trace_files(all_traces: list[tuple[int, list[dict]]], trainer, run_dir
     temporary.replace(run_dir / "trace.json")
 
     step, snapshots = all_traces[-1]
-    program, context = trainer.program, trainer.context
+    program, context = trainer.last_program, trainer.context  # a stream's (2BW): its steps together
     schedule = program.schedule
     replica = context.layout.rank(**{**context.coords, "pp": 0})
     pipeline_ranks = context.layout.group_of("pp", replica)
     rows = measured_timelines(snapshots, pipeline_ranks, program)
     makespan = max(action.end for row in rows for action in row.actions)
     busiest = max(sum(a.end - a.start for a in row.actions) for row in rows)
-    title = f"{schedule.name}: measured step {step} (pp={schedule.pp}, {schedule.num_microbatches} microbatches)"
+    streamed = schedule.num_microbatches // trainer.data.num_microbatches  # steps in the program: 1, or a stream's
+    steps = f"step {step}" if streamed == 1 else f"steps {step}-{step + streamed - 1}"
+    title = f"{schedule.name}: measured {steps} (pp={schedule.pp}, {schedule.num_microbatches} microbatches)"
     lines = [f"makespan {makespan:.1f} ms; bubble ratio {(makespan - busiest) / busiest:.3f} "
              "(makespan - busiest rank's compute) / that compute; grey = waiting for a message"]
     write_timeline(rows, run_dir / "timeline.svg", title, lines, time_label="ms")

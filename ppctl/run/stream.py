@@ -66,7 +66,8 @@ class StepStream:
         trainer.optimizer.zero_grad()
         if trainer.tracer is not None:
             trainer.tracer.start_step()
-        state = trainer.runtime.run(self.program(num_steps), microbatches, loss_fns, hooks=self)
+        trainer.last_program = self.program(num_steps)
+        state = trainer.runtime.run(trainer.last_program, microbatches, loss_fns, hooks=self)
         self.versions.finish(first_step + num_steps)
         trainer.last_step_state = state
         return self._results(state, normalizers)

@@ -173,6 +173,7 @@ class Trainer:
         self.runtime = PipelineRuntime(context.pp_rank, self.stages, transport, self.tracer, release_outputs,
                                        track_memory)
         self.program = program
+        self.last_program = program  # what the last training run walked (a stream's, for PipeDream-2BW)
         self._eval_program: Program | None = None
         self.holds_loss = context.pp_rank in layout.placement.loss_pp_ranks
         self.logging_rank = layout.rank(pp=layout.placement.last_stage_rank)

@@ -119,7 +119,8 @@ def test_inspect_schedule_json_and_picture(ppctl, tmp_path):
                    "--cost", "F=1,B=2,W=0,comm=0", "--json", "--out", str(picture))
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert set(report) == {"schedule", "pp", "vpp", "microbatches", "costs", "makespan", "bubble_ratio", "ranks",
+    assert set(report) == {"schedule", "pp", "vpp", "microbatches", "costs", "makespan", "bubble_ratio", "steps",
+                           "step_ends", "steady_step_time", "steady_bubble_ratio", "weight_versions", "ranks",
                            "program"}
     assert (report["schedule"], report["pp"], report["vpp"], report["microbatches"]) == ("interleaved_1f1b", 4, 2, 8)
     program = report["program"]  # the lowered program: each remote message sent once and received once
@@ -142,6 +143,11 @@ def test_inspect_schedule_terminal_and_refusals(ppctl, tmp_path):
     result = ppctl("inspect-schedule", "parallel.pp=4", "trainer.global_batch_size=8", "trainer.micro_batch_size=1")
     assert result.returncode == 0, result.stderr
     assert "rank 3" in result.stdout and "bubble ratio 37.5%" in result.stdout  # (pp-1)/m = 3/8
+    stream = ppctl("inspect-schedule", "parallel.pp=4", "trainer.global_batch_size=8", "trainer.micro_batch_size=1",
+                   "schedule=pipedream_2bw", "optimizer.gradient_delay=1", "optimizer.clip_grad=0", "--steps", "3")
+    assert stream.returncode == 0, stream.stderr
+    assert "after the first: 24 per step, bubble ratio 0.0% per step" in stream.stdout  # the fill shows once
+    assert "kept in 2 weight versions" in stream.stdout
     bad_cost = ppctl("inspect-schedule", "--cost", "F=x")
     assert bad_cost.returncode == 2 and bad_cost.stderr.startswith("error: ") and len(bad_cost.stderr.splitlines()) == 1
     bad_out = ppctl("inspect-schedule", "--out", str(tmp_path / "t.pdf"))
