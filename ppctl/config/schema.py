@@ -74,8 +74,8 @@ class ParallelConfig:
     pp: int = setting(2, "pipeline-parallel size (the `single` option sets 1)")
     vpp: Optional[int] = setting(
         None, "model chunks per pipeline rank: several with `interleaved_1f1b`, `looped_bfs` and "
-        "`interleaved_zb`, 2 * `waves` with `hanayo`, exactly 2 with `zbv`, `dualpipe` and `dualpipev`, the "
-        "file's with `custom`; unset: what the schedule places (2 for those three, else 1)")
+        "`interleaved_zb`, 2 * `waves` with `hanayo`, exactly 2 with `zbv`, `v_half`, `v_min`, `dualpipe` and "
+        "`dualpipev`, the file's with `custom`; unset: what the schedule places (2 for those five, else 1)")
     waves: Optional[int] = setting(
         None, "`hanayo` only: the waves, each taking the stages down the ranks and back up (2 * waves chunks "
         "per rank); unset: 1")

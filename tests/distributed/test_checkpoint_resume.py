@@ -31,7 +31,7 @@ PAIRS_4 = [
     (["parallel.tp=2", "parallel.pp=2"],
      ["parallel.cp=2", "parallel.cp_comm=ring", "parallel.pp=2", "schedule=interleaved_1f1b", "parallel.vpp=2"]),
     (["parallel.pp=2", "parallel.dp=2", *DIST, *TIED],
-     ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true", "schedule=zbv", *TIED]),
+     ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true", "schedule=v_half", *TIED]),
     (["parallel.pp=2", "parallel.dp=2", "schedule=dualpipe", *DIST, *TIED], ["parallel.pp=4", *TIED]),
     (["parallel.pp=2", "parallel.vpp=2", "parallel.dp=2", "schedule=looped_bfs", *DIST],
      ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "schedule=interleaved_zb"]),

@@ -13,7 +13,7 @@ from ppctl.parallel.placement import Placement, v_placement
 from ppctl.pipeline.schedules.interleaved import microbatch_groups
 
 ALL_NAMES = ("gpipe", "1f1b", "pipedream_flush", "pipedream_2bw", "interleaved_1f1b", "looped_bfs", "zb_h1", "interleaved_zb",
-             "hanayo", "zbv", "dualpipe", "dualpipev")
+             "hanayo", "zbv", "v_half", "v_min", "dualpipe", "dualpipev")
 
 
 def compact(schedule: Schedule, pp_rank: int) -> list[str]:
@@ -26,10 +26,10 @@ def compact(schedule: Schedule, pp_rank: int) -> list[str]:
 def test_registry_lists_every_schedule_with_its_flags():
     assert set(SCHEDULE_SPECS) == set(ALL_NAMES)
     assert [n for n, s in SCHEDULE_SPECS.items() if s.multi_chunk] == ["interleaved_1f1b", "looped_bfs",
-                                                                      "interleaved_zb", "hanayo", "zbv", "dualpipe",
-                                                                      "dualpipev"]
-    assert {n for n, s in SCHEDULE_SPECS.items() if s.splits_backward} == {"zb_h1", "interleaved_zb", "zbv", "dualpipe",
-                                                                           "dualpipev"}
+                                                                      "interleaved_zb", "hanayo", "zbv", "v_half",
+                                                                      "v_min", "dualpipe", "dualpipev"]
+    assert {n for n, s in SCHEDULE_SPECS.items() if s.splits_backward} == {"zb_h1", "interleaved_zb", "zbv", "v_half",
+                                                                           "v_min", "dualpipe", "dualpipev"}
     for name, spec in SCHEDULE_SPECS.items():
         assert spec.name == name and spec.description and "\n" not in spec.description
 

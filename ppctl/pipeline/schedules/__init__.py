@@ -19,7 +19,8 @@ from .hanayo import HANAYO_SPEC
 from .interleaved import INTERLEAVED_SPEC
 from .looped import INTERLEAVED_ZB_SPEC, LOOPED_BFS_SPEC
 from .one_f_one_b import ONE_F_ONE_B_SPEC, PIPEDREAM_2BW_SPEC, PIPEDREAM_FLUSH_SPEC
-from .zero_bubble import ZB_H1_SPEC, ZBV_SPEC
+from .vshape import V_HALF_SPEC, V_MIN_SPEC, ZBV_SPEC
+from .zero_bubble import ZB_H1_SPEC
 
 
 SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
@@ -35,6 +36,8 @@ SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
         INTERLEAVED_ZB_SPEC,
         HANAYO_SPEC,
         ZBV_SPEC,
+        V_HALF_SPEC,
+        V_MIN_SPEC,
         DUALPIPE_SPEC,
         DUALPIPEV_SPEC,
     )

@@ -1,4 +1,4 @@
-"""Unit-cost list schedules: the engine under the orders that are found by simulation (ZB-V, Hanayo).
+"""Unit-cost list schedules: the engine under the orders that are found by simulation (Hanayo).
 
 Time advances one unit at a time; every rank that is free picks its next action from the
 state at that moment (a subclass's ``pick``), which then runs for its duration in units.
