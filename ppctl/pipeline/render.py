@@ -82,9 +82,20 @@ def simulation_lines(result: SimResult) -> list[str]:
         f"makespan {_number(result.makespan)} · bubble ratio {result.bubble_ratio:.1%}",
         *_steps_line(result),
         _idle_line(result),
+        *_fill_line(result),
         _peaks_line(result.ranks),
         _parameters_line(result),
     ]
+
+
+def _fill_line(result: SimResult) -> list[str]:
+    """The idle time no order removes (a rank's wait for its first input) and what is left beyond it."""
+    fill = result.beyond_the_fill()
+    if fill is None or result.steps > 1:
+        return []
+    longest_wait, beyond = fill
+    return [f"beyond the fill (up to {_number(longest_wait)}: a rank waiting for its first input): "
+            f"{_number(beyond)} idle"]
 
 
 def _steps_line(result: SimResult) -> list[str]:

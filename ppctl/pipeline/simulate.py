@@ -110,6 +110,20 @@ class SimResult:
                 ends[step] = max(ends[step], action.end)
         return ends
 
+    def beyond_the_fill(self) -> Optional[tuple[float, float]]:
+        """(the fill, the idle time beyond it): the fill is the longest wait of a rank for its first input (the
+        forwards of the stages before its first, at the costs' chunk F); beyond it, the makespan less the least
+        any order could take, max over ranks of that wait plus the rank's compute. None without a program."""
+        if self.program is None:
+            return None
+        placement = self.program.schedule.placement
+        chunk_forward = self.costs.F / self.program.schedule.chunks_per_copy
+        waits = [min(placement.model_stage(stage) for stage in placement.stages_of(rank)) * chunk_forward
+                 for rank in range(self.pp)]
+        least = max(wait + sum(action.end - action.start for action in timeline.actions)
+                    for wait, timeline in zip(waits, self.ranks))
+        return max(waits), self.makespan - least
+
     def steady_step(self) -> tuple[float, float]:
         """(time per step, bubble ratio per step) after the first step: what a long run pays per step.
 

@@ -178,3 +178,12 @@ def test_the_timeline_is_the_replay_of_the_lowered_program(name, pp, vpp, num_mi
     assert [[(a.start, a.end) for a in rank.actions] for rank in timeline.ranks] == \
         [list(zip(starts, ends)) for starts, ends in zip(replayed.starts, replayed.ends)]
     assert timeline.program is program and not replayed.deadlocked
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+def test_beyond_the_fill_is_what_no_order_removes_taken_off_the_idle_time(pp):
+    """1F1B idles (pp-1)(F+B+W); the fill, (pp-1)F, is the last rank's wait for its first input, and 1F1B's
+    drain of whole backwards, (pp-1)(B+W), is beyond it. ZB-H1 at F=B=W leaves only the fill."""
+    costs = Costs(F=1, B=1, W=1)
+    assert simulate(build_schedule("1f1b", pp, 1, 2 * pp), costs).beyond_the_fill() == (pp - 1, 2 * (pp - 1))
+    assert simulate(build_schedule("zb_h1", pp, 1, 2 * pp), costs).beyond_the_fill() == (pp - 1, 0)

@@ -70,6 +70,7 @@ def test_zbv_reaches_the_fill_bound_at_1f1b_memory(pp, num_microbatches):
     """F=B=W: only the last rank's wait for the first microbatch, (pp-1) chunk forwards, is idle."""
     result = simulate(zbv(pp, 2, num_microbatches), UNIT)
     assert result.makespan == 3 * num_microbatches + (pp - 1) / 2
+    assert result.beyond_the_fill() == ((pp - 1) / 2, 0)  # what inspect-schedule reports: nothing beyond the fill
     assert max_peak(result) == pp
 
 
