@@ -1,5 +1,5 @@
-"""ZB-H1, ZB-V, V-Half, V-Min, the looped schedules torch defines (interleaved zero bubble, breadth-first), Hanayo's waves and
-schedules read from files train exactly like one process (gloo workers).
+"""ZB-H1, ZB-V, V-Half, V-Min, the looped schedules torch defines (interleaved zero bubble, breadth-first),
+Hanayo's waves, PipeDream-2BW and schedules read from files train exactly like one process (gloo workers).
 
 Each run is compared with the single-process run by ``assert_equivalent``: per-step loss
 and grad norm, step-0 gradients and final parameters. ZB-V puts both the embedding
@@ -20,9 +20,12 @@ TWO_BW = ["schedule=pipedream_2bw", "optimizer.gradient_delay=1", "optimizer.cli
 def test_zb_h1_and_zbv_at_world_size_4_match_single_process():
     """One launch of four workers: ZB-H1 at tp=2 pp=2 (tied; and float64 with sequence parallelism) and at
     pp=4 (float64), ZB-V at pp=4 (tied), interleaved zero bubble at pp=4 (tied, 4 and 8 microbatches: one
-    round and two), breadth-first at pp=2 dp=2, Hanayo at pp=4 with one wave (tied) and two, and V-Half (tied) and
-    V-Min at pp=4, whose orders differ from ZB-V's from pp=3 on. B defers the linears' and norms' weight gradients to W,
-    so the SP run checks that the split keeps the TP regions' collectives right."""
+    round and two), breadth-first at pp=2 dp=2, Hanayo at pp=4 with one wave (tied) and two, and V-Half (tied)
+    and V-Min at pp=4 (traced), whose orders differ from ZB-V's from pp=3 on. B defers the linears' and norms'
+    weight gradients to W, so the SP run checks that the split keeps the TP regions' collectives right."""
+    from ppctl.pipeline.program import lower
+    from ppctl.pipeline.schedules import build_schedule
+
     zb_h1 = ["parallel.dp=1", "schedule=zb_h1"]
     zbv = ["parallel.pp=4", "parallel.vpp=2", "parallel.dp=1", "schedule=zbv", "model.num_layers=8"]
     interleaved_zb = ["parallel.pp=4", "parallel.vpp=2", "parallel.dp=1", "schedule=interleaved_zb",
@@ -37,8 +40,13 @@ def test_zb_h1_and_zbv_at_world_size_4_match_single_process():
             BASE + ["parallel.pp=4", "parallel.dp=1", "schedule=hanayo", "model.num_layers=8"] + TIED,
             BASE + ["parallel.pp=4", "parallel.dp=1", "schedule=hanayo", "parallel.waves=2", "model.num_layers=16"],
             BASE + [item.replace("zbv", "v_half") for item in zbv] + TIED,
-            BASE + [item.replace("zbv", "v_min") for item in zbv] + FP64]
-    assert_equivalent(runs, world_size=4)
+            BASE + [item.replace("zbv", "v_min") for item in zbv] + FP64 + ["trainer.trace=true"]]
+    per_rank = assert_equivalent(runs, world_size=4)
+    program = lower(build_schedule("v_min", 4, 2, 8))
+    for rank_results in per_rank:  # traced: each rank ran its steps of V-Min's program, in order
+        result = rank_results[-1]
+        assert result["traced"] == [(step.action.kind, step.action.stage, step.action.microbatch)
+                                    for step in program.steps[result["pp_rank"]]]
 
 
 @pytest.mark.timeout(300)
