@@ -248,8 +248,9 @@ def check_cluster(
 def _launch(config: PpctlConfig, task: str, dry_run: bool) -> None:
     """Create and lock the run directory, run the workers; a failure exits 1, an interruption 128 + the signal."""
     from ppctl.config import nproc_per_node
-    from ppctl.run.launch import (build_launch_plan, default_run_dir, describe_interruption, describe_workers,
-                                  rendezvous_problem, resolve_backend, reuse_problem, run_plan)
+    from ppctl.run.launch import (backend_problem, build_launch_plan, default_run_dir, describe_interruption,
+                                  describe_workers, local_gpus, rendezvous_problem, resolve_backend, reuse_problem,
+                                  run_plan)
 
     run_dir = Path(config.trainer.out_dir) if config.trainer.out_dir else default_run_dir()
     config.trainer.out_dir = str(run_dir)
@@ -258,6 +259,9 @@ def _launch(config: PpctlConfig, task: str, dry_run: bool) -> None:
         if problem is not None:
             fail(problem)
     backend = resolve_backend(config.launcher.backend, nproc_per_node(config))
+    problem = backend_problem(backend, nproc_per_node(config), local_gpus())
+    if problem is not None:
+        fail(problem)
     plan = build_launch_plan(config, run_dir, task, backend)
     banner = (f"run directory: {run_dir}  ({task}, {backend}, {config.launcher.nnodes} node(s), "
               f"{describe_workers(config)})")

@@ -82,11 +82,26 @@ def resolve_backend(requested: str, local_workers: int) -> str:
     """``auto`` -> NCCL when CUDA has a GPU for every local worker, else gloo."""
     if requested != "auto":
         return requested
+    return "nccl" if local_gpus() >= local_workers else "gloo"
+
+
+def local_gpus() -> int:
+    """The CUDA devices this node shows (0 without CUDA)."""
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local_workers:
-        return "nccl"
-    return "gloo"
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def backend_problem(backend: str, local_workers: int, gpus: int) -> str | None:
+    """Why ``backend`` cannot run ``local_workers`` workers on a node with ``gpus`` CUDA devices, or None.
+
+    NCCL gives each worker its own GPU (``LOCAL_RANK``); with fewer GPUs a worker would fail
+    later with "invalid device ordinal", so the job is refused before it starts.
+    """
+    if backend == "nccl" and gpus < local_workers:
+        return (f"launcher.backend=nccl needs a GPU per worker on the node: this node has {gpus} CUDA device(s) "
+                f"for {local_workers} workers per node (use launcher.backend=gloo or auto, or fewer workers per node)")
+    return None
 
 
 def threads_per_worker(config: PpctlConfig) -> int:

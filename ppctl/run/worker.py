@@ -65,7 +65,9 @@ def run_task(args: argparse.Namespace) -> None:
         torch.cuda.set_device(local_rank)
         device = f"cuda:{local_rank}"
     timeout = datetime.timedelta(seconds=config.launcher.timeout_s)
-    dist.init_process_group(args.backend, timeout=timeout)
+    # With NCCL, naming the device creates the communicators eagerly, each on its worker's own GPU.
+    device_id = torch.device(device) if args.backend == "nccl" else None
+    dist.init_process_group(args.backend, timeout=timeout, device_id=device_id)
     context = build_parallel_context(layout_of(config), config.launcher.timeout_s, device.split(":")[0])
     context.device = device
     _inject_fault(config.launcher.inject_fault, context.rank)

@@ -174,3 +174,15 @@ def test_prepare_data_text_corpus_and_one_line_errors(ppctl, tmp_path):
     token_file = next((tmp_path / "cache").glob("text-part-byte-*.bin"))
     assert result.stdout == (f"{token_file}: 1,204 tokens from 4 document(s) in 1 file(s); train 903, validation 301 "
                              "(data.validation_fraction=0.25)\n")
+
+
+@pytest.mark.timeout(60)
+def test_nccl_without_a_gpu_per_worker_is_refused_before_anything_starts(ppctl, tmp_path):
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        pytest.skip("this node has a GPU for each of the 2 workers")
+    result = ppctl("train", "launcher.backend=nccl", f"trainer.out_dir={tmp_path / 'run'}", "--dry-run")
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert "launcher.backend=nccl needs a GPU per worker on the node" in result.stderr
+    assert not (tmp_path / "run").exists()

@@ -188,3 +188,13 @@ def test_a_log_write_error_begins_the_stop(tmp_path):
     with open(tmp_path / "log", "rb", buffering=0) as read_only:  # writing to it fails like a full disk would
         launch._copy_to_log(read_only, b"lost\n", stop, plan)
     assert stop.begun and stop.signum is None and isinstance(stop.log_error, OSError)
+
+
+def test_nccl_needs_a_gpu_per_worker_on_the_node():
+    from ppctl.run.launch import backend_problem
+
+    problem = backend_problem("nccl", 4, 2)
+    assert problem.startswith("launcher.backend=nccl needs a GPU per worker on the node: this node has 2 CUDA")
+    assert "for 4 workers per node" in problem and "\n" not in problem
+    assert backend_problem("nccl", 2, 2) is None and backend_problem("nccl", 1, 8) is None
+    assert backend_problem("gloo", 4, 0) is None
