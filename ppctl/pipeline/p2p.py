@@ -9,7 +9,8 @@ I/O spec, so no shape exchange.
 
 Every wait for a message has a time limit (the transport's ``timeout_s``, by default the
 process group's): a peer that is stuck, or gone, fails this rank with one line naming the
-rank, the message and the peer, instead of hanging.
+rank, the message and the peer, instead of hanging. On CUDA the wait is untimed, so that it
+stays a stream wait; the process group's timeout bounds it there.
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ class PipelineTransport:
         self.peer_rank = peer_rank
         self.receive_spec = receive_spec
         self.device = device
-        self.timeout_s = timeout_s
+        # On CUDA an untimed wait is a stream wait (no host block); a timed one would block the CPU
+        # thread until the transfer completes. There the process group's timeout and NCCL's watchdog
+        # catch a stuck peer instead.
+        self.timeout_s = None if torch.device(device).type == "cuda" else timeout_s
         self.pending_receives: dict[Message, tuple[list, torch.Tensor]] = {}
         # (work, payload kept alive until done, message)
         self.pending_sends: list[tuple[object, torch.Tensor, Message]] = []

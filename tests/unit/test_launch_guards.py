@@ -198,3 +198,4 @@ def test_nccl_needs_a_gpu_per_worker_on_the_node():
     assert "for 4 workers per node" in problem and "\n" not in problem
     assert backend_problem("nccl", 2, 2) is None and backend_problem("nccl", 1, 8) is None
     assert backend_problem("gloo", 4, 0) is None
+
