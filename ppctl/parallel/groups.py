@@ -100,3 +100,32 @@ def verify_group_membership(context: ParallelContext) -> None:
         expected = context.group_ranks[name]
         if list(actual) != list(expected):
             raise RuntimeError(f"group {name} of rank {context.rank} has ranks {actual}, layout says {expected}")
+
+
+def warm_up_communicators(context: ParallelContext) -> None:
+    """One collective on each of this rank's groups, in ``GROUP_NAMES`` order on every rank, then one batched
+    exchange with each pipeline neighbour.
+
+    NCCL creates a communicator lazily at its first use; done here, before step 0, every one
+    is created in the same order everywhere, rather than by whichever operation of the first
+    step comes first on each rank (two ranks creating different communicators first would
+    wait for each other). Under gloo it costs a few small messages.
+    """
+    import torch
+
+    done = set()
+    for name in GROUP_NAMES:
+        group = context.groups[name]
+        if group is None or id(group) in done or context.size(name) <= 1:
+            continue
+        done.add(id(group))
+        dist.all_reduce(torch.zeros(1, device=context.device), group=group)
+    neighbours = [pp_rank for pp_rank in (context.pp_rank - 1, context.pp_rank + 1) if 0 <= pp_rank < context.layout.pp]
+    operations = []
+    for pp_rank in neighbours:
+        peer = context.pp_peer(pp_rank)
+        operations += [dist.P2POp(dist.isend, torch.zeros(1, device=context.device), peer),
+                       dist.P2POp(dist.irecv, torch.empty(1, device=context.device), peer)]
+    if operations:
+        for work in dist.batch_isend_irecv(operations):
+            work.wait()

@@ -55,7 +55,7 @@ def run_task(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from ppctl.config import load_config_file, layout_of
-    from ppctl.parallel.groups import build_parallel_context
+    from ppctl.parallel.groups import build_parallel_context, warm_up_communicators
 
     config = load_config_file(args.run_dir / "config.yaml")
     torch.set_num_threads(int(os.environ.get("PPCTL_THREADS", "1")))
@@ -70,6 +70,7 @@ def run_task(args: argparse.Namespace) -> None:
     dist.init_process_group(args.backend, timeout=timeout, device_id=device_id)
     context = build_parallel_context(layout_of(config), config.launcher.timeout_s, device.split(":")[0])
     context.device = device
+    warm_up_communicators(context)  # every communicator made before step 0, in one order
     _inject_fault(config.launcher.inject_fault, context.rank)
     if args.task == "check-cluster":
         from ppctl.run.cluster import run_cluster_check

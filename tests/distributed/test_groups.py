@@ -1,7 +1,7 @@
 """Real process groups and the DeviceMesh agree with the pure layout, for several orders.
 
-Also: check-cluster proves every group kind of each of these layouts, and its point-to-point check
-reports a link that delivers the wrong data.
+Also: the communicators' warm-up before step 0 completes on each of these layouts, check-cluster proves
+every group kind of each, and its point-to-point check reports a link that delivers the wrong data.
 """
 
 import pytest
@@ -14,13 +14,14 @@ LAYOUTS = [dict(tp=2, pp=2, dp=2), dict(tp=2, pp=2, dp=2, order="dp-tp-cp-pp"), 
 def _group_ranks(rank, world_size):
     import torch.distributed as dist
 
-    from ppctl.parallel.groups import build_parallel_context
+    from ppctl.parallel.groups import build_parallel_context, warm_up_communicators
     from ppctl.parallel.layout import GROUP_NAMES, ParallelLayout
     from ppctl.run.cluster import prove_groups
 
     results = []
     for sizes in LAYOUTS:
         context = build_parallel_context(ParallelLayout(**sizes), 30)
+        warm_up_communicators(context)  # every group and pipeline neighbour once, in one order: no rank waits forever
         real = {name: (dist.get_process_group_ranks(group) if group is not None else [])
                 for name, group in context.groups.items()}
         mesh = {dim: dist.get_process_group_ranks(context.mesh.get_group(dim)) for dim in ("tp", "cp", "dp", "pp")}
