@@ -681,8 +681,11 @@ def answers_as_store(host: str, port: int, timeout_s: float) -> bool:
     return probe.returncode == 0
 
 
-# A worker whose error says a peer went away failed because another one did (gloo, NCCL).
-PEER_LOST_MARKERS = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited")
+# A worker whose error says a peer went away failed because another one did: gloo's socket errors, and NCCL's
+# remote error, the abort of a communicator a failed peer shared, and its watchdog's timeout of a collective that a
+# dead or stuck peer never joined.
+PEER_LOST_MARKERS = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited", "ncclRemoteError",
+                     "communicator was aborted", "Watchdog caught collective operation timeout")
 
 
 @dataclass(frozen=True)

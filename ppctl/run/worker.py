@@ -86,9 +86,11 @@ def run_task(args: argparse.Namespace) -> None:
 
 
 def _leave_process_group() -> None:
-    """Destroy the process group if this worker joined one (after a failure)."""
+    """Destroy the process group if this worker joined one (after a failure), so that gloo peers see the sockets
+    close at once. Not under NCCL: there destroying waits for pending work a failed peer may never finish, and the
+    worker exits right after anyway."""
     dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_backend() != "nccl":
         dist.destroy_process_group()
 
 

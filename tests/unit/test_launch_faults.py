@@ -95,6 +95,11 @@ def test_first_failure_prefers_a_cause_over_a_consequence(exits, errors, expecte
 def test_consequences():
     assert is_consequence(PEER_LOST) and is_consequence("killed by signal 15")
     assert is_consequence("RuntimeError: Connection reset by peer")
+    # NCCL: a peer's failure reaches the others as a remote error, an aborted communicator or a watchdog timeout
+    assert is_consequence("torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, remote "
+                          "process exited or there was a network error, NCCL version 2.21.5 ncclRemoteError")
+    assert is_consequence("RuntimeError: NCCL communicator was aborted on rank 1.")
+    assert is_consequence("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=RECV)")
     assert not is_consequence("killed by signal 9") and not is_consequence("exit code 1")
 
 
@@ -210,3 +215,19 @@ def test_signal_before_any_worker_starts_is_one_line_and_128_plus_the_signal(cap
         interrupted_before_start(signal.SIGINT, None)
     assert ended.value.code == 130
     assert capsys.readouterr().err == "error: interrupted by SIGINT before any worker started\n"
+
+
+@pytest.mark.parametrize("backend, destroyed", [("gloo", True), ("nccl", False)])
+def test_a_failed_worker_leaves_a_gloo_group_at_once_but_not_an_nccl_one(monkeypatch, backend, destroyed):
+    """Under NCCL destroying the group after a failure can wait forever on work a dead peer never finishes."""
+    import sys
+    import types
+
+    from ppctl.run import worker
+
+    calls = []
+    fake = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True, get_backend=lambda: backend,
+                                 destroy_process_group=lambda: calls.append("destroyed"))
+    monkeypatch.setitem(sys.modules, "torch.distributed", fake)
+    worker._leave_process_group()
+    assert calls == (["destroyed"] if destroyed else [])
