@@ -197,6 +197,9 @@ class TrainerConfig:
     log_every: int = setting(10, "console line every N steps (and the first and last)")
     tensorboard: bool = setting(True, "write TensorBoard event files")
     trace: bool = setting(False, "record per-rank action timelines")
+    allow_tf32: bool = setting(
+        False, "CUDA only: fp32 matmuls and convolutions in TF32 (10 mantissa bits: faster on Ampere and later, "
+        "with about a half-precision error, so fp32 runs no longer match one process to fp32's tolerance)")
     stop_on_nonfinite: bool = setting(
         False, "stop with a one-line error at the first non-finite gradient norm (default: skip that step, "
         "count it in `train/skipped_steps`)")

@@ -64,6 +64,7 @@ def run_task(args: argparse.Namespace) -> None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         device = f"cuda:{local_rank}"
+        set_tf32(config.trainer.allow_tf32)
     timeout = datetime.timedelta(seconds=config.launcher.timeout_s)
     # With NCCL, naming the device creates the communicators eagerly, each on its worker's own GPU.
     device_id = torch.device(device) if args.backend == "nccl" else None
@@ -83,6 +84,14 @@ def run_task(args: argparse.Namespace) -> None:
         train(config, context, args.run_dir, stop=stop)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def set_tf32(allowed: bool) -> None:
+    """fp32 matmuls and cuDNN convolutions in TF32 or not (``trainer.allow_tf32``; torch's flags, read on CUDA)."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = allowed
+    torch.backends.cudnn.allow_tf32 = allowed
 
 
 def _leave_process_group() -> None:

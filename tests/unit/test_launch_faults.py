@@ -231,3 +231,19 @@ def test_a_failed_worker_leaves_a_gloo_group_at_once_but_not_an_nccl_one(monkeyp
     monkeypatch.setitem(sys.modules, "torch.distributed", fake)
     worker._leave_process_group()
     assert calls == (["destroyed"] if destroyed else [])
+
+
+def test_tf32_follows_trainer_allow_tf32_and_is_off_by_default():
+    import torch
+
+    from ppctl.config import compose_config
+    from ppctl.run.worker import set_tf32
+
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        set_tf32(compose_config(["trainer.allow_tf32=true"]).trainer.allow_tf32)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        set_tf32(compose_config([]).trainer.allow_tf32)
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
