@@ -76,7 +76,7 @@ class StepStream:
         """Every step's microbatches, one loss function per microbatch (its step's normaliser), the normalisers."""
         microbatches, loss_fns, normalizers = [], [], []
         for step in range(first_step, first_step + num_steps):
-            step_microbatches, normalizer = self.trainer._batch(step, self.trainer.data)
+            step_microbatches, normalizer = self.trainer.batch(step, self.trainer.data)
             microbatches += step_microbatches
             loss_fns += [MaskedTokenLoss(normalizer)] * len(step_microbatches)
             normalizers.append(normalizer)
@@ -127,4 +127,4 @@ class StepStream:
         sums = [0.0] * len(normalizers)
         for microbatch, logged in state.logged.items():
             sums[microbatch // self.num_microbatches] += float(logged)
-        return [self.trainer._reduce_loss(total / normalizer) for total, normalizer in zip(sums, normalizers)]
+        return [self.trainer.reduce_loss(total / normalizer) for total, normalizer in zip(sums, normalizers)]

@@ -283,7 +283,7 @@ class Trainer:
         The loss is the global batch's mean token loss on the ranks that hold the last stage, else None.
         """
         self.optimizer.zero_grad()
-        microbatches, normalizer = self._batch(step, self.data)
+        microbatches, normalizer = self.batch(step, self.data)
         if self.tracer is not None:
             self.tracer.start_step()
         self.loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
@@ -307,7 +307,7 @@ class Trainer:
 
         Returns the loss on the ranks holding the last stage, None elsewhere.
         """
-        microbatches, normalizer = self._batch(step, data or self.data)
+        microbatches, normalizer = self.batch(step, data or self.data)
         state = self.runtime.run(self.eval_program, microbatches, MaskedTokenLoss(normalizer), forward_only=True)
         return self._mean_loss(state, normalizer)
 
@@ -319,14 +319,14 @@ class Trainer:
         losses = [self.evaluate(batch, self._validation_data) for batch in range(self.config.trainer.eval_iters)]
         return sum(losses) / len(losses) if self.holds_loss else None
 
-    def _batch(self, step: int, data: PipelineDataIterator) -> tuple[list, float]:
+    def batch(self, step: int, data: PipelineDataIterator) -> tuple[list, float]:
         """This rank's microbatches of global batch ``step`` and the batch's loss-token count (loss ranks)."""
         microbatches = [to_device(mb, self.context.device) for mb in data.microbatches(step)]
         return microbatches, data.global_loss_tokens(step) if self.holds_loss else 1.0
 
     def _mean_loss(self, state, normalizer: float) -> float | None:
         """The global batch's mean token loss on the loss ranks (summed over DP), None elsewhere."""
-        return self._reduce_loss(float(state.loss_sum) / normalizer) if self.holds_loss else None
+        return self.reduce_loss(float(state.loss_sum) / normalizer) if self.holds_loss else None
 
     def apply_gradients(self, step: int, grad_norm: float) -> bool:
         """Clip by the global norm and take optimizer step ``step`` at the schedule's learning rate.
@@ -353,7 +353,7 @@ class Trainer:
         self.optimizer.step()
         return True
 
-    def _reduce_loss(self, local_loss: float) -> float:
+    def reduce_loss(self, local_loss: float) -> float:
         """Sum the shares of the replicas (each already divided by the global token count).
 
         The replicas are the dp x cp ranks, and with DualPipe the mirror pp rank, whose
