@@ -6,24 +6,14 @@ import sys
 from pathlib import Path
 
 from ppctl.config import PpctlConfig, configured_schedule
-from ppctl.config.derived import num_microbatches, schedule_specs
-from ppctl.pipeline.schedules import build_schedule
 from ppctl.pipeline.render import render_plain, render_terminal, simulation_lines, write_timeline
-from ppctl.pipeline.simulate import SimResult, parse_costs, simulate, simulate_steps
+from ppctl.pipeline.simulate import SimResult, parse_costs, simulate_steps
 
 
 def simulate_config(config: PpctlConfig, cost_text: str, steps: int = 1) -> SimResult:
     """Build the configured schedule and replay ``steps`` steps of it against the cost model ``cost_text``
     (one stream for a schedule that streams steps, PipeDream-2BW; else each step after the last)."""
-    costs = parse_costs(cost_text)
-    streams = schedule_specs()[config.schedule.name].streams_steps
-    if steps == 1 and not streams:
-        return simulate(configured_schedule(config), costs)
-    parallel = config.parallel
-    return simulate_steps(lambda microbatches: build_schedule(config.schedule.name, parallel.pp, parallel.vpp,
-                                                              microbatches)
-                          if streams else configured_schedule(config),
-                          num_microbatches(config), steps, streams, costs)
+    return simulate_steps(configured_schedule(config), steps, parse_costs(cost_text))
 
 
 def _title(result: SimResult) -> str:

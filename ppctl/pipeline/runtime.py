@@ -34,10 +34,14 @@ class StepState:
     ``local`` holds the tensors handed over on the rank, by message number.
     """
 
-    loss_sum: torch.Tensor | float = 0.0
     logged: dict[int, torch.Tensor] = field(default_factory=dict)
     peak_held_bytes: int = 0
     local: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def loss_sum(self) -> torch.Tensor | float:
+        """The logged losses summed in the order the microbatches finished (0.0 off the last stage)."""
+        return sum(self.logged.values(), 0.0)
 
 
 Handler = Callable[[Step, list, StepState], "torch.Tensor | None"]
@@ -130,7 +134,6 @@ class PipelineRuntime:
         if logged is None:
             return output
         state.logged[action.microbatch] = logged.detach()
-        state.loss_sum = state.loss_sum + state.logged[action.microbatch]
         return None
 
     def _forward_only(self, step: Step, inputs: list, state: StepState) -> torch.Tensor | None:
@@ -140,7 +143,6 @@ class PipelineRuntime:
         if logged is None:
             return output
         state.logged[action.microbatch] = logged
-        state.loss_sum = state.loss_sum + logged
         return None
 
     def _backward(self, step: Step, inputs: list, state: StepState) -> torch.Tensor | None:

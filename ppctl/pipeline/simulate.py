@@ -17,10 +17,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 from .program import Program, lower
 from .replay import Costs, Replay, gc_paused, run_timed
+from .schedules import stream_of, streams_steps
 from .schedules.base import BACKWARD, BACKWARD_WEIGHT, Action, FORWARD, Schedule, ScheduleError
 
 __all__ = ["Costs", "RankTimeline", "Replay", "SimResult", "TimedAction", "parse_costs", "peak_activations",
@@ -171,20 +172,20 @@ def _rank_json(timeline: RankTimeline) -> dict:
 
 # --- the simulator ------------------------------------------------------------------------
 
-def simulate_steps(schedule_of: Callable[[int], Schedule], num_microbatches: int, steps: int, streams: bool,
-                   costs: Costs = Costs()) -> SimResult:
-    """``steps`` consecutive steps of ``num_microbatches``: one stream (``streams``: ``schedule_of(steps *
-    num_microbatches)``, PipeDream-2BW, two weight versions) or the one-step schedule ``schedule_of(num_microbatches)``
-    repeated, each step starting when the last one ended (a flush and a synchronous optimizer step between)."""
-    if streams:
-        result = simulate(schedule_of(steps * num_microbatches), costs)
-        return dataclasses.replace(result, num_microbatches=num_microbatches, steps=steps, weight_versions=2)
-    one = simulate(schedule_of(num_microbatches), costs)
-    ranks = [RankTimeline(timeline.rank, [dataclasses.replace(action, microbatch=action.microbatch + step *
-                                                               num_microbatches,
-                                                               start=action.start + step * one.makespan,
-                                                               end=action.end + step * one.makespan)
-                                           for step in range(steps) for action in timeline.actions],
+def simulate_steps(schedule: Schedule, steps: int, costs: Costs = Costs()) -> SimResult:
+    """``steps`` consecutive steps of ``schedule``: one stream when the schedule streams steps (PipeDream-2BW, two
+    weight versions), else its step repeated, each starting when the last ended (a flush and a synchronous optimizer
+    step between)."""
+    if streams_steps(schedule):
+        result = simulate(stream_of(schedule, steps), costs)
+        return dataclasses.replace(result, num_microbatches=schedule.num_microbatches, steps=steps, weight_versions=2)
+    one = simulate(schedule, costs)
+    if steps == 1:
+        return one
+    shift = [(step * schedule.num_microbatches, step * one.makespan) for step in range(steps)]
+    ranks = [RankTimeline(timeline.rank, [dataclasses.replace(action, microbatch=action.microbatch + microbatches,
+                                                               start=action.start + time, end=action.end + time)
+                                           for microbatches, time in shift for action in timeline.actions],
                           timeline.peak_activations)
              for timeline in one.ranks]
     return dataclasses.replace(one, ranks=ranks, makespan=one.makespan * steps, steps=steps)

@@ -22,7 +22,7 @@ from ppctl.optim.delay import WeightVersions
 from ppctl.optim.lr import learning_rate, set_learning_rate
 from ppctl.pipeline.check import check_schedule
 from ppctl.pipeline.program import Program
-from ppctl.pipeline.schedules import BACKWARD, BACKWARD_WEIGHT, Action, build_schedule
+from ppctl.pipeline.schedules import BACKWARD, BACKWARD_WEIGHT, Action, stream_of
 
 
 class StreamedStep(NamedTuple):
@@ -49,9 +49,7 @@ class StepStream:
     def program(self, num_steps: int) -> Program:
         """The checked program of a stream of ``num_steps`` steps (built once per length)."""
         if num_steps not in self.programs:
-            schedule, parallel = self.trainer.schedule, self.trainer.config.parallel
-            stream = build_schedule(schedule.name, parallel.pp, parallel.vpp, self.num_microbatches * num_steps)
-            self.programs[num_steps] = check_schedule(stream)
+            self.programs[num_steps] = check_schedule(stream_of(self.trainer.schedule, num_steps))
         return self.programs[num_steps]
 
     def run(self, first_step: int, num_steps: int) -> list[StreamedStep]:

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from ppctl.config import PpctlConfig, configured_schedule
-from ppctl.config.derived import schedule_specs
 from ppctl.data.iterator import PipelineDataIterator
 from ppctl.model.from_config import dataset_of, gpt_config, parameter_dtype
 from ppctl.model.gpt import GPTChunk
@@ -36,7 +35,7 @@ from ppctl.pipeline.check import check_program, check_schedule
 from ppctl.pipeline.program import Message, Program, lower
 from ppctl.pipeline.p2p import PipelineTransport
 from ppctl.pipeline.runtime import PipelineRuntime
-from ppctl.pipeline.schedules import Schedule
+from ppctl.pipeline.schedules import Schedule, streams_steps
 from ppctl.pipeline.stage import TensorSpec
 from ppctl.pipeline.trace import Tracer
 from ppctl.run.stream import StepStream
@@ -75,14 +74,14 @@ def to_device(microbatch, device: str):
 
 def pack_fields(microbatch) -> tuple[torch.Tensor, list]:
     """A microbatch's tensor fields as one flat byte tensor, and the layout to cut it back: per field, its name
-    and (offset, shape, dtype) or None for a field that is not a tensor (kept as it is)."""
+    and (offset, bytes, shape, dtype) or None for a field that is not a tensor (kept as it is)."""
     pieces, layout, offset = [], [], 0
     for name, value in vars(microbatch).items():
         if not isinstance(value, torch.Tensor):
             layout.append((name, value, None))
             continue
         raw = value.contiguous().reshape(-1).view(torch.uint8)
-        layout.append((name, None, (offset, tuple(value.shape), value.dtype)))
+        layout.append((name, None, (offset, raw.numel(), tuple(value.shape), value.dtype)))
         pieces.append(raw)
         offset += raw.numel()
     packed = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
@@ -96,8 +95,7 @@ def unpack_fields(packed: torch.Tensor, layout: list, kind):
         if place is None:
             fields[name] = value
             continue
-        offset, shape, dtype = place
-        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        offset, size, shape, dtype = place
         fields[name] = packed[offset:offset + size].view(dtype).reshape(shape)
     return kind(**fields)
 
@@ -187,7 +185,7 @@ class Trainer:
         self.data = build_data(config, context, self.fields)
         self._validation_data: PipelineDataIterator | None = None
         # Each parameter copy runs its share of the microbatches (DualPipe: half each).
-        streams = schedule_specs()[config.schedule.name].streams_steps
+        streams = streams_steps(schedule)
         self.optimizer = build_trainer_optimizer(self.chunks, context, config.optimizer,
                                                  self.data.num_microbatches // layout.placement.copies,
                                                  bucketed=streams)

@@ -89,6 +89,15 @@ def _parameter_not_stepped():
     return mock.patch.object(PlainOptimizer, "step", step_all_but_one)
 
 
+def _stream_on_the_newest_weights():
+    """PipeDream-2BW's stream runs each step on the weights after the last update, not the version before it (an
+    off-by-one between a microbatch's step and its weight version)."""
+    from ppctl.optim.delay import WeightVersions
+
+    original = WeightVersions.bind
+    return mock.patch.object(WeightVersions, "bind", lambda self, step: original(self, step + 1))
+
+
 DEFECTS = {
     "drop_microbatch_gradient": _drop_first_microbatch_gradient,
     "loss_scaled_twice": _loss_scaled_twice,
@@ -96,6 +105,7 @@ DEFECTS = {
     "dp_gradient_not_reduced": _dp_gradient_not_reduced,
     "vocab_padding_in_softmax": _vocab_padding_in_softmax,
     "parameter_not_stepped": _parameter_not_stepped,
+    "stream_on_the_newest_weights": _stream_on_the_newest_weights,
 }
 
 

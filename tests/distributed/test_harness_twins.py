@@ -3,7 +3,8 @@
 The tolerances of ``tests/tolerances.py`` admit the roundoff of another summation order and
 nothing more. One launch of 4 workers trains each broken twin, a real bug a parallel run could
 have (a microbatch's gradient dropped, the loss scaled twice, a TP or DP gradient not reduced,
-the vocabulary padding in the softmax, a parameter left out of the step), in float32 (the looser
+the vocabulary padding in the softmax, a parameter left out of the step, PipeDream-2BW's steps run on the
+wrong weight version), in float32 (the looser
 precision) and the subtlest in float64 too. Each comparison of the harness (losses, forward-only
 loss, grad norms, step-0 gradients, final parameters) runs on its own: every twin must fail the
 comparisons its defect reaches, so each of them is shown able to fail.
@@ -18,6 +19,7 @@ pytestmark = [pytest.mark.dist]
 TP2_PP2 = ["parallel.tp=2", "parallel.pp=2", "schedule=1f1b"]
 PP2_DP2 = ["parallel.pp=2", "parallel.dp=2", "schedule=1f1b"]
 BEFORE_OPTIMIZER = {"grad norm", "step-0 gradient"}
+STREAM = ["schedule=pipedream_2bw", "optimizer.gradient_delay=1", "optimizer.clip_grad=0"]
 # (defect, overrides, the comparisons that must fail: at least these)
 TWINS = [
     ("drop_microbatch_gradient", BASE + TP2_PP2, {"loss", *BEFORE_OPTIMIZER}),
@@ -29,6 +31,8 @@ TWINS = [
     # The step-0 quantities are right: only the parameter check (and later losses) can see it.
     ("parameter_not_stepped", BASE + PP2_DP2, {"parameter"}),
     ("parameter_not_stepped", BASE + PP2_DP2 + FP64, {"parameter"}),
+    # PipeDream-2BW against its delayed single-process run: step 0 is the same on either version (W(-1) = W(0))
+    ("stream_on_the_newest_weights", BASE + PP2_DP2 + STREAM, {"loss", "grad norm", "parameter"}),
 ]
 
 

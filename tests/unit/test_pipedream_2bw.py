@@ -9,23 +9,19 @@ import pytest
 from ppctl.config import compose_config, validate
 from ppctl.config.schema import ConfigError
 from ppctl.pipeline.check import check_schedule
-from ppctl.pipeline.schedules import SCHEDULE_SPECS, ScheduleError, build_schedule
+from ppctl.pipeline.schedules import ScheduleError, build_schedule, stream_of, streams_steps
 from ppctl.pipeline.simulate import Costs, simulate_steps
 
 UNIT = Costs(F=1, B=1, W=1)
 TWO_BW = ["schedule=pipedream_2bw", "optimizer.gradient_delay=1", "optimizer.clip_grad=0"]
 
 
-def stream_of(pp):
-    return lambda microbatches: build_schedule("pipedream_2bw", pp, 1, microbatches)
-
-
 def test_the_stream_of_k_steps_is_1f1b_over_k_times_m_microbatches():
-    stream = build_schedule("pipedream_2bw", 4, 1, 3 * 8)
+    stream = stream_of(build_schedule("pipedream_2bw", 4, 1, 8), 3)
     one_f_one_b = build_schedule("1f1b", 4, 1, 3 * 8)
     assert stream.actions == one_f_one_b.actions and stream.name == "pipedream_2bw"
     check_schedule(stream)
-    assert SCHEDULE_SPECS["pipedream_2bw"].streams_steps and not SCHEDULE_SPECS["1f1b"].streams_steps
+    assert streams_steps(stream) and not streams_steps(one_f_one_b)
 
 
 @pytest.mark.parametrize("pp, num_microbatches", [(4, 3), (8, 7), (2, 1)])
@@ -39,14 +35,13 @@ def test_fewer_microbatches_than_pp_are_refused_with_the_rule(pp, num_microbatch
 def test_after_the_first_step_a_stream_has_no_bubble(pp, per_pp):
     """The fill shows once: step k > 0 ends m(F+B+W) after step k-1, where 1F1B pays (pp-1)(F+B+W) more."""
     num_microbatches, steps = per_pp * pp, 3
-    result = simulate_steps(stream_of(pp), num_microbatches, steps, streams=True, costs=UNIT)
+    result = simulate_steps(build_schedule("pipedream_2bw", pp, 1, num_microbatches), steps, UNIT)
     work = 3 * num_microbatches
     first = work + 3 * (pp - 1)  # 1F1B's one step: the fill and the drain
     assert result.step_ends() == [first, first + work, first + 2 * work]
     assert result.steady_step() == (work, 0.0)
     assert result.weight_versions == 2
-    flushed = simulate_steps(lambda m: build_schedule("1f1b", pp, 1, m), num_microbatches, steps, streams=False,
-                             costs=UNIT)
+    flushed = simulate_steps(build_schedule("1f1b", pp, 1, num_microbatches), steps, UNIT)
     assert flushed.step_ends() == [first, 2 * first, 3 * first]
     assert flushed.steady_step() == (first, pytest.approx(3 * (pp - 1) / work))
     assert flushed.weight_versions == 1
@@ -55,7 +50,7 @@ def test_after_the_first_step_a_stream_has_no_bubble(pp, per_pp):
 def test_two_weight_versions_show_in_the_parameter_figures():
     from ppctl.pipeline.render import simulation_lines
 
-    result = simulate_steps(stream_of(4), 8, 3, streams=True, costs=UNIT)
+    result = simulate_steps(build_schedule("pipedream_2bw", 4, 1, 8), 3, UNIT)
     lines = simulation_lines(result)
     assert "parameters per rank: 1/4 of the model, kept in 2 weight versions" in lines[-1]
     assert "3 steps, ending at 33, 57, 81 · after the first: 24 per step, bubble ratio 0.0% per step" in lines

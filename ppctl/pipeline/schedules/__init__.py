@@ -60,8 +60,20 @@ def build_schedule(name: str, pp: int, vpp: int, num_microbatches: int) -> Sched
     return spec.generate(pp, vpp, num_microbatches)
 
 
+def streams_steps(schedule: Schedule) -> bool:
+    """Whether ``schedule`` runs consecutive steps as one stream (its registry entry says so: PipeDream-2BW)."""
+    spec = SCHEDULE_SPECS.get(schedule.name)
+    return spec is not None and spec.streams_steps
+
+
+def stream_of(schedule: Schedule, steps: int) -> Schedule:
+    """``steps`` consecutive steps of a streaming ``schedule`` as one schedule: its generator over ``steps`` times its
+    microbatches (step t's are the t-th run of them), so the pipeline fills and drains once."""
+    return build_schedule(schedule.name, schedule.pp, schedule.chunks_per_rank, schedule.num_microbatches * steps)
+
+
 __all__ = [
     "ACTION_KINDS", "BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "CUSTOM", "CUSTOM_SPEC", "FORWARD", "Action",
     "Schedule", "ScheduleError", "ScheduleSpec", "SCHEDULE_SPECS", "build_schedule", "read_schedule_file",
-    "schedule_csv",
+    "schedule_csv", "stream_of", "streams_steps",
 ]
