@@ -23,52 +23,16 @@ import argparse
 import statistics
 import sys
 import time
-import weakref
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ppctl.parallel.context_parallel import CP_COMM_MODES, CPGroup, context_parallel_attention  # noqa: E402
+from ppctl.run.memory import StoragePeak  # noqa: E402
 from tests.spawn import run_workers  # noqa: E402
-
-
-class StoragePeak(TorchDispatchMode):
-    """Running total and peak of the bytes of storages created by operations while the mode is active.
-
-    Storages of ``existing`` tensors (the inputs) are never counted, even when an operation
-    returns a view of them.
-    """
-
-    def __init__(self, existing: list[torch.Tensor]):
-        super().__init__()
-        self.counted = {tensor.untyped_storage().data_ptr() for tensor in existing}
-        self.live_bytes = 0
-        self.peak_bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(result):
-            if isinstance(leaf, torch.Tensor):
-                self._count(leaf.untyped_storage())
-        return result
-
-    def _count(self, storage) -> None:
-        address, size = storage.data_ptr(), storage.nbytes()
-        if size == 0 or address in self.counted:
-            return
-        self.counted.add(address)
-        self.live_bytes += size
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        weakref.finalize(storage, self._release, address, size)
-
-    def _release(self, address: int, size: int) -> None:
-        self.counted.discard(address)
-        self.live_bytes -= size
 
 
 def attention_step(inputs: list[torch.Tensor], grad_out: torch.Tensor, cp: CPGroup) -> None:

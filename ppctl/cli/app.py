@@ -245,8 +245,58 @@ def check_cluster(
     _launch(config, "check-cluster", dry_run)
 
 
-def _launch(config: PpctlConfig, task: str, dry_run: bool) -> None:
-    """Create and lock the run directory, run the workers; a failure exits 1, an interruption 128 + the signal."""
+@app.command("bench")
+def bench(
+    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    against: str = typer.Option("auto", "--against",
+                                help="torch: torch.distributed.pipelining's class of the same schedule; plain: a "
+                                     "plain PyTorch loop (pp=1); none: ppctl alone; auto: plain at pp=1, else torch."),
+    steps: int = typer.Option(10, "--steps", help="Training steps per timed block."),
+    repeats: int = typer.Option(5, "--repeats", help="Timed blocks per side, taken in turns (after one warm-up block)."),
+    schedules: Optional[str] = typer.Option(None, "--schedules",
+                                            help="Comma-separated schedules to compare in one launch (default: the "
+                                                 "configured one); each is the overrides plus schedule=NAME."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON list, one object per schedule (docs/bench.md)."),
+    config_dir: Optional[Path] = CONFIG_DIR_OPTION,
+    config_name: str = CONFIG_NAME_OPTION,
+) -> None:
+    """Time ppctl's training step against torch.distributed.pipelining or a plain loop on the same work."""
+    from ppctl.bench.rules import BenchRequest, bench_problem, resolve_against
+    from ppctl.config import to_yaml, validate
+
+    names = [name.strip() for name in schedules.split(",") if name.strip()] if schedules else [None]
+    configs = [load_config(list(overrides or []) + ([f"schedule={name}"] if name else []), config_dir, config_name,
+                           validate) for name in names]
+    resolved = resolve_against(against, configs[0].parallel.pp)
+    for config in configs:
+        problem = bench_problem(config, resolved, steps, repeats)
+        if problem is not None:
+            fail(f"schedule={config.schedule.name}: {problem}")
+    files = {f"bench/{index}_{config.schedule.name}.yaml": to_yaml(config) for index, config in enumerate(configs)}
+    request = BenchRequest(resolved, steps, repeats, tuple(files))
+    files["bench_request.json"] = json.dumps(request.to_json())
+    run_dir = _launch(configs[0], "bench", False, files)
+    _report_bench(run_dir, as_json)
+
+
+def _report_bench(run_dir: Path, as_json: bool) -> None:
+    """Print the workers' ``bench.json`` as a table or JSON; exit 1 when a side computed other losses."""
+    from ppctl.cli.bench_report import different_work, print_bench
+
+    results = json.loads((run_dir / "bench.json").read_text())
+    if as_json:
+        sys.stdout.write(json.dumps(results, separators=(",", ":")) + "\n")
+    else:
+        print_bench(results, run_dir)
+    problem = different_work(results)
+    if problem is not None:
+        fail(problem, code=1)
+
+
+def _launch(config: PpctlConfig, task: str, dry_run: bool, files: dict[str, str] | None = None) -> Path:
+    """Create and lock the run directory (writing ``files`` into it too), run the workers; return the run directory.
+
+    A failure exits 1, an interruption 128 + the signal."""
     from ppctl.config import nproc_per_node
     from ppctl.run.launch import (backend_problem, build_launch_plan, default_run_dir, describe_interruption,
                                   describe_workers, local_gpus, rendezvous_problem, resolve_backend, reuse_problem,
@@ -271,8 +321,8 @@ def _launch(config: PpctlConfig, task: str, dry_run: bool) -> None:
             typer.echo(f"trainer.overwrite=true: would delete the earlier run's checkpoints and TensorBoard logs in "
                        f"{run_dir}")
         typer.echo(plan.printable())
-        return
-    if task == "train":
+        return run_dir
+    if task in ("train", "bench"):
         _prepare(config)  # once, here, before any worker starts
     problem = rendezvous_problem(config.launcher)
     if problem is not None:
@@ -281,6 +331,7 @@ def _launch(config: PpctlConfig, task: str, dry_run: bool) -> None:
     try:
         if _clears_earlier_run(config, task):
             _clear_earlier_run(run_dir)  # only now, under the lock: never a live run's checkpoints
+        _write_files(run_dir, files or {})
         typer.echo(banner, err=True)
         result = run_plan(plan)
     finally:
@@ -291,6 +342,18 @@ def _launch(config: PpctlConfig, task: str, dry_run: bool) -> None:
         raise typer.Exit(result.exit_code)
     if result.failure:
         fail(result.failure, code=1)
+    return run_dir
+
+
+def _write_files(run_dir: Path, files: dict[str, str]) -> None:
+    """Write each ``relative path -> text`` into the run directory (one line and exit 2 when one cannot be)."""
+    for relative, text in files.items():
+        path = run_dir / relative
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        except OSError as error:
+            fail(f"trainer.out_dir={run_dir}: cannot write {relative}: {os_reason(error, path)}")
 
 
 def _clears_earlier_run(config: PpctlConfig, task: str) -> bool:

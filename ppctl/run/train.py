@@ -208,6 +208,11 @@ class Trainer:
         self.holds_loss = context.pp_rank in layout.placement.loss_pp_ranks
         self.logging_rank = layout.rank(pp=layout.placement.last_stage_rank)
 
+    def set_tracing(self, on: bool) -> None:
+        """Trace the following steps' actions and waits (as ``trainer.trace=true`` does from the start), or stop."""
+        self.tracer = Tracer(self.context.rank) if on else None
+        self.runtime.tracer = self.tracer
+
     def _receive_spec(self, message: Message) -> TensorSpec:
         return self.stages[message.dst_stage].receive_spec(message.kind)
 

@@ -32,7 +32,7 @@ from ppctl.run.interrupt import ParentDeathSignal, StopRequest
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="ppctl.run.worker")
     parser.add_argument("--run-dir", required=True, type=Path)
-    parser.add_argument("--task", required=True, choices=["train", "check-cluster"])
+    parser.add_argument("--task", required=True, choices=["train", "check-cluster", "bench"])
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     return parser.parse_args(argv)
 
@@ -77,6 +77,10 @@ def run_task(args: argparse.Namespace) -> None:
         from ppctl.run.cluster import run_cluster_check
 
         run_cluster_check(config, context, args.run_dir)
+    elif args.task == "bench":
+        from ppctl.bench.run import run_bench
+
+        run_bench(context, args.run_dir)
     else:
         from ppctl.run.train import train
 

@@ -1,0 +1,184 @@
+"""The workers' part of ``ppctl bench``: time both sides in turns, measure memory and the bubble, write the result.
+
+For each schedule of the request, every rank builds ppctl's ``Trainer`` and the other
+side, then runs ``repeats + 1`` rounds; in each round each side trains one block of
+``steps`` steps (the same step numbers, so the same data), after a barrier, and the
+block's time is the slowest rank's. Round 0 warms up (AdamW state, buffers, torch's
+shape inference) and is not timed. Then, untimed: one step per side under the memory
+measurement (``ppctl.run.memory``), one traced ppctl step (its measured timeline), and a
+ping-pong of one activation message between the first two pipeline ranks (the
+communication cost the simulator is given). Rank 0 writes ``bench.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ppctl.config import PpctlConfig, layout_of, load_config_file
+from ppctl.parallel.groups import ParallelContext, build_parallel_context
+from ppctl.pipeline.simulate import simulate
+from ppctl.pipeline.trace import costs_from_measurement, measured_timelines
+from ppctl.run.memory import step_peak_bytes
+from ppctl.run.train import Trainer
+
+from .rules import BenchRequest, LOSS_TOLERANCE, bubble_of, max_relative_difference, median_ratio
+from .sides import PpctlSide, other_side
+
+PING_PONGS = 10
+
+
+def run_bench(context: ParallelContext, run_dir: Path) -> None:
+    """Run every schedule of ``run_dir/bench_request.json``; rank 0 writes ``run_dir/bench.json``."""
+    request = BenchRequest.from_json(json.loads((run_dir / "bench_request.json").read_text()))
+    results = []
+    for config_file in request.configs:
+        config = load_config_file(run_dir / config_file)
+        results.append(bench_schedule(config, context_for(config, context), request))
+    if context.rank == 0:
+        temporary = run_dir / "bench.json.tmp"
+        temporary.write_text(json.dumps(results, indent=1))
+        temporary.replace(run_dir / "bench.json")
+
+
+def context_for(config: PpctlConfig, context: ParallelContext) -> ParallelContext:
+    """``context`` when the config's layout is its layout, else a new one (another schedule places other chunks)."""
+    layout = layout_of(config)
+    if layout == context.layout:
+        return context
+    fresh = build_parallel_context(layout, config.launcher.timeout_s, context.device.split(":")[0])
+    fresh.device = context.device
+    return fresh
+
+
+def bench_schedule(config: PpctlConfig, context: ParallelContext, request: BenchRequest) -> dict | None:
+    """One schedule's figures (on rank 0; None elsewhere)."""
+    sides = [PpctlSide(Trainer(config, context))]
+    other = other_side(request.against, config, context)
+    sides += [other] if other is not None else []
+    seconds = {side.name: [] for side in sides}
+    losses = {side.name: [] for side in sides}
+    for round_index in range(request.repeats + 1):
+        for side in sides:
+            first = round_index * request.steps
+            elapsed, block_losses = timed_block(side, first, request.steps, context)
+            losses[side.name] += block_losses
+            if round_index:
+                seconds[side.name].append(elapsed / request.steps)
+    next_step = (request.repeats + 1) * request.steps
+    memory = {side.name: step_peak_bytes(lambda side=side: side.run_steps(next_step, 1), side.holder, context.device)
+              for side in sides}
+    trainer = sides[0].trainer
+    snapshot = traced_snapshot(trainer, next_step + 1, request.steps)
+    comm = one_way_seconds(trainer, context)
+    mine = {"losses": losses, "memory": memory, "snapshot": snapshot, "rank": context.rank}
+    gathered = [None] * dist.get_world_size() if context.rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if context.rank != 0:
+        return None
+    return summarise(config, trainer, request, seconds, gathered, comm)
+
+
+def timed_block(side, first: int, count: int, context: ParallelContext) -> tuple[float, list[float | None]]:
+    """(the slowest rank's seconds for ``count`` steps of ``side`` from ``first``, this rank's losses)."""
+    dist.barrier()
+    started = time.perf_counter()
+    block_losses = side.run_steps(first, count)
+    if context.device.startswith("cuda"):
+        torch.cuda.synchronize(context.device)
+    elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device=context.device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed.item()), block_losses
+
+
+def traced_snapshot(trainer: Trainer, step: int, steps: int) -> dict:
+    """This rank's measured actions and waits in one traced run (a block of ``steps`` steps when the schedule
+    streams them, else one step) of ``trainer.last_program``."""
+    trainer.set_tracing(True)
+    try:
+        trainer.train_steps(step, steps if trainer.stream is not None else 1)
+        return trainer.tracer.snapshot()
+    finally:
+        trainer.set_tracing(False)
+
+
+def one_way_seconds(trainer: Trainer, context: ParallelContext) -> float:
+    """Median one-way time of one activation message between pipeline ranks 0 and 1 (half a round trip), the same
+    on every rank; 0 without a pipeline."""
+    timing = torch.zeros(1, dtype=torch.float64, device=context.device)
+    if context.layout.pp > 1 and context.pp_rank in (0, 1):
+        spec = next(stage.io.output or stage.io.input for stage in trainer.stages.values()
+                    if stage.io.output or stage.io.input)
+        message = torch.zeros(spec.shape, dtype=spec.dtype, device=context.device)
+        peer = context.pp_peer(1 - context.pp_rank)
+        trips = []
+        for _ in range(PING_PONGS + 1):
+            started = time.perf_counter()
+            for sender in (0, 1):
+                (dist.send if context.pp_rank == sender else dist.recv)(message, peer)
+            if context.device.startswith("cuda"):
+                torch.cuda.synchronize(context.device)
+            trips.append(time.perf_counter() - started)
+        timing[0] = statistics.median(trips[1:]) / 2
+    dist.all_reduce(timing, op=dist.ReduceOp.MAX)
+    return float(timing.item())
+
+
+def summarise(config: PpctlConfig, trainer: Trainer, request: BenchRequest, seconds: dict, gathered: list[dict],
+              comm: float) -> dict:
+    """The JSON object of one schedule (docs/bench.md lists the keys)."""
+    losses = {name: _loss_rank_losses(gathered, name) for name in seconds}
+    ours = statistics.median(seconds["ppctl"])
+    other_name = next((name for name in seconds if name != "ppctl"), None)
+    result = {"schedule": config.schedule.name, "pp": config.parallel.pp, "vpp": config.parallel.vpp,
+              "microbatches": trainer.data.num_microbatches, "against": request.against,
+              "steps_per_block": request.steps, "repeats": request.repeats,
+              "ppctl_step_s": ours, "other_step_s": None, "ratio": None, "ratios_per_block": None,
+              "ppctl_blocks_s": seconds["ppctl"], "other_blocks_s": None, "loss_max_rel_diff": None,
+              "loss_tolerance": LOSS_TOLERANCE.get(config.trainer.precision)}
+    if other_name is not None:
+        ratio, per_block = median_ratio(seconds["ppctl"], seconds[other_name])
+        result.update(other_step_s=statistics.median(seconds[other_name]), ratio=ratio, ratios_per_block=per_block,
+                      other_blocks_s=seconds[other_name],
+                      loss_max_rel_diff=max_relative_difference(losses["ppctl"], losses[other_name]))
+    result["peak_memory_bytes"] = {name: [entry["memory"][name] for entry in sorted(gathered, key=_rank)]
+                                   for name in seconds}
+    result["losses"] = losses
+    result.update(bubble_figures(trainer, gathered, comm))
+    return result
+
+
+def _rank(entry: dict) -> int:
+    return entry["rank"]
+
+
+def _loss_rank_losses(gathered: list[dict], name: str) -> list[float]:
+    """The step losses of ``name`` on the first rank that holds them."""
+    for entry in sorted(gathered, key=_rank):
+        values = entry["losses"][name]
+        if values and values[0] is not None:
+            return values
+    return []
+
+
+def bubble_figures(trainer: Trainer, gathered: list[dict], comm: float) -> dict:
+    """The traced run's measured makespan and bubble, and the simulator's for the same program with F, B, W fitted
+    to the measured mean action times and ``comm`` to the measured message time."""
+    context, program = trainer.context, trainer.last_program
+    schedule = program.schedule
+    pipeline_ranks = context.layout.group_of("pp", context.layout.rank(**{**context.coords, "pp": 0}))
+    rows = measured_timelines([entry["snapshot"] for entry in gathered], pipeline_ranks, program)
+    makespan = max(action.end for row in rows for action in row.actions)
+    busiest = max(sum(action.end - action.start for action in row.actions) for row in rows)
+    fitted = costs_from_measurement(rows, schedule.chunks_per_copy)
+    fitted = dataclasses.replace(fitted, comm=comm * 1e3)
+    predicted = simulate(program, fitted)
+    return {"bubble_measured": bubble_of(makespan, busiest), "bubble_simulated": predicted.bubble_ratio,
+            "makespan_measured_s": makespan / 1e3, "makespan_simulated_s": predicted.makespan / 1e3,
+            "fitted_costs_ms": fitted.to_json()}
