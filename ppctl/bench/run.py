@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ppctl.config import PpctlConfig, layout_of, load_config_file
 from ppctl.parallel.groups import ParallelContext, build_parallel_context
 from ppctl.pipeline.simulate import simulate
-from ppctl.pipeline.trace import costs_from_measurement, measured_timelines
+from ppctl.pipeline.trace import costs_from_measurement, measured_timelines, overhead_per_action
 from ppctl.run.memory import step_peak_bytes
 from ppctl.run.train import Trainer
 
@@ -176,9 +176,11 @@ def bubble_figures(trainer: Trainer, gathered: list[dict], comm: float) -> dict:
     rows = measured_timelines([entry["snapshot"] for entry in gathered], pipeline_ranks, program)
     makespan = max(action.end for row in rows for action in row.actions)
     busiest = max(sum(action.end - action.start for action in row.actions) for row in rows)
-    fitted = costs_from_measurement(rows, schedule.chunks_per_copy)
-    fitted = dataclasses.replace(fitted, comm=comm * 1e3)
+    fitted = dataclasses.replace(costs_from_measurement(rows, schedule.chunks_per_copy), comm=comm * 1e3)
     predicted = simulate(program, fitted)
+    with_overhead = dataclasses.replace(costs_from_measurement(rows, schedule.chunks_per_copy, True), comm=comm * 1e3)
+    charged = simulate(program, with_overhead)
     return {"bubble_measured": bubble_of(makespan, busiest), "bubble_simulated": predicted.bubble_ratio,
             "makespan_measured_s": makespan / 1e3, "makespan_simulated_s": predicted.makespan / 1e3,
-            "fitted_costs_ms": fitted.to_json()}
+            "fitted_costs_ms": fitted.to_json(), "overhead_per_action_ms": overhead_per_action(rows),
+            "makespan_simulated_with_overhead_s": charged.makespan / 1e3}

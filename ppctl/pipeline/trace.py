@@ -104,15 +104,31 @@ def measured_timelines(snapshots: list[dict], pipeline_ranks: list[int], program
     return rows
 
 
-def costs_from_measurement(rows, chunks_per_copy: int):
-    """A cost model (ms per microbatch through a rank's layers of one copy) from the measured mean action times."""
+def overhead_per_action(rows) -> float:
+    """The runtime's own time per action: what each rank spent, up to its last action's end, neither computing an
+    action nor waiting for a message (posting sends and receives, handing over, bookkeeping), over its actions;
+    the mean over ranks."""
+    shares = []
+    for row in rows:
+        if row.actions:
+            end = max(action.end for action in row.actions)
+            busy = sum(action.end - action.start for action in row.actions)
+            waiting = sum(min(stop, end) - start for start, stop in row.waits if start < end)
+            shares.append(max(0.0, end - busy - waiting) / len(row.actions))
+    return sum(shares) / len(shares) if shares else 0.0
+
+
+def costs_from_measurement(rows, chunks_per_copy: int, include_overhead: bool = False):
+    """A cost model (ms per microbatch through a rank's layers of one copy) from the measured mean action times;
+    ``include_overhead`` adds the runtime's time between actions (``overhead_per_action``) to each action."""
     from ppctl.pipeline.simulate import Costs
 
     durations: dict[str, list[float]] = {}
     for row in rows:
         for action in row.actions:
             durations.setdefault(action.kind, []).append(action.end - action.start)
-    mean = {kind: sum(values) / len(values) * chunks_per_copy for kind, values in durations.items()}
+    extra = overhead_per_action(rows) if include_overhead else 0.0
+    mean = {kind: (sum(values) / len(values) + extra) * chunks_per_copy for kind, values in durations.items()}
     # B: the measured input-gradient half where the schedule splits backwards (DualPipe splits only
     # some), else a whole backward's time (its W is then 0, so a simulated BW takes B + W = BW)
     backward = mean["B"] if "B" in mean else mean.get("BW", 0.0)

@@ -111,3 +111,18 @@ def test_step_peak_adds_the_held_bytes():
 
     peak = step_peak_bytes(step, weight, "cpu")
     assert peak >= 32 * 32 * 4 * 2  # the weight, then at least the product or the gradient on top
+
+
+def test_the_fit_takes_mean_action_times_and_optionally_the_time_between_them():
+    from ppctl.pipeline.simulate import RankTimeline, TimedAction
+    from ppctl.pipeline.trace import costs_from_measurement, overhead_per_action
+
+    # rank 0: F 0-2, F 3-5 (1 ms between them untraced), waits 5-6, BW 6-10; rank 1: no gaps
+    rows = [RankTimeline(0, [TimedAction("F", 0, 0, 0.0, 2.0), TimedAction("F", 0, 1, 3.0, 5.0),
+                             TimedAction("BW", 0, 0, 6.0, 10.0)], 1.0, waits=[(5.0, 6.0)]),
+            RankTimeline(1, [TimedAction("F", 1, 0, 0.0, 2.0), TimedAction("BW", 1, 0, 2.0, 6.0)], 1.0)]
+    assert overhead_per_action(rows) == pytest.approx((1.0 / 3 + 0.0) / 2)
+    plain = costs_from_measurement(rows, chunks_per_copy=1)
+    assert (plain.F, plain.B, plain.W) == (2.0, 4.0, 0.0)  # a whole backward's time is B, its W 0
+    charged = costs_from_measurement(rows, chunks_per_copy=2, include_overhead=True)
+    assert charged.F == pytest.approx((2.0 + 1 / 6) * 2) and charged.B == pytest.approx((4.0 + 1 / 6) * 2)
