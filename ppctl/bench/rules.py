@@ -113,7 +113,3 @@ def max_relative_difference(ours: list[float], others: list[float]) -> float:
         worst = max(worst, abs(a - b) / scale if scale else 0.0)
     return worst
 
-
-def bubble_of(makespan: float, busiest_compute: float) -> float:
-    """The bubble ratio as the simulator defines it: (makespan - the busiest rank's compute) / that compute."""
-    return (makespan - busiest_compute) / busiest_compute if busiest_compute > 0 else 0.0

@@ -24,11 +24,12 @@ import torch.distributed as dist
 from ppctl.config import PpctlConfig, layout_of, load_config_file
 from ppctl.parallel.groups import ParallelContext, build_parallel_context
 from ppctl.pipeline.simulate import simulate
-from ppctl.pipeline.trace import costs_from_measurement, measured_timelines, overhead_per_action
+from ppctl.pipeline.trace import (costs_from_measurement, measured_makespan_and_bubble, measured_timelines,
+                                  overhead_per_action)
 from ppctl.run.memory import step_peak_bytes
 from ppctl.run.train import Trainer
 
-from .rules import BenchRequest, LOSS_TOLERANCE, bubble_of, max_relative_difference, median_ratio
+from .rules import BenchRequest, LOSS_TOLERANCE, max_relative_difference, median_ratio
 from .sides import PpctlSide, other_side
 
 PING_PONGS = 10
@@ -174,13 +175,12 @@ def bubble_figures(trainer: Trainer, gathered: list[dict], comm: float) -> dict:
     schedule = program.schedule
     pipeline_ranks = context.layout.group_of("pp", context.layout.rank(**{**context.coords, "pp": 0}))
     rows = measured_timelines([entry["snapshot"] for entry in gathered], pipeline_ranks, program)
-    makespan = max(action.end for row in rows for action in row.actions)
-    busiest = max(sum(action.end - action.start for action in row.actions) for row in rows)
+    makespan, bubble = measured_makespan_and_bubble(rows)
     fitted = dataclasses.replace(costs_from_measurement(rows, schedule.chunks_per_copy), comm=comm * 1e3)
     predicted = simulate(program, fitted)
     with_overhead = dataclasses.replace(costs_from_measurement(rows, schedule.chunks_per_copy, True), comm=comm * 1e3)
     charged = simulate(program, with_overhead)
-    return {"bubble_measured": bubble_of(makespan, busiest), "bubble_simulated": predicted.bubble_ratio,
+    return {"bubble_measured": bubble, "bubble_simulated": predicted.bubble_ratio,
             "makespan_measured_s": makespan / 1e3, "makespan_simulated_s": predicted.makespan / 1e3,
             "fitted_costs_ms": fitted.to_json(), "overhead_per_action_ms": overhead_per_action(rows),
             "makespan_simulated_with_overhead_s": charged.makespan / 1e3}

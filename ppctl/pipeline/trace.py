@@ -104,6 +104,14 @@ def measured_timelines(snapshots: list[dict], pipeline_ranks: list[int], program
     return rows
 
 
+def measured_makespan_and_bubble(rows) -> tuple[float, float]:
+    """(makespan, bubble ratio) of measured timelines, as the simulator defines them: the last action's end, and
+    (makespan - the busiest rank's compute) / that compute."""
+    makespan = max(action.end for row in rows for action in row.actions)
+    busiest = max(sum(action.end - action.start for action in row.actions) for row in rows)
+    return makespan, (makespan - busiest) / busiest if busiest > 0 else 0.0
+
+
 def overhead_per_action(rows) -> float:
     """The runtime's own time per action: what each rank spent, up to its last action's end, neither computing an
     action nor waiting for a message (posting sends and receives, handing over, bookkeeping), over its actions;
@@ -154,12 +162,11 @@ def write_trace_files(all_traces: list[tuple[int, list[dict]]], trainer, run_dir
     replica = context.layout.rank(**{**context.coords, "pp": 0})
     pipeline_ranks = context.layout.group_of("pp", replica)
     rows = measured_timelines(snapshots, pipeline_ranks, program)
-    makespan = max(action.end for row in rows for action in row.actions)
-    busiest = max(sum(a.end - a.start for a in row.actions) for row in rows)
+    makespan, bubble = measured_makespan_and_bubble(rows)
     streamed = schedule.num_microbatches // trainer.data.num_microbatches  # steps in the program: 1, or a stream's
     steps = f"step {step}" if streamed == 1 else f"steps {step}-{step + streamed - 1}"
     title = f"{schedule.name}: measured {steps} (pp={schedule.pp}, {schedule.num_microbatches} microbatches)"
-    lines = [f"makespan {makespan:.1f} ms; bubble ratio {(makespan - busiest) / busiest:.3f} "
+    lines = [f"makespan {makespan:.1f} ms; bubble ratio {bubble:.3f} "
              "(makespan - busiest rank's compute) / that compute; grey = waiting for a message"]
     write_timeline(rows, run_dir / "timeline.svg", title, lines, time_label="ms")
 

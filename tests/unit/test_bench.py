@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ppctl.bench.rules import (BenchRequest, TORCH_SCHEDULE_CLASSES, bench_problem, bubble_of,
+from ppctl.bench.rules import (BenchRequest, TORCH_SCHEDULE_CLASSES, bench_problem,
                                max_relative_difference, median_ratio, resolve_against)
 from ppctl.cli.bench_report import different_work
 from ppctl.config import compose_config
@@ -73,9 +73,16 @@ def test_loss_difference_and_refusal():
     assert "schedule=zbv" in problem and "not the same work" in problem
 
 
-def test_bubble_is_the_simulators_definition():
-    assert bubble_of(12.0, 8.0) == 0.5
-    assert bubble_of(0.0, 0.0) == 0.0
+def test_measured_bubble_is_the_simulators_definition():
+    from ppctl.pipeline.simulate import RankTimeline, TimedAction
+    from ppctl.pipeline.trace import measured_makespan_and_bubble
+
+    # the busiest rank computes 8 of a 12 ms makespan
+    rows = [RankTimeline(0, [TimedAction("F", 0, 0, 0.0, 4.0), TimedAction("BW", 0, 0, 8.0, 12.0)], 1.0),
+            RankTimeline(1, [TimedAction("F", 1, 0, 4.0, 6.0), TimedAction("BW", 1, 0, 6.0, 8.0)], 1.0)]
+    assert measured_makespan_and_bubble(rows) == (12.0, 0.5)
+    idle = [RankTimeline(0, [TimedAction("F", 0, 0, 0.0, 0.0)], 1.0)]
+    assert measured_makespan_and_bubble(idle) == (0.0, 0.0)
 
 
 def test_held_bytes_counts_each_storage_once():
