@@ -9,6 +9,7 @@ global batch size trains on the same data in the same order.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,9 +162,17 @@ def global_batch_sample_ids(seed: int, step: int, global_batch_size: int, num_sa
     sample_ids = np.empty(global_batch_size, dtype=np.int64)
     for epoch in np.unique(epochs):
         in_epoch = epochs == epoch
-        permutation = np.random.default_rng([seed, int(epoch)]).permutation(num_samples)
-        sample_ids[in_epoch] = permutation[positions[in_epoch] % num_samples]
+        sample_ids[in_epoch] = epoch_permutation(seed, int(epoch), num_samples)[positions[in_epoch] % num_samples]
     return sample_ids.tolist()
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_permutation(seed: int, epoch: int, num_samples: int) -> np.ndarray:
+    """The order of the samples in ``epoch`` (read-only), drawn once: a training step takes a few ids
+    of it, and permuting every id again per step cost 0.7 ms of a 40 ms step at gpt_tiny."""
+    permutation = np.random.default_rng([seed, epoch]).permutation(num_samples)
+    permutation.flags.writeable = False
+    return permutation
 
 
 @dataclass

@@ -27,7 +27,7 @@ A step.
    different elements, since the first and last stage have different buffers).
 3. Each rank then holds the fully reduced gradient of its shards only. fp32 main
    parameters of those shards (pieces of parameters) are stepped by ``torch.optim.AdamW``
-   (foreach); the norm, clipping and fp16 unscaling use the same shards, each element
+   (fused); the norm, clipping and fp16 unscaling use the same shards, each element
    counted once.
 4. The updated shards are written into ``param_data`` and, sharded, every bucket is
    all-gathered in place (``overlap_param_gather``: in the background, each bucket
@@ -44,7 +44,8 @@ import torch
 import torch.distributed as dist
 
 from ppctl.model.init import is_tp_replicated
-from ppctl.optim.grads import AdamWStateful, StateTensors, adam_state, all_reduce_coalesced, optimizer_state_bytes
+from ppctl.optim.grads import (AdamWStateful, StateTensors, adam_state, adamw, all_reduce_coalesced,
+                              optimizer_state_bytes, sum_of_squares)
 from ppctl.parallel.tensor_parallel import all_gather_single, reduce_scatter_single
 
 
@@ -214,10 +215,7 @@ class BucketedOptimizer(AdamWStateful):
         settings = self.settings
         decay = [piece.main for piece in self.pieces if decays(piece.slot.name, piece.slot.param)]
         no_decay = [piece.main for piece in self.pieces if not decays(piece.slot.name, piece.slot.param)]
-        groups = [{"params": decay, "weight_decay": settings.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps,
-                                 foreach=True)
+        return adamw(decay, no_decay, settings)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -305,11 +303,8 @@ class BucketedOptimizer(AdamWStateful):
 
     def local_grad_squares(self) -> torch.Tensor:
         """The sum of squares of this rank's share of the gradient (float64 scalar; no communication)."""
-        squares = torch.zeros((), dtype=torch.float64, device=self.grad_data.device)
-        for piece in self.pieces:
-            if self._counted(piece.slot):
-                squares += piece.main.grad.double().pow(2).sum()
-        return squares
+        return sum_of_squares([piece.main.grad for piece in self.pieces if self._counted(piece.slot)],
+                              self.grad_data.device)
 
     def sum_grad_squares(self, squares: torch.Tensor) -> None:
         """Sum ``local_grad_squares`` values (any shape, float64) over the ranks that share the model, in place."""
