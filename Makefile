@@ -27,8 +27,12 @@ run: setup  ## the main job: train the default config on the embedded default da
 smoke: setup  ## a few steps of the 8-rank layout on synthetic data
 	$(BIN)/ppctl train model=gpt_tiny data=synthetic parallel=tp2_pp2_dp2 trainer.max_steps=3
 
-bench: setup  ## measured comparisons (prints tables; asserts nothing)
-	$(BIN)/python benchmarks/pp1_overhead.py
+PP1_SIZES = model.num_layers=4 model.hidden_size=256 model.num_heads=8 model.ffn_hidden_size=1024 \
+	trainer.seq_length=128 trainer.global_batch_size=16 trainer.micro_batch_size=4
+
+bench: setup  ## measured comparisons (prints tables; asserts nothing): pp=1 against a plain loop, pp=2 against torch
+	$(BIN)/ppctl bench parallel=single data=synthetic --against plain --steps 8 --repeats 5 $(PP1_SIZES)
+	$(BIN)/ppctl bench parallel.pp=2 data=synthetic --against torch --steps 5 --repeats 5 --schedules 1f1b,gpipe
 
 clean:
 	rm -rf runs .pytest_cache
