@@ -90,10 +90,16 @@ def inspect_layout(
 @app.command("inspect-schedule")
 def inspect_schedule(
     overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
-    cost: str = typer.Option("F=1,B=1,W=1,comm=0", "--cost",
-                             help="Cost model: times of F, B, W for one microbatch through all of a rank's layers "
-                                  "(of one model copy), FB for an overlapped forward-and-backward pair (DualPipe; "
-                                  "unset: F+B+W), and the latency of one point-to-point message."),
+    cost: Optional[str] = typer.Option(None, "--cost",
+                                       help="Cost model (default F=1,B=1,W=1,comm=0): times of F, B, W for one "
+                                            "microbatch through all of a rank's layers (of one model copy), FB for an "
+                                            "overlapped forward-and-backward pair (DualPipe; unset: F+B+W), and the "
+                                            "latency of one point-to-point message. With --calibrate: the costs "
+                                            "given replace the measured ones."),
+    calibrate: Optional[Path] = typer.Option(None, "--calibrate", metavar="RUN_DIR",
+                                             help="Take the costs (ms) from a measured run: its bench.json (ppctl "
+                                                  "bench) or trace.json (trainer.trace=true), with the runtime's "
+                                                  "time between actions; shows measured against simulated."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (docs/schedules.md lists the keys)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the timeline picture (.svg or .html)."),
     steps: int = typer.Option(1, "--steps", min=1,
@@ -110,7 +116,7 @@ def inspect_schedule(
     # The schedule does not depend on how the model's layers divide into its stages.
     config = load_config(overrides, config_dir, config_name, lambda loaded: validate(loaded, layer_split=False))
     try:
-        result = simulate_config(config, cost, steps)
+        result = simulate_config(config, cost, steps, calibrate)
         if out is not None:
             from ppctl.cli.schedule_report import write_schedule_picture
 

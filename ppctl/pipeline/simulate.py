@@ -30,6 +30,11 @@ __all__ = ["Costs", "RankTimeline", "Replay", "SimResult", "TimedAction", "parse
 
 def parse_costs(text: str) -> Costs:
     """Parse ``"F=1,B=2,W=1,FB=2.5,comm=0.1"`` (any subset, any order) into ``Costs``; ValueError if malformed."""
+    return Costs(**parse_cost_values(text))
+
+
+def parse_cost_values(text: str) -> dict[str, float]:
+    """The costs ``text`` names (``"F=1,comm=0.1"`` -> ``{"F": 1.0, "comm": 0.1}``); ValueError if malformed."""
     values: dict[str, float] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
@@ -42,7 +47,7 @@ def parse_costs(text: str) -> Costs:
             raise ValueError(f"cost {key}={value.strip()!r} in {text!r} is not a number") from None
         if values[key] < 0:
             raise ValueError(f"cost {key}={values[key]} in {text!r} must not be negative")
-    return Costs(**values)
+    return values
 
 
 @dataclass

@@ -64,7 +64,7 @@ def chrome_trace(snapshots: list[dict], step: int) -> dict:
                            "args": {"stage": stage, "microbatch": microbatch, "step": step}})
         for start, end in snapshot["waits"]:
             events.append({"name": "wait", "cat": "wait", "ph": "X", "pid": 0, "tid": rank,
-                           "ts": start * 1e6, "dur": (end - start) * 1e6})
+                           "ts": start * 1e6, "dur": (end - start) * 1e6, "args": {"step": step}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -102,6 +102,28 @@ def measured_timelines(snapshots: list[dict], pipeline_ranks: list[int], program
         waits = [(start * 1e3, end * 1e3) for start, end in snapshot["waits"]]
         rows.append(RankTimeline(pp_rank, actions, peak_activations(steps, schedule.chunks_per_copy), waits))
     return rows
+
+
+def rows_from_chrome_trace(trace: dict) -> tuple[int, list]:
+    """(step, one ``RankTimeline`` per traced rank, in ms from the step's first action) of the last step of a
+    ``trace.json`` that ``write_trace_files`` wrote; ValueError when it holds no step."""
+    from ppctl.pipeline.simulate import RankTimeline, TimedAction
+
+    events = [event for event in trace.get("traceEvents", []) if event.get("ph") == "X" and "step" in event.get("args", {})]
+    if not events:
+        raise ValueError("it holds no traced step (was it written by a run with trainer.trace=true?)")
+    step = max(event["args"]["step"] for event in events)
+    events = [event for event in events if event["args"]["step"] == step]
+    origin = min(event["ts"] for event in events)
+    rows: dict[int, RankTimeline] = {}
+    for event in sorted(events, key=lambda event: event["ts"]):
+        row = rows.setdefault(event["tid"], RankTimeline(event["tid"], [], 0.0))
+        start, end = (event["ts"] - origin) / 1e3, (event["ts"] + event["dur"] - origin) / 1e3
+        if event["cat"] == "wait":
+            row.waits.append((start, end))
+        else:
+            row.actions.append(TimedAction(event["cat"], event["args"]["stage"], event["args"]["microbatch"], start, end))
+    return step, [rows[rank] for rank in sorted(rows)]
 
 
 def measured_makespan_and_bubble(rows) -> tuple[float, float]:

@@ -121,7 +121,7 @@ def test_inspect_schedule_json_and_picture(ppctl, tmp_path):
     report = json.loads(result.stdout)
     assert set(report) == {"schedule", "pp", "vpp", "microbatches", "costs", "makespan", "bubble_ratio", "steps",
                            "step_ends", "steady_step_time", "steady_bubble_ratio", "weight_versions", "ranks",
-                           "program"}
+                           "program", "calibration"}
     assert (report["schedule"], report["pp"], report["vpp"], report["microbatches"]) == ("interleaved_1f1b", 4, 2, 8)
     program = report["program"]  # the lowered program: each remote message sent once and received once
     sent = sorted(n for rank in program["ranks"] for step in rank["steps"] for n in step["sends"])

@@ -144,3 +144,24 @@ def test_a_tampered_index_and_a_latest_pointer_out_of_the_run_are_refused(tmp_pa
     assert_one_line(invoke(["train", *TINY, f"trainer.resume_from={run_dir}"]), 2,
                     f"error: {pointer} names '../../elsewhere', which leaves {checkpoints_dir(run_dir)}: refused")
     assert_one_line(invoke(["checkpoints", str(run_dir)]), 2, f"error: {pointer} names '../../elsewhere'")
+
+
+def test_inspect_schedule_calibrated_from_a_traced_run(tmp_path):
+    from ppctl.config import compose_config, to_yaml
+    from ppctl.pipeline.simulate import Costs
+    from ppctl.pipeline.trace import chrome_trace
+    from tests.unit.test_calibrate import made_up_snapshots
+
+    shape = ["parallel.pp=2", "schedule=1f1b", "trainer.global_batch_size=4"]
+    (tmp_path / "config.yaml").write_text(to_yaml(compose_config(["data=synthetic", *shape])))
+    (tmp_path / "trace.json").write_text(json.dumps(chrome_trace(made_up_snapshots(Costs(F=2, B=4, W=0)), 3)))
+    text = invoke(["inspect-schedule", *shape, "--calibrate", str(tmp_path), "--cost", "comm=0"])
+    assert text.exit_code == 0, text.stderr
+    assert "comm given by --cost" in text.stdout and "measured: makespan" in text.stdout
+    report = json.loads(invoke(["inspect-schedule", *shape, "--calibrate", str(tmp_path), "--json"]).stdout)
+    calibration = report["calibration"]
+    assert calibration["schedule"] == "1f1b" and report["costs"] == calibration["costs"]
+    assert report["makespan"] == pytest.approx(calibration["measured_makespan_ms"], rel=0.01)
+    assert json.loads(invoke(["inspect-schedule", *shape, "--json"]).stdout)["calibration"] is None
+    assert_one_line(invoke(["inspect-schedule", "--calibrate", str(tmp_path / "none")]), 2,
+                    f"error: --calibrate {tmp_path / 'none'}: no such run directory")

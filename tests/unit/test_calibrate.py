@@ -1,0 +1,105 @@
+"""``inspect-schedule --calibrate``: costs read back from a run's trace.json or bench.json."""
+
+import json
+
+import pytest
+
+from ppctl.cli.calibrate import calibration_lines, calibration_of
+from ppctl.config import compose_config, to_yaml
+from ppctl.pipeline.program import lower
+from ppctl.pipeline.schedules import build_schedule
+from ppctl.pipeline.simulate import Costs, simulate
+from ppctl.pipeline.trace import (chrome_trace, costs_from_measurement, measured_makespan_and_bubble,
+                                  overhead_per_action, rows_from_chrome_trace)
+
+GAP_S = 0.0005  # the runtime's time between two actions in the made-up run
+
+
+def made_up_snapshots(costs: Costs) -> list[dict]:
+    """Per-rank snapshots of a 1f1b run at pp=2 with 4 microbatches whose runtime spends GAP_S seconds after each
+    action: the simulator's timeline with the gap inside each action's cost, each action recorded without it, and
+    the idle time before an action recorded as a wait."""
+    gap_ms = GAP_S * 1e3
+    charged = Costs(F=costs.F + gap_ms, B=costs.B + gap_ms, W=costs.W + gap_ms if costs.W else 0.0)
+    snapshots = []
+    for row in simulate(lower(build_schedule("1f1b", 2, 1, 4)), charged).ranks:
+        actions, waits, free = [], [], 0.0
+        for action in row.actions:
+            if action.start > free:
+                waits.append((free / 1e3, action.start / 1e3))
+            actions.append((action.kind, action.stage, action.microbatch, action.start / 1e3,
+                            (action.end - gap_ms) / 1e3))
+            free = action.end
+        snapshots.append({"rank": row.rank, "actions": actions, "waits": waits})
+    return snapshots
+
+
+def test_a_trace_file_gives_back_its_last_step():
+    early, late = made_up_snapshots(Costs(F=3, B=5, W=0)), made_up_snapshots(Costs(F=2, B=4, W=0))
+    trace = {"traceEvents": chrome_trace(early, 1)["traceEvents"] + chrome_trace(late, 2)["traceEvents"]}
+    step, rows = rows_from_chrome_trace(trace)
+    assert step == 2 and [row.rank for row in rows] == [0, 1]
+    assert [(a.kind, a.microbatch) for a in rows[1].actions] == [(a[0], a[2]) for a in late[1]["actions"]]
+    fitted = costs_from_measurement(rows, chunks_per_copy=1)
+    assert (fitted.F, fitted.B, fitted.W) == pytest.approx((2, 4, 0))
+    assert overhead_per_action(rows) > 0
+    with pytest.raises(ValueError, match="no traced step"):
+        rows_from_chrome_trace({"traceEvents": []})
+
+
+def write_run(tmp_path, overrides: list[str], files: dict) -> None:
+    (tmp_path / "config.yaml").write_text(to_yaml(compose_config(["data=synthetic", *overrides])))
+    for name, content in files.items():
+        (tmp_path / name).write_text(json.dumps(content))
+
+
+def test_calibration_from_a_training_trace_charges_the_time_between_actions(tmp_path):
+    snapshots = made_up_snapshots(Costs(F=2, B=4, W=0))
+    write_run(tmp_path, ["parallel.pp=2", "schedule=1f1b", "trainer.global_batch_size=4"],
+              {"trace.json": chrome_trace(snapshots, 5)})
+    calibration = calibration_of(tmp_path, "1f1b")
+    assert calibration.schedule == "1f1b" and calibration.pp == 2 and not calibration.comm_measured
+    assert "(step 5)" in calibration.source
+    overhead = calibration.overhead_ms
+    assert overhead == pytest.approx(GAP_S * 1e3 * 7 / 8)  # each rank's 8 actions: a gap after all but the last
+    assert (calibration.costs.F, calibration.costs.B) == pytest.approx((2 + overhead, 4 + overhead))
+    rows = rows_from_chrome_trace(chrome_trace(snapshots, 5))[1]
+    assert (calibration.measured_makespan_ms, calibration.measured_bubble) == pytest.approx(
+        measured_makespan_and_bubble(rows))
+    # the simulated makespan at the calibrated costs is what the made-up run measured, within the gaps' rounding
+    simulated = simulate(lower(build_schedule("1f1b", 2, 1, 4)), calibration.costs).makespan
+    assert simulated == pytest.approx(calibration.measured_makespan_ms, rel=0.01)
+    lines = calibration_lines(calibration.with_overrides({"comm": 0.1}), simulated, "1f1b", 2)
+    assert "comm given by --cost" in lines[0] and lines[1].startswith("measured: makespan")
+    other = calibration_lines(calibration, simulated, "zbv", 2)
+    assert "comm not measured" in other[0] and "no measured timeline of this one" in other[1]
+
+
+def test_calibration_from_bench_takes_the_entry_of_the_schedule(tmp_path):
+    (tmp_path / "bench").mkdir()
+    configs = []
+    for index, name in enumerate(("1f1b", "zbv")):
+        configs.append(f"bench/{index}_{name}.yaml")
+        (tmp_path / configs[-1]).write_text(to_yaml(compose_config(["data=synthetic", "parallel.pp=2",
+                                                                     f"schedule={name}"])))
+    entries = [{"schedule": name, "pp": 2, "fitted_costs_ms": {"F": f, "B": 2 * f, "W": w, "comm": 0.2},
+                "overhead_per_action_ms": 0.5, "makespan_measured_s": 0.1, "bubble_measured": 0.25}
+               for name, f, w in (("1f1b", 4.0, 0.0), ("zbv", 6.0, 3.0))]
+    (tmp_path / "bench.json").write_text(json.dumps(entries))
+    (tmp_path / "bench_request.json").write_text(json.dumps({"configs": configs}))
+    zbv = calibration_of(tmp_path, "zbv")  # two chunks per rank: two actions' overhead per rank's layers
+    assert (zbv.costs.F, zbv.costs.B, zbv.costs.W, zbv.costs.comm) == pytest.approx((7.0, 13.0, 4.0, 0.2))
+    assert zbv.comm_measured and zbv.measured_makespan_ms == pytest.approx(100.0)
+    assert zbv.bubble_at_measured_compute(100.0) == pytest.approx(0.25)
+    first = calibration_of(tmp_path, "gpipe")  # not benched: the first entry
+    assert first.schedule == "1f1b" and (first.costs.F, first.costs.W) == pytest.approx((4.5, 0.0))
+
+
+def test_calibration_refusals_name_the_directory(tmp_path):
+    with pytest.raises(ValueError, match="no such run directory"):
+        calibration_of(tmp_path / "missing", "1f1b")
+    with pytest.raises(ValueError, match="neither bench.json"):
+        calibration_of(tmp_path, "1f1b")
+    (tmp_path / "trace.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read"):
+        calibration_of(tmp_path, "1f1b")
