@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 export HF_DATASETS_OFFLINE := 1
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup test test-fast run smoke bench clean
+.PHONY: setup test test-fast gpu-check run smoke bench clean
 
 setup: $(STAMP)  ## create .venv and install ppctl (editable) with its test extra; quick when done
 
@@ -20,6 +20,9 @@ test: setup  ## the whole suite: unit, multi-process (gloo) and end-to-end CLI t
 
 test-fast: setup  ## unit tests only (no processes)
 	$(BIN)/python -m pytest -q tests/unit
+
+gpu-check: setup  ## on a machine with GPUs: the NCCL path against gloo (tests/gpu; prints gpt_small's bf16 MFU)
+	$(BIN)/python -m pytest -q -rs tests/gpu
 
 run: setup  ## the main job: train the default config on the embedded default dataset
 	$(BIN)/ppctl train

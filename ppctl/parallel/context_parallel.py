@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from torch.autograd.function import once_differentiable
 
 from ppctl.parallel.layout import CP_COMM_MODES, context_parallel_chunks, context_parallel_positions
@@ -207,7 +208,11 @@ def _allgather_attention(query, key, value, cp: CPGroup) -> torch.Tensor:
 
     The keys are put in sequence order once; a query chunk ending at token e then needs
     keys ``[0, e)`` only (as Megatron-LM's all-gather CP does), so a rank computes the
-    causal work and not all ``seq/cp x seq`` scores.
+    causal work and not all ``seq/cp x seq`` scores. That mask is causal aligned to the
+    lower right (query row i, token ``e - chunk + i``, sees keys up to its own token):
+    torch's ``causal_lower_right`` bias, which SDPA runs in a fused kernel on CUDA
+    (flash or memory-efficient attention, no mask in memory) and as the same boolean
+    mask elsewhere.
     """
     local_seq = query.shape[SEQUENCE_DIM]
     gathered = _GatherKeyValue.apply(_pack_sequence_first(key, value), cp)  # tokens rank-major
@@ -216,11 +221,9 @@ def _allgather_attention(query, key, value, cp: CPGroup) -> torch.Tensor:
     chunk = local_seq // 2
     outputs = []
     for local_index, global_chunk in enumerate(context_parallel_chunks(cp.rank, cp.size)):
-        first, end = global_chunk * chunk, (global_chunk + 1) * chunk
-        # Query row i is token first + i: it sees key j when j <= first + i.
-        visible = torch.ones(chunk, end, dtype=torch.bool, device=query.device).tril_(first)
+        end = (global_chunk + 1) * chunk  # query row i is token end - chunk + i: it sees keys j <= end - chunk + i
         outputs.append(F.scaled_dot_product_attention(_chunk(query, local_index), keys[..., :end, :],
-                                                      values[..., :end, :], attn_mask=visible))
+                                                      values[..., :end, :], attn_mask=causal_lower_right(chunk, end)))
     return torch.cat(outputs, dim=SEQUENCE_DIM)
 
 

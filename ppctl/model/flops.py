@@ -1,0 +1,43 @@
+"""Floating-point operations of training the GPT, and model FLOPs utilisation (MFU).
+
+Counted as Megatron-LM and PaLM count them: multiply-adds of the matrix products only
+(2 FLOPs each), a backward pass twice the forward, no activation recomputation (MFU
+counts the model's work, not the work a run chose to repeat). Per token of a
+sequence of ``s`` tokens, with ``l`` layers of width ``h`` and MLP width ``f``:
+
+- each layer: the query, key, value and output projections ``2 * 4h^2``, the MLP
+  ``2 * 2hf``, and attention's two products with the keys and the values ``2 * 2sh``
+  (the full ``s x s`` score matrix, as Megatron-LM counts it);
+- the output layer ``2hV`` (``V`` the padded vocabulary); embeddings are lookups.
+
+Training is three times the forward. The peak figures are the vendors' dense (no
+sparsity) bf16 tensor-core throughput.
+"""
+
+from __future__ import annotations
+
+# Dense bf16 tensor-core peak, FLOP/s, by a substring of torch.cuda.get_device_name()
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
+
+
+def forward_flops_per_token(num_layers: int, hidden_size: int, ffn_hidden_size: int, seq_length: int,
+                            vocab_size: int) -> float:
+    """FLOPs of one token's forward pass through the whole model (see the module docstring)."""
+    per_layer = 2 * 4 * hidden_size ** 2 + 2 * 2 * hidden_size * ffn_hidden_size + 2 * 2 * seq_length * hidden_size
+    return num_layers * per_layer + 2 * hidden_size * vocab_size
+
+
+def training_flops_per_token(num_layers: int, hidden_size: int, ffn_hidden_size: int, seq_length: int,
+                             vocab_size: int) -> float:
+    """FLOPs of one token's forward and backward (three forwards' worth)."""
+    return 3 * forward_flops_per_token(num_layers, hidden_size, ffn_hidden_size, seq_length, vocab_size)
+
+
+def peak_flops(device_name: str) -> float | None:
+    """The dense bf16 peak of a GPU named ``device_name`` (``torch.cuda.get_device_name()``), None if unknown."""
+    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in device_name), None)
+
+
+def model_flops_utilisation(tokens_per_s: float, flops_per_token: float, devices: int, peak: float) -> float:
+    """Achieved training FLOP/s over the peak of ``devices`` devices."""
+    return tokens_per_s * flops_per_token / (devices * peak)
