@@ -203,14 +203,16 @@ class _SplitWeightGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op: SplitOp, store: "WeightGradStore | None", inputs: torch.Tensor, *weights):
         output, saved = op.forward(inputs, weights)
-        ctx.op, ctx.store, ctx.num_saved = op, store, len(saved)
-        ctx.save_for_backward(*saved, *weights)
+        # The weights are kept as themselves, not as saved tensors: W hands their gradients to autograd
+        # by object, and a recomputed region (activation checkpointing) gives back saved tensors as
+        # other objects. Parameters are leaves, so holding them here makes no reference cycle.
+        ctx.op, ctx.store, ctx.weights = op, store, weights
+        ctx.save_for_backward(*saved)
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        tensors = ctx.saved_tensors
-        saved, weights = tensors[:ctx.num_saved], tensors[ctx.num_saved:]
+        saved, weights = ctx.saved_tensors, ctx.weights
         grad_input = ctx.op.input_grad(grad_output, saved, weights) if ctx.needs_input_grad[2] else None
         wanted = tuple(ctx.needs_input_grad[3:])
         if not any(wanted):

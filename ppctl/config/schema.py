@@ -19,6 +19,8 @@ from typing import Any, Optional
 
 # The values some fields allow (validation refuses others; their doc strings name them).
 POSITION_EMBEDDINGS = ("learned", "rope")
+RECOMPUTE_MODES = ("none", "full", "selective")  # ppctl.model.recompute
+RECOMPUTE_METHODS = ("uniform", "block")
 PRECISIONS = ("fp32", "fp64", "bf16", "fp16")
 DATA_SOURCES = ("python_stdlib", "text", "synthetic")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -64,6 +66,14 @@ class ModelConfig:
     init_std: float = setting(
         0.02, "std of the normal initialisation (layout independent: seeded by (seed, parameter name))")
     make_vocab_size_divisible_by: int = setting(64, "vocabulary padding unit (times tp)")
+    recompute: str = setting(
+        "none", "activation recomputation: `none`, `full` (groups of whole layers keep only their input and run "
+        "again in the backward) or `selective` (only the attention core runs again)")
+    recompute_method: str = setting(
+        "uniform", "with `recompute=full`: `uniform` (groups of `recompute_num_layers` layers) or `block` (the "
+        "first `recompute_num_layers` layers of each chunk, one by one)")
+    recompute_num_layers: int = setting(1, "with `recompute=full`: layers per group (`uniform`) or recomputed "
+                                           "layers per chunk (`block`)")
 
 
 @dataclass

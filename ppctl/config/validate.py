@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from ppctl.config.derived import (configured_schedule, layout_of, nproc_per_node, num_microbatches,
                                   padded_vocab_size, parse_endpoint, schedule_spec, tokenizer_vocab_size)
-from ppctl.config.schema import (BACKENDS, DATA_SOURCES, POSITION_EMBEDDINGS, PRECISIONS, ConfigError, PpctlConfig,
-                                 require)
+from ppctl.config.schema import (BACKENDS, DATA_SOURCES, POSITION_EMBEDDINGS, PRECISIONS, RECOMPUTE_METHODS,
+                                 RECOMPUTE_MODES, ConfigError, PpctlConfig, require)
 from ppctl.optim.lr import DECAY_STYLES
 from ppctl.parallel.layout import CP_COMM_MODES, LayoutError, ParallelLayout, split_layers
 
@@ -155,7 +155,18 @@ def _check_model(config: PpctlConfig) -> None:
     )
     if model.position_embedding == "rope":
         require((model.hidden_size // model.num_heads) % 2 == 0, "model.position_embedding=rope needs an even head dim")
+    _check_recompute(config)
     _check_context_parallel_attention(config)
+
+
+def _check_recompute(config: PpctlConfig) -> None:
+    """The recomputation mode and method exist, and the group size is positive."""
+    model = config.model
+    require(model.recompute in RECOMPUTE_MODES,
+            f"model.recompute={model.recompute!r} must be one of {', '.join(RECOMPUTE_MODES)}")
+    require(model.recompute_method in RECOMPUTE_METHODS,
+            f"model.recompute_method={model.recompute_method!r} must be one of {', '.join(RECOMPUTE_METHODS)}")
+    require(model.recompute_num_layers >= 1, f"model.recompute_num_layers={model.recompute_num_layers} must be >= 1")
 
 
 def _check_context_parallel_attention(config: PpctlConfig) -> None:

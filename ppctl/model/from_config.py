@@ -12,6 +12,7 @@ from ppctl.config import PpctlConfig, padded_vocab_size
 from ppctl.data.dataset import WindowDataset, build_dataset
 from ppctl.data.prepare import CorpusSpec
 from ppctl.model.gpt import GPTConfig
+from ppctl.model.recompute import Recompute
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -26,6 +27,12 @@ def gpt_config(config: PpctlConfig) -> GPTConfig:
         max_seq_length=model.max_seq_length, position_embedding=model.position_embedding,
         tie_embeddings=model.tie_embeddings, norm_epsilon=model.norm_epsilon, init_std=model.init_std,
     )
+
+
+def recompute_of(config: PpctlConfig) -> Recompute:
+    """What the model chunks recompute in the backward (``model.recompute``, ``recompute_method``, ``_num_layers``)."""
+    model = config.model
+    return Recompute(model.recompute, model.recompute_method, model.recompute_num_layers)
 
 
 def parameter_dtype(config: PpctlConfig) -> torch.dtype:

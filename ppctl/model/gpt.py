@@ -17,6 +17,7 @@ from torch import nn
 
 from ppctl.model import init as param_init
 from ppctl.model.layers import Embedding, LayerNorm, TransformerLayer, rotary_cos_sin
+from ppctl.model.recompute import Recompute, recomputed
 from ppctl.autograd.weight_grad import DefersWeightGrads
 from ppctl.parallel.context_parallel import CPGroup
 from ppctl.parallel.tensor_parallel import (
@@ -104,14 +105,18 @@ class GPTChunk(DefersWeightGrads, nn.Module):
     the rest of the sequence through (one rank by default). Its norms and linear layers
     (the output layer too, tied or not) can defer their weight gradients to a pipeline
     W: a stage hands them its store (``ppctl.autograd.weight_grad.attach_weight_grad_store``).
+    ``recompute``: which of its layers run their forward again in the backward
+    (``ppctl.model.recompute``; the same numbers, less memory).
     """
 
     def __init__(self, config: GPTConfig, layer_ids: Sequence[int], pre_process: bool, post_process: bool,
-                 tp: TPGroup, seed: int, dtype: torch.dtype = torch.float32, cp: CPGroup | None = None):
+                 tp: TPGroup, seed: int, dtype: torch.dtype = torch.float32, cp: CPGroup | None = None,
+                 recompute: Recompute = Recompute()):
         super().__init__()
         check_tp_divides(config, tp.size)
         self.layer_ids = _checked_layer_ids(layer_ids, config.num_layers)
         self.config, self.tp, self.cp = config, tp, cp or CPGroup.single()
+        self.recompute = recompute
         self.pre_process, self.post_process = pre_process, post_process
         self.shares_output_weight = pre_process and post_process and config.tie_embeddings
 
@@ -120,7 +125,7 @@ class GPTChunk(DefersWeightGrads, nn.Module):
                                        config.position_embedding == "learned", tp, dtype)
         self.layers = nn.ModuleDict({
             str(layer_id): TransformerLayer(config.hidden_size, config.num_heads, config.ffn_hidden_size,
-                                            config.norm_epsilon, tp, dtype, self.cp)
+                                            config.norm_epsilon, tp, dtype, self.cp, recompute.attention_core)
             for layer_id in self.layer_ids
         })
         if post_process:
@@ -155,8 +160,12 @@ class GPTChunk(DefersWeightGrads, nn.Module):
             position_ids = self._whole_sequence_positions(inputs)
         hidden = self.embedding(inputs, position_ids) if self.pre_process else inputs
         rotary = self._rotary(position_ids, hidden.dtype)
-        for layer in self.layers.values():
-            hidden = layer(hidden, rotary)
+        layers = list(self.layers.values())
+        for first, end, recompute in self.recompute.layer_groups(len(layers)):
+            if recompute:
+                hidden = recomputed(_run_layers, hidden, rotary, layers[first:end])
+            else:
+                hidden = _run_layers(hidden, rotary, layers[first:end])
         if not self.post_process:
             return hidden
         normed = self.final_norm(hidden)
@@ -197,6 +206,13 @@ class GPTChunk(DefersWeightGrads, nn.Module):
         if self.config.position_embedding != "rope" or not self.layer_ids:
             return None
         return rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_base, dtype)
+
+
+def _run_layers(hidden: torch.Tensor, rotary, layers: Sequence[TransformerLayer]) -> torch.Tensor:
+    """``hidden`` through ``layers`` in order."""
+    for layer in layers:
+        hidden = layer(hidden, rotary)
+    return hidden
 
 
 def _checked_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppctl.autograd.weight_grad import DefersWeightGrads, layer_norm
+from ppctl.model.recompute import recomputed
 from ppctl.parallel.context_parallel import CPGroup, context_parallel_attention
 from ppctl.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -78,12 +79,15 @@ class CausalSelfAttention(nn.Module):
 
     ``qkv`` is column-parallel with local rows ``[q heads of this rank; k heads; v heads]``,
     ``proj`` is row-parallel and all-reduces the per-rank partial outputs.
+    ``recompute_core``: the core (scores, softmax, weighted values) keeps only the queries,
+    keys and values and runs again in the backward (``model.recompute=selective``).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, tp: TPGroup, dtype: torch.dtype,
-                 cp: CPGroup | None = None):
+                 cp: CPGroup | None = None, recompute_core: bool = False):
         super().__init__()
         self.cp = cp or CPGroup.single()
+        self.recompute_core = recompute_core
         self.local_heads = num_heads // tp.size
         self.head_dim = hidden_size // num_heads
         # No QKV bias: the key bias has an exactly zero gradient (softmax ignores a shift shared by
@@ -100,7 +104,10 @@ class CausalSelfAttention(nn.Module):
         query, key, value = (part.transpose(1, 2) for part in qkv.unbind(dim=2))  # [batch, heads, seq, head_dim]
         if rotary is not None:
             query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
-        attended = context_parallel_attention(query, key, value, self.cp)
+        if self.recompute_core:
+            attended = recomputed(context_parallel_attention, query, key, value, self.cp)
+        else:
+            attended = context_parallel_attention(query, key, value, self.cp)
         attended = attended.transpose(1, 2).reshape(batch, seq, self.local_heads * self.head_dim)
         return self.proj(attended)
 
@@ -122,10 +129,10 @@ class TransformerLayer(nn.Module):
     """Pre-norm transformer layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, norm_epsilon: float,
-                 tp: TPGroup, dtype: torch.dtype, cp: CPGroup | None = None):
+                 tp: TPGroup, dtype: torch.dtype, cp: CPGroup | None = None, recompute_attention_core: bool = False):
         super().__init__()
         self.attn_norm = LayerNorm(hidden_size, eps=norm_epsilon, dtype=dtype)
-        self.attention = CausalSelfAttention(hidden_size, num_heads, tp, dtype, cp)
+        self.attention = CausalSelfAttention(hidden_size, num_heads, tp, dtype, cp, recompute_attention_core)
         self.mlp_norm = LayerNorm(hidden_size, eps=norm_epsilon, dtype=dtype)
         self.mlp = MLP(hidden_size, ffn_hidden_size, tp, dtype)
 

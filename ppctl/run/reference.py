@@ -37,7 +37,8 @@ class ReferenceRun:
 
 
 def reference_model(config: PpctlConfig) -> GPTChunk:
-    """The whole GPT of ``config`` as one chunk (one process: nothing of a parallel layout)."""
+    """The whole GPT of ``config`` as one chunk (one process: nothing of a parallel layout, and no recomputation:
+    a run that recomputes must compute the same)."""
     layers = range(config.model.num_layers)
     return GPTChunk(gpt_config(config), layers, True, True, TPGroup.single(), config.trainer.seed,
                     parameter_dtype(config))

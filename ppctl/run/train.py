@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ppctl.config import PpctlConfig, configured_schedule
 from ppctl.data.iterator import PipelineDataIterator
-from ppctl.model.from_config import dataset_of, gpt_config, parameter_dtype
+from ppctl.model.from_config import dataset_of, gpt_config, parameter_dtype, recompute_of
 from ppctl.model.gpt import GPTChunk
 from ppctl.model.gpt_stages import MaskedTokenLoss, build_stages
 from ppctl.optim.delay import DelayedWeights, WeightVersions
@@ -125,7 +125,7 @@ def build_chunks(config: PpctlConfig, context: ParallelContext) -> dict[int, GPT
                                                              config.parallel.pipeline_layout).items():
         if pp_rank == context.pp_rank:
             chunk = GPTChunk(gpt_config(config), stage.layers, stage.pre_process, stage.post_process,
-                             tp, config.trainer.seed, dtype, cp)
+                             tp, config.trainer.seed, dtype, cp, recompute_of(config))
             chunks[stage.stage] = chunk.to(context.device)
     # Model-stage order: DualPipe's mirror ranks then list the same parameters in the same order.
     return dict(sorted(chunks.items(), key=lambda item: context.layout.placement.model_stage(item[0])))

@@ -19,6 +19,7 @@ from ppctl.autograd.weight_grad import (
     layer_norm,
     linear,
 )
+from ppctl.model.recompute import Recompute
 from ppctl.parallel.tensor_parallel import TPGroup
 from ppctl.pipeline.stage import PipelineStage, StageIO, TensorSpec, run_backward
 
@@ -39,10 +40,11 @@ def weighted_loss(losses: torch.Tensor, microbatch):
     return loss, loss.detach()
 
 
-def make_stage(last: bool, dtype=torch.float64, tie_embeddings=False) -> PipelineStage:
+def make_stage(last: bool, dtype=torch.float64, tie_embeddings=False, recompute=Recompute()) -> PipelineStage:
     """A middle stage (layers 0-1) or a last stage (layer 2, final norm, output layer, loss)."""
     config = GPTConfig(**CONFIG, tie_embeddings=tie_embeddings)
-    chunk = GPTChunk(config, [2] if last else [0, 1], False, last, TPGroup.single(), SEED, dtype)
+    chunk = GPTChunk(config, [2] if last else [0, 1], False, last, TPGroup.single(), SEED, dtype,
+                     recompute=recompute)
     spec = TensorSpec((BATCH, SEQ, config.hidden_size), dtype)
     io = StageIO(input=spec, output=None if last else spec, fields=())
     return PipelineStage(1, chunk, io, chunk_forward, is_last=last, split_backward=True)
@@ -107,6 +109,21 @@ def test_split_backward_equals_whole_backward_bitwise(kind):
     assert all(grad is not None and grad.abs().sum() > 0 for grad in whole.values())
     assert_same_grads(weight_grads(split_stage), whole)
     assert all(param.dtype == param.grad.dtype for param in split_stage.module.parameters())
+
+
+@pytest.mark.parametrize("last", [False, True], ids=["middle", "last"])
+@pytest.mark.parametrize("recompute", [Recompute("full", "uniform", 2), Recompute("full", "block", 1),
+                                       Recompute("selective")], ids=["full-uniform", "full-block", "selective"])
+def test_recomputing_stages_split_their_backward_bitwise(recompute, last):
+    """A stage that recomputes gives the gradients of one that does not, whole or split: B recomputes and stashes
+    the recomputed tensors W needs (W finds every weight, also those of the recomputed region's last op)."""
+    expected = make_stage(last)
+    expected_inputs = run_actions(expected, WHOLE)
+    for actions in (WHOLE, SPLIT):
+        stage = make_stage(last, recompute=recompute)
+        grad_inputs = run_actions(stage, actions)
+        assert_same_grads(weight_grads(stage), weight_grads(expected))
+        assert all(torch.equal(grad_inputs[key], grad) for key, grad in expected_inputs.items() if grad is not None)
 
 
 @pytest.mark.parametrize("last", [False, True], ids=["middle", "last"])
