@@ -23,8 +23,8 @@ All of it is pure: no torch, no process started, no process group touched.
 
 from ppctl.config.compose import PACKAGE_CONF_DIR, compose_config, load_config_file, to_yaml
 from ppctl.config.derived import (config_layer_map, configured_schedule, fill_unset, layout_of, message_seq_length,
-                                  nproc_per_node, num_microbatches, padded_vocab_size, parse_endpoint, schedule_spec,
-                                  tokenizer_vocab_size)
+                                  nproc_per_node, num_microbatches, padded_vocab_size, parse_endpoint,
+                                  pipeline_layout_of, schedule_spec, tokenizer_vocab_size)
 from ppctl.config.reference import config_reference, config_reference_table, render_default
 from ppctl.config.schema import (SCHEMA_GROUPS, ConfigError, DataConfig, LauncherConfig, ModelConfig,
                                  OptimizerConfig, ParallelConfig, PpctlConfig, ScheduleConfig, TrainerConfig,
@@ -36,6 +36,6 @@ __all__ = [
     "PACKAGE_CONF_DIR", "ParallelConfig", "PpctlConfig", "SCHEMA_GROUPS", "ScheduleConfig", "TrainerConfig",
     "compose_config", "config_layer_map", "configured_schedule", "fill_unset", "config_reference", "config_reference_table",
     "layout_of", "load_config_file", "message_seq_length", "nproc_per_node", "num_microbatches",
-    "padded_vocab_size", "parse_endpoint", "render_default", "schedule_spec", "setting", "to_yaml",
+    "padded_vocab_size", "parse_endpoint", "pipeline_layout_of", "render_default", "schedule_spec", "setting", "to_yaml",
     "tokenizer_vocab_size", "validate",
 ]

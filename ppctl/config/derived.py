@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from ppctl.config.schema import SYNTHETIC_VOCAB_SIZE, ConfigError, DataConfig, PpctlConfig, require
-from ppctl.parallel.layout import LayoutError, ParallelLayout
+from ppctl.parallel.layout import LayoutError, ParallelLayout, even_pipeline_layout
 from ppctl.parallel.placement import PlacementError
 
 DEFAULT_RDZV_PORT = 29400  # torchrun's c10d rendezvous port when the endpoint names none
@@ -112,7 +112,21 @@ def layout_of(config: PpctlConfig) -> ParallelLayout:
 
 def config_layer_map(config: PpctlConfig):
     """``{(pp_rank, chunk): StageLayers}`` for the configured model, split and schedule placement."""
-    return layout_of(config).layer_map(config.model.num_layers, config.parallel.pipeline_layout)
+    return layout_of(config).layer_map(config.model.num_layers, pipeline_layout_of(config))
+
+
+def pipeline_layout_of(config: PpctlConfig) -> str | None:
+    """The layout string of the model's split into stages: ``parallel.pipeline_layout``, or the even split that
+    counts the embedding and/or the loss as layers (``account_for_*_in_split``), or None for the plain even split."""
+    parallel = config.parallel
+    if parallel.pipeline_layout or not (parallel.account_for_embedding_in_split or parallel.account_for_loss_in_split):
+        return parallel.pipeline_layout
+    stages = layout_of(config).placement.stages_per_copy
+    try:
+        return even_pipeline_layout(config.model.num_layers, stages, parallel.account_for_embedding_in_split,
+                                    parallel.account_for_loss_in_split)
+    except LayoutError as error:
+        raise ConfigError(str(error)) from None
 
 
 def num_microbatches(config: PpctlConfig) -> int:

@@ -99,8 +99,13 @@ class ParallelConfig:
         False, "Megatron sequence parallelism (needs tp > 1, seq_length divisible by cp*tp)")
     order: str = setting("tp-cp-dp-pp", "rank order, fastest-varying first (Megatron-Core's convention)")
     pipeline_layout: Optional[str] = setting(
-        None, "explicit per-stage split in Megatron-LM syntax, e.g. `Ettt|tttt|tttL` (`t*3` repeats); "
-        "default: even split, `num_layers` divisible by pp*vpp (by pp with `dualpipe`'s two model copies)")
+        None, "explicit per-stage split in Megatron-LM syntax, e.g. `Ettt|tttt|tttL` or `E(tt|)*3tL` (`t*3` and "
+        "`(...)*N` repeat; a stage may be empty); default: even split, `num_layers` divisible by pp*vpp (by pp "
+        "with `dualpipe`'s two model copies)")
+    account_for_embedding_in_split: bool = setting(
+        False, "even split counting the embedding as one layer (the first stage gets one transformer layer less)")
+    account_for_loss_in_split: bool = setting(
+        False, "even split counting the output layer and loss as one layer (the last stage gets one layer less)")
 
 
 @dataclass

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ppctl.config.derived import (configured_schedule, layout_of, nproc_per_node, num_microbatches,
-                                  padded_vocab_size, parse_endpoint, schedule_spec, tokenizer_vocab_size)
+                                  padded_vocab_size, parse_endpoint, pipeline_layout_of, schedule_spec,
+                                  tokenizer_vocab_size)
 from ppctl.config.schema import (BACKENDS, DATA_SOURCES, POSITION_EMBEDDINGS, PRECISIONS, RECOMPUTE_METHODS,
                                  RECOMPUTE_MODES, ConfigError, PpctlConfig, require)
 from ppctl.optim.lr import DECAY_STYLES
@@ -59,8 +60,13 @@ def validate(config: PpctlConfig, layer_split: bool = True) -> DerivedSizes:
 
 
 def _check_layer_split(config: PpctlConfig, layout: ParallelLayout) -> None:
+    parallel = config.parallel
+    require(not (parallel.pipeline_layout and (parallel.account_for_embedding_in_split
+                                               or parallel.account_for_loss_in_split)),
+            "parallel.pipeline_layout places every layer itself: leave parallel.account_for_embedding_in_split "
+            "and parallel.account_for_loss_in_split false with it")
     try:
-        split_layers(config.model.num_layers, layout.placement.stages_per_copy, config.parallel.pipeline_layout)
+        split_layers(config.model.num_layers, layout.placement.stages_per_copy, pipeline_layout_of(config))
     except LayoutError as error:
         raise ConfigError(str(error)) from None
 

@@ -167,7 +167,9 @@ class GPTChunk(DefersWeightGrads, nn.Module):
             else:
                 hidden = _run_layers(hidden, rotary, layers[first:end])
         if not self.post_process:
-            return hidden
+            # An empty stage (a layout string's "||") passes its input on as a new tensor: the pipeline
+            # frees a sent output's memory and back-propagates from it, which the received input must survive.
+            return hidden.clone() if hidden is inputs else hidden
         normed = self.final_norm(hidden)
         # The output layer runs as a module (its forward pre-hooks fire: the distributed optimizer
         # waits there for its weight's all-gather); a shared weight is the embedding's, already waited for.

@@ -297,17 +297,44 @@ class StageLayers:
     post_process: bool
 
 
-_LAYOUT_TOKEN = re.compile(r"([EtL])(?:\*(\d+))?")
+_LAYOUT_GROUP = re.compile(r"\(([^()]*)\)\*(\d+)")  # an innermost group and its repetition: (tt|)*3
+_LAYOUT_REPEAT = re.compile(r"([EtL|])\*(\d+)")  # one symbol repeated: t*3
+_LAYOUT_LONGEST = 1_000_000  # symbols after expansion: a layout string of a real model is far shorter
+
+
+def expand_pipeline_layout(text: str) -> str:
+    """A layout string with its repetitions written out: ``"E(tt|)*2tL"`` -> ``"Ett|tt|tL"``, ``"t*3"`` -> ``"ttt"``.
+
+    Groups may nest; spaces are ignored. ``LayoutError`` for an unbalanced parenthesis, a group
+    without ``*N`` or an expansion beyond any real model's.
+    """
+
+    def repeated(match: re.Match) -> str:
+        symbols, times = match.group(1), int(match.group(2))
+        if len(symbols) * times > _LAYOUT_LONGEST:
+            raise LayoutError(f"parallel.pipeline_layout {text!r} expands to more than {_LAYOUT_LONGEST:,} symbols")
+        return symbols * times
+
+    expanded, previous = text.replace(" ", ""), None
+    while expanded != previous:
+        previous, expanded = expanded, _LAYOUT_GROUP.sub(repeated, expanded)
+        if len(expanded) > _LAYOUT_LONGEST:
+            raise LayoutError(f"parallel.pipeline_layout {text!r} expands to more than {_LAYOUT_LONGEST:,} symbols")
+    if "(" in expanded or ")" in expanded:
+        raise LayoutError(f"parallel.pipeline_layout {text!r}: unbalanced parentheses, or a group without *N "
+                          "(write (tt|)*3)")
+    return _LAYOUT_REPEAT.sub(repeated, expanded)
 
 
 def parse_pipeline_layout(text: str, num_layers: int, num_stages: int) -> list[list[int]]:
-    """Parse a Megatron-LM style layout string such as ``"Ettt|tttt|tttL"`` (``t*3`` repeats).
+    """Parse a Megatron-LM layout string such as ``"Ettt|tttt|tttL"`` or ``"E(tt|)*3ttL"``.
 
     ``E`` marks the embedding (first stage only), ``L`` the output layer and loss (last
-    stage only), ``t`` one transformer layer; ``|`` separates stages. Returns the global
-    layer ids of each stage. Every layer is placed exactly once, or ``LayoutError``.
+    stage only), ``t`` one transformer layer; ``|`` separates stages; ``X*N`` repeats a
+    symbol and ``(...)*N`` a group. A stage may be empty (it passes its input on). Returns
+    the global layer ids of each stage. Every layer is placed exactly once, or ``LayoutError``.
     """
-    stage_texts = text.replace(" ", "").split("|")
+    stage_texts = expand_pipeline_layout(text).split("|")
     if len(stage_texts) != num_stages:
         raise LayoutError(
             f"parallel.pipeline_layout has {len(stage_texts)} stages but the layout needs "
@@ -322,27 +349,18 @@ def parse_pipeline_layout(text: str, num_layers: int, num_stages: int) -> list[l
 
 
 def _count_layers(stage_text: str, index: int, num_stages: int) -> int:
-    position, layers, markers = 0, 0, set()
-    while position < len(stage_text):
-        match = _LAYOUT_TOKEN.match(stage_text, position)
-        if not match:
-            raise LayoutError(
-                f"parallel.pipeline_layout stage {index} {stage_text!r}: unexpected {stage_text[position]!r} "
-                "(use E, t, L, t*N and |)"
-            )
-        repeat = int(match.group(2) or 1)
-        if match.group(1) == "t":
-            layers += repeat
-        else:
-            markers.add(match.group(1))
-        position = match.end()
-    if "E" in markers and index != 0:
+    """The transformer layers of one expanded stage; ``E`` and ``L`` checked to be where they may be."""
+    unexpected = set(stage_text) - set("EtL")
+    if unexpected:
+        raise LayoutError(f"parallel.pipeline_layout stage {index} {stage_text!r}: unexpected "
+                          f"{sorted(unexpected)[0]!r} (use E, t, L, |, X*N and (...)*N)")
+    if "E" in stage_text and index != 0:
         raise LayoutError(f"parallel.pipeline_layout: E (embedding) must be in the first stage, found in stage {index}")
-    if "L" in markers and index != num_stages - 1:
+    if "L" in stage_text and index != num_stages - 1:
         raise LayoutError(f"parallel.pipeline_layout: L (loss) must be in the last stage, found in stage {index}")
-    if layers == 0 and not markers:
-        raise LayoutError(f"parallel.pipeline_layout stage {index} is empty: each stage needs a layer, E or L")
-    return layers
+    if stage_text.count("E") > 1 or stage_text.count("L") > 1:
+        raise LayoutError(f"parallel.pipeline_layout stage {index} {stage_text!r}: E and L may appear once each")
+    return stage_text.count("t")
 
 
 def _consecutive_ranges(counts: Iterable[int]) -> list[list[int]]:
@@ -351,6 +369,27 @@ def _consecutive_ranges(counts: Iterable[int]) -> list[list[int]]:
         stages.append(list(range(start, start + count)))
         start += count
     return stages
+
+
+def even_pipeline_layout(num_layers: int, num_stages: int, embedding_as_layer: bool, loss_as_layer: bool) -> str:
+    """The layout string of an even split in which the embedding and/or the output layer with the loss count as
+    one transformer layer each (Megatron-LM's ``--account-for-embedding-in-pipeline-split`` and
+    ``--account-for-loss-in-pipeline-split``): ``(6, 4, True, True)`` -> ``"Et|tt|tt|tL"``."""
+    counted = num_layers + int(embedding_as_layer) + int(loss_as_layer)
+    if counted % num_stages:
+        raise LayoutError(
+            f"model.num_layers={num_layers} with the embedding and the loss counted as layers makes {counted}, "
+            f"which must be divisible by the number of pipeline stages {num_stages}")
+    counts = [counted // num_stages] * num_stages
+    counts[0] -= int(embedding_as_layer)
+    counts[-1] -= int(loss_as_layer)
+    if min(counts) < 0:
+        raise LayoutError(f"model.num_layers={num_layers} is too few for {num_stages} stages with the embedding "
+                          "and the loss counted as layers")
+    stages = ["t" * count for count in counts]
+    stages[0] = "E" + stages[0]
+    stages[-1] += "L"
+    return "|".join(stages)
 
 
 def split_layers(num_layers: int, num_stages: int, pipeline_layout: str | None = None) -> list[list[int]]:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ppctl.config import PpctlConfig, configured_schedule
+from ppctl.config import PpctlConfig, configured_schedule, pipeline_layout_of
 from ppctl.data.iterator import PipelineDataIterator
 from ppctl.model.from_config import dataset_of, gpt_config, parameter_dtype, recompute_of
 from ppctl.model.gpt import GPTChunk
@@ -122,7 +122,7 @@ def build_chunks(config: PpctlConfig, context: ParallelContext) -> dict[int, GPT
     cp = cp_group_of(context, config.parallel.cp_comm)
     chunks = {}
     for (pp_rank, _chunk), stage in context.layout.layer_map(config.model.num_layers,
-                                                             config.parallel.pipeline_layout).items():
+                                                             pipeline_layout_of(config)).items():
         if pp_rank == context.pp_rank:
             chunk = GPTChunk(gpt_config(config), stage.layers, stage.pre_process, stage.post_process,
                              tp, config.trainer.seed, dtype, cp, recompute_of(config))

@@ -23,6 +23,10 @@ BAD_CONFIGS = [
     (["trainer.global_batch_size=7", "trainer.micro_batch_size=2"], "trainer.global_batch_size=7 must be divisible"),
     (["parallel.pp=3"], "model.num_layers=4 must be divisible by the number of pipeline stages 3"),
     (["parallel.pipeline_layout=Ett|tXtL"], "unexpected 'X'"),
+    (["parallel.pipeline_layout='E(tt|tL'"], "unbalanced parentheses, or a group without *N"),
+    (["parallel.pp=4", "parallel.account_for_embedding_in_split=true"],
+     "model.num_layers=4 with the embedding and the loss counted as layers makes 5, which must be divisible"),
+    (["model.recompute=partial"], "model.recompute='partial' must be one of none, full, selective"),
     (["parallel.order=tp-dp-pp"], "parallel.order='tp-dp-pp' must list each of tp, cp, dp, pp"),
     (["parallel.dp=0"], "parallel.dp=0 must be a positive integer"),
     (["parallel.cp=3"], "trainer.seq_length=64 must be divisible by 2 * parallel.cp = 6"),
@@ -45,7 +49,9 @@ BAD_CONFIGS = [
 
 # The configs whose only fault is how the model's layers divide into stages.
 LAYER_SPLIT_CONFIGS = {index for index, (overrides, _) in enumerate(BAD_CONFIGS)
-                       if overrides in (["parallel.pp=3"], ["parallel.pipeline_layout=Ett|tXtL"])}
+                       if overrides in (["parallel.pp=3"], ["parallel.pipeline_layout=Ett|tXtL"],
+                                        ["parallel.pipeline_layout='E(tt|tL'"],
+                                        ["parallel.pp=4", "parallel.account_for_embedding_in_split=true"])}
 
 
 def invoke(args: list[str]):

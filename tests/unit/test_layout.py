@@ -12,6 +12,7 @@ from ppctl.parallel.layout import (
     context_parallel_positions,
     context_parallel_slices,
     layer_map,
+    even_pipeline_layout,
     parse_pipeline_layout,
     split_layers,
 )
@@ -132,6 +133,42 @@ def test_pipeline_layout_string():
         parse_pipeline_layout("tt|EtL", 3, 2)
     with pytest.raises(LayoutError, match="unexpected"):
         parse_pipeline_layout("Etx|tL", 2, 2)
+
+
+@pytest.mark.parametrize("text,num_layers,stages,expected", [
+    ("E(tt|)*7tL", 15, 8, [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14]]),
+    ("E((t|)*2t|)*2tL", 7, 7, [[0], [1], [2], [3], [4], [5], [6]]),
+    ("Et||tL", 2, 3, [[0], [], [1]]),  # an empty stage passes its input on
+    ("E|t*3|L", 3, 3, [[], [0, 1, 2], []]),
+    (" E t | t L ", 2, 2, [[0], [1]]),
+    ("(t|)*3tL", 4, 4, [[0], [1], [2], [3]]),  # E may be left implicit
+])
+def test_pipeline_layout_groups_repeats_and_empty_stages(text, num_layers, stages, expected):
+    assert parse_pipeline_layout(text, num_layers, stages) == expected
+
+
+@pytest.mark.parametrize("text,words", [
+    ("E(tt|tL", "unbalanced parentheses"), ("E(tt|)tL", "a group without \\*N"), ("Ett)|tL", "unbalanced"),
+    ("(t)*99999999|L", "expands to more than 1,000,000"), ("t*99999999|L", "expands to more than"),
+    ("EtE|t|tL", "E and L may appear once each"), ("Et|Lt|tL", "L \\(loss\\) must be in the last stage"),
+    ("Et|t*2x|L", "unexpected 'x'"),
+])
+def test_bad_pipeline_layouts_say_what_is_wrong(text, words):
+    with pytest.raises(LayoutError, match=words):
+        parse_pipeline_layout(text, 3, 3)
+
+
+@pytest.mark.parametrize("num_layers,stages,embedding,loss,expected", [
+    (6, 4, True, True, "Et|tt|tt|tL"), (7, 4, True, False, "Et|tt|tt|ttL"), (7, 4, False, True, "Ett|tt|tt|tL"),
+    (2, 4, True, True, "E|t|t|L"), (3, 1, True, False, "EtttL"),
+])
+def test_even_split_counting_embedding_and_loss_as_layers(num_layers, stages, embedding, loss, expected):
+    text = even_pipeline_layout(num_layers, stages, embedding, loss)
+    assert text == expected
+    assert sum(map(len, parse_pipeline_layout(text, num_layers, stages))) == num_layers
+    if stages > 1:
+        with pytest.raises(LayoutError, match="must be divisible by the number of pipeline stages"):
+            even_pipeline_layout(num_layers + 1, stages, embedding, loss)
 
 
 def test_middle_stage_is_in_no_embedding_group():
