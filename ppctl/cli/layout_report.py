@@ -1,20 +1,24 @@
 """What ``ppctl inspect-layout`` reports: the layout as one JSON-able object, and its rich tables.
 
-Up to ``MAX_LISTED_RANKS`` ranks the report lists every group and every rank. Beyond, it
+Every rank carries its predicted memory by part (``ppctl.plan.memory``; the same on every
+rank of one pp rank). Up to ``MAX_LISTED_RANKS`` ranks the report lists every group and every rank. Beyond, it
 summarises them (counts, sizes, the first and the last group and ranks), computed without
 enumerating the world, so any size takes the same few milliseconds and little memory.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 from ppctl.config import (PpctlConfig, config_layer_map, layout_of, message_seq_length, padded_vocab_size,
                           schedule_spec)
 from ppctl.parallel.layout import GROUP_NAMES, ParallelLayout, context_parallel_slices
+from ppctl.plan.memory import config_memory
 
 MAX_TABLE_GROUPS = 8
 MAX_TABLE_RANKS = 64
+MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "buffers")
 MAX_LISTED_RANKS = 16_384  # beyond this world size, groups and ranks are summarised
 SUMMARY_RANKS = 4  # rank entries shown at each end of a summarised world
 SUMMARY_MEMBERS = 16  # ranks shown at each end of a summarised group
@@ -47,10 +51,11 @@ def layout_report(config: PpctlConfig) -> dict:
     """The ``--json`` contract: world_size, order, sizes, sequence, groups, ranks, layers (groups and ranks
     summarised beyond ``MAX_LISTED_RANKS`` ranks)."""
     layout = layout_of(config)
+    memory = [parts.to_json() for parts in config_memory(config)]
     if layout.world_size > MAX_LISTED_RANKS:
-        groups, ranks = summarised_groups(layout), summarised_ranks(layout, config)
+        groups, ranks = summarised_groups(layout), summarised_ranks(layout, config, memory)
     else:
-        groups, ranks = layout.all_groups(), listed_ranks(layout, config)
+        groups, ranks = layout.all_groups(), listed_ranks(layout, config, memory)
     placement = layout.placement
     layers = [
         {"pp_rank": pp_rank, "vp_stage": chunk, "stage": stage.stage, "copy": placement.copy_of(stage.stage),
@@ -77,28 +82,29 @@ def is_summarised(report: dict) -> bool:
     return isinstance(report["ranks"], dict)
 
 
-def rank_entry(layout: ParallelLayout, config: PpctlConfig, rank: int, sequences: dict) -> dict:
-    """One entry of ``ranks``: the rank, its coordinates and the tokens it holds (``sequences`` memoises those)."""
+def rank_entry(layout: ParallelLayout, config: PpctlConfig, rank: int, sequences: dict, memory: list[dict]) -> dict:
+    """One entry of ``ranks``: the rank, its coordinates, the tokens it holds (``sequences`` memoises those) and
+    its predicted ``memory`` by part (``memory``: per pp rank)."""
     coords = layout.coords(rank)
     key = coords["cp"], coords["tp"]
     if key not in sequences:
         sequences[key] = sequence_report(config, *key)
-    return {"rank": rank, **coords, **sequences[key]}
+    return {"rank": rank, **coords, **sequences[key], "memory": memory[coords["pp"]]}
 
 
-def listed_ranks(layout: ParallelLayout, config: PpctlConfig) -> list[dict]:
+def listed_ranks(layout: ParallelLayout, config: PpctlConfig, memory: list[dict]) -> list[dict]:
     """Every rank's entry."""
     sequences: dict = {}
-    return [rank_entry(layout, config, rank, sequences) for rank in range(layout.world_size)]
+    return [rank_entry(layout, config, rank, sequences, memory) for rank in range(layout.world_size)]
 
 
-def summarised_ranks(layout: ParallelLayout, config: PpctlConfig) -> dict:
+def summarised_ranks(layout: ParallelLayout, config: PpctlConfig, memory: list[dict]) -> dict:
     """``{count, first, last}``: the number of ranks and the entries of the first and the last few."""
     sequences: dict = {}
     world = layout.world_size
-    return {"count": world,
-            "first": [rank_entry(layout, config, rank, sequences) for rank in range(SUMMARY_RANKS)],
-            "last": [rank_entry(layout, config, rank, sequences) for rank in range(world - SUMMARY_RANKS, world)]}
+    entry = functools.partial(rank_entry, layout, config, sequences=sequences, memory=memory)
+    return {"count": world, "first": [entry(rank) for rank in range(SUMMARY_RANKS)],
+            "last": [entry(rank) for rank in range(world - SUMMARY_RANKS, world)]}
 
 
 def summarised_groups(layout: ParallelLayout) -> dict:
@@ -193,15 +199,24 @@ def _ends_text(ends: dict, size: int, shown: int = 4) -> str:
 def _ranks_table(report: dict):
     from rich.table import Table
 
-    table = Table(title="rank coordinates")
+    table = Table(title="rank coordinates",
+                  caption="memory: predicted MiB, total (parameters + gradients + optimizer + activations + buffers)")
     for column in ("rank", "tp", "cp", "dp", "pp"):
         table.add_column(column, justify="right")
     table.add_column("tokens (attention)")
     table.add_column("tokens (norms, residual)")
+    table.add_column("memory MiB")
     for entry in report["ranks"]:
         table.add_row(*(str(entry[key]) for key in ("rank", "tp", "cp", "dp", "pp")),
-                      _ranges_text(entry["tokens"]), _ranges_text(entry["residual_tokens"]))
+                      _ranges_text(entry["tokens"]), _ranges_text(entry["residual_tokens"]),
+                      memory_text(entry["memory"]))
     return table
+
+
+def memory_text(memory: dict) -> str:
+    """``12.3 (1.0 + 1.0 + 2.0 + 7.9 + 0.4)``: a rank's predicted MiB, in total and by part."""
+    parts = " + ".join(f"{memory[part] / 2**20:.1f}" for part in MEMORY_PARTS)
+    return f"{memory['total'] / 2**20:.1f} ({parts})"
 
 
 def _ranges_text(ranges: list[list[int]]) -> str:

@@ -15,10 +15,11 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ppctl.autograd.checkpoint import recomputed
+from ppctl.autograd.weight_grad import DefersWeightGrads
 from ppctl.model import init as param_init
 from ppctl.model.layers import Embedding, LayerNorm, TransformerLayer, rotary_cos_sin
-from ppctl.model.recompute import Recompute, recomputed
-from ppctl.autograd.weight_grad import DefersWeightGrads
+from ppctl.model.recompute import Recompute
 from ppctl.parallel.context_parallel import CPGroup
 from ppctl.parallel.tensor_parallel import (
     ColumnParallelLinear,

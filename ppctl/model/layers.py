@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ppctl.autograd.checkpoint import recomputed
 from ppctl.autograd.weight_grad import DefersWeightGrads, layer_norm
-from ppctl.model.recompute import recomputed
 from ppctl.parallel.context_parallel import CPGroup, context_parallel_attention
 from ppctl.parallel.tensor_parallel import (
     ColumnParallelLinear,

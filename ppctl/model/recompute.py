@@ -14,7 +14,8 @@ groups within each model chunk, as Megatron-LM's ``--recompute-method`` and
 (the last may be shorter), ``block`` checkpoints each of the first N layers of the chunk
 and keeps the rest.
 
-Recomputation uses ``torch.utils.checkpoint`` without re-entry: the backward graph is
+This module is pure (the memory model reads it too); the layers recompute through
+``ppctl.autograd.checkpoint.recomputed``, ``torch.utils.checkpoint`` without re-entry: the backward graph is
 the one the first forward built, so a split backward (B, then W later) recomputes once,
 in B (or in W where B hands the whole backward to W, on the first stage); B stashes the
 recomputed tensors that W needs. The layers draw no random numbers (no dropout), so the
@@ -24,10 +25,6 @@ forward run again gives bitwise the same tensors and no RNG state is saved.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
-import torch
-from torch.utils.checkpoint import checkpoint
 
 from ppctl.config.schema import RECOMPUTE_METHODS, RECOMPUTE_MODES
 
@@ -62,8 +59,3 @@ class Recompute:
         recomputed = min(self.num_layers, count)
         return [(index, index + 1, True) for index in range(recomputed)] + (
             [(recomputed, count, False)] if recomputed < count else [])
-
-
-def recomputed(function: Callable[..., torch.Tensor], *args) -> torch.Tensor:
-    """``function(*args)`` keeping only ``args`` for the backward, which runs ``function`` again first."""
-    return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=False)

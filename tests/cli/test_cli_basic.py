@@ -20,7 +20,11 @@ def test_inspect_layout_json_matches_layout(ppctl):
     assert set(report["groups"]) == set(GROUP_NAMES)
     for name in GROUP_NAMES:
         assert report["groups"][name] == layout.groups(name)
+    memory = report["ranks"][5].pop("memory")
     assert report["ranks"][5] == {"rank": 5, **layout.coords(5), "tokens": [[0, 64]], "residual_tokens": [[0, 64]]}
+    assert set(memory) == {"parameters", "gradients", "optimizer", "activations", "buffers", "total"}
+    assert memory["total"] == sum(value for key, value in memory.items() if key != "total") > 0
+    assert report["ranks"][6]["memory"] == memory  # the same pp rank (tp and dp differ)
     assert [entry["layers"] for entry in report["layers"]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert report["layers"][0]["pre_process"] and report["layers"][-1]["post_process"]
 

@@ -13,7 +13,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "ppctl"
 PURE = ("ppctl.parallel.layout", "ppctl.parallel.placement", "ppctl.pipeline.schedules", "ppctl.pipeline.program",
         "ppctl.pipeline.replay", "ppctl.pipeline.simulate", "ppctl.pipeline.check",
         "ppctl.optim.lr", "ppctl.optim.loss_scale", "ppctl.config", "ppctl.checkpoint.files",
-        "ppctl.run.interrupt", "ppctl.fileio", "ppctl.bench.rules", "ppctl.model.flops")
+        "ppctl.run.interrupt", "ppctl.fileio", "ppctl.bench.rules", "ppctl.model.flops", "ppctl.model.recompute",
+        "ppctl.plan")
 # The folders are the layers. Each module's level is that of its longest listed prefix (a package covers
 # its modules, a module listed alone overrides its package); a module imports only from its level or below.
 LEVELS = {
@@ -24,11 +25,13 @@ LEVELS = {
     # 1, the pure core and torch building blocks: layout, schedules and their programs, data, TP/CP layers.
     "ppctl.parallel": 1, "ppctl.pipeline": 1, "ppctl.data": 1, "ppctl.optim.lr": 1, "ppctl.optim.loss_scale": 1,
     "ppctl.checkpoint.files": 1, "ppctl.run.interrupt": 1, "ppctl.bench.rules": 1, "ppctl.model.flops": 1,
+    "ppctl.model.recompute": 1,
     # 2, what the core is configured and run with: config, the model, groups, the runtime, the optimizer.
     "ppctl.config": 2, "ppctl.model": 2, "ppctl.data.iterator": 2, "ppctl.parallel.groups": 2,
     "ppctl.pipeline.p2p": 2, "ppctl.pipeline.trace": 2, "ppctl.pipeline.runtime": 2, "ppctl.optim": 2,
     "ppctl.checkpoint": 2,
     # 3 and 4, a config built into a model, its pipeline stages, the single-process reference, checkpoints.
+    "ppctl.plan": 3,
     "ppctl.model.from_config": 3, "ppctl.model.gpt_stages": 4, "ppctl.run.reference": 4, "ppctl.checkpoint.state": 4,
     # 5 and 6, the launch path (run/): the training loop and what it logs, the worker, the launcher.
     "ppctl.run": 5, "ppctl.run.worker": 6, "ppctl.run.launch": 6,

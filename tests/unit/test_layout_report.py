@@ -10,6 +10,7 @@ from ppctl.config import compose_config, validate
 from ppctl.cli.layout_report import (MAX_LISTED_RANKS, SUMMARY_MEMBERS, SUMMARY_RANKS, is_summarised, layout_report,
                                  print_layout)
 from ppctl.parallel.layout import GROUP_NAMES, ParallelLayout
+from ppctl.plan.memory import config_memory
 
 HUGE = ["parallel.dp=10000000", "trainer.global_batch_size=10000000"]  # 20 million ranks (pp=2)
 
@@ -42,8 +43,11 @@ def test_validation_and_the_json_report_of_twenty_million_ranks_are_quick_and_sm
     assert report["groups"]["pp"]["first"] == {"head": [0, 10_000_000], "tail": []}
     ranks = report["ranks"]
     assert ranks["count"] == 20_000_000 and len(ranks["first"]) == len(ranks["last"]) == SUMMARY_RANKS
-    assert ranks["last"][-1] == {"rank": 19_999_999, "tp": 0, "cp": 0, "dp": 9_999_999, "pp": 1,
-                                 "tokens": [[0, 64]], "residual_tokens": [[0, 64]]}
+    last = ranks["last"][-1]
+    assert {key: value for key, value in last.items() if key != "memory"} == {
+        "rank": 19_999_999, "tp": 0, "cp": 0, "dp": 9_999_999, "pp": 1, "tokens": [[0, 64]],
+        "residual_tokens": [[0, 64]]}
+    assert last["memory"] == config_memory(compose_config(HUGE))[1].to_json()
 
 
 def test_the_table_of_twenty_million_ranks_is_quick(capsys):

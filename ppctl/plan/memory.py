@@ -1,0 +1,317 @@
+"""The memory model: bytes per pipeline rank, by part, predicted from the config alone (pure: no torch).
+
+Per rank, for its model chunks (``ppctl.parallel.layout.layer_map``) on one TP rank:
+
+- ``parameters``: the chunks' parameters in the model's dtype (``chunk_parameters``, the
+  same count as ``ppctl.model.gpt.GPTChunk`` builds: TP shards, vocabulary padding, a tied
+  output layer that shares the embedding's weight on one chunk).
+- ``gradients``: the plain optimizer accumulates into ``param.grad`` (the model's dtype);
+  the bucketed one (distributed optimizer, half precision, PipeDream-2BW) into one fp32
+  buffer of every parameter (fp64 for fp64 models), a parameter's ``.grad`` freed after
+  each microbatch.
+- ``optimizer``: AdamW's two moments, plus with the bucketed optimizer an fp32 main copy,
+  of the rank's shard: all of it, or 1/(dp*cp) (and 1/2 for DualPipe's mirrored copies)
+  with ``optimizer.distributed``.
+- ``activations``: what autograd keeps per microbatch per chunk (``chunk_activation_bytes``,
+  derived from the layers as built and checked against saved tensors in the tests), times
+  the microbatches the schedule keeps in flight on each chunk at the worst moment: the
+  rank's actions walked in order, a forward adding its chunk's activations, a whole
+  backward (or a W) removing them, a B swapping them for what W needs (the stash).
+  Recomputation keeps each checkpointed group's input only, and adds one group's
+  activations while the backward rebuilds it.
+- ``buffers``: the pipeline messages in flight (one activation being sent, one gradient
+  being received) and the backward's working memory for one microbatch (the gradients of
+  the largest layer's tensors, or of the logits on the last stage).
+
+Knowingly left out: the allocator's fragmentation and caching, kernel workspaces
+(cuBLAS, flash attention), CUDA context, and the communication libraries' buffers; the
+s x s attention probabilities of a non-fused attention kernel (ppctl attends through
+SDPA's fused kernels, except all-gather context parallelism on CPU); ring and a2a
+context-parallel attention's own blocks in flight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Iterable, Sequence
+
+from ppctl.model.recompute import Recompute
+
+DTYPE_BYTES = {"fp32": 4, "fp64": 8, "bf16": 2, "fp16": 2}
+
+
+def float_bytes(precision: str) -> int:
+    """Bytes of what a run keeps in full float precision (main parameters and gradients, softmax statistics,
+    the loss's logits): float64 in an fp64 run, else float32."""
+    return 8 if precision == "fp64" else 4
+
+INDEX_BYTES = 8  # int64 token and position ids
+FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = "F", "BW", "B", "W"
+
+
+@dataclass(frozen=True)
+class MemoryParts:
+    """Bytes of one rank by part (``inspect-layout --json``'s ``memory`` object, with ``total``)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    buffers: int
+
+    @property
+    def total(self) -> int:
+        """The sum of the parts."""
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
+
+    def to_json(self) -> dict:
+        """The parts and ``total``, in bytes."""
+        return {**{field.name: getattr(self, field.name) for field in fields(self)}, "total": self.total}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory of a GPT depends on (``model.*`` with the vocabulary padded for TP)."""
+
+    hidden: int
+    heads: int
+    ffn: int
+    padded_vocab: int
+    max_seq_length: int
+    learned_positions: bool = True
+    rotary: bool = False
+    tie_embeddings: bool = False
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """The sizes the per-rank shares follow, and the run's precision, optimizer and recomputation."""
+
+    tp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    cp_comm: str = "allgather"
+    precision: str = "fp32"
+    bucketed_optimizer: bool = False
+    optimizer_shards: int = 1  # ranks sharing the optimizer state (dp*cp, times DualPipe's 2 copies), or 1
+    recompute: str = "none"
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One model chunk of a rank: its global stage, transformer layers, and the embedding / loss it holds."""
+
+    stage: int
+    layers: int
+    pre_process: bool
+    post_process: bool
+
+
+# --- parameters, gradients, optimizer state ------------------------------------------------
+
+def layer_parameters(shape: ModelShape, tp: int) -> int:
+    """One transformer layer's parameters on one TP rank: two norms (scale and shift), the query-key-value and
+    output projections (no QKV bias), the MLP's two matrices and the column-parallel bias split; the row-parallel
+    biases whole."""
+    h, f = shape.hidden, shape.ffn
+    split = 3 * h * h + h * h + h * f + f + f * h
+    return 2 * 2 * h + split // tp + 2 * h
+
+
+def chunk_parameters(shape: ModelShape, chunk: Chunk, tp: int) -> int:
+    """Parameters of one chunk on one TP rank."""
+    count = chunk.layers * layer_parameters(shape, tp)
+    if chunk.pre_process:
+        count += shape.padded_vocab * shape.hidden // tp
+        count += shape.max_seq_length * shape.hidden if shape.learned_positions else 0
+    if chunk.post_process:
+        count += 2 * shape.hidden
+        shares_embedding = shape.tie_embeddings and chunk.pre_process
+        count += 0 if shares_embedding else shape.padded_vocab * shape.hidden // tp
+    return count
+
+
+def state_parts(parameters: int, parallel: Parallelism) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes of ``parameters`` elements on one rank."""
+    model_bytes = DTYPE_BYTES[parallel.precision]
+    main_bytes = float_bytes(parallel.precision)
+    if not parallel.bucketed_optimizer:
+        return parameters * model_bytes, parameters * model_bytes, 2 * parameters * model_bytes
+    shard = -(-parameters // parallel.optimizer_shards)
+    return parameters * model_bytes, parameters * main_bytes, 3 * shard * main_bytes
+
+
+# --- activations ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Tokens:
+    """One microbatch on one rank: ``batch`` sequences of ``seq`` tokens (the CP rank's share)."""
+
+    batch: int
+    seq: int
+
+
+def layer_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallelism,
+                           attention_core: bool = True) -> int:
+    """What one transformer layer keeps for its backward, per microbatch, on one TP rank.
+
+    In units of b*s*h (b sequences of s tokens, hidden h) in the model's dtype: the layer's
+    input and the two norms' outputs (each saved by the next op), the query-key-value
+    output (3, TP-split), attention's output (TP-split; the output projection reads it in
+    place), the residual between the blocks; the MLP's input and GELU output (b*s*f each,
+    TP-split); the norms' statistics (4 b*s); attention's log-sum-exp (float32, per head).
+    With sequence parallelism the norms see s/tp tokens, but the two column-parallel
+    layers keep their gathered (whole-sequence) inputs. All-gather context parallelism
+    keeps the gathered keys and values of the whole sequence.
+    """
+    b, s, h, f, t = tokens.batch, tokens.seq, shape.hidden, shape.ffn, parallel.tp
+    e = DTYPE_BYTES[parallel.precision]
+    bsh = b * s * h
+    if parallel.sequence_parallel:
+        whole = 2 * bsh / t + 2 * bsh  # layer input, residual (s/tp tokens); gathered norm outputs
+        statistics = 4 * b * s / t
+    else:
+        whole = 4 * bsh
+        statistics = 4 * b * s
+    split = 4 * bsh / t + 2 * b * s * f / t  # qkv, attention output, MLP input and GELU output
+    if shape.rotary:
+        split += 2 * bsh / t  # rotated queries and keys
+    gathered = 2 * bsh * (parallel.cp - 1) / t if parallel.cp > 1 and parallel.cp_comm == "allgather" else 0
+    log_sum_exp = float_bytes(parallel.precision) * b * s * shape.heads / t if attention_core else 0
+    return round(e * (whole + split + statistics + gathered) + log_sum_exp)
+
+
+def layer_input_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallelism) -> int:
+    """A layer's input alone: what a recomputed group keeps."""
+    share = parallel.tp if parallel.sequence_parallel else 1
+    return DTYPE_BYTES[parallel.precision] * tokens.batch * tokens.seq * shape.hidden // share
+
+
+def ends_activation_bytes(shape: ModelShape, chunk: Chunk, tokens: Tokens, parallel: Parallelism) -> int:
+    """The embedding's token (and learned position) ids, the rotary tables, and the last stage's final norm input
+    and output, statistics, float32 logits of the cross-entropy, labels and loss mask."""
+    b, s, e, t = tokens.batch, tokens.seq, DTYPE_BYTES[parallel.precision], parallel.tp
+    total = 0
+    if chunk.pre_process:
+        total += (2 if shape.learned_positions else 1) * INDEX_BYTES * b * s
+    if shape.rotary and chunk.layers:
+        total += 2 * e * b * s * (shape.hidden // shape.heads)  # the rotary cos and sin tables, shared by the layers
+    if chunk.post_process:
+        logits = float_bytes(parallel.precision) * b * s * shape.padded_vocab // t
+        total += e * (2 * b * s * shape.hidden + 2 * b * s) + logits
+        total += INDEX_BYTES * b * s + b * s
+    return total
+
+
+def recompute_groups(layers: int, parallel: Parallelism) -> list[tuple[int, bool]]:
+    """The chunk's layers as (count, recomputed) runs, as the model runs them (``Recompute.layer_groups``)."""
+    recompute = Recompute(parallel.recompute, parallel.recompute_method, parallel.recompute_num_layers)
+    return [(end - first, recomputed) for first, end, recomputed in recompute.layer_groups(layers)]
+
+
+def chunk_activation_bytes(shape: ModelShape, chunk: Chunk, tokens: Tokens, parallel: Parallelism) -> tuple[int, int]:
+    """(kept per microbatch in flight, extra while its backward rebuilds the largest recomputed group)."""
+    per_layer = layer_activation_bytes(shape, tokens, parallel, attention_core=parallel.recompute != "selective")
+    kept, rebuilt = 0, 0
+    for count, recomputed in recompute_groups(chunk.layers, parallel):
+        if recomputed:
+            kept += layer_input_bytes(shape, tokens, parallel)
+            rebuilt = max(rebuilt, count * per_layer)
+        else:
+            kept += count * per_layer
+    return kept + ends_activation_bytes(shape, chunk, tokens, parallel), rebuilt
+
+
+def stash_bytes(shape: ModelShape, chunk: Chunk, tokens: Tokens, parallel: Parallelism) -> int:
+    """What a split backward's B leaves for W per microbatch: each deferred linear's input and output gradient,
+    recomputed or not (the first stage's B defers its whole backward: what its forward kept)."""
+    if chunk.pre_process:
+        return chunk_activation_bytes(shape, chunk, tokens, parallel)[0]
+    b, s, h, f, t = tokens.batch, tokens.seq, shape.hidden, shape.ffn, parallel.tp
+    per_layer = DTYPE_BYTES[parallel.precision] * (b * s * h * (4 + 4 / t) + 2 * b * s * f / t)
+    e = DTYPE_BYTES[parallel.precision]
+    logits = e * b * s * (shape.hidden + shape.padded_vocab / t) if chunk.post_process else 0
+    return round(chunk.layers * per_layer + logits)
+
+
+def peak_in_flight_bytes(actions: Iterable[tuple[str, int]], kept: dict[int, int], stash: dict[int, int]) -> int:
+    """The most activation bytes a rank holds at once, walking its ``(kind, stage)`` actions in order."""
+    held = peak = 0
+    for kind, stage in actions:
+        if kind == FORWARD:
+            held += kept[stage]
+            peak = max(peak, held)
+        elif kind == BACKWARD:
+            held -= kept[stage]
+        elif kind == BACKWARD_INPUT:
+            held += stash[stage] - kept[stage]
+        elif kind == BACKWARD_WEIGHT:
+            held -= stash[stage]
+    return peak
+
+
+def backward_workspace_bytes(shape: ModelShape, chunks: Sequence[Chunk], tokens: Tokens, parallel: Parallelism) -> int:
+    """The gradients of one microbatch's tensors while its backward runs: the largest layer's, or the logits'."""
+    b, s, t = tokens.batch, tokens.seq, parallel.tp
+    layer = layer_activation_bytes(shape, tokens, parallel) if any(chunk.layers for chunk in chunks) else 0
+    logits = 2 * float_bytes(parallel.precision) * b * s * shape.padded_vocab // t if any(
+        chunk.post_process for chunk in chunks) else 0
+    return max(layer, logits)
+
+
+def rank_memory(shape: ModelShape, chunks: Sequence[Chunk], actions: Sequence[tuple[str, int]], tokens: Tokens,
+                parallel: Parallelism) -> MemoryParts:
+    """One pipeline rank's predicted memory (one TP rank of it; every TP and DP rank alike)."""
+    parameters, gradients, optimizer = state_parts(sum(chunk_parameters(shape, chunk, parallel.tp) for chunk in chunks),
+                                                   parallel)
+    kept_and_rebuilt = {chunk.stage: chunk_activation_bytes(shape, chunk, tokens, parallel) for chunk in chunks}
+    kept = {stage: pair[0] for stage, pair in kept_and_rebuilt.items()}
+    stash = {chunk.stage: stash_bytes(shape, chunk, tokens, parallel) for chunk in chunks}
+    rebuilt = max((pair[1] for pair in kept_and_rebuilt.values()), default=0)
+    activations = peak_in_flight_bytes(actions, kept, stash) + rebuilt
+    message = DTYPE_BYTES[parallel.precision] * tokens.batch * tokens.seq * shape.hidden
+    message //= parallel.tp if parallel.sequence_parallel else 1
+    buffers = 2 * message + backward_workspace_bytes(shape, chunks, tokens, parallel)
+    return MemoryParts(parameters, gradients, optimizer, activations, buffers)
+
+
+# --- from a config ----------------------------------------------------------------------------
+
+def config_memory(config) -> list[MemoryParts]:
+    """The predicted memory of every pipeline rank of ``config`` (a validated ``PpctlConfig``), by pp rank."""
+    from ppctl.config import config_layer_map, configured_schedule, layout_of, padded_vocab_size
+    from ppctl.pipeline.schedules import streams_steps
+
+    model, parallel_config, trainer = config.model, config.parallel, config.trainer
+    layout, schedule = layout_of(config), configured_schedule(config)
+    shape = ModelShape(hidden=model.hidden_size, heads=model.num_heads, ffn=model.ffn_hidden_size,
+                       padded_vocab=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by,
+                                                      parallel_config.tp),
+                       max_seq_length=model.max_seq_length, learned_positions=model.position_embedding == "learned",
+                       rotary=model.position_embedding == "rope", tie_embeddings=model.tie_embeddings)
+    half = trainer.precision in ("bf16", "fp16")
+    streams = streams_steps(schedule)
+    replicas = parallel_config.dp * parallel_config.cp * layout.placement.copies
+    parallel = Parallelism(
+        tp=parallel_config.tp, cp=parallel_config.cp, sequence_parallel=parallel_config.sequence_parallel,
+        cp_comm=parallel_config.cp_comm, precision=trainer.precision,
+        bucketed_optimizer=config.optimizer.distributed or half or streams,
+        optimizer_shards=replicas if config.optimizer.distributed else 1,
+        recompute=model.recompute, recompute_method=model.recompute_method,
+        recompute_num_layers=model.recompute_num_layers)
+    tokens = Tokens(trainer.micro_batch_size, trainer.seq_length // parallel_config.cp)
+    versions = 2 if streams or config.optimizer.gradient_delay else 1  # the previous weights kept as well
+    by_rank: dict[int, list[Chunk]] = {}
+    for (pp_rank, _), stage in config_layer_map(config).items():
+        by_rank.setdefault(pp_rank, []).append(Chunk(stage.stage, len(stage.layers), stage.pre_process,
+                                                     stage.post_process))
+    memory = []
+    for pp_rank in range(layout.pp):
+        actions = [(action.kind, action.stage) for action in schedule.actions[pp_rank]]
+        parts = rank_memory(shape, by_rank.get(pp_rank, []), actions, tokens, parallel)
+        extra_weights = (versions - 1) * parts.parameters
+        memory.append(MemoryParts(parts.parameters + extra_weights, parts.gradients, parts.optimizer,
+                                  parts.activations, parts.buffers))
+    return memory

@@ -1,0 +1,86 @@
+"""The memory model against measured memory (gloo workers): per rank and part, for several layouts and schedules.
+
+Each worker trains two steps (so AdamW's state exists), then measures the third: the bytes its
+trainer holds between steps by part (parameters, gradient buffers, optimizer state) and, with
+``ppctl.run.memory.StoragePeak``, the most its step's operations hold at once on top (saved
+activations, messages, gradients in flight). ``ppctl.plan.memory.config_memory`` predicts the
+same from the config alone.
+"""
+
+import pytest
+
+from tests.distributed.equivalence import BASE
+from tests.pool import run_workers
+
+CASES = {
+    "1f1b pp4": ["parallel.pp=4", "parallel.dp=1", "schedule=1f1b"],
+    "gpipe pp2 dp2": ["parallel.pp=2", "parallel.dp=2", "schedule=gpipe"],
+    "interleaved pp2 vpp2 dp2": ["parallel.pp=2", "parallel.vpp=2", "parallel.dp=2", "schedule=interleaved_1f1b",
+                                 "model.num_layers=8"],
+    "zbv pp2 dp2": ["parallel.pp=2", "parallel.vpp=2", "parallel.dp=2", "schedule=zbv"],
+    "zb_h1 pp4 recompute full": ["parallel.pp=4", "parallel.dp=1", "schedule=zb_h1", "model.num_layers=8",
+                                 "model.recompute=full"],
+    "1f1b tp2 pp2 sp bf16": ["parallel.tp=2", "parallel.pp=2", "parallel.dp=1", "schedule=1f1b",
+                                         "parallel.sequence_parallel=true", "trainer.precision=bf16"],
+    "1f1b pp2 dp2 distributed uneven": ["parallel.pp=2", "parallel.dp=2", "schedule=1f1b",
+                                        "optimizer.distributed=true", "parallel.pipeline_layout=Ettt|tL"],
+}
+SIZES = ["model.hidden_size=64", "model.ffn_hidden_size=256", "trainer.seq_length=64", "trainer.micro_batch_size=2",
+         "trainer.global_batch_size=16"]
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages of ``tensors`` (parameters that are views of one flat buffer count it once)."""
+    return sum({tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
+                for tensor in tensors if tensor is not None}.values())
+
+
+def _measure(rank, world_size, runs):
+    """Per run: this rank's pp rank and measured bytes by part."""
+    from ppctl.config import compose_config, layout_of
+    from ppctl.parallel.groups import build_parallel_context
+    from ppctl.run.memory import held_bytes, step_peak_bytes
+    from ppctl.run.train import Trainer
+
+    contexts, results = {}, []
+    for overrides in runs:
+        config = compose_config(overrides)
+        layout = layout_of(config)
+        if layout not in contexts:
+            contexts[layout] = build_parallel_context(layout, 60)
+        trainer = Trainer(config, contexts[layout])
+        trainer.train_steps(0, 2)
+        optimizer, params = trainer.optimizer, trainer.parameters()
+        parameters = storage_bytes(params)
+        bucketed = hasattr(optimizer, "grad_data")
+        gradients = storage_bytes([optimizer.grad_data] if bucketed else [param.grad for param in params])
+        optimizer_state = optimizer.state_bytes() - (0 if bucketed else parameters)  # plain: the main copy is the model
+        held = held_bytes(trainer)
+        total = step_peak_bytes(lambda: trainer.train_step(2), trainer, "cpu")
+        results.append({"pp_rank": contexts[layout].pp_rank, "parameters": parameters, "gradients": gradients,
+                        "optimizer": optimizer_state, "held": held, "total": total})
+    return results
+
+
+TOTAL_TOLERANCE = 0.15  # the whole per rank; parameters, gradients and optimizer state must be exact
+
+
+@pytest.mark.timeout(300)
+def test_predicted_memory_per_rank_and_part_against_measured():
+    from ppctl.config import compose_config, validate
+    from ppctl.plan.memory import config_memory
+
+    runs = [BASE + SIZES + layout for layout in CASES.values()]
+    per_rank = run_workers(_measure, 4, runs, timeout=240)
+    rows = []
+    for index, (name, overrides) in enumerate(zip(CASES, runs)):
+        config = compose_config(overrides)
+        validate(config)
+        predicted = config_memory(config)
+        rows += [(name, rank_results[index], predicted[rank_results[index]["pp_rank"]]) for rank_results in per_rank]
+    table = "\n".join(f"{name}: pp rank {measured['pp_rank']}: predicted {model.to_json()}, measured {measured}"
+                      for name, measured, model in rows)
+    for name, measured, model in rows:
+        assert (model.parameters, model.gradients, model.optimizer) == (
+            measured["parameters"], measured["gradients"], measured["optimizer"]), table
+        assert abs(model.total / measured["total"] - 1) <= TOTAL_TOLERANCE, table

@@ -1,0 +1,89 @@
+"""The memory model (``ppctl.plan.memory``) against the modules as built, in one process.
+
+Parameters: the count of every chunk ``GPTChunk`` builds, TP shards included (a TPGroup of
+several ranks builds its shard without communicating). Activations: the bytes autograd keeps
+for one microbatch (distinct storages seen by a saved-tensor hook), exactly, for every
+precision, both position embeddings, the embedding and loss ends and each recomputation.
+"""
+
+import pytest
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from ppctl.model.gpt import GPTChunk, GPTConfig
+from ppctl.model.recompute import Recompute
+from ppctl.parallel.tensor_parallel import TPGroup
+from ppctl.plan.memory import (Chunk, ModelShape, Parallelism, Tokens, chunk_activation_bytes, chunk_parameters,
+                               peak_in_flight_bytes, state_parts)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+B, S, H, F, N, V = 2, 16, 32, 64, 4, 128
+
+
+def built(layers, pre, post, tp=1, rope=False, tied=False, dtype=torch.float32, recompute=Recompute()):
+    config = GPTConfig(num_layers=max(layers, 1), hidden_size=H, num_heads=N, ffn_hidden_size=F, vocab_size=V,
+                       max_seq_length=S, position_embedding="rope" if rope else "learned", tie_embeddings=tied)
+    return GPTChunk(config, range(layers), pre, post, TPGroup(None, tp, 0), 1, dtype, recompute=recompute)
+
+
+def shape(rope=False, tied=False) -> ModelShape:
+    return ModelShape(H, N, F, V, S, learned_positions=not rope, rotary=rope, tie_embeddings=tied)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("pre,post,tied", [(False, False, False), (True, False, False), (False, True, False),
+                                           (True, True, False), (True, True, True), (False, True, True)])
+@pytest.mark.parametrize("rope", [False, True])
+def test_parameter_count_is_the_built_chunks(tp, pre, post, tied, rope):
+    chunk = built(3, pre, post, tp, rope, tied)
+    expected = sum(param.numel() for param in chunk.parameters())
+    assert chunk_parameters(shape(rope, tied), Chunk(0, 3, pre, post), tp) == expected
+
+
+def saved_bytes(chunk: GPTChunk, pre: bool, post: bool, dtype) -> int:
+    """Bytes of the distinct storages autograd saves in one forward (parameters and the chunk input excluded)."""
+    tokens = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
+    inputs = tokens if pre else torch.randn(B, S, H, dtype=dtype, requires_grad=True)
+    skipped = {param.untyped_storage().data_ptr() for param in chunk.parameters()}
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skipped:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with saved_tensors_hooks(pack, lambda tensor: tensor):
+        chunk(inputs, position_ids=torch.arange(S).expand(B, S).contiguous(), labels=tokens if post else None)
+    return sum(storages.values())
+
+
+CASES = {"middle": dict(), "first": dict(pre=True), "last": dict(post=True), "whole": dict(pre=True, post=True),
+         "bf16 last": dict(precision="bf16", post=True), "fp64": dict(precision="fp64"), "fp64 whole": dict(precision="fp64", pre=True, post=True), "rope": dict(rope=True),
+         "rope first": dict(rope=True, pre=True), "full uniform 1": dict(recompute=Recompute("full", "uniform", 1)),
+         "full uniform 2 first": dict(recompute=Recompute("full", "uniform", 2), pre=True),
+         "full block 1": dict(recompute=Recompute("full", "block", 1)),
+         "selective last": dict(recompute=Recompute("selective"), post=True)}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kept_activations_are_what_autograd_saves(case):
+    settings = {"pre": False, "post": False, "precision": "fp32", "rope": False, "recompute": Recompute(),
+                **CASES[case]}
+    dtype, recompute = DTYPES[settings["precision"]], settings["recompute"]
+    chunk = built(2, settings["pre"], settings["post"], rope=settings["rope"], dtype=dtype, recompute=recompute)
+    parallel = Parallelism(precision=settings["precision"], recompute=recompute.mode,
+                           recompute_method=recompute.method, recompute_num_layers=recompute.num_layers)
+    kept, _ = chunk_activation_bytes(shape(settings["rope"]), Chunk(0, 2, settings["pre"], settings["post"]),
+                                     Tokens(B, S), parallel)
+    assert kept == saved_bytes(chunk, settings["pre"], settings["post"], dtype)
+
+
+def test_in_flight_walk_and_state_parts():
+    kept, stash = {0: 10, 1: 100}, {0: 4, 1: 40}
+    assert peak_in_flight_bytes([("F", 0), ("F", 1), ("BW", 1), ("BW", 0)], kept, stash) == 110
+    # a B swaps a microbatch's activations for the stash W needs; W frees it
+    assert peak_in_flight_bytes([("F", 1), ("B", 1), ("F", 1), ("F", 1), ("W", 1)], kept, stash) == 240
+    assert state_parts(1000, Parallelism()) == (4000, 4000, 8000)
+    assert state_parts(1000, Parallelism(precision="bf16", bucketed_optimizer=True, optimizer_shards=4)) == (
+        2000, 4000, 3 * 250 * 4)
