@@ -12,8 +12,9 @@ import functools
 import itertools
 
 from ppctl.config import (PpctlConfig, config_layer_map, layout_of, message_seq_length, padded_vocab_size,
-                          schedule_spec)
-from ppctl.parallel.layout import GROUP_NAMES, ParallelLayout, context_parallel_slices
+                          pipeline_layout_of, schedule_spec)
+from ppctl.parallel.layout import GROUP_NAMES, ParallelLayout, context_parallel_slices, split_layers
+from ppctl.plan.balance import balance_summary, layout_string
 from ppctl.plan.memory import config_memory
 
 MAX_TABLE_GROUPS = 8
@@ -47,9 +48,16 @@ def sequence_report(config: PpctlConfig, cp_rank: int, tp_rank: int) -> dict:
     return {"tokens": local_span(pieces, 0, local), "residual_tokens": local_span(pieces, start, start + share)}
 
 
+def resolved_pipeline_layout(config: PpctlConfig, layout: ParallelLayout) -> str:
+    """The layout string of the split in use, written out stage by stage (the even split's too):
+    ``parallel.pipeline_layout`` expanded, the even split, or the one ``parallel.balance=auto`` chose."""
+    stages = split_layers(config.model.num_layers, layout.placement.stages_per_copy, pipeline_layout_of(config))
+    return layout_string([len(stage) for stage in stages])
+
+
 def layout_report(config: PpctlConfig) -> dict:
-    """The ``--json`` contract: world_size, order, sizes, sequence, groups, ranks, layers (groups and ranks
-    summarised beyond ``MAX_LISTED_RANKS`` ranks)."""
+    """The ``--json`` contract: world_size, order, sizes, sequence, groups, ranks, pipeline_layout, layers (groups
+    and ranks summarised beyond ``MAX_LISTED_RANKS`` ranks)."""
     layout = layout_of(config)
     memory = [parts.to_json() for parts in config_memory(config)]
     if layout.world_size > MAX_LISTED_RANKS:
@@ -73,6 +81,7 @@ def layout_report(config: PpctlConfig) -> dict:
                      "message_tokens": message_seq_length(config)},
         "groups": groups,
         "ranks": ranks,
+        "pipeline_layout": resolved_pipeline_layout(config, layout),
         "layers": layers,
     }
 
@@ -146,6 +155,7 @@ def print_layout(report: dict, config: PpctlConfig) -> None:
     placement = report["placement"]
     copies = f"; {placement['copies']} parameter copies" if placement["copies"] > 1 else ""
     console.print(f"placement ({config.schedule.name}): {placement['describe']}{copies}")
+    console.print(pipeline_layout_text(report, config), soft_wrap=True)
     if is_summarised(report):
         console.print(f"more than {MAX_LISTED_RANKS:,} ranks: each group kind is summarised by its count, its size "
                       f"and its first and last group")
@@ -155,6 +165,25 @@ def print_layout(report: dict, config: PpctlConfig) -> None:
     if report["world_size"] <= MAX_TABLE_RANKS:
         console.print(_ranks_table(report))
     console.print(_layers_table(report))
+
+
+def pipeline_layout_text(report: dict, config: PpctlConfig) -> str:
+    """``pipeline layout: Ett|ttt|ttt|ttL``, and with ``parallel.balance=auto`` the slowest rank's predicted work
+    per microbatch beside the even split's."""
+    text = f"pipeline layout: {report['pipeline_layout']}"
+    if config.parallel.balance != "auto":
+        return text
+    summary = balance_summary(config)
+    return (f"{text} (balance=auto: the slowest rank's predicted work {flop_text(summary.slowest_flops)} per "
+            f"microbatch, {flop_text(summary.even_slowest_flops)} with the even split {summary.even_layout})")
+
+
+def flop_text(flops: float) -> str:
+    """``1.23 GFLOP``: FLOPs with the largest SI prefix below them."""
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if flops >= scale:
+            return f"{flops / scale:.2f} {unit}"
+    return f"{flops:.0f} FLOP"
 
 
 def _groups_table(report: dict):

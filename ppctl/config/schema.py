@@ -24,6 +24,7 @@ RECOMPUTE_METHODS = ("uniform", "block")
 PRECISIONS = ("fp32", "fp64", "bf16", "fp16")
 DATA_SOURCES = ("python_stdlib", "text", "synthetic")
 BACKENDS = ("auto", "gloo", "nccl")
+BALANCE_MODES = ("even", "auto")  # parallel.balance (ppctl.plan.balance)
 SYNTHETIC_VOCAB_SIZE = 257  # synthetic data's default vocabulary: the byte tokenizer's
 
 
@@ -106,6 +107,13 @@ class ParallelConfig:
         False, "even split counting the embedding as one layer (the first stage gets one transformer layer less)")
     account_for_loss_in_split: bool = setting(
         False, "even split counting the output layer and loss as one layer (the last stage gets one layer less)")
+    balance: str = setting(
+        "even", "how the layers split into stages without `pipeline_layout`: `even`, or `auto` (ppctl chooses the "
+        "split that minimises the slowest pp rank's predicted time, from the FLOPs of the layers, the embedding and "
+        "the output layer with the loss, and the schedule's placement; empty stages allowed)")
+    balance_memory_gb: Optional[float] = setting(
+        None, "`balance=auto` only: the GiB (2^30 bytes) every pp rank's predicted memory must fit; the split moves "
+        "layers off a rank over it, or the config is refused; unset: no limit")
 
 
 @dataclass

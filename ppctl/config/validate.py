@@ -8,13 +8,14 @@ process is started and no process group is touched.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ppctl.config.derived import (configured_schedule, layout_of, nproc_per_node, num_microbatches,
                                   padded_vocab_size, parse_endpoint, pipeline_layout_of, schedule_spec,
                                   tokenizer_vocab_size)
-from ppctl.config.schema import (BACKENDS, DATA_SOURCES, POSITION_EMBEDDINGS, PRECISIONS, RECOMPUTE_METHODS,
-                                 RECOMPUTE_MODES, ConfigError, PpctlConfig, require)
+from ppctl.config.schema import (BACKENDS, BALANCE_MODES, DATA_SOURCES, POSITION_EMBEDDINGS, PRECISIONS,
+                                 RECOMPUTE_METHODS, RECOMPUTE_MODES, ConfigError, PpctlConfig, require)
 from ppctl.optim.lr import DECAY_STYLES
 from ppctl.parallel.layout import CP_COMM_MODES, LayoutError, ParallelLayout, split_layers
 
@@ -29,26 +30,30 @@ class DerivedSizes:
     nproc_per_node: int
 
 
-def validate(config: PpctlConfig, layer_split: bool = True) -> DerivedSizes:
+def validate(config: PpctlConfig, layer_split: bool = True, data: bool = True) -> DerivedSizes:
     """Check every cross-setting rule; return derived sizes or raise ``ConfigError`` (one line).
 
     Every command runs this before anything starts. The schedule is also
     built and proved by the schedule checker (complete, and it runs under NCCL-like sends).
     ``layer_split=False`` leaves out whether the model's layers divide into the stages
-    (``inspect-schedule`` draws a schedule, whatever the model).
+    (``inspect-schedule`` draws a schedule, whatever the model); ``data=False`` leaves out the data
+    source (``ppctl plan`` checks it once, not for each of its thousands of layouts).
     """
     _check_positive(config)
     _check_schedule_chunks(config)
     _check_schedule_file(config)
+    _check_balance(config)
     layout = layout_of(config)
     if layer_split:
         _check_layer_split(config, layout)
     _check_model(config)
     _check_batch(config, layout)
     _check_schedule(config)
-    _check_misc(config)
+    _check_misc(config, data)
     _check_lr_schedule(config)
     _check_schedule_plan(config)
+    if layer_split:
+        _check_balanced_memory(config, layout)
     return DerivedSizes(
         world_size=layout.world_size,
         num_microbatches=num_microbatches(config),
@@ -65,6 +70,41 @@ def _check_layer_split(config: PpctlConfig, layout: ParallelLayout) -> None:
                                                or parallel.account_for_loss_in_split)),
             "parallel.pipeline_layout places every layer itself: leave parallel.account_for_embedding_in_split "
             "and parallel.account_for_loss_in_split false with it")
+    if parallel.balance == "auto" and parallel.balance_memory_gb is not None:
+        return  # the memory model needs the whole config valid: _check_balanced_memory, last
+    try:
+        split_layers(config.model.num_layers, layout.placement.stages_per_copy, pipeline_layout_of(config))
+    except LayoutError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _check_balance(config: PpctlConfig) -> None:
+    """``parallel.balance`` is a known mode; ``auto`` chooses the split alone; its memory limit is positive and only
+    with ``auto``."""
+    parallel = config.parallel
+    require(parallel.balance in BALANCE_MODES,
+            f"parallel.balance={parallel.balance!r} must be one of {', '.join(BALANCE_MODES)}")
+    limit = parallel.balance_memory_gb
+    require(limit is None or limit > 0, f"parallel.balance_memory_gb={limit} must be positive (GiB per rank), or unset")
+    require(limit is None or parallel.balance == "auto",
+            f"parallel.balance_memory_gb={limit} is the limit the split of parallel.balance=auto must fit; set "
+            f"parallel.balance=auto with it (parallel.balance={parallel.balance}), or leave it unset")
+    if parallel.balance != "auto":
+        return
+    require(not parallel.pipeline_layout,
+            "parallel.balance=auto chooses the split itself: leave parallel.pipeline_layout unset with it "
+            "(or set parallel.balance=even)")
+    for flag in ("account_for_embedding_in_split", "account_for_loss_in_split"):
+        require(not getattr(parallel, flag),
+                f"parallel.balance=auto counts the embedding and the loss by their FLOPs itself: leave "
+                f"parallel.{flag} false with it")
+
+
+def _check_balanced_memory(config: PpctlConfig, layout: ParallelLayout) -> None:
+    """With ``parallel.balance_memory_gb``: a split that fits it exists (``ConfigError`` from the balancer if not)."""
+    parallel = config.parallel
+    if parallel.balance != "auto" or parallel.balance_memory_gb is None:
+        return
     try:
         split_layers(config.model.num_layers, layout.placement.stages_per_copy, pipeline_layout_of(config))
     except LayoutError as error:
@@ -76,13 +116,33 @@ def _check_schedule_plan(config: PpctlConfig) -> None:
     from ppctl.pipeline.check import check_schedule
     from ppctl.pipeline.schedules import CUSTOM, ScheduleError
 
-    schedule = configured_schedule(config)
-    try:
-        check_schedule(schedule)
-    except ScheduleError as error:
-        message = str(error).removeprefix(f"{schedule.name}: ")  # named once, below
-        where = f" ({config.schedule.file})" if schedule.name == CUSTOM else ""
+    parallel = config.parallel
+    if config.schedule.name != CUSTOM:
+        problem = _built_schedule_problem(config.schedule.name, parallel.pp, parallel.vpp, num_microbatches(config))
+    else:
+        try:
+            check_schedule(configured_schedule(config))
+            problem = None
+        except ScheduleError as error:
+            problem = str(error)
+    if problem is not None:
+        message = problem.removeprefix(f"{config.schedule.name}: ")  # named once, below
+        where = f" ({config.schedule.file})" if config.schedule.name == CUSTOM else ""
         raise ConfigError(f"schedule {config.schedule.name}{where}: {message}") from None
+
+
+@functools.lru_cache(maxsize=1024)
+def _built_schedule_problem(name: str, pp: int, vpp: int, microbatches: int) -> str | None:
+    """The checker's verdict on a built schedule (None: proved), kept: these four sizes decide it, and a planner
+    validates thousands of configs that share a few schedules."""
+    from ppctl.pipeline.check import check_schedule
+    from ppctl.pipeline.schedules import ScheduleError, build_schedule
+
+    try:
+        check_schedule(build_schedule(name, pp, vpp, microbatches))
+    except ScheduleError as error:
+        return str(error)
+    return None
 
 
 def _check_schedule_file(config: PpctlConfig) -> None:
@@ -272,12 +332,13 @@ def _check_stream(config: PpctlConfig, name: str) -> None:
             f"step on any rank's overflow; use trainer.precision=bf16 or fp32")
 
 
-def _check_misc(config: PpctlConfig) -> None:
+def _check_misc(config: PpctlConfig, data: bool = True) -> None:
     require(
         config.trainer.precision in PRECISIONS,
         f"trainer.precision={config.trainer.precision!r} must be one of {', '.join(PRECISIONS)}",
     )
-    _check_data(config)
+    if data:
+        _check_data(config)
     require(config.optimizer.gradient_delay in (0, 1),
             f"optimizer.gradient_delay={config.optimizer.gradient_delay} must be 0 (the usual update) or 1 "
             f"(PipeDream-2BW's, one step late)")

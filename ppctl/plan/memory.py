@@ -279,18 +279,27 @@ def rank_memory(shape: ModelShape, chunks: Sequence[Chunk], actions: Sequence[tu
 
 # --- from a config ----------------------------------------------------------------------------
 
-def config_memory(config) -> list[MemoryParts]:
-    """The predicted memory of every pipeline rank of ``config`` (a validated ``PpctlConfig``), by pp rank."""
-    from ppctl.config import config_layer_map, configured_schedule, layout_of, padded_vocab_size
+def model_shape(config) -> ModelShape:
+    """The ``ModelShape`` of a ``PpctlConfig`` (its vocabulary padded for its tp)."""
+    from ppctl.config import padded_vocab_size
+
+    model = config.model
+    return ModelShape(hidden=model.hidden_size, heads=model.num_heads, ffn=model.ffn_hidden_size,
+                      padded_vocab=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by,
+                                                     config.parallel.tp),
+                      max_seq_length=model.max_seq_length, learned_positions=model.position_embedding == "learned",
+                      rotary=model.position_embedding == "rope", tie_embeddings=model.tie_embeddings)
+
+
+def config_memory(config, schedule=None) -> list[MemoryParts]:
+    """The predicted memory of every pipeline rank of ``config`` (a validated ``PpctlConfig``), by pp rank;
+    ``schedule``: its built schedule, when the caller has it already."""
+    from ppctl.config import config_layer_map, configured_schedule, layout_of
     from ppctl.pipeline.schedules import streams_steps
 
     model, parallel_config, trainer = config.model, config.parallel, config.trainer
-    layout, schedule = layout_of(config), configured_schedule(config)
-    shape = ModelShape(hidden=model.hidden_size, heads=model.num_heads, ffn=model.ffn_hidden_size,
-                       padded_vocab=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by,
-                                                      parallel_config.tp),
-                       max_seq_length=model.max_seq_length, learned_positions=model.position_embedding == "learned",
-                       rotary=model.position_embedding == "rope", tie_embeddings=model.tie_embeddings)
+    layout, schedule = layout_of(config), schedule or configured_schedule(config)
+    shape = model_shape(config)
     half = trainer.precision in ("bf16", "fp16")
     streams = streams_steps(schedule)
     replicas = parallel_config.dp * parallel_config.cp * layout.placement.copies

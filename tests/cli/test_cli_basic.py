@@ -13,7 +13,8 @@ def test_inspect_layout_json_matches_layout(ppctl):
                    "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert set(report) == {"world_size", "order", "sizes", "placement", "sequence", "groups", "ranks", "layers"}
+    assert set(report) == {"world_size", "order", "sizes", "placement", "sequence", "groups", "ranks", "pipeline_layout",
+                           "layers"}
     layout = ParallelLayout(tp=2, pp=4, dp=2)
     assert report["world_size"] == 16 and report["order"] == "tp-cp-dp-pp"
     assert report["sizes"] == {"tp": 2, "cp": 1, "dp": 2, "pp": 4, "vpp": 1}
@@ -27,6 +28,20 @@ def test_inspect_layout_json_matches_layout(ppctl):
     assert report["ranks"][6]["memory"] == memory  # the same pp rank (tp and dp differ)
     assert [entry["layers"] for entry in report["layers"]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert report["layers"][0]["pre_process"] and report["layers"][-1]["post_process"]
+    assert report["pipeline_layout"] == "Ett|tt|tt|ttL"  # the even split, written out
+
+
+@pytest.mark.timeout(60)
+def test_inspect_layout_shows_the_split_balance_auto_chooses(ppctl):
+    args = ["parallel.pp=4", "model.num_layers=10", "parallel.balance=auto"]
+    report = json.loads(ppctl("inspect-layout", *args, "--json").stdout)
+    stages = report["pipeline_layout"].split("|")
+    assert len(stages) == 4 and report["pipeline_layout"].count("t") == 10
+    assert report["pipeline_layout"] == "Ett|ttt|ttt|ttL"  # the loss's stage and the embedding's take the fewer
+    assert [entry["layers"] for entry in report["layers"]] == [[0, 1], [2, 3, 4], [5, 6, 7], [8, 9]]
+    text = ppctl("inspect-layout", *args).stdout
+    assert "pipeline layout: Ett|ttt|ttt|ttL (balance=auto: the slowest rank's predicted work" in text
+    assert "with the even split Ettt|ttt|tt|ttL)" in text
 
 
 @pytest.mark.timeout(60)
@@ -75,6 +90,8 @@ def test_inspect_layout_at_scale(ppctl):
     (("train", "schedule=dualpipe", "parallel.pp=3", "model.num_layers=6"), "schedule dualpipe: pp=3 must be even"),
     (("inspect-layout", "parallel.tp=3"), "model.num_heads=4 must be divisible by parallel.tp=3"),
     (("inspect-layout", "schedule=zbv", "parallel.pp=2", "parallel.vpp=1"), "schedule zbv places exactly 2 chunks"),
+    (("inspect-layout", "parallel.balance=auto", "parallel.balance_memory_gb=0.0001"),
+     "parallel.balance=auto: no split of 4 layers over 2 stages fits parallel.balance_memory_gb=0.0001"),
     (("inspect-schedule", "trainer.global_batch_size=7", "trainer.micro_batch_size=2"),
      "trainer.global_batch_size=7 must be divisible"),
     (("check-cluster", "launcher.nproc_per_node=3"), "launcher.nproc_per_node"),
