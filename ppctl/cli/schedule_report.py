@@ -1,26 +1,39 @@
-"""What ``ppctl inspect-schedule`` shows: a simulated timeline of the configured schedule."""
+"""What ``ppctl inspect-schedule`` shows: a simulated timeline of the configured schedule, and each rank's activation
+memory over it."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
 from dataclasses import dataclass
 
 from ppctl.cli.calibrate import Calibration, calibration_lines, calibration_of
-from ppctl.config import PpctlConfig, configured_schedule
+from ppctl.config import ConfigError, PpctlConfig, configured_schedule
+from ppctl.parallel.layout import LayoutError
 from ppctl.pipeline.render import render_plain, render_terminal, simulation_lines, write_timeline
 from ppctl.pipeline.simulate import SimResult, parse_cost_values, parse_costs, simulate_steps
+from ppctl.plan.memory import config_activation_timelines
 
 DEFAULT_COSTS = "F=1,B=1,W=1,comm=0"
+SPARK_COLUMNS = 40
+SPARK_LEVELS = "▁▂▃▄▅▆▇█"  # a column holding no activations is blank
+PLAIN_SPARK_LEVELS = "_.-=+*#@"  # the same, where the timeline is a plain grid
+
+ActivationPoints = list[tuple[float, int]]  # (time, bytes held from then on): plan.memory.activation_bytes_over_time
 
 
 @dataclass
 class ScheduleReport:
-    """A simulated schedule and, with ``--calibrate``, the measured run its costs came from."""
+    """A simulated schedule, with ``--calibrate`` the measured run its costs came from, and each pp rank's activation
+    bytes over the simulated time (None where the model's layers do not split into the schedule's stages:
+    ``no_activations`` says why)."""
 
     result: SimResult
     calibration: Calibration | None = None
+    activations: list[ActivationPoints] | None = None
+    no_activations: str = ""
 
     def lines(self) -> list[str]:
         """The lines under the timeline."""
@@ -29,22 +42,98 @@ class ScheduleReport:
                                                                  result.pp)
         return simulation_lines(result) + extra
 
+    def activation_lines(self, plain: bool) -> list[str]:
+        """A heading, then per rank its peak activation bytes and a sparkline of them over the simulated time (ASCII
+        where ``plain``); or one line saying why there are none; nothing for a bare simulation."""
+        if self.activations is None:
+            return [f"activation memory: not predicted: {self.no_activations}"] if self.no_activations else []
+        return activation_memory_lines(self.activations, self.result.makespan, plain)
+
     def to_json(self) -> dict:
-        """``inspect-schedule --json``: the simulation, and ``calibration`` (null without ``--calibrate``)."""
-        return {**self.result.to_json(),
-                "calibration": None if self.calibration is None else self.calibration.to_json()}
+        """``inspect-schedule --json``: the simulation, each rank's ``activation_bytes`` (its peak) and
+        ``activation_bytes_over_time`` (both null where the layers do not split), and ``calibration`` (null without
+        ``--calibrate``)."""
+        report = self.result.to_json()
+        for rank in report["ranks"]:
+            points = None if self.activations is None else self.activations[rank["rank"]]
+            rank["activation_bytes"] = None if points is None else peak_bytes(points)
+            rank["activation_bytes_over_time"] = None if points is None else [list(point) for point in points]
+        return {**report, "calibration": None if self.calibration is None else self.calibration.to_json()}
 
 
 def simulate_config(config: PpctlConfig, cost_text: str | None, steps: int = 1,
                     calibrate: Path | None = None) -> ScheduleReport:
     """Build the configured schedule and replay ``steps`` steps of it (one stream for a schedule that streams
     steps, PipeDream-2BW; else each step after the last) against the costs of ``cost_text``, or those measured
-    in the run directory ``calibrate`` with the costs ``cost_text`` names in their place."""
+    in the run directory ``calibrate`` with the costs ``cost_text`` names in their place; with each rank's
+    activation bytes over the replayed time where the model's layers split into the schedule's stages."""
     schedule = configured_schedule(config)
+    calibration = None
     if calibrate is None:
-        return ScheduleReport(simulate_steps(schedule, steps, parse_costs(cost_text or DEFAULT_COSTS)))
-    calibration = calibration_of(calibrate, schedule.name).with_overrides(parse_cost_values(cost_text or ""))
-    return ScheduleReport(simulate_steps(schedule, steps, calibration.costs), calibration)
+        result = simulate_steps(schedule, steps, parse_costs(cost_text or DEFAULT_COSTS))
+    else:
+        calibration = calibration_of(calibrate, schedule.name).with_overrides(parse_cost_values(cost_text or ""))
+        result = simulate_steps(schedule, steps, calibration.costs)
+    try:
+        activations = config_activation_timelines(config, result, schedule)
+    except (ConfigError, LayoutError) as error:  # inspect-schedule draws schedules whatever the layer split
+        return ScheduleReport(result, calibration, no_activations=str(error))
+    return ScheduleReport(result, calibration, activations)
+
+
+def peak_bytes(points: ActivationPoints) -> int:
+    """The most bytes of a rank's activation points."""
+    return max((held for _, held in points), default=0)
+
+
+def format_bytes(count: float) -> str:
+    """``12.3 MiB``; from 1 GiB on, ``1.50 GiB``."""
+    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
+
+
+def column_peaks(points: ActivationPoints, end: float, columns: int) -> list[int]:
+    """The most bytes held in each of ``columns`` equal slices of the time from 0 to ``end``."""
+    peaks, index, held = [], 0, 0
+    for column in range(columns):
+        start, stop = end * column / columns, end * (column + 1) / columns
+        while index < len(points) and points[index][0] < start:
+            held = points[index][1]
+            index += 1
+        changes_at_start = index < len(points) and points[index][0] <= start
+        most = 0 if changes_at_start else held  # a change at the slice's start: what held before does not count
+        while index < len(points) and points[index][0] < stop:
+            held = points[index][1]
+            most = max(most, held)
+            index += 1
+        peaks.append(most)
+    return peaks
+
+
+def sparkline(points: ActivationPoints, end: float, full: int, levels: str = SPARK_LEVELS,
+              columns: int = SPARK_COLUMNS) -> str:
+    """The bytes over time in ``columns`` characters, each its slice's most: blank for none, then ``levels`` from
+    the lowest to ``full`` bytes."""
+    characters = []
+    for most in column_peaks(points, end, columns):
+        level = math.ceil(most / full * len(levels)) if full > 0 else 0
+        characters.append(levels[min(level, len(levels)) - 1] if level > 0 else " ")
+    return "".join(characters).rstrip()
+
+
+def activation_memory_lines(activations: list[ActivationPoints], end: float, plain: bool) -> list[str]:
+    """A heading, then per rank ``  rank 0  12.3 MiB  ▁▃▅▇█▇▅▃▁`` (indented: no timeline row): its peak and its bytes
+    over the time from 0 to ``end``, every rank's sparkline on one scale (a full column: the highest peak)."""
+    levels = PLAIN_SPARK_LEVELS if plain else SPARK_LEVELS
+    peaks = [peak_bytes(points) for points in activations]
+    full = max(peaks, default=0)
+    labels = [f"  rank {pp_rank}" for pp_rank in range(len(activations))]
+    values = [format_bytes(peak) for peak in peaks]
+    label_width = max(map(len, labels), default=0) + 2
+    value_width = max(map(len, values), default=0) + 2
+    heading = (f"activation memory per rank (what its microbatches in flight keep): peak, then over time 0 to "
+               f"{end:.4g} ({SPARK_COLUMNS} columns, each its most; '{levels[-1]}' = {format_bytes(full)})")
+    return [heading] + [label.ljust(label_width) + value.ljust(value_width) + sparkline(points, end, full, levels)
+                        for label, value, points in zip(labels, values, activations)]
 
 
 def _title(result: SimResult) -> str:
@@ -52,25 +141,29 @@ def _title(result: SimResult) -> str:
 
 
 def write_schedule_picture(report: ScheduleReport, path: Path) -> None:
-    """The timeline as a picture (``.svg`` or ``.html``)."""
-    write_timeline(report.result.ranks, path, _title(report.result), report.lines())
+    """The timeline as a picture (``.svg`` or ``.html``), a band under each rank's row its activation memory."""
+    write_timeline(report.result.ranks, path, _title(report.result), report.lines(), memory=report.activations)
 
 
 def print_schedule(report: ScheduleReport | SimResult, picture: Path | None) -> None:
-    """The timeline, then bubble ratio and peak activations: coloured cells on a terminal, else a plain grid of
-    labelled cells (a pipe or a log has no colours to tell the actions apart)."""
+    """The timeline, then bubble ratio, peak activations and the activation memory per rank: coloured cells on a
+    terminal, else a plain grid of labelled cells (a pipe or a log has no colours to tell the actions apart)."""
     if isinstance(report, SimResult):
         report = ScheduleReport(report)
     result = report.result
     if not sys.stdout.isatty():
-        lines = report.lines() + ([f"timeline written to {picture}"] if picture is not None else [])
+        lines = report.lines() + report.activation_lines(plain=True)
+        lines += [f"timeline written to {picture}"] if picture is not None else []
         sys.stdout.write(render_plain(result.ranks, _title(result)) + "".join(line + "\n" for line in lines))
         return
     from rich.console import Console
+    from rich.text import Text
 
     console = Console()
     render_terminal(result.ranks, console, title=_title(result))
     for line in report.lines():
         console.print(line)
+    for line in report.activation_lines(plain=False):
+        console.print(Text(line))
     if picture is not None:
         console.print(f"timeline written to {picture}")

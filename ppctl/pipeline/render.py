@@ -38,8 +38,10 @@ PALETTES = {
 KIND_NAMES = {FORWARD: "forward", BACKWARD_INPUT: "backward (input grad)",
               BACKWARD_WEIGHT: "backward (weight grad)", BACKWARD: "backward"}
 WAIT_COLOUR = "#9aa0a6"
+MEMORY_COLOUR = "#7cb342"
 PAIR_OUTLINE = "#202124"
 SUPPORTED_SUFFIXES = (".svg", ".html")
+MemoryPoints = Sequence[tuple[float, int]]  # (time, bytes held from then on): a rank's activation memory over time
 
 
 def action_colour(kind: str, chunk: int) -> str:
@@ -354,17 +356,20 @@ FONT = "font-family=\"Helvetica, Arial, sans-serif\""
 
 
 def render_svg(ranks: Sequence[RankTimeline], title: str, subtitle_lines: Sequence[str] = (),
-               time_label: str = "time") -> str:
+               time_label: str = "time", memory: Optional[Sequence[MemoryPoints]] = None) -> str:
     """A standalone SVG: one row per rank, a time axis, boxes labelled with their microbatch, a legend.
 
     Each action is exactly one ``<rect class="action">`` (with a hover tooltip);
-    waits are ``<rect class="wait">`` filled with a hatch.
+    waits are ``<rect class="wait">`` filled with a hatch. ``memory``: per rank, the
+    activation bytes it holds over time (``(time, bytes)`` points of a step function),
+    drawn as a thin ``<path class="memory">`` band under its row, every rank on one scale.
     """
     end = timeline_end(ranks) or 1.0
     scale = PLOT_WIDTH / end
     row_height, row_gap = _row_geometry(len(ranks))
+    band = max(3, row_height // 3) if memory is not None else 0
     top = 38 + 18 * len(subtitle_lines) + 10
-    rows_bottom = top + len(ranks) * (row_height + row_gap)
+    rows_bottom = top + len(ranks) * (row_height + band + row_gap)
     legend_y = rows_bottom + 48
     width, height = LEFT + PLOT_WIDTH + RIGHT, legend_y + 34
     parts = [
@@ -376,10 +381,15 @@ def render_svg(ranks: Sequence[RankTimeline], title: str, subtitle_lines: Sequen
     ]
     parts += [f'<text x="{LEFT}" y="{48 + 18 * i}" font-size="12.5" fill="#5f6368">{escape(line)}</text>'
               for i, line in enumerate(subtitle_lines)]
+    full = max((held for points in memory or () for _, held in points), default=0)
     for index, timeline in enumerate(ranks):
-        parts += _svg_row(timeline, top + index * (row_height + row_gap), row_height, scale)
+        y = top + index * (row_height + band + row_gap)
+        parts += _svg_row(timeline, y, row_height, scale)
+        if memory is not None:
+            parts.append(_svg_memory_band(memory[index], y + row_height + 1, band - 1, scale, full))
     parts += _svg_axis(end, scale, rows_bottom, time_label)
-    parts += _svg_legend(ranks, legend_y)
+    memory_note = f"; band under each row: activation memory (full: {full / 2**20:.1f} MiB)" if memory else ""
+    parts += _svg_legend(ranks, legend_y, memory_note)
     parts.append("</svg>")
     return "\n".join(parts)
 
@@ -410,6 +420,18 @@ def _svg_row(timeline: RankTimeline, y: float, height: int, scale: float) -> lis
     for forward, backward in overlapped_pairs(timeline):
         parts.append(_svg_pair(forward, backward, y, height, scale))
     return parts
+
+
+def _svg_memory_band(points: MemoryPoints, y: float, height: int, scale: float, full: int) -> str:
+    """A rank's activation bytes over time as a filled step path ``height`` high, ``full`` bytes filling it."""
+    bottom, steps = y + height, []
+    for time, held in points:
+        level = bottom - (held / full * height if full > 0 else 0)
+        steps.append(f"H{LEFT + time * scale:.2f}V{level:.2f}")
+    peak = max((held for _, held in points), default=0)
+    return (f'<path class="memory" d="M{LEFT} {bottom}{"".join(steps)}H{LEFT + PLOT_WIDTH}V{bottom}Z" '
+            f'fill="{MEMORY_COLOUR}"><title>activation memory: peak {peak / 2**20:.1f} MiB ({peak} bytes)'
+            f'</title></path>')
 
 
 def _svg_pair(forward: TimedAction, backward: TimedAction, y: float, height: int, scale: float) -> str:
@@ -461,7 +483,7 @@ def nice_step(span: float, target_ticks: int = 10) -> float:
     return next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
 
 
-def _svg_legend(ranks: Sequence[RankTimeline], y: float) -> list[str]:
+def _svg_legend(ranks: Sequence[RankTimeline], y: float, memory_note: str = "") -> list[str]:
     parts, x = [], LEFT
     chunks = _max_chunks(ranks)
     for kind in _used_kinds(ranks):
@@ -485,25 +507,27 @@ def _svg_legend(ranks: Sequence[RankTimeline], y: float) -> list[str]:
     note = "numbers in boxes: microbatch"
     if chunks > 1:
         note += "; darker shade = earlier chunk of the rank"
-    note += "; right: peak in-flight activations (microbatches through all of the rank's layers)"
+    note += "; right: peak in-flight activations (microbatches through all of the rank's layers)" + memory_note
     parts.append(f'<text x="{LEFT}" y="{y + 30}" font-size="11" fill="#5f6368">{escape(note)}</text>')
     return parts
 
 
 def render_html(ranks: Sequence[RankTimeline], title: str, subtitle_lines: Sequence[str] = (),
-                time_label: str = "time") -> str:
+                time_label: str = "time", memory: Optional[Sequence[MemoryPoints]] = None) -> str:
     """The SVG of ``render_svg`` embedded in a minimal HTML page."""
-    svg = render_svg(ranks, title, subtitle_lines, time_label)
+    svg = render_svg(ranks, title, subtitle_lines, time_label, memory)
     return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
             f"<title>{escape(title)}</title></head>\n"
             "<body style=\"margin:16px;background:#ffffff\">\n" + svg + "\n</body></html>\n")
 
 
 def write_timeline(ranks: Sequence[RankTimeline], path: str | Path, title: str,
-                   lines: Sequence[str] = (), time_label: str = "time") -> Path:
+                   lines: Sequence[str] = (), time_label: str = "time",
+                   memory: Optional[Sequence[MemoryPoints]] = None) -> Path:
     """Write the timeline to ``path`` as ``.svg`` or ``.html`` (by suffix), its folders created; returns the path.
 
-    ``lines`` are the subtitle lines; ``time_label`` names the axis (e.g. ``"time (ms)"``).
+    ``lines`` are the subtitle lines; ``time_label`` names the axis (e.g. ``"time (ms)"``); ``memory``: per rank,
+    its activation bytes over time, drawn as a band under its row (``render_svg``).
     """
     path = Path(path)
     renderers = {".svg": render_svg, ".html": render_html}
@@ -514,5 +538,5 @@ def write_timeline(ranks: Sequence[RankTimeline], path: str | Path, title: str,
     if path.parent.exists() and not path.parent.is_dir():  # mkdir would only say "File exists"
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path.parent))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(renderer(ranks, title, lines, time_label), encoding="utf-8")
+    path.write_text(renderer(ranks, title, lines, time_label, memory), encoding="utf-8")
     return path

@@ -18,7 +18,8 @@ Per rank, for its model chunks (``ppctl.parallel.layout.layer_map``) on one TP r
   rank's actions walked in order, a forward adding its chunk's activations, a whole
   backward (or a W) removing them, a B swapping them for what W needs (the stash).
   Recomputation keeps each checkpointed group's input only, and adds one group's
-  activations while the backward rebuilds it.
+  activations while the backward rebuilds it. The same walk over a simulated timeline
+  gives the bytes over time (``activation_bytes_over_time``, ``inspect-schedule``).
 - ``buffers``: the pipeline messages in flight (one activation being sent, one gradient
   being received) and the backward's working memory for one microbatch (the gradients of
   the largest layer's tensors, or of the logits on the last stage).
@@ -236,20 +237,48 @@ def stash_bytes(shape: ModelShape, chunk: Chunk, tokens: Tokens, parallel: Paral
     return round(chunk.layers * per_layer + logits)
 
 
+def held_bytes_change(kind: str, stage: int, kept: dict[int, int], stash: dict[int, int]) -> int:
+    """How one ``(kind, stage)`` action changes the activation bytes its rank holds: a forward adds what the stage
+    keeps, a whole backward frees it, a B swaps it for the stash its W needs, and the W frees that."""
+    if kind == FORWARD:
+        return kept[stage]
+    if kind == BACKWARD:
+        return -kept[stage]
+    if kind == BACKWARD_INPUT:
+        return stash[stage] - kept[stage]
+    if kind == BACKWARD_WEIGHT:
+        return -stash[stage]
+    return 0
+
+
 def peak_in_flight_bytes(actions: Iterable[tuple[str, int]], kept: dict[int, int], stash: dict[int, int]) -> int:
-    """The most activation bytes a rank holds at once, walking its ``(kind, stage)`` actions in order."""
+    """The most activation bytes a rank holds at once, walking its ``(kind, stage)`` actions in order (after any
+    action: a B whose stash outweighs what the forward kept, as with recomputation, raises it too)."""
     held = peak = 0
     for kind, stage in actions:
-        if kind == FORWARD:
-            held += kept[stage]
-            peak = max(peak, held)
-        elif kind == BACKWARD:
-            held -= kept[stage]
-        elif kind == BACKWARD_INPUT:
-            held += stash[stage] - kept[stage]
-        elif kind == BACKWARD_WEIGHT:
-            held -= stash[stage]
+        held += held_bytes_change(kind, stage, kept, stash)
+        peak = max(peak, held)
     return peak
+
+
+def activation_bytes_over_time(actions: Iterable, kept: dict[int, int],
+                               stash: dict[int, int]) -> list[tuple[float, int]]:
+    """The activation bytes a rank holds over time: the step function of its timed actions (anything with ``kind``,
+    ``stage``, ``start`` and ``end``, such as the simulator's ``TimedAction``), in the rank's order.
+
+    Returns ``(time, bytes)`` points, the first ``(0.0, 0)``: from each point's time the rank holds its bytes,
+    until the next point. A forward's bytes count from its start (it keeps them as it runs); a backward's, a B's
+    or a W's change counts at its end (what it frees is needed until then). Actions that change nothing add no
+    point; several points may share one time (a zero-length action), the last holding from then on. The most
+    bytes of the points is ``peak_in_flight_bytes`` of the same actions.
+    """
+    points, held = [(0.0, 0)], 0
+    for action in actions:
+        change = held_bytes_change(action.kind, action.stage, kept, stash)
+        if change:
+            held += change
+            points.append((action.start if action.kind == FORWARD else action.end, held))
+    return points
 
 
 def backward_workspace_bytes(shape: ModelShape, chunks: Sequence[Chunk], tokens: Tokens, parallel: Parallelism) -> int:
@@ -261,16 +290,35 @@ def backward_workspace_bytes(shape: ModelShape, chunks: Sequence[Chunk], tokens:
     return max(layer, logits)
 
 
+@dataclass(frozen=True)
+class ActivationTables:
+    """A rank's activation bytes per microbatch by global stage, and its recomputation's working set.
+
+    ``kept``: what a forward of the stage keeps until its backward; ``stash``: what a B of the stage leaves for its
+    W; ``rebuilt``: the most a backward adds while it rebuilds a recomputed group (0 without recomputation).
+    """
+
+    kept: dict[int, int]
+    stash: dict[int, int]
+    rebuilt: int
+
+
+def activation_tables(shape: ModelShape, chunks: Sequence[Chunk], tokens: Tokens,
+                      parallel: Parallelism) -> ActivationTables:
+    """The ``ActivationTables`` of a rank holding ``chunks``."""
+    kept_and_rebuilt = {chunk.stage: chunk_activation_bytes(shape, chunk, tokens, parallel) for chunk in chunks}
+    return ActivationTables(kept={stage: kept for stage, (kept, _) in kept_and_rebuilt.items()},
+                            stash={chunk.stage: stash_bytes(shape, chunk, tokens, parallel) for chunk in chunks},
+                            rebuilt=max((rebuilt for _, rebuilt in kept_and_rebuilt.values()), default=0))
+
+
 def rank_memory(shape: ModelShape, chunks: Sequence[Chunk], actions: Sequence[tuple[str, int]], tokens: Tokens,
                 parallel: Parallelism) -> MemoryParts:
     """One pipeline rank's predicted memory (one TP rank of it; every TP and DP rank alike)."""
     parameters, gradients, optimizer = state_parts(sum(chunk_parameters(shape, chunk, parallel.tp) for chunk in chunks),
                                                    parallel)
-    kept_and_rebuilt = {chunk.stage: chunk_activation_bytes(shape, chunk, tokens, parallel) for chunk in chunks}
-    kept = {stage: pair[0] for stage, pair in kept_and_rebuilt.items()}
-    stash = {chunk.stage: stash_bytes(shape, chunk, tokens, parallel) for chunk in chunks}
-    rebuilt = max((pair[1] for pair in kept_and_rebuilt.values()), default=0)
-    activations = peak_in_flight_bytes(actions, kept, stash) + rebuilt
+    tables = activation_tables(shape, chunks, tokens, parallel)
+    activations = peak_in_flight_bytes(actions, tables.kept, tables.stash) + tables.rebuilt
     message = DTYPE_BYTES[parallel.precision] * tokens.batch * tokens.seq * shape.hidden
     message //= parallel.tp if parallel.sequence_parallel else 1
     buffers = 2 * message + backward_workspace_bytes(shape, chunks, tokens, parallel)
@@ -291,15 +339,26 @@ def model_shape(config) -> ModelShape:
                       rotary=model.position_embedding == "rope", tie_embeddings=model.tie_embeddings)
 
 
-def config_memory(config, schedule=None) -> list[MemoryParts]:
-    """The predicted memory of every pipeline rank of ``config`` (a validated ``PpctlConfig``), by pp rank;
-    ``schedule``: its built schedule, when the caller has it already."""
-    from ppctl.config import config_layer_map, configured_schedule, layout_of
+@dataclass(frozen=True)
+class ConfigMemoryInputs:
+    """What the memory model reads from a config: the model's shape, one microbatch's tokens on a rank, the parallel
+    sizes and run settings, each pp rank's chunks (``chunks[pp_rank]``) and the weight versions a rank keeps."""
+
+    shape: ModelShape
+    tokens: Tokens
+    parallel: Parallelism
+    chunks: list[list[Chunk]]
+    weight_versions: int
+
+
+def config_memory_inputs(config, schedule) -> ConfigMemoryInputs:
+    """The ``ConfigMemoryInputs`` of ``config`` (validated, its layers splitting into the stages of ``schedule``, its
+    built schedule); ``ConfigError`` or ``LayoutError`` where the layers do not split."""
+    from ppctl.config import config_layer_map, layout_of
     from ppctl.pipeline.schedules import streams_steps
 
     model, parallel_config, trainer = config.model, config.parallel, config.trainer
-    layout, schedule = layout_of(config), schedule or configured_schedule(config)
-    shape = model_shape(config)
+    layout = layout_of(config)
     half = trainer.precision in ("bf16", "fp16")
     streams = streams_steps(schedule)
     replicas = parallel_config.dp * parallel_config.cp * layout.placement.copies
@@ -310,17 +369,46 @@ def config_memory(config, schedule=None) -> list[MemoryParts]:
         optimizer_shards=replicas if config.optimizer.distributed else 1,
         recompute=model.recompute, recompute_method=model.recompute_method,
         recompute_num_layers=model.recompute_num_layers)
-    tokens = Tokens(trainer.micro_batch_size, trainer.seq_length // parallel_config.cp)
-    versions = 2 if streams or config.optimizer.gradient_delay else 1  # the previous weights kept as well
-    by_rank: dict[int, list[Chunk]] = {}
+    chunks: list[list[Chunk]] = [[] for _ in range(layout.pp)]
     for (pp_rank, _), stage in config_layer_map(config).items():
-        by_rank.setdefault(pp_rank, []).append(Chunk(stage.stage, len(stage.layers), stage.pre_process,
-                                                     stage.post_process))
+        chunks[pp_rank].append(Chunk(stage.stage, len(stage.layers), stage.pre_process, stage.post_process))
+    return ConfigMemoryInputs(shape=model_shape(config),
+                              tokens=Tokens(trainer.micro_batch_size, trainer.seq_length // parallel_config.cp),
+                              parallel=parallel, chunks=chunks,
+                              weight_versions=2 if streams or config.optimizer.gradient_delay else 1)
+
+
+def config_memory(config, schedule=None) -> list[MemoryParts]:
+    """The predicted memory of every pipeline rank of ``config`` (a validated ``PpctlConfig``), by pp rank;
+    ``schedule``: its built schedule, when the caller has it already."""
+    from ppctl.config import configured_schedule
+
+    schedule = schedule or configured_schedule(config)
+    inputs = config_memory_inputs(config, schedule)
     memory = []
-    for pp_rank in range(layout.pp):
+    for pp_rank, chunks in enumerate(inputs.chunks):
         actions = [(action.kind, action.stage) for action in schedule.actions[pp_rank]]
-        parts = rank_memory(shape, by_rank.get(pp_rank, []), actions, tokens, parallel)
-        extra_weights = (versions - 1) * parts.parameters
+        parts = rank_memory(inputs.shape, chunks, actions, inputs.tokens, inputs.parallel)
+        extra_weights = (inputs.weight_versions - 1) * parts.parameters  # the previous weights kept as well
         memory.append(MemoryParts(parts.parameters + extra_weights, parts.gradients, parts.optimizer,
                                   parts.activations, parts.buffers))
     return memory
+
+
+def config_activation_tables(config, schedule=None) -> list[ActivationTables]:
+    """Each pp rank's ``ActivationTables`` for ``config`` (as ``config_memory`` reads them); ``schedule``: its built
+    schedule, when the caller has it already. ``ConfigError`` or ``LayoutError`` where the layers do not split."""
+    from ppctl.config import configured_schedule
+
+    inputs = config_memory_inputs(config, schedule or configured_schedule(config))
+    return [activation_tables(inputs.shape, chunks, inputs.tokens, inputs.parallel) for chunks in inputs.chunks]
+
+
+def config_activation_timelines(config, sim_result, schedule=None) -> list[list[tuple[float, int]]]:
+    """Per pp rank, the activation bytes it holds over the simulated time of ``sim_result`` (a ``SimResult`` of
+    ``config``'s schedule, one step or several), as ``activation_bytes_over_time`` points; the recomputation's working
+    set (``ActivationTables.rebuilt``) is not in them. ``ConfigError`` or ``LayoutError`` where the layers do not
+    split into the schedule's stages."""
+    tables = config_activation_tables(config, schedule)
+    return [activation_bytes_over_time(timeline.actions, table.kept, table.stash)
+            for timeline, table in zip(sim_result.ranks, tables)]

@@ -152,11 +152,14 @@ def test_inspect_schedule_json_and_picture(ppctl, tmp_path):
     assert report["costs"] == {"F": 1.0, "B": 2.0, "W": 0.0, "comm": 0.0}
     assert report["bubble_ratio"] == pytest.approx((4 - 1) / (2 * 8))
     rank0 = report["ranks"][0]
-    assert set(rank0) == {"rank", "peak_activations", "actions"}
+    assert set(rank0) == {"rank", "peak_activations", "actions", "activation_bytes", "activation_bytes_over_time"}
+    assert rank0["activation_bytes"] == max(held for _, held in rank0["activation_bytes_over_time"]) > 0
     assert len(rank0["actions"]) == 2 * 2 * 8
     assert set(rank0["actions"][0]) == {"kind", "stage", "microbatch", "start", "end"}
     assert {action["kind"] for action in rank0["actions"]} == {"F", "BW"}
-    assert ElementTree.parse(picture).getroot().tag.endswith("svg")
+    root = ElementTree.parse(picture).getroot()
+    assert root.tag.endswith("svg")
+    assert len([path for path in root.iter("{http://www.w3.org/2000/svg}path") if path.get("class") == "memory"]) == 4
 
 
 @pytest.mark.timeout(60)

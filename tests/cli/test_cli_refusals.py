@@ -98,6 +98,28 @@ def test_inspect_schedule_piped_prints_a_plain_grid_of_labelled_cells():
     assert "\x1b[" not in result.stdout and "bubble ratio" in result.stdout
 
 
+def test_inspect_schedule_shows_each_ranks_activation_memory_over_time():
+    from ppctl.config import compose_config
+    from ppctl.plan.memory import config_memory
+
+    shape = ["schedule=zb_h1", "parallel.pp=2", "trainer.global_batch_size=4"]
+    text = invoke(["inspect-schedule", *shape])  # piped: ASCII levels, as the plain grid
+    assert text.exit_code == 0, text.stderr
+    lines = text.stdout.splitlines()
+    heading = next(index for index, line in enumerate(lines) if line.startswith("activation memory per rank"))
+    predicted = [parts.activations for parts in config_memory(compose_config(shape))]  # no recomputation
+    for pp_rank, line in enumerate(lines[heading + 1:heading + 3]):
+        word, label, value, unit, spark = line.split(maxsplit=4)
+        assert (word, label, value, unit) == ("rank", str(pp_rank), f"{predicted[pp_rank] / 2**20:.1f}", "MiB")
+        assert spark.strip() and set(spark) <= set(" _.-=+*#@")
+    report = json.loads(invoke(["inspect-schedule", *shape, "--steps", "2", "--json"]).stdout)
+    for rank, activations in zip(report["ranks"], predicted):
+        over_time = rank["activation_bytes_over_time"]
+        assert rank["activation_bytes"] == activations == max(held for _, held in over_time)
+        assert over_time[0] == [0, 0] and over_time[-1][1] == 0 and over_time[-1][0] <= report["makespan"]
+        assert [held for _, held in over_time].count(0) == 3  # the start, and the end of each of the two steps
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("as_json", [True, False])
 def test_inspect_layout_of_ten_million_dp_ranks_is_summarised_at_once(as_json):

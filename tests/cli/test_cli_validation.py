@@ -85,6 +85,11 @@ def test_inspect_schedule_draws_a_schedule_whatever_the_layer_split(tmp_path):
     result = invoke(["inspect-schedule", "schedule=dualpipev", "parallel.pp=4"])
     assert result.exit_code == 0, result.stderr
     assert "dualpipev" in result.stdout and "bubble ratio" in result.stdout and "peak" in result.stdout
+    assert ("activation memory: not predicted: model.num_layers=4 must be divisible by the number of pipeline "
+            "stages 8") in result.stdout  # the memory model needs the layers of each stage
+    report = json.loads(invoke(["inspect-schedule", "schedule=dualpipev", "parallel.pp=4", "--json"]).stdout)
+    assert all(rank["activation_bytes"] is None and rank["activation_bytes_over_time"] is None
+               for rank in report["ranks"])
     assert_refused(["train", "--dry-run"], ["schedule=dualpipev", "parallel.pp=4"],
                    "model.num_layers=4 must be divisible by the number of pipeline stages 8", tmp_path / "run")
 
