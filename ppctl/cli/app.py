@@ -131,6 +131,65 @@ def inspect_schedule(
         print_schedule(result, out)
 
 
+@app.command("plan")
+def plan(
+    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    gpus: int = typer.Option(..., "--gpus", min=1, help="Devices to plan for (the product of tp, cp, pp and dp)."),
+    memory_gb: Optional[float] = typer.Option(None, "--memory-gb", min=0.001,
+                                              help="GiB per device every rank's predicted memory must fit (default: "
+                                                   "the device's)."),
+    device_name: str = typer.Option("h100", "--device",
+                                    help="The device's throughput, memory and links: h100, h200 or a100."),
+    top: int = typer.Option(10, "--top", min=1, help="How many candidates to print, fastest first."),
+    calibrate: Optional[Path] = typer.Option(None, "--calibrate", metavar="RUN_DIR",
+                                             help="Take the throughput, message time and the runtime's time "
+                                                  "between actions from a measured run (ppctl bench or a traced "
+                                                  "train run) instead of the device's figures."),
+    explain: Optional[int] = typer.Option(None, "--explain", min=1, metavar="N",
+                                          help="Show candidate N of the list: its memory per rank by part and its "
+                                               "simulated timeline."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (docs/plan.md lists the keys)."),
+    config_dir: Optional[Path] = CONFIG_DIR_OPTION,
+    config_name: str = CONFIG_NAME_OPTION,
+) -> None:
+    """Rank the layouts of the model on N devices that fit in memory by predicted step time."""
+    from ppctl.cli.calibrate import calibration_of
+    from ppctl.config import validate_data
+    from ppctl.plan.search import DEVICES, calibrated_device, plan as search
+
+    if device_name not in DEVICES:
+        fail(f"--device {device_name!r}: choose one of {', '.join(DEVICES)}")
+    config = load_config(overrides, config_dir, config_name, validate_data)
+    device = DEVICES[device_name]
+    if calibrate is not None:
+        try:
+            calibration = calibration_of(calibrate, config.schedule.name)
+            device = calibrated_device(device, calibration, calibration.measured_config())
+        except (ValueError, ConfigError) as error:
+            fail(str(error))
+    memory_bytes = (memory_gb or device.memory_gb) * 2 ** 30
+    result = search(config, gpus, memory_bytes, top, device)
+    if explain is not None:
+        _explain(result, explain, config, device, list(overrides or []))
+    elif as_json:
+        sys.stdout.write(json.dumps(result.to_json(), separators=(",", ":")) + "\n")
+    else:
+        from ppctl.cli.plan_report import print_plan
+
+        print_plan(result, list(overrides or []), gpus, memory_bytes, device.describe())
+
+
+def _explain(result, number: int, config: PpctlConfig, device, user_overrides: list[str]) -> None:
+    """``ppctl plan --explain N``: candidate N's memory and simulated timeline."""
+    from ppctl.cli.plan_report import print_explanation
+    from ppctl.plan.search import explain_candidate
+
+    if number > len(result.candidates):
+        fail(f"--explain {number}: the plan holds {len(result.candidates)} candidate(s)")
+    prediction = result.candidates[number - 1]
+    print_explanation(prediction, explain_candidate(config, prediction.candidate, device), user_overrides)
+
+
 @app.command("train")
 def train(
     overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),

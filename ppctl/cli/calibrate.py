@@ -1,6 +1,6 @@
 """Costs measured, not guessed: the simulator's F, B, W and message time taken from a run directory.
 
-``inspect-schedule --calibrate RUN_DIR`` (and, later, ``ppctl plan``) read one of two
+``inspect-schedule --calibrate RUN_DIR`` and ``ppctl plan --calibrate RUN_DIR`` read one of two
 files a run leaves:
 
 - ``bench.json`` (``ppctl bench``): F, B and W fitted to its traced step, the message
@@ -40,6 +40,11 @@ class Calibration:
     measured_bubble: float
     comm_measured: bool
     given: tuple[str, ...] = ()  # costs the user gave in place of measured ones
+    config_file: str = ""  # the measured run's resolved config
+
+    def measured_config(self):
+        """The measured run's ``PpctlConfig``."""
+        return load_config_file(Path(self.config_file))
 
     def with_overrides(self, values: dict[str, float]) -> "Calibration":
         """The calibration with the costs a user gave explicitly (``--cost comm=0.1``) in place of measured ones."""
@@ -93,7 +98,8 @@ def _from_bench(run_dir: Path, schedule_name: str) -> Calibration:
     costs = Costs(F=_charged(fitted["F"], overhead, chunks), B=_charged(fitted["B"], overhead, chunks),
                   W=_charged(fitted["W"], overhead, chunks) if fitted["W"] else 0.0, comm=fitted["comm"])
     return Calibration(str(run_dir / "bench.json"), costs, overhead, entry["schedule"], entry["pp"],
-                       entry["makespan_measured_s"] * 1e3, entry["bubble_measured"], comm_measured=True)
+                       entry["makespan_measured_s"] * 1e3, entry["bubble_measured"], comm_measured=True,
+                       config_file=str(run_dir / configs[index]))
 
 
 def _charged(cost: float, overhead_ms: float, chunks: int) -> float:
@@ -113,7 +119,7 @@ def _from_trace(run_dir: Path) -> Calibration:
     costs = costs_from_measurement(rows, schedule.chunks_per_copy, include_overhead=True)
     makespan, bubble = measured_makespan_and_bubble(rows)
     return Calibration(f"{run_dir / 'trace.json'} (step {step})", costs, overhead_per_action(rows), schedule.name,
-                       schedule.pp, makespan, bubble, comm_measured=False)
+                       schedule.pp, makespan, bubble, comm_measured=False, config_file=str(run_dir / "config.yaml"))
 
 
 def calibration_lines(calibration: Calibration, simulated_makespan: float, schedule: str, pp: int) -> list[str]:

@@ -29,7 +29,7 @@ from ppctl.config.reference import config_reference, config_reference_table, ren
 from ppctl.config.schema import (SCHEMA_GROUPS, ConfigError, DataConfig, LauncherConfig, ModelConfig,
                                  OptimizerConfig, ParallelConfig, PpctlConfig, ScheduleConfig, TrainerConfig,
                                  setting)
-from ppctl.config.validate import DerivedSizes, validate
+from ppctl.config.validate import DerivedSizes, validate, validate_data
 
 __all__ = [
     "ConfigError", "DataConfig", "DerivedSizes", "LauncherConfig", "ModelConfig", "OptimizerConfig",
@@ -37,5 +37,5 @@ __all__ = [
     "compose_config", "config_layer_map", "configured_schedule", "fill_unset", "config_reference", "config_reference_table",
     "layout_of", "load_config_file", "message_seq_length", "nproc_per_node", "num_microbatches",
     "padded_vocab_size", "parse_endpoint", "pipeline_layout_of", "render_default", "schedule_spec", "setting", "to_yaml",
-    "tokenizer_vocab_size", "validate",
+    "tokenizer_vocab_size", "validate", "validate_data",
 ]

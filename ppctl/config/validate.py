@@ -64,6 +64,13 @@ def validate(config: PpctlConfig, layer_split: bool = True, data: bool = True) -
     )
 
 
+def validate_data(config: PpctlConfig) -> None:
+    """The checks of ``validate`` that no layout changes: positive sizes and the data source (``ppctl plan``
+    makes them once for the user's config, then validates each layout with ``data=False``)."""
+    _check_positive(config)
+    _check_data(config)
+
+
 def _check_layer_split(config: PpctlConfig, layout: ParallelLayout) -> None:
     parallel = config.parallel
     require(not (parallel.pipeline_layout and (parallel.account_for_embedding_in_split

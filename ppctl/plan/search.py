@@ -1,0 +1,430 @@
+"""``ppctl plan``: the layouts that fit, ranked by predicted step time (pure: no torch, no process).
+
+For a model and global batch on N devices the planner enumerates (tp, cp, pp, vpp, dp,
+schedule, micro-batch size, recompute, distributed optimizer), and for each candidate:
+
+1. builds its config from the user's (the same fields ``ppctl train`` would get as
+   overrides) and runs ``train``'s validation (a refused candidate counts under the
+   rule it breaks);
+2. bounds its step time from below without the simulator: every rank's compute for the
+   step (m microbatches through its layers), plus the data-parallel gradient reduction;
+3. in order of that bound, predicts its memory per rank (``ppctl.plan.memory``) against
+   the device's, and its step time with the simulator (F, B, W per microbatch from the
+   model's FLOPs and the device's throughput, TP and CP collectives from the link's
+   bandwidth, pipeline messages from bandwidth and latency), keeping the best K; it stops
+   once the next bound cannot beat the K-th best (counted as pruned).
+
+The cost model (``StepCosts``) follows Megatron-LM's FLOP count (``ppctl.model.flops``): a
+backward is twice a forward (B and W one forward each), full recomputation adds a forward
+to B, selective the attention core's share. ``--calibrate RUN_DIR`` replaces the device
+figures with the throughput a measured run achieved.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+from ppctl.config import (ConfigError, PpctlConfig, config_layer_map, configured_schedule, layout_of,
+                          num_microbatches, validate)
+from ppctl.model.flops import forward_flops_per_token
+from ppctl.plan.memory import DTYPE_BYTES, Chunk, MemoryParts, chunk_parameters, config_memory, model_shape
+
+# (schedule, its vpp) tried for each pp; gpipe and 1f1b at vpp 1, the looped and V schedules at 2
+SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2), ("dualpipev", 2))
+RECOMPUTE = ("none", "selective", "full")
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the planner assumes of one device and its links (``--device``)."""
+
+    name: str
+    flops: float  # FLOP/s a training step sustains (dense bf16 peak times a typical utilisation)
+    memory_gb: float
+    node_size: int  # devices per node: TP and CP stay within one
+    intra_node_bandwidth: float  # bytes/s per direction (NVLink)
+    inter_node_bandwidth: float  # bytes/s per device (InfiniBand)
+    latency_s: float
+    overhead_s: float = 0.0  # a runtime's time per action beyond its compute (measured: --calibrate)
+
+    def describe(self) -> str:
+        """One line: the name and the figures the plan assumes."""
+        return (f"{self.name}: {self.flops / 1e12:.3g} TFLOP/s sustained, links {self.intra_node_bandwidth / 1e9:.3g} "
+                f"GB/s in a node of {self.node_size} and {self.inter_node_bandwidth / 1e9:.3g} GB/s between, "
+                f"{self.latency_s * 1e6:.3g} us per message, {self.overhead_s * 1e3:.3g} ms per action")
+
+
+# Sustained FLOP/s: 45% of the dense bf16 peak, Megatron-LM's reported range for GPT models of this size.
+DEVICES = {
+    "h100": Device("h100", 0.45 * 989e12, 80, 8, 450e9, 50e9, 10e-6),
+    "h200": Device("h200", 0.45 * 989e12, 141, 8, 450e9, 50e9, 10e-6),
+    "a100": Device("a100", 0.45 * 312e12, 80, 8, 300e9, 25e9, 10e-6),
+}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout to try: the settings it adds to the user's config."""
+
+    tp: int
+    cp: int
+    pp: int
+    vpp: int
+    dp: int
+    schedule: str
+    micro_batch_size: int
+    recompute: str
+    distributed_optimizer: bool
+    balance: str = "even"  # auto where the layers do not divide evenly into the stages
+
+    def overrides(self) -> list[str]:
+        """The overrides to paste into ``ppctl train``."""
+        balance = ["parallel.balance=auto"] if self.balance == "auto" else []
+        return [f"parallel.tp={self.tp}", f"parallel.cp={self.cp}", f"parallel.pp={self.pp}",
+                f"parallel.vpp={self.vpp}", f"parallel.dp={self.dp}", *balance, f"schedule={self.schedule}",
+                f"trainer.micro_batch_size={self.micro_batch_size}", f"model.recompute={self.recompute}",
+                f"optimizer.distributed={str(self.distributed_optimizer).lower()}"]
+
+    @property
+    def layout_key(self) -> tuple:
+        """What the step time depends on beyond the memory savers (recomputation, the distributed optimizer)."""
+        return self.tp, self.cp, self.pp, self.vpp, self.dp, self.schedule, self.micro_batch_size
+
+    def apply(self, base: PpctlConfig) -> PpctlConfig:
+        """``base`` with this candidate's settings (the sections it changes copied, the rest shared)."""
+        parallel = replace(base.parallel, tp=self.tp, cp=self.cp, pp=self.pp, vpp=self.vpp, dp=self.dp,
+                           sequence_parallel=base.parallel.sequence_parallel and self.tp > 1)
+        if self.balance == "auto":
+            parallel = replace(parallel, balance="auto", pipeline_layout=None, account_for_embedding_in_split=False,
+                               account_for_loss_in_split=False)
+        return replace(base, parallel=parallel, schedule=replace(base.schedule, name=self.schedule),
+                       trainer=replace(base.trainer, micro_batch_size=self.micro_batch_size),
+                       model=replace(base.model, recompute=self.recompute),
+                       optimizer=replace(base.optimizer, distributed=self.distributed_optimizer))
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A candidate the planner kept: its predicted step time, bubble and memory."""
+
+    candidate: Candidate
+    step_time_s: float
+    bubble_ratio: float
+    memory: tuple[MemoryParts, ...]
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        """The largest rank's predicted total."""
+        return max(parts.total for parts in self.memory)
+
+    def to_json(self) -> dict:
+        """One entry of ``candidates`` in ``ppctl plan --json``."""
+        return {"overrides": self.candidate.overrides(), "step_time_s": self.step_time_s,
+                "bubble_ratio": self.bubble_ratio, "peak_memory_bytes": self.peak_memory_bytes,
+                "memory": [parts.to_json() for parts in self.memory]}
+
+
+@dataclass
+class Plan:
+    """The best candidates, and how many others were refused, by reason."""
+
+    candidates: list[Prediction]
+    refused: Counter = field(default_factory=Counter)
+
+    def to_json(self) -> dict:
+        """``ppctl plan --json``: ``candidates`` (best first) and ``refused`` (reason -> count)."""
+        return {"candidates": [prediction.to_json() for prediction in self.candidates],
+                "refused": dict(self.refused.most_common())}
+
+
+# --- the search space -------------------------------------------------------------------------
+
+def candidates(config: PpctlConfig, devices: int) -> list[list[Candidate]]:
+    """Every layout whose sizes multiply to ``devices``, each as its variants in the order the search tries them:
+    the memory savers that cost no time first (the distributed optimizer where there are replicas), then
+    selective and full recomputation."""
+    found = []
+    model, trainer = config.model, config.trainer
+    for tp, cp in itertools.product(POWERS_OF_TWO, repeat=2):
+        if devices % (tp * cp) or model.num_heads % tp:
+            continue
+        for pp, (schedule, vpp), micro in itertools.product(_divisors(devices // (tp * cp)), SCHEDULES,
+                                                            MICRO_BATCH_SIZES):
+            dp = devices // (tp * cp * pp)
+            vpp = vpp if pp > 1 else 1
+            if (pp == 1 and schedule != "1f1b") or trainer.global_batch_size % (micro * dp) or \
+                    pp * vpp > model.num_layers:  # a stage without a layer only adds a hop
+                continue
+            balance = "even" if model.num_layers % (pp * vpp) == 0 else "auto"
+            sharded = (True, False) if dp * cp > 1 else (False,)
+            found.append([Candidate(tp, cp, pp, vpp, dp, schedule, micro, recompute, distributed, balance)
+                          for recompute, distributed in itertools.product(RECOMPUTE, sharded)])
+    return found
+
+
+def _divisors(number: int) -> list[int]:
+    return [divisor for divisor in range(1, number + 1) if number % divisor == 0]
+
+
+# --- the cost model -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepCosts:
+    """One candidate's costs in seconds: F, B, W of one microbatch through the busiest rank's layers (of one model
+    copy), a pipeline message, and the data-parallel gradient reduction after the pipeline drains."""
+
+    F: float
+    B: float
+    W: float
+    comm: float
+    reduction: float
+    microbatches: int
+
+
+def step_costs(config: PpctlConfig, device: Device) -> StepCosts:
+    """The cost model of a validated config on ``device`` (see the module docstring)."""
+    model, parallel, trainer = config.model, config.parallel, config.trainer
+    tp, cp, dp = parallel.tp, parallel.cp, parallel.dp
+    tokens = _microbatch_tokens(config)
+    layer = forward_flops_per_token(1, model.hidden_size, model.ffn_hidden_size, trainer.seq_length, 0)
+    attention_core = 4 * trainer.seq_length * model.hidden_size  # scores and weighted values, per token
+    layers = max(_rank_layers(config)) / layout_of(config).placement.copies  # the busiest rank's, of one copy
+    forward = forward_flops_per_microbatch(config) / device.flops
+    element = DTYPE_BYTES[trainer.precision]
+    collective = _tp_cp_seconds(config, device, tokens, element) * layers
+    recompute = {"none": 0.0, "full": forward, "selective": tokens * layers * attention_core / tp / device.flops}
+    message = element * tokens * model.hidden_size / (tp if parallel.sequence_parallel else 1)
+    pipeline_apart = tp * cp * dp  # the rank order is tp-cp-dp-pp: pipeline neighbours lie this far apart
+    bandwidth = device.intra_node_bandwidth if pipeline_apart < device.node_size else device.inter_node_bandwidth
+    # the runtime's time per action, charged to each of the rank's actions of a microbatch (one per chunk)
+    overhead = device.overhead_s * configured_schedule(config).chunks_per_copy
+    return StepCosts(F=forward + collective + overhead, B=forward + collective + recompute[model.recompute] + overhead,
+                     W=forward + overhead, comm=message / bandwidth + device.latency_s,
+                     reduction=reduction_s(config, device), microbatches=num_microbatches(config))
+
+
+def forward_flops_per_microbatch(config: PpctlConfig) -> float:
+    """FLOPs of one microbatch's forward through the busiest rank's layers (of one model copy) on one device."""
+    model, parallel = config.model, config.parallel
+    layer = forward_flops_per_token(1, model.hidden_size, model.ffn_hidden_size, config.trainer.seq_length, 0)
+    layers = max(_rank_layers(config)) / layout_of(config).placement.copies
+    output = 2 * model.hidden_size * model_shape(config).padded_vocab
+    return _microbatch_tokens(config) * (layers * layer + output) / parallel.tp
+
+
+def _microbatch_tokens(config: PpctlConfig) -> int:
+    """One rank's tokens of one microbatch (its share of the sequence under CP)."""
+    return config.trainer.micro_batch_size * config.trainer.seq_length // config.parallel.cp
+
+
+def reduction_s(config: PpctlConfig, device: Device) -> float:
+    """The data-parallel gradient reduction after the pipeline drains: a ring all-reduce (or reduce-scatter and
+    all-gather, the same bytes) of a rank's fp32 gradients over its dp * cp replicas."""
+    parallel = config.parallel
+    replicas = parallel.dp * parallel.cp
+    if replicas == 1:
+        return 0.0
+    whole = chunk_parameters(model_shape(config), Chunk(0, config.model.num_layers, True, True), parallel.tp)
+    within_node = parallel.tp * replicas <= device.node_size
+    bandwidth = device.intra_node_bandwidth if within_node else device.inter_node_bandwidth
+    return 2 * (replicas - 1) / replicas * 4 * whole / parallel.pp / bandwidth
+
+
+def compute_bound_s(config: PpctlConfig, device: Device) -> float:
+    """A step time that neither the schedule nor the split of a (not yet validated) config can beat: every rank's
+    mean compute for the step (all microbatches through the whole model, shared by tp * pp devices) after its
+    wait for the first microbatch to reach it (the fill), then the data-parallel reduction."""
+    model, parallel = config.model, config.parallel
+    forward = forward_flops_per_token(model.num_layers, model.hidden_size, model.ffn_hidden_size,
+                                      config.trainer.seq_length, model_shape(config).padded_vocab)
+    forward_s = _microbatch_tokens(config) * forward / (parallel.tp * parallel.pp) / device.flops
+    return 3 * num_microbatches(config) * forward_s + _fill_stages(config) * forward_s + reduction_s(config, device)
+
+
+def schedule_bound_s(config: PpctlConfig, device: Device) -> float:
+    """A tighter bound than ``compute_bound_s``, at the price of one simulation per schedule and size: the
+    schedule's makespan with every F, B and W at the mean compute of a rank's forward and messages free (the
+    simulated makespan only grows with each cost, and the model's costs are at least these)."""
+    model, parallel = config.model, config.parallel
+    forward = forward_flops_per_token(model.num_layers, model.hidden_size, model.ffn_hidden_size,
+                                      config.trainer.seq_length, model_shape(config).padded_vocab)
+    forward_ms = _microbatch_tokens(config) * forward / (parallel.tp * parallel.pp) / device.flops * 1e3
+    key = (config.schedule.name, parallel.pp, parallel.vpp, num_microbatches(config))
+    unit_makespan, _ = _simulated(key, 1.0, 1.0, 1.0, 0.0)
+    return unit_makespan * forward_ms / 1e3 + reduction_s(config, device)
+
+
+def _fill_stages(config: PpctlConfig) -> float:
+    """The most rank-forwards any rank must wait before its first action: the stages in front of its earliest
+    stage, each a ``1 / chunks_per_copy`` share of a rank's forward (0 when the placement is refused)."""
+    try:
+        placement = layout_of(config).placement
+    except ConfigError:
+        return 0.0
+    per_copy = placement.stages_per_copy
+    chunks_per_copy = max(per_copy // config.parallel.pp, 1)
+    return max(min(stage % per_copy for stage in placement.stages_of(pp_rank))
+               for pp_rank in range(config.parallel.pp)) / chunks_per_copy
+
+
+def _rank_layers(config: PpctlConfig) -> list[int]:
+    """Transformer layers per pp rank."""
+    counts = [0] * config.parallel.pp
+    for (pp_rank, _), stage in config_layer_map(config).items():
+        counts[pp_rank] += len(stage.layers)
+    return counts
+
+
+def _tp_cp_seconds(config: PpctlConfig, device: Device, tokens: int, element: int) -> float:
+    """Per layer and microbatch: TP's two ring all-reduces (or SP's all-gathers and reduce-scatters: the same
+    bytes) of the activations, and all-gather CP's keys and values, within a node."""
+    parallel, hidden = config.parallel, config.model.hidden_size
+    tp, cp = parallel.tp, parallel.cp
+    seconds = 2 * 2 * (tp - 1) / tp * element * tokens * hidden / device.intra_node_bandwidth if tp > 1 else 0.0
+    if cp > 1:
+        seconds += (cp - 1) * 2 * element * tokens * hidden / tp / device.intra_node_bandwidth
+    return seconds
+
+
+@lru_cache(maxsize=256)
+def _schedule(name: str, pp: int, vpp: int, microbatches: int):
+    """A built schedule and its lowered program, kept: thousands of candidates share a few."""
+    from ppctl.pipeline.program import lower
+    from ppctl.pipeline.schedules import build_schedule
+
+    schedule = build_schedule(name, pp, vpp, microbatches)
+    return schedule, lower(schedule)
+
+
+def simulated_step(config: PpctlConfig, costs: StepCosts) -> tuple[float, float]:
+    """(step time in seconds, bubble ratio) from the simulator, with the reduction added."""
+    parallel = config.parallel
+    key = (config.schedule.name, parallel.pp, parallel.vpp, costs.microbatches)
+    makespan_ms, bubble = _simulated(key, costs.F * 1e3, costs.B * 1e3, costs.W * 1e3, costs.comm * 1e3)
+    return makespan_ms / 1e3 + costs.reduction, bubble
+
+
+@lru_cache(maxsize=4096)
+def _simulated(key: tuple, forward: float, backward: float, weight: float, comm: float) -> tuple[float, float]:
+    """The simulator's makespan (ms) and bubble ratio of a schedule at these costs (kept: candidates that differ
+    only in what the costs do not see, such as the optimizer's sharding, share one run)."""
+    from ppctl.pipeline.simulate import Costs, simulate
+
+    result = simulate(_schedule(*key)[1], Costs(F=forward, B=backward, W=weight, comm=comm))
+    return result.makespan, result.bubble_ratio
+
+
+# --- the search ----------------------------------------------------------------------------------
+
+NOT_EXAMINED = "not examined: its compute alone is slower than the last one shown"
+TOO_LARGE = "needs more memory than the device has"
+DOMINATED = "not needed: a variant of the same layout that is as fast or faster fits"
+
+
+def plan(config: PpctlConfig, devices: int, memory_bytes: float, top: int, device: Device) -> Plan:
+    """The ``top`` fastest candidates whose every rank fits in ``memory_bytes``, fastest first (equal times: the
+    smaller peak memory first); see the module docstring. ``config`` is the user's, already validated.
+
+    Of a layout's variants the first that fits is kept: the later ones save memory it does not need, at a cost
+    in time (recomputation) or none (the optimizer's sharding, tried first).
+    """
+    refused: Counter = Counter()
+    bounded = sorted(((compute_bound_s(variants[0].apply(config), device), index, variants)
+                      for index, variants in enumerate(candidates(config, devices))), key=lambda entry: entry[:2])
+    best: list[Prediction] = []
+    for position, (bound, _, variants) in enumerate(bounded):
+        if len(best) >= top and bound >= best[-1].step_time_s:
+            refused[NOT_EXAMINED] += sum(len(rest) for _, _, rest in bounded[position:])
+            break
+        if len(best) >= top and _schedule_bound_or_zero(variants[0].apply(config), device) >= best[-1].step_time_s:
+            refused[NOT_EXAMINED] += len(variants)
+            continue
+        kept = _first_fitting(config, variants, memory_bytes, device, refused)
+        if kept is not None:
+            best = sorted(best + [kept], key=lambda prediction: (prediction.step_time_s,
+                                                                 prediction.peak_memory_bytes))[:top]
+    return Plan(best, refused)
+
+
+def _schedule_bound_or_zero(config: PpctlConfig, device: Device) -> float:
+    """``schedule_bound_s``, or 0 where the schedule cannot be built at these sizes (validation will say why)."""
+    from ppctl.pipeline.schedules import ScheduleError
+
+    try:
+        return schedule_bound_s(config, device)
+    except (ScheduleError, ConfigError):
+        return 0.0
+
+
+def _first_fitting(config: PpctlConfig, variants: list[Candidate], memory_bytes: float, device: Device,
+                   refused: Counter) -> Prediction | None:
+    """The first variant ``train`` accepts that fits in ``memory_bytes``; the others counted in ``refused``."""
+    for index, candidate in enumerate(variants):
+        try:
+            prediction = predict(config, candidate, device)
+        except ConfigError as error:
+            refused[refusal_reason(str(error))] += 1
+            continue
+        if prediction.peak_memory_bytes > memory_bytes:
+            refused[TOO_LARGE] += 1
+            continue
+        refused[DOMINATED] += len(variants) - index - 1
+        return prediction
+    return None
+
+
+def predict(config: PpctlConfig, candidate: Candidate, device: Device) -> Prediction:
+    """One candidate's predicted step time, bubble and memory per rank; ``ConfigError`` if ``train`` would
+    refuse it."""
+    built = candidate.apply(config)
+    validate(built, data=False)  # the data source is the user's, checked once
+    costs = step_costs(built, device)
+    step_time, bubble = simulated_step(built, costs)
+    schedule = _schedule(built.schedule.name, built.parallel.pp, built.parallel.vpp, costs.microbatches)[0]
+    return Prediction(candidate, step_time, bubble, tuple(config_memory(built, schedule)))
+
+
+def refusal_reason(message: str) -> str:
+    """A validation refusal as a reason to count: its rule, without the numbers that differ per candidate."""
+    setting = message.split("=", 1)[0].split(":", 1)[0].strip()
+    return f"refused by validation: {setting}" if setting else "refused by validation"
+
+
+def calibrated_device(device: Device, calibration, measured: PpctlConfig) -> Device:
+    """``device`` with the figures a measured run achieved (``--calibrate RUN_DIR``: a ``Calibration`` from
+    ``ppctl bench`` or a traced ``train``, and that run's config): the FLOP/s of its fitted F + B + W (the
+    runtime's time between actions taken out), that time between actions per action, and its message time as the
+    latency of every message (links then free). ValueError (one line) when the figures make no throughput."""
+    chunks = configured_schedule(measured).chunks_per_copy
+    costs, overhead_ms = calibration.costs, calibration.overhead_ms
+    actions = 3 if costs.W else 2  # F, B and W each charged; an unsplit backward is B, with W at 0
+    compute_ms = costs.F + costs.B + costs.W - actions * overhead_ms * chunks
+    if compute_ms <= 0:
+        raise ValueError(f"--calibrate: {calibration.source} holds no compute time once the runtime's time between "
+                         "actions is taken out")
+    unlimited = float("inf")
+    return replace(device, name=f"calibrated by {calibration.source}",
+                   flops=3 * forward_flops_per_microbatch(measured) / (compute_ms / 1e3),
+                   intra_node_bandwidth=unlimited, inter_node_bandwidth=unlimited,
+                   latency_s=costs.comm / 1e3, overhead_s=overhead_ms / 1e3)
+
+
+def explain_candidate(config: PpctlConfig, candidate: Candidate, device: Device):
+    """The simulator's ``SimResult`` (ms) of a candidate's step at its predicted costs (``ppctl plan --explain``)."""
+    from ppctl.pipeline.simulate import Costs, simulate
+
+    built = candidate.apply(config)
+    costs = step_costs(built, device)
+    schedule_key = (built.schedule.name, built.parallel.pp, built.parallel.vpp, costs.microbatches)
+    return simulate(_schedule(*schedule_key)[1], Costs(F=costs.F * 1e3, B=costs.B * 1e3, W=costs.W * 1e3,
+                                                        comm=costs.comm * 1e3))
+
+
+__all__ = ["DEVICES", "Candidate", "Device", "Plan", "Prediction", "StepCosts", "candidates", "compute_bound_s", "predict",
+           "calibrated_device", "explain_candidate", "forward_flops_per_microbatch", "plan", "schedule_bound_s",
+           "simulated_step", "step_costs"]

@@ -1,0 +1,70 @@
+"""``ppctl plan`` through the command line, in this process (it starts no worker): the table and the line to
+paste, ``--json``'s keys, ``--explain``, ``--calibrate`` from a measured run's files, and its refusals."""
+
+import json
+
+from typer.testing import CliRunner
+
+from ppctl.cli.app import app
+from ppctl.config import compose_config, to_yaml, validate
+
+BASE = ["model=gpt_small", "data=synthetic", "trainer.global_batch_size=32", "trainer.seq_length=256",
+        "model.num_layers=8"]
+
+
+def invoke(args):
+    return CliRunner().invoke(app, args)
+
+
+def test_plan_prints_the_ranked_table_and_a_command_that_validates():
+    result = invoke(["plan", *BASE, "--gpus", "8", "--memory-gb", "80", "--top", "4"])
+    assert result.exit_code == 0, result.output
+    assert "ppctl plan: 8 devices of 80 GiB" in result.output
+    pasted = next(line for line in result.output.splitlines() if line.startswith("the fastest, to paste: "))
+    words = pasted.removeprefix("the fastest, to paste: ").split()
+    assert words[:2] == ["ppctl", "train"]
+    assert validate(compose_config(words[2:])).world_size == 8
+
+
+def test_plan_json_holds_candidates_and_refusals():
+    result = invoke(["plan", *BASE, "--gpus", "16", "--top", "3", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert len(report["candidates"]) == 3 and isinstance(report["refused"], dict)
+    first = report["candidates"][0]
+    assert set(first) == {"overrides", "step_time_s", "bubble_ratio", "peak_memory_bytes", "memory"}
+    assert first["peak_memory_bytes"] == max(rank["total"] for rank in first["memory"])
+    times = [candidate["step_time_s"] for candidate in report["candidates"]]
+    assert times == sorted(times)
+
+
+def test_explain_shows_memory_by_part_and_the_timeline():
+    result = invoke(["plan", *BASE, "--gpus", "8", "--top", "2", "--explain", "2"])
+    assert result.exit_code == 0, result.output
+    assert "candidate: ppctl train" in result.output
+    assert "predicted memory per pp rank" in result.output and "activations" in result.output
+    assert "makespan" in result.output and "bubble ratio" in result.output
+
+
+def test_calibrate_takes_the_device_figures_from_a_measured_run(tmp_path):
+    measured = compose_config(BASE + ["parallel.pp=2", "parallel.dp=1"])
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "0_1f1b.yaml").write_text(to_yaml(measured))
+    (tmp_path / "bench_request.json").write_text(json.dumps({"configs": ["bench/0_1f1b.yaml"]}))
+    (tmp_path / "bench.json").write_text(json.dumps([{
+        "schedule": "1f1b", "pp": 2, "fitted_costs_ms": {"F": 10.0, "B": 20.0, "W": 0.0, "comm": 0.5},
+        "overhead_per_action_ms": 0.5, "makespan_measured_s": 0.5, "bubble_measured": 0.2}]))
+    result = invoke(["plan", *BASE, "--gpus", "2", "--calibrate", str(tmp_path), "--top", "2"])
+    assert result.exit_code == 0, result.output
+    assert "calibrated by" in result.output and "0.5 ms per action" in result.output
+
+
+def test_refusals_are_one_line():
+    for args, message in ((["--gpus", "8", "--device", "tpu"], "--device 'tpu'"),
+                          (["--gpus", "8", "--explain", "9", "--top", "2"], "--explain 9"),
+                          (["--gpus", "8", "--calibrate", "/nonexistent/run"], "--calibrate /nonexistent/run"),
+                          (["--gpus", "8", "trainer.seq_length=0"], "trainer.seq_length")):
+        result = invoke(["plan", *BASE, *args])
+        assert result.exit_code == 2, (args, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (args, lines)

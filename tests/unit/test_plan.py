@@ -1,0 +1,120 @@
+"""``ppctl plan``'s search (``ppctl.plan.search``), pure: every candidate it prints passes ``train``'s validation
+and fits the memory it was given, the pruning changes nothing against the exhaustive search, the overrides it
+prints compose to the config it judged, and calibration turns measured times into the device's figures."""
+
+from dataclasses import replace
+
+import pytest
+
+from ppctl.cli.calibrate import Calibration
+from ppctl.config import compose_config, validate
+from ppctl.pipeline.simulate import Costs
+from ppctl.plan import search
+from ppctl.plan.memory import config_memory
+from ppctl.plan.search import (DEVICES, NOT_EXAMINED, calibrated_device, candidates, compute_bound_s, plan, predict,
+                               schedule_bound_s)
+
+BASE = ["model=gpt_small", "data=synthetic", "trainer.global_batch_size=32", "trainer.seq_length=256",
+        "model.num_layers=8"]
+H100 = DEVICES["h100"]
+GIB = 2 ** 30
+
+
+@pytest.fixture(scope="module")
+def base():
+    return compose_config(BASE)
+
+
+def exhaustive(config, devices, memory_bytes, device):
+    """Every candidate predicted, no pruning: the first fitting variant of each layout, fastest first."""
+    kept = []
+    for variants in candidates(config, devices):
+        for candidate in variants:
+            try:
+                prediction = predict(config, candidate, device)
+            except Exception:  # refused by validation
+                continue
+            if prediction.peak_memory_bytes <= memory_bytes:
+                kept.append(prediction)
+                break
+    return sorted(kept, key=lambda p: (p.step_time_s, p.peak_memory_bytes))
+
+
+@pytest.mark.parametrize("devices,memory_gb", [(8, 80), (16, 80), (8, 1.0)])
+def test_pruned_search_finds_what_the_exhaustive_one_finds(base, devices, memory_gb):
+    found = plan(base, devices, memory_gb * GIB, 5, H100)
+    expected = exhaustive(base, devices, memory_gb * GIB, H100)[:5]
+    assert [p.step_time_s for p in found.candidates] == pytest.approx([p.step_time_s for p in expected])
+    assert [p.candidate.layout_key for p in found.candidates] == [p.candidate.layout_key for p in expected]
+    assert sum(found.refused.values()) + len(found.candidates) <= sum(map(len, candidates(base, devices)))
+
+
+@pytest.mark.parametrize("devices,memory_gb", [(8, 80), (8, 1.0), (32, 40)])
+def test_every_candidate_passes_validation_and_fits(base, devices, memory_gb):
+    found = plan(base, devices, memory_gb * GIB, 8, H100)
+    assert found.candidates
+    for prediction in found.candidates:
+        pasted = compose_config(BASE + prediction.candidate.overrides())  # the line a user pastes
+        sizes = validate(pasted)
+        assert sizes.world_size == devices
+        assert max(parts.total for parts in config_memory(pasted)) == prediction.peak_memory_bytes
+        assert prediction.peak_memory_bytes <= memory_gb * GIB
+    times = [prediction.step_time_s for prediction in found.candidates]
+    assert times == sorted(times)
+
+
+def test_a_tight_memory_limit_chooses_memory_savers_and_refuses_what_cannot_fit(base):
+    roomy = plan(base, 8, 80 * GIB, 3, H100)
+    tight_limit = min(p.peak_memory_bytes for p in roomy.candidates) * 0.6
+    tight = plan(base, 8, tight_limit, 3, H100)
+    assert tight.refused[search.TOO_LARGE] > 0
+    assert all(p.peak_memory_bytes <= tight_limit for p in tight.candidates)
+    nothing = plan(base, 8, 1024, 3, H100)  # 1 KiB: nothing fits
+    assert nothing.candidates == [] and nothing.refused[search.TOO_LARGE] > 0
+
+
+def test_bounds_never_exceed_the_prediction(base):
+    for variants in candidates(base, 16):
+        candidate = variants[0]
+        try:
+            prediction = predict(base, candidate, H100)
+        except Exception:
+            continue
+        built = candidate.apply(base)
+        assert compute_bound_s(built, H100) <= prediction.step_time_s * (1 + 1e-9)
+        assert schedule_bound_s(built, H100) <= prediction.step_time_s * (1 + 1e-9)
+
+
+def test_the_search_stops_early_and_counts_what_it_left(base):
+    found = plan(base, 16, 80 * GIB, 1, H100)
+    assert found.refused[NOT_EXAMINED] > 0
+    json = found.to_json()
+    assert set(json) == {"candidates", "refused"}
+    assert set(json["candidates"][0]) >= {"overrides", "step_time_s", "bubble_ratio", "peak_memory_bytes"}
+
+
+def test_layers_that_do_not_divide_get_balance_auto(base):
+    config = replace(base, model=replace(base.model, num_layers=7))
+    found = plan(config, 4, 80 * GIB, 10, H100)
+    uneven = [p for p in found.candidates if p.candidate.pp > 1]
+    assert uneven and all("parallel.balance=auto" in p.candidate.overrides() for p in uneven)
+
+
+def test_calibration_gives_the_measured_throughput_back(base):
+    measured = compose_config(BASE + ["parallel.pp=2", "trainer.micro_batch_size=1"])
+    validate(measured)
+    forward_s = search.forward_flops_per_microbatch(measured) / 1e12  # a device of 1 TFLOP/s
+    overhead_ms = 0.5
+    costs = Costs(F=forward_s * 1e3 + overhead_ms, B=forward_s * 1e3 + overhead_ms, W=forward_s * 1e3 + overhead_ms,
+                  comm=0.25)
+    calibration = Calibration("bench.json", costs, overhead_ms, "1f1b", 2, 10.0, 0.1, True)
+    device = calibrated_device(H100, calibration, measured)
+    assert device.flops == pytest.approx(1e12)
+    assert device.overhead_s == pytest.approx(5e-4) and device.latency_s == pytest.approx(2.5e-4)
+    # the measured run's own layout predicted back: the same F, B, W and message time
+    step = search.step_costs(measured, device)
+    assert (step.F * 1e3, step.B * 1e3, step.W * 1e3, step.comm * 1e3) == pytest.approx(
+        (costs.F, costs.B, costs.W, costs.comm))
+    broken = Calibration("bench.json", Costs(F=0.1, B=0.1, W=0.1, comm=0), 1.0, "1f1b", 2, 10.0, 0.1, True)
+    with pytest.raises(ValueError, match="no compute time"):
+        calibrated_device(H100, broken, measured)
