@@ -30,14 +30,16 @@ class DerivedSizes:
     nproc_per_node: int
 
 
-def validate(config: PpctlConfig, layer_split: bool = True, data: bool = True) -> DerivedSizes:
+def validate(config: PpctlConfig, layer_split: bool = True, data: bool = True,
+             prove_schedule: bool = True) -> DerivedSizes:
     """Check every cross-setting rule; return derived sizes or raise ``ConfigError`` (one line).
 
     Every command runs this before anything starts. The schedule is also
     built and proved by the schedule checker (complete, and it runs under NCCL-like sends).
     ``layer_split=False`` leaves out whether the model's layers divide into the stages
     (``inspect-schedule`` draws a schedule, whatever the model); ``data=False`` leaves out the data
-    source (``ppctl plan`` checks it once, not for each of its thousands of layouts).
+    source (``ppctl plan`` checks it once, not for each of its thousands of layouts); ``prove_schedule=False``
+    leaves out the schedule checker (``ppctl plan`` proves only the schedules of the candidates it keeps).
     """
     _check_positive(config)
     _check_schedule_chunks(config)
@@ -51,7 +53,8 @@ def validate(config: PpctlConfig, layer_split: bool = True, data: bool = True) -
     _check_schedule(config)
     _check_misc(config, data)
     _check_lr_schedule(config)
-    _check_schedule_plan(config)
+    if prove_schedule:
+        _check_schedule_plan(config)
     if layer_split:
         _check_balanced_memory(config, layout)
     return DerivedSizes(

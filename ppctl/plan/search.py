@@ -26,10 +26,12 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from typing import Callable
 
-from ppctl.config import (ConfigError, PpctlConfig, config_layer_map, configured_schedule, layout_of,
+from ppctl.config import (ConfigError, PpctlConfig, config_layer_map, layout_of,
                           num_microbatches, validate)
 from ppctl.model.flops import forward_flops_per_token
+from ppctl.pipeline.schedules import ScheduleError
 from ppctl.plan.memory import DTYPE_BYTES, Chunk, MemoryParts, chunk_parameters, config_memory, model_shape
 
 # (schedule, its vpp) tried for each pp; gpipe and 1f1b at vpp 1, the looped and V schedules at 2
@@ -189,7 +191,6 @@ class StepCosts:
 def step_costs(config: PpctlConfig, device: Device) -> StepCosts:
     """The cost model of a validated config on ``device`` (see the module docstring)."""
     model, parallel, trainer = config.model, config.parallel, config.trainer
-    tp, cp, dp = parallel.tp, parallel.cp, parallel.dp
     tokens = _microbatch_tokens(config)
     layer = forward_flops_per_token(1, model.hidden_size, model.ffn_hidden_size, trainer.seq_length, 0)
     attention_core = 4 * trainer.seq_length * model.hidden_size  # scores and weighted values, per token
@@ -197,15 +198,23 @@ def step_costs(config: PpctlConfig, device: Device) -> StepCosts:
     forward = forward_flops_per_microbatch(config) / device.flops
     element = DTYPE_BYTES[trainer.precision]
     collective = _tp_cp_seconds(config, device, tokens, element) * layers
-    recompute = {"none": 0.0, "full": forward, "selective": tokens * layers * attention_core / tp / device.flops}
-    message = element * tokens * model.hidden_size / (tp if parallel.sequence_parallel else 1)
-    pipeline_apart = tp * cp * dp  # the rank order is tp-cp-dp-pp: pipeline neighbours lie this far apart
-    bandwidth = device.intra_node_bandwidth if pipeline_apart < device.node_size else device.inter_node_bandwidth
+    recompute = {"none": 0.0, "full": forward,
+                 "selective": tokens * layers * attention_core / parallel.tp / device.flops}
     # the runtime's time per action, charged to each of the rank's actions of a microbatch (one per chunk)
-    overhead = device.overhead_s * configured_schedule(config).chunks_per_copy
+    overhead = device.overhead_s * _chunks_per_copy(config)
     return StepCosts(F=forward + collective + overhead, B=forward + collective + recompute[model.recompute] + overhead,
-                     W=forward + overhead, comm=message / bandwidth + device.latency_s,
+                     W=forward + overhead, comm=message_s(config, device),
                      reduction=reduction_s(config, device), microbatches=num_microbatches(config))
+
+
+def message_s(config: PpctlConfig, device: Device) -> float:
+    """One pipeline message (an activation or its gradient) between neighbours: in the node or between nodes."""
+    parallel = config.parallel
+    message = DTYPE_BYTES[config.trainer.precision] * _microbatch_tokens(config) * config.model.hidden_size
+    message /= parallel.tp if parallel.sequence_parallel else 1
+    pipeline_apart = parallel.tp * parallel.cp * parallel.dp  # order tp-cp-dp-pp: pipeline neighbours this far apart
+    bandwidth = device.intra_node_bandwidth if pipeline_apart < device.node_size else device.inter_node_bandwidth
+    return message / bandwidth + device.latency_s
 
 
 def forward_flops_per_microbatch(config: PpctlConfig) -> float:
@@ -215,6 +224,13 @@ def forward_flops_per_microbatch(config: PpctlConfig) -> float:
     layers = max(_rank_layers(config)) / layout_of(config).placement.copies
     output = 2 * model.hidden_size * model_shape(config).padded_vocab
     return _microbatch_tokens(config) * (layers * layer + output) / parallel.tp
+
+
+def _chunks_per_copy(config: PpctlConfig) -> int:
+    """A rank's chunks of one model copy: its actions per microbatch (from the placement, without building the
+    schedule)."""
+    placement = layout_of(config).placement
+    return max(placement.stages_per_copy // config.parallel.pp, 1)
 
 
 def _microbatch_tokens(config: PpctlConfig) -> int:
@@ -246,17 +262,22 @@ def compute_bound_s(config: PpctlConfig, device: Device) -> float:
     return 3 * num_microbatches(config) * forward_s + _fill_stages(config) * forward_s + reduction_s(config, device)
 
 
+COMM_RATIOS = (0.0, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)  # message time / forward time, simulated once each
+
+
 def schedule_bound_s(config: PpctlConfig, device: Device) -> float:
-    """A tighter bound than ``compute_bound_s``, at the price of one simulation per schedule and size: the
-    schedule's makespan with every F, B and W at the mean compute of a rank's forward and messages free (the
-    simulated makespan only grows with each cost, and the model's costs are at least these)."""
+    """A tighter bound than ``compute_bound_s``, at the price of a few simulations per schedule and size (kept):
+    the schedule's makespan with every F, B and W at the mean compute of a rank's forward, and messages at the
+    largest of ``COMM_RATIOS`` of that below the candidate's message time (the simulated makespan only grows with
+    each cost, and scales with all of them together)."""
     model, parallel = config.model, config.parallel
     forward = forward_flops_per_token(model.num_layers, model.hidden_size, model.ffn_hidden_size,
                                       config.trainer.seq_length, model_shape(config).padded_vocab)
-    forward_ms = _microbatch_tokens(config) * forward / (parallel.tp * parallel.pp) / device.flops * 1e3
+    forward_s = _microbatch_tokens(config) * forward / (parallel.tp * parallel.pp) / device.flops
+    ratio = max(r for r in COMM_RATIOS if r * forward_s <= message_s(config, device))
     key = (config.schedule.name, parallel.pp, parallel.vpp, num_microbatches(config))
-    unit_makespan, _ = _simulated(key, 1.0, 1.0, 1.0, 0.0)
-    return unit_makespan * forward_ms / 1e3 + reduction_s(config, device)
+    unit_makespan, _ = _simulated(key, 1.0, 1.0, 1.0, ratio)
+    return unit_makespan * forward_s + reduction_s(config, device)
 
 
 def _fill_stages(config: PpctlConfig) -> float:
@@ -267,9 +288,8 @@ def _fill_stages(config: PpctlConfig) -> float:
     except ConfigError:
         return 0.0
     per_copy = placement.stages_per_copy
-    chunks_per_copy = max(per_copy // config.parallel.pp, 1)
     return max(min(stage % per_copy for stage in placement.stages_of(pp_rank))
-               for pp_rank in range(config.parallel.pp)) / chunks_per_copy
+               for pp_rank in range(config.parallel.pp)) / _chunks_per_copy(config)
 
 
 def _rank_layers(config: PpctlConfig) -> list[int]:
@@ -321,7 +341,7 @@ def _simulated(key: tuple, forward: float, backward: float, weight: float, comm:
 
 # --- the search ----------------------------------------------------------------------------------
 
-NOT_EXAMINED = "not examined: its compute alone is slower than the last one shown"
+NOT_EXAMINED = "slower than the last one shown (by a lower bound on its time, or by its prediction)"
 TOO_LARGE = "needs more memory than the device has"
 DOMINATED = "not needed: a variant of the same layout that is as fast or faster fits"
 
@@ -344,11 +364,16 @@ def plan(config: PpctlConfig, devices: int, memory_bytes: float, top: int, devic
         if len(best) >= top and _schedule_bound_or_zero(variants[0].apply(config), device) >= best[-1].step_time_s:
             refused[NOT_EXAMINED] += len(variants)
             continue
-        kept = _first_fitting(config, variants, memory_bytes, device, refused)
+        kept = _first_fitting(config, variants, memory_bytes, device, refused,
+                              lambda prediction: len(best) < top or _order(prediction) < _order(best[-1]))
         if kept is not None:
-            best = sorted(best + [kept], key=lambda prediction: (prediction.step_time_s,
-                                                                 prediction.peak_memory_bytes))[:top]
+            best = sorted(best + [kept], key=_order)[:top]
     return Plan(best, refused)
+
+
+def _order(prediction: Prediction) -> tuple[float, int]:
+    """Fastest first; of equal times, the smaller peak memory."""
+    return prediction.step_time_s, prediction.peak_memory_bytes
 
 
 def _schedule_bound_or_zero(config: PpctlConfig, device: Device) -> float:
@@ -362,27 +387,33 @@ def _schedule_bound_or_zero(config: PpctlConfig, device: Device) -> float:
 
 
 def _first_fitting(config: PpctlConfig, variants: list[Candidate], memory_bytes: float, device: Device,
-                   refused: Counter) -> Prediction | None:
-    """The first variant ``train`` accepts that fits in ``memory_bytes``; the others counted in ``refused``."""
+                   refused: Counter, beats: Callable[[Prediction], bool]) -> Prediction | None:
+    """The first variant ``train`` accepts that fits in ``memory_bytes``, if it ``beats`` the ones kept; the
+    others counted in ``refused``. The schedule checker, the costliest rule, runs only for a variant that would
+    be kept (its verdict kept per schedule and size)."""
     for index, candidate in enumerate(variants):
         try:
-            prediction = predict(config, candidate, device)
-        except ConfigError as error:
+            prediction = predict(config, candidate, device, prove_schedule=False)
+            if prediction.peak_memory_bytes > memory_bytes:
+                refused[TOO_LARGE] += 1
+                continue
+            if not beats(prediction):  # the later variants are no faster
+                refused[NOT_EXAMINED] += len(variants) - index
+                return None
+            validate(candidate.apply(config), data=False)
+        except (ConfigError, ScheduleError) as error:
             refused[refusal_reason(str(error))] += 1
-            continue
-        if prediction.peak_memory_bytes > memory_bytes:
-            refused[TOO_LARGE] += 1
             continue
         refused[DOMINATED] += len(variants) - index - 1
         return prediction
     return None
 
 
-def predict(config: PpctlConfig, candidate: Candidate, device: Device) -> Prediction:
+def predict(config: PpctlConfig, candidate: Candidate, device: Device, prove_schedule: bool = True) -> Prediction:
     """One candidate's predicted step time, bubble and memory per rank; ``ConfigError`` if ``train`` would
-    refuse it."""
+    refuse it (without the schedule checker's verdict when ``prove_schedule`` is False)."""
     built = candidate.apply(config)
-    validate(built, data=False)  # the data source is the user's, checked once
+    validate(built, data=False, prove_schedule=prove_schedule)  # the data source is the user's, checked once
     costs = step_costs(built, device)
     step_time, bubble = simulated_step(built, costs)
     schedule = _schedule(built.schedule.name, built.parallel.pp, built.parallel.vpp, costs.microbatches)[0]
@@ -400,7 +431,7 @@ def calibrated_device(device: Device, calibration, measured: PpctlConfig) -> Dev
     ``ppctl bench`` or a traced ``train``, and that run's config): the FLOP/s of its fitted F + B + W (the
     runtime's time between actions taken out), that time between actions per action, and its message time as the
     latency of every message (links then free). ValueError (one line) when the figures make no throughput."""
-    chunks = configured_schedule(measured).chunks_per_copy
+    chunks = _chunks_per_copy(measured)
     costs, overhead_ms = calibration.costs, calibration.overhead_ms
     actions = 3 if costs.W else 2  # F, B and W each charged; an unsplit backward is B, with W at 0
     compute_ms = costs.F + costs.B + costs.W - actions * overhead_ms * chunks
