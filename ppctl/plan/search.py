@@ -1,23 +1,24 @@
 """``ppctl plan``: the layouts that fit, ranked by predicted step time (pure: no torch, no process).
 
-For a model and global batch on N devices the planner enumerates (tp, cp, pp, vpp, dp,
-schedule, micro-batch size, recompute, distributed optimizer), and for each candidate:
+For a model and global batch on N devices the planner enumerates the layouts (tp, cp, pp,
+vpp, dp, schedule, micro-batch size), each with its memory-saving variants in the order
+they are tried (the distributed optimizer, free in time; then selective and full
+recomputation), and:
 
-1. builds its config from the user's (the same fields ``ppctl train`` would get as
-   overrides) and runs ``train``'s validation (a refused candidate counts under the
-   rule it breaks);
-2. bounds its step time from below without the simulator: every rank's compute for the
-   step (m microbatches through its layers), plus the data-parallel gradient reduction;
-3. in order of that bound, predicts its memory per rank (``ppctl.plan.memory``) against
-   the device's, and its step time with the simulator (F, B, W per microbatch from the
-   model's FLOPs and the device's throughput, TP and CP collectives from the link's
-   bandwidth, pipeline messages from bandwidth and latency), keeping the best K; it stops
-   once the next bound cannot beat the K-th best (counted as pruned).
+1. orders the layouts by a lower bound on their step time that needs no validation
+   (``compute_bound_s``: every rank's mean compute after the fill, plus the reduction);
+2. in that order, skips a layout whose schedule bound (``schedule_bound_s``) cannot beat
+   the K-th best, else predicts its variants' memory per rank (``ppctl.plan.memory``)
+   and step time (the simulator on the costs of ``step_costs``), validated as ``train``
+   validates them, and keeps the first variant that fits and beats the K-th best (the
+   schedule checker, the costliest rule, runs only then);
+3. stops once the next bound cannot beat the K-th best, counting what it left and why.
 
 The cost model (``StepCosts``) follows Megatron-LM's FLOP count (``ppctl.model.flops``): a
 backward is twice a forward (B and W one forward each), full recomputation adds a forward
-to B, selective the attention core's share. ``--calibrate RUN_DIR`` replaces the device
-figures with the throughput a measured run achieved.
+to B, selective the attention core's share; TP and CP collectives, pipeline messages and
+the data-parallel reduction come from the device's links. ``--calibrate RUN_DIR`` replaces
+the device's figures with those a measured run achieved (``calibrated_device``).
 """
 
 from __future__ import annotations
@@ -378,8 +379,6 @@ def _order(prediction: Prediction) -> tuple[float, int]:
 
 def _schedule_bound_or_zero(config: PpctlConfig, device: Device) -> float:
     """``schedule_bound_s``, or 0 where the schedule cannot be built at these sizes (validation will say why)."""
-    from ppctl.pipeline.schedules import ScheduleError
-
     try:
         return schedule_bound_s(config, device)
     except (ScheduleError, ConfigError):

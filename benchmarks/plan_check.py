@@ -1,0 +1,101 @@
+"""``ppctl plan``'s predicted step times against ``ppctl bench``'s measured ones, on this machine's gloo workers.
+
+One ``ppctl bench --against none`` run calibrates the device (its throughput, message time and
+the runtime's time between actions: ``ppctl plan --calibrate``); then a fixed list of
+candidates on ``--gpus`` workers, chosen before any measurement to differ in tp, pp, dp,
+schedule and recomputation, is predicted by the planner's own functions and measured by
+``ppctl bench --against none`` (median step of R blocks). Prints each candidate's predicted and
+measured step time with the error, the mean absolute error and the rank correlation of the
+two orders (Spearman). Asserts nothing.
+
+    .venv/bin/python benchmarks/plan_check.py [--steps 3] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODEL = ["data=synthetic", "model.num_layers=8", "model.hidden_size=256", "model.num_heads=4",
+         "model.ffn_hidden_size=1024", "model.tie_embeddings=false", "trainer.seq_length=64",
+         "trainer.global_batch_size=16", "launcher.threads_per_worker=1", "trainer.tensorboard=false"]
+CALIBRATION = ["parallel.pp=4", "schedule=1f1b", "trainer.micro_batch_size=1"]
+# (tp, cp, pp, vpp, dp, schedule, micro-batch size, recompute, distributed optimizer): fixed before measuring
+CANDIDATES = [
+    (1, 1, 4, 1, 1, "1f1b", 1, "none", False),
+    (1, 1, 4, 1, 1, "gpipe", 1, "none", False),
+    (1, 1, 4, 2, 1, "zbv", 1, "none", False),
+    (1, 1, 4, 1, 1, "1f1b", 1, "full", False),
+    (1, 1, 2, 1, 2, "1f1b", 1, "none", False),
+    (1, 1, 2, 2, 2, "interleaved_1f1b", 1, "none", True),
+    (2, 1, 2, 1, 1, "1f1b", 1, "none", False),
+    (1, 1, 1, 1, 4, "1f1b", 2, "none", False),
+    (2, 1, 1, 1, 2, "1f1b", 1, "selective", False),
+    (1, 1, 4, 1, 1, "zb_h1", 2, "none", False),
+]
+
+
+def bench(overrides: list[str], out_dir: Path, steps: int, repeats: int) -> dict:
+    """One ``ppctl bench --against none`` launch; its JSON entry."""
+    command = [sys.executable, "-m", "ppctl.cli.app", "bench", *MODEL, *overrides, f"trainer.out_dir={out_dir}",
+               "--against", "none", "--steps", str(steps), "--repeats", str(repeats), "--json"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])[0]
+
+
+def spearman(first: list[float], second: list[float]) -> float:
+    """Rank correlation of two lists (no ties expected)."""
+    def ranks(values):
+        order = sorted(range(len(values)), key=values.__getitem__)
+        result = [0] * len(values)
+        for rank, index in enumerate(order):
+            result[index] = rank
+        return result
+
+    a, b = ranks(first), ranks(second)
+    n = len(a)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(a, b)) / (n * (n * n - 1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    from ppctl.cli.calibrate import calibration_of
+    from ppctl.config import compose_config
+    from ppctl.plan.search import DEVICES, Candidate, calibrated_device, predict
+
+    work = Path(tempfile.mkdtemp(prefix="plan_check_"))
+    calibration_entry = bench(CALIBRATION, work / "calibration", args.steps, args.repeats)
+    calibration = calibration_of(work / "calibration", "1f1b")
+    device = calibrated_device(DEVICES["h100"], calibration, calibration.measured_config())
+    print(f"calibration: {' '.join(CALIBRATION)}: {calibration_entry['ppctl_step_s'] * 1e3:.1f} ms per step; "
+          f"device {device.describe()}")
+    base = compose_config(MODEL)
+    rows = []
+    for index, fields in enumerate(CANDIDATES):
+        candidate = Candidate(*fields)
+        predicted = predict(base, candidate, device).step_time_s
+        measured = bench(candidate.overrides(), work / f"candidate_{index}", args.steps, args.repeats)["ppctl_step_s"]
+        rows.append((candidate, predicted, measured))
+        print(f"{' '.join(candidate.overrides())}: predicted {predicted * 1e3:.1f} ms, measured {measured * 1e3:.1f} "
+              f"ms, error {predicted / measured - 1:+.1%}", flush=True)
+    errors = [abs(predicted / measured - 1) for _, predicted, measured in rows]
+    print(f"mean absolute error {statistics.mean(errors):.1%}, largest {max(errors):.1%}, rank correlation "
+          f"{spearman([p for _, p, _ in rows], [m for _, _, m in rows]):.2f} over {len(rows)} candidates")
+
+
+if __name__ == "__main__":
+    main()
