@@ -193,7 +193,6 @@ def step_costs(config: PpctlConfig, device: Device) -> StepCosts:
     """The cost model of a validated config on ``device`` (see the module docstring)."""
     model, parallel, trainer = config.model, config.parallel, config.trainer
     tokens = _microbatch_tokens(config)
-    layer = forward_flops_per_token(1, model.hidden_size, model.ffn_hidden_size, trainer.seq_length, 0)
     attention_core = 4 * trainer.seq_length * model.hidden_size  # scores and weighted values, per token
     layers = max(_rank_layers(config)) / layout_of(config).placement.copies  # the busiest rank's, of one copy
     forward = forward_flops_per_microbatch(config) / device.flops
@@ -256,11 +255,16 @@ def compute_bound_s(config: PpctlConfig, device: Device) -> float:
     """A step time that neither the schedule nor the split of a (not yet validated) config can beat: every rank's
     mean compute for the step (all microbatches through the whole model, shared by tp * pp devices) after its
     wait for the first microbatch to reach it (the fill), then the data-parallel reduction."""
+    forward_s = _mean_forward_s(config, device)
+    return 3 * num_microbatches(config) * forward_s + _fill_stages(config) * forward_s + reduction_s(config, device)
+
+
+def _mean_forward_s(config: PpctlConfig, device: Device) -> float:
+    """One microbatch's forward through the whole model, shared by tp * pp devices: the least a rank's can take."""
     model, parallel = config.model, config.parallel
     forward = forward_flops_per_token(model.num_layers, model.hidden_size, model.ffn_hidden_size,
                                       config.trainer.seq_length, model_shape(config).padded_vocab)
-    forward_s = _microbatch_tokens(config) * forward / (parallel.tp * parallel.pp) / device.flops
-    return 3 * num_microbatches(config) * forward_s + _fill_stages(config) * forward_s + reduction_s(config, device)
+    return _microbatch_tokens(config) * forward / (parallel.tp * parallel.pp) / device.flops
 
 
 COMM_RATIOS = (0.0, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)  # message time / forward time, simulated once each
@@ -271,10 +275,8 @@ def schedule_bound_s(config: PpctlConfig, device: Device) -> float:
     the schedule's makespan with every F, B and W at the mean compute of a rank's forward, and messages at the
     largest of ``COMM_RATIOS`` of that below the candidate's message time (the simulated makespan only grows with
     each cost, and scales with all of them together)."""
-    model, parallel = config.model, config.parallel
-    forward = forward_flops_per_token(model.num_layers, model.hidden_size, model.ffn_hidden_size,
-                                      config.trainer.seq_length, model_shape(config).padded_vocab)
-    forward_s = _microbatch_tokens(config) * forward / (parallel.tp * parallel.pp) / device.flops
+    parallel = config.parallel
+    forward_s = _mean_forward_s(config, device)
     ratio = max(r for r in COMM_RATIOS if r * forward_s <= message_s(config, device))
     key = (config.schedule.name, parallel.pp, parallel.vpp, num_microbatches(config))
     unit_makespan, _ = _simulated(key, 1.0, 1.0, 1.0, ratio)
