@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional
 
 import typer
 
-from ppctl.config import ConfigError, PpctlConfig, compose_config
+from ppctl.config import ConfigError, PpctlConfig, compose_config, to_yaml
 
 if TYPE_CHECKING:
     from ppctl.run.launch import RunDirLock
@@ -201,9 +201,34 @@ def train(
     from ppctl.config import validate
 
     config = load_config(overrides, config_dir, config_name, validate)
+    if config.launcher.kind == "slurm" and "SLURM_JOB_ID" not in os.environ:
+        fail("launcher=slurm: submit the run with ppctl submit (ppctl train runs it here, outside Slurm; "
+             "launcher=local to do that)")
+    _continue_run_dir(config)
     if config.trainer.resume_from:
         _resolve_resume(config)
     _launch(config, "train", dry_run)
+
+
+def _continue_run_dir(config: PpctlConfig) -> None:
+    """``trainer.auto_resume``: resume from the run directory's latest complete checkpoint when it holds one; a
+    run that already reached ``trainer.max_steps`` there has nothing left to do (exit 0, say so)."""
+    from ppctl.checkpoint.files import CheckpointError, latest_checkpoint, read_index
+
+    if not config.trainer.auto_resume:
+        return
+    try:
+        latest = latest_checkpoint(Path(config.trainer.out_dir))
+        step = read_index(latest)["step"] if latest is not None else 0
+    except CheckpointError as error:
+        fail(str(error))
+    if latest is None:
+        return
+    if step >= config.trainer.max_steps:
+        typer.echo(f"{config.trainer.out_dir}: the run is complete (its latest checkpoint, {latest}, is at step "
+                   f"{step} of trainer.max_steps={config.trainer.max_steps}); nothing to do", err=True)
+        raise typer.Exit(0)
+    config.trainer.resume_from = config.trainer.out_dir
 
 
 def _resolve_resume(config: PpctlConfig) -> None:
@@ -227,6 +252,83 @@ def _resolve_resume(config: PpctlConfig) -> None:
     if is_run_dir_checkpoint(location) and not config.trainer.out_dir:
         config.trainer.out_dir = str(location)
     config.trainer.resume_from = str(checkpoint)
+
+
+@app.command("submit")
+def submit(
+    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Write the run directory and job.sbatch and print the "
+                                                          "script; submit nothing."),
+    config_dir: Optional[Path] = CONFIG_DIR_OPTION,
+    config_name: str = CONFIG_NAME_OPTION,
+) -> None:
+    """Validate, write the run directory and its Slurm job script (launcher=slurm), and submit it with sbatch."""
+    from ppctl.config import validate
+    from ppctl.run.launch import default_run_dir, reuse_problem
+    from ppctl.run.slurm import JOB_SCRIPT, SlurmError, job_script, ppctl_command, record_job, submit_job
+
+    config = load_config(overrides, config_dir, config_name, validate)
+    if config.launcher.kind != "slurm":
+        fail("ppctl submit hands the run to Slurm: add launcher=slurm (and launcher.slurm.* for the allocation); "
+             "ppctl train runs it here")
+    if config.trainer.resume_from:
+        _resolve_resume(config)
+    run_dir = Path(config.trainer.out_dir or default_run_dir()).resolve()  # the job may start anywhere
+    config.trainer.out_dir = str(run_dir)
+    problem = reuse_problem(run_dir, config.trainer.resume_from, config.trainer.overwrite)
+    if problem is not None:
+        fail(problem)
+    lock = write_run_dir(config, run_dir)
+    try:
+        if _clears_earlier_run(config, "train"):
+            _clear_earlier_run(run_dir)
+        # Cleared now, once: the job's starts (a requeue too) continue the run instead of deleting it again.
+        config.trainer.overwrite = False
+        _write_files(run_dir, {"config.yaml": to_yaml(config),
+                               JOB_SCRIPT: job_script(config, run_dir, Path.cwd().resolve(), ppctl_command())})
+    finally:
+        lock.release()
+    script = run_dir / JOB_SCRIPT
+    if dry_run:
+        typer.echo(script.read_text(), nl=False)
+        typer.echo(f"wrote {script} (not submitted: sbatch {script} submits it)", err=True)
+        return
+    try:
+        job_id = submit_job(script)
+    except SlurmError as error:
+        fail(str(error), code=1)
+    record_job(run_dir, job_id)
+    typer.echo(f"submitted job {job_id}: run directory {run_dir}")
+    typer.echo(f"follow it with: ppctl status {run_dir}", err=True)
+
+
+@app.command("status")
+def status(
+    run_dir: Path = typer.Argument(..., help="A run directory (trainer.out_dir of a run)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (keys as the lines)."),
+) -> None:
+    """Show a run's Slurm job state, its last logged step and loss, and its latest checkpoint."""
+    from ppctl.cli.status_report import print_status, run_status
+    from ppctl.config import load_config_file
+    from ppctl.run.slurm import SlurmError, job_state, recorded_job
+
+    if not run_dir.is_dir():
+        fail(f"{run_dir}: no such run directory")
+    job_id = recorded_job(run_dir)
+    job = None
+    if job_id is not None:
+        try:
+            state = job_state(job_id)
+        except SlurmError as error:
+            fail(str(error), code=1)
+        job = {"job_id": job_id, "state": state.state, "restarts": state.restarts}
+    config_file = run_dir / "config.yaml"
+    max_steps = load_config_file(config_file).trainer.max_steps if config_file.exists() else None
+    report = run_status(run_dir.resolve(), job, max_steps)
+    if as_json:
+        sys.stdout.write(json.dumps(report) + "\n")
+    else:
+        print_status(report)
 
 
 @app.command("checkpoints")
@@ -327,7 +429,7 @@ def bench(
 ) -> None:
     """Time ppctl's training step against torch.distributed.pipelining or a plain loop on the same work."""
     from ppctl.bench.rules import BenchRequest, bench_problem, resolve_against
-    from ppctl.config import to_yaml, validate
+    from ppctl.config import validate
 
     names = [name.strip() for name in schedules.split(",") if name.strip()] if schedules else [None]
     configs = [load_config(list(overrides or []) + ([f"schedule={name}"] if name else []), config_dir, config_name,
@@ -448,7 +550,6 @@ def write_run_dir(config: PpctlConfig, run_dir: Path) -> RunDirLock:
     The lock comes before the files: a run refused because another one holds the directory
     changes nothing in it. Each refusal is one line and exit 2.
     """
-    from ppctl.config import to_yaml
     from ppctl.run.launch import RunDirBusy, RunDirLock
     from ppctl.cli.layout_report import layout_report
 

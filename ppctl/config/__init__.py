@@ -27,15 +27,15 @@ from ppctl.config.derived import (config_layer_map, configured_schedule, fill_un
                                   pipeline_layout_of, schedule_spec, tokenizer_vocab_size)
 from ppctl.config.reference import config_reference, config_reference_table, render_default
 from ppctl.config.schema import (SCHEMA_GROUPS, ConfigError, DataConfig, LauncherConfig, ModelConfig,
-                                 OptimizerConfig, ParallelConfig, PpctlConfig, ScheduleConfig, TrainerConfig,
-                                 setting)
-from ppctl.config.validate import DerivedSizes, validate, validate_data
+                                 OptimizerConfig, ParallelConfig, PpctlConfig, ScheduleConfig, SlurmConfig,
+                                 TrainerConfig, setting)
+from ppctl.config.validate import DerivedSizes, parse_fault, validate, validate_data
 
 __all__ = [
     "ConfigError", "DataConfig", "DerivedSizes", "LauncherConfig", "ModelConfig", "OptimizerConfig",
-    "PACKAGE_CONF_DIR", "ParallelConfig", "PpctlConfig", "SCHEMA_GROUPS", "ScheduleConfig", "TrainerConfig",
-    "compose_config", "config_layer_map", "configured_schedule", "fill_unset", "config_reference", "config_reference_table",
+    "PACKAGE_CONF_DIR", "ParallelConfig", "PpctlConfig", "SCHEMA_GROUPS", "ScheduleConfig", "SlurmConfig",
+    "TrainerConfig", "compose_config", "config_layer_map", "configured_schedule", "fill_unset", "config_reference", "config_reference_table",
     "layout_of", "load_config_file", "message_seq_length", "nproc_per_node", "num_microbatches",
-    "padded_vocab_size", "parse_endpoint", "pipeline_layout_of", "render_default", "schedule_spec", "setting", "to_yaml",
+    "padded_vocab_size", "parse_endpoint", "parse_fault", "pipeline_layout_of", "render_default", "schedule_spec", "setting", "to_yaml",
     "tokenizer_vocab_size", "validate", "validate_data",
 ]

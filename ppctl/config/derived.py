@@ -23,12 +23,14 @@ def fill_unset(config: PpctlConfig) -> None:
     ``parallel.vpp``: the chunks per rank the schedule places (2 for the V schedules, 2 per wave of
     ``parallel.waves`` for ``hanayo``, the file's for ``schedule=custom``, else 1), so ``schedule=zbv
     parallel.pp=2`` needs no vpp; ``model.vocab_size``: the tokenizer's ids, so the resolved
-    config.yaml holds the number.
+    config.yaml holds the number; ``launcher.nnodes``: ``launcher.slurm.nodes`` when only that is set.
     """
     if config.parallel.vpp is None:
         config.parallel.vpp = _placed_chunks(config)
     if config.model.vocab_size is None:
         config.model.vocab_size = tokenizer_vocab_size(config.data)
+    if config.launcher.slurm.nodes is not None and config.launcher.nnodes == 1:
+        config.launcher.nnodes = config.launcher.slurm.nodes  # the allocation's nodes are torchrun's
 
 
 def _placed_chunks(config: PpctlConfig) -> int:

@@ -6,7 +6,7 @@ agree). ``python -m ppctl.config`` prints the table to paste there.
 from __future__ import annotations
 
 import re
-from dataclasses import fields
+from dataclasses import MISSING, fields, is_dataclass
 from typing import Any
 
 from ppctl.config.schema import PpctlConfig
@@ -27,11 +27,22 @@ def render_default(value: Any) -> str:
 
 
 def config_reference() -> list[tuple[str, Any, str]]:
-    """``(section.key, default, meaning)`` for every schema field, in schema order."""
+    """``(section.key, default, meaning)`` for every schema field, in schema order (a nested section's keys,
+    such as ``launcher.slurm.*``, where that section stands)."""
     rows = []
     for section in fields(PpctlConfig):
-        for item in fields(section.default_factory):
-            rows.append((f"{section.name}.{item.name}", item.default, item.metadata["doc"]))
+        rows += _section_rows(section.name, section.default_factory)
+    return rows
+
+
+def _section_rows(prefix: str, section: type) -> list[tuple[str, Any, str]]:
+    rows = []
+    for item in fields(section):
+        if is_dataclass(item.default_factory):
+            rows += _section_rows(f"{prefix}.{item.name}", item.default_factory)
+            continue
+        default = item.default if item.default is not MISSING else item.default_factory()
+        rows.append((f"{prefix}.{item.name}", default, item.metadata["doc"]))
     return rows
 
 

@@ -25,6 +25,7 @@ PRECISIONS = ("fp32", "fp64", "bf16", "fp16")
 DATA_SOURCES = ("python_stdlib", "text", "synthetic")
 BACKENDS = ("auto", "gloo", "nccl")
 BALANCE_MODES = ("even", "auto")  # parallel.balance (ppctl.plan.balance)
+LAUNCHERS = ("local", "slurm")  # launcher.kind: ppctl train starts the workers, or ppctl submit hands a job to Slurm
 SYNTHETIC_VOCAB_SIZE = 257  # synthetic data's default vocabulary: the byte tokenizer's
 
 
@@ -238,11 +239,42 @@ class TrainerConfig:
     resume_from: Optional[str] = setting(
         None, "a run directory (its latest complete checkpoint; logs continue there) or a checkpoint directory; "
         "any layout, schedule and optimizer sharding")
+    auto_resume: bool = setting(
+        False, "continue from the run directory's (`out_dir`'s) latest complete checkpoint when it holds one, else "
+        "start as `resume_from` says: one command starts and continues a run (`ppctl submit`'s jobs use it)")
+
+
+@dataclass
+class SlurmConfig:
+    """The Slurm job ``ppctl submit`` writes (``launcher=slurm``); unset options are left to the cluster's defaults."""
+
+    partition: Optional[str] = setting(None, "`--partition`")
+    account: Optional[str] = setting(None, "`--account`")
+    qos: Optional[str] = setting(None, "`--qos`")
+    time: Optional[str] = setting(
+        None, "`--time`, the job's time limit (`MM`, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM` or `D-HH:MM:SS`)")
+    nodes: Optional[int] = setting(None, "nodes of the allocation; unset: `launcher.nnodes` (set, it sets that)")
+    gpus_per_node: Optional[int] = setting(
+        None, "`--gpus-per-node`; unset: no GPUs asked for (set it to the workers per node for NCCL)")
+    cpus_per_task: Optional[int] = setting(
+        None, "`--cpus-per-task` of the one task per node that runs that node's workers")
+    requeue: bool = setting(
+        True, "stopped by SIGTERM (preemption, the time limit's warning, `scancel --signal=TERM`), the job saves a "
+        "checkpoint and requeues itself; the requeued job resumes from it in the same run directory")
+    signal_lead_s: int = setting(
+        120, "Slurm signals the job this many seconds before its time limit (`--signal=B:TERM@N`), time to "
+        "finish the step and save")
+    extra_args: list[str] = field(
+        default_factory=list, metadata={"doc": "more `#SBATCH` options, one per item (e.g. `[--exclusive,--mem=0]`)"})
 
 
 @dataclass
 class LauncherConfig:
-    """How workers are started (torchrun)."""
+    """How workers are started (torchrun), here or in a Slurm job."""
+
+    kind: str = setting(
+        "local", "`local`: `ppctl train` starts the workers on this machine; `slurm`: `ppctl submit` writes "
+        "`<run dir>/job.sbatch` (`ppctl train` on every node of the allocation) and submits it with sbatch")
 
     nnodes: int = setting(1, "nodes")
     nproc_per_node: Optional[int] = setting(
@@ -261,8 +293,13 @@ class LauncherConfig:
     shutdown_timeout_s: int = setting(
         60, "after SIGTERM/SIGINT (Ctrl-C): how long workers get to finish the step and save a checkpoint before "
         "`ppctl` kills what is left")
+    max_restarts: int = setting(
+        0, "torchrun's elastic restarts after a worker fails; every restart resumes from the run's latest "
+        "complete checkpoint")
     inject_fault: Optional[str] = setting(
-        None, "testing aid: `RANK:raise` or `RANK:kill` makes that rank fail on purpose")
+        None, "testing aid: `RANK:raise` or `RANK:kill` makes that rank fail on purpose at start; with `@STEP` "
+        "(`1:kill@5`) after that step instead, and only in the job's first attempt (torchrun's restart 0)")
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
 
 @dataclass

@@ -9,12 +9,13 @@ process is started and no process group is touched.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 from ppctl.config.derived import (configured_schedule, layout_of, nproc_per_node, num_microbatches,
                                   padded_vocab_size, parse_endpoint, pipeline_layout_of, schedule_spec,
                                   tokenizer_vocab_size)
-from ppctl.config.schema import (BACKENDS, BALANCE_MODES, DATA_SOURCES, POSITION_EMBEDDINGS, PRECISIONS,
+from ppctl.config.schema import (BACKENDS, BALANCE_MODES, DATA_SOURCES, LAUNCHERS, POSITION_EMBEDDINGS, PRECISIONS,
                                  RECOMPUTE_METHODS, RECOMPUTE_MODES, ConfigError, PpctlConfig, require)
 from ppctl.optim.lr import DECAY_STYLES
 from ppctl.parallel.layout import CP_COMM_MODES, LayoutError, ParallelLayout, split_layers
@@ -356,11 +357,21 @@ def _check_misc(config: PpctlConfig, data: bool = True) -> None:
         config.launcher.backend in BACKENDS,
         f"launcher.backend={config.launcher.backend!r} must be one of {', '.join(BACKENDS)}",
     )
-    fault = config.launcher.inject_fault
-    if fault:
-        rank, _, kind = fault.partition(":")
-        require(rank.isdigit() and kind in ("raise", "kill"), "launcher.inject_fault must look like RANK:raise or RANK:kill")
-    if config.launcher.nnodes > 1:
+    if config.trainer.auto_resume:
+        require(bool(config.trainer.out_dir),
+                "trainer.auto_resume=true continues the run directory trainer.out_dir: set it")
+        require(not config.trainer.overwrite,
+                "trainer.auto_resume=true continues the run directory, trainer.overwrite=true deletes its checkpoints: "
+                "choose one")
+    if config.launcher.inject_fault:
+        parse_fault(config.launcher.inject_fault)
+    require(config.launcher.max_restarts >= 0,
+            f"launcher.max_restarts={config.launcher.max_restarts} must be >= 0")
+    require(config.launcher.kind in LAUNCHERS,
+            f"launcher.kind={config.launcher.kind!r} must be one of {', '.join(LAUNCHERS)}")
+    if config.launcher.kind == "slurm":
+        _check_slurm(config)
+    elif config.launcher.nnodes > 1:  # a Slurm job's script names the rendezvous on its first node
         require(bool(config.launcher.rdzv_endpoint), "launcher.nnodes > 1 needs launcher.rdzv_endpoint (host:port)")
     if config.launcher.rdzv_endpoint:
         parse_endpoint(config.launcher.rdzv_endpoint)
@@ -368,6 +379,42 @@ def _check_misc(config: PpctlConfig, data: bool = True) -> None:
         0 <= config.launcher.node_rank < config.launcher.nnodes,
         f"launcher.node_rank={config.launcher.node_rank} must be in 0..launcher.nnodes-1",
     )
+
+
+FAULT_PATTERN = re.compile(r"(\d+):(raise|kill)(?:@(\d+))?")
+SLURM_TIME_PATTERN = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}")
+
+
+def parse_fault(spec: str) -> tuple[int, str, int | None]:
+    """``launcher.inject_fault``'s ``RANK:raise|kill[@STEP]`` as ``(rank, kind, step or None)``."""
+    match = FAULT_PATTERN.fullmatch(spec)
+    require(match is not None,
+            f"launcher.inject_fault={spec!r} must look like RANK:raise or RANK:kill, optionally @STEP (1:kill@5)")
+    return int(match[1]), match[2], None if match[3] is None else int(match[3])
+
+
+def _check_slurm(config: PpctlConfig) -> None:
+    """What ``ppctl submit`` will ask Slurm for: well-formed, and the same node count as the layout's."""
+    slurm, launcher = config.launcher.slurm, config.launcher
+    if slurm.nodes is not None:
+        require(slurm.nodes == launcher.nnodes,
+                f"launcher.slurm.nodes={slurm.nodes} and launcher.nnodes={launcher.nnodes} disagree: set one of them")
+    if slurm.time is not None:
+        require(SLURM_TIME_PATTERN.fullmatch(str(slurm.time)) is not None,
+                f"launcher.slurm.time={slurm.time!r} must be a Slurm time: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
+                f"D-HH:MM:SS")
+    for name in ("gpus_per_node", "cpus_per_task"):
+        value = getattr(slurm, name)
+        require(value is None or value >= (0 if name == "gpus_per_node" else 1),
+                f"launcher.slurm.{name}={value} must be {'>= 0' if name == 'gpus_per_node' else 'a positive integer'}")
+    require(slurm.signal_lead_s >= 0, f"launcher.slurm.signal_lead_s={slurm.signal_lead_s} must be >= 0")
+    if slurm.requeue:
+        require(config.trainer.checkpoints,
+                "launcher.slurm.requeue=true resumes a stopped job from its checkpoint, but trainer.checkpoints=false "
+                "saves none: set launcher.slurm.requeue=false or trainer.checkpoints=true")
+    for option in slurm.extra_args:
+        require(str(option).startswith("-") and "\n" not in str(option),
+                f"launcher.slurm.extra_args: {option!r} must be one sbatch option (starting with -)")
 
 
 def _check_data(config: PpctlConfig) -> None:

@@ -130,7 +130,7 @@ def build_launch_plan(config: PpctlConfig, run_dir: Path, task: str, backend: st
     launcher = config.launcher
     command = [sys.executable, "-m", "torch.distributed.run",
                "--nnodes", str(launcher.nnodes), "--nproc-per-node", str(nproc_per_node(config)),
-               "--max-restarts", "0", "--monitor-interval", "0.2"]
+               "--max-restarts", str(launcher.max_restarts), "--monitor-interval", "0.2"]
     if launcher.nnodes == 1 and not launcher.rdzv_endpoint:
         # What --standalone means in recent torch, spelled out: older releases put every standalone run
         # on port 29400, where a second run silently joins the first one's store and dies with it.

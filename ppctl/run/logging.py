@@ -81,6 +81,8 @@ class TrainingLogger:
     def saved(self, path: Path, step: int, reason: str) -> None:
         """Say where the checkpoint taken after ``step`` steps went."""
         print(f"step {step:>5}/{self.config.trainer.max_steps} | checkpoint saved ({reason}): {path}", flush=True)
+        if self.writer is not None:
+            self.writer.flush()  # every step up to a checkpoint is logged on disk: a run that dies later loses none
 
     def stopped(self, step: int, signal_name: str, checkpoint: Path | None) -> None:
         """Say that the run stopped early on a signal, and how to go on (when a checkpoint was saved)."""

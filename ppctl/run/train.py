@@ -38,6 +38,7 @@ from ppctl.pipeline.runtime import PipelineRuntime
 from ppctl.pipeline.schedules import Schedule, streams_steps
 from ppctl.pipeline.stage import TensorSpec
 from ppctl.pipeline.trace import Tracer
+from ppctl.run.faults import inject_fault
 from ppctl.run.stream import StepStream
 
 
@@ -402,9 +403,10 @@ def train(config: PpctlConfig, context: ParallelContext, run_dir: Path, stop=Non
             for result in done:
                 logger.log(result)
         results += done
-        step = end
+        step, before = end, step
         if _after_step(trainer, run_dir, step, stop, logger):
             break
+        inject_fault(config.launcher.inject_fault, context.rank, before, step)
     if logger is not None:
         logger.close()
     return results

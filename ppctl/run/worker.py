@@ -26,6 +26,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from ppctl.run.faults import inject_fault, restart_count, restart_resume_point
 from ppctl.run.interrupt import ParentDeathSignal, StopRequest
 
 
@@ -35,18 +36,6 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--task", required=True, choices=["train", "check-cluster", "bench"])
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     return parser.parse_args(argv)
-
-
-def _inject_fault(spec: str | None, rank: int) -> None:
-    """Testing aid (``launcher.inject_fault=RANK:raise|kill``): fail this rank on purpose."""
-    if not spec:
-        return
-    fault_rank, _, kind = spec.partition(":")
-    if int(fault_rank) != rank:
-        return
-    if kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    raise RuntimeError(f"injected fault on rank {rank}")
 
 
 def run_task(args: argparse.Namespace) -> None:
@@ -68,11 +57,13 @@ def run_task(args: argparse.Namespace) -> None:
     timeout = datetime.timedelta(seconds=config.launcher.timeout_s)
     # With NCCL, naming the device creates the communicators eagerly, each on its worker's own GPU.
     device_id = torch.device(device) if args.backend == "nccl" else None
-    dist.init_process_group(args.backend, timeout=timeout, device_id=device_id)
+    store, rank, world_size = attempt_store(timeout)
+    dist.init_process_group(args.backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=device_id)
     context = build_parallel_context(layout_of(config), config.launcher.timeout_s, device.split(":")[0])
     context.device = device
     warm_up_communicators(context)  # every communicator made before step 0, in one order
-    _inject_fault(config.launcher.inject_fault, context.rank)
+    inject_fault(config.launcher.inject_fault, context.rank)
     if args.task == "check-cluster":
         from ppctl.run.cluster import run_cluster_check
 
@@ -85,9 +76,26 @@ def run_task(args: argparse.Namespace) -> None:
         from ppctl.run.train import train
 
         stop = StopRequest().install()  # kept to the end: a late SIGTERM must not turn a finished run into a failure
+        config.trainer.resume_from = restart_resume_point(config.trainer.resume_from, args.run_dir)
         train(config, context, args.run_dir, stop=stop)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def attempt_store(timeout: datetime.timedelta):
+    """torchrun's key-value store (``env://``) under a prefix of this attempt's own, with this worker's rank and
+    the world size.
+
+    After an elastic restart the workers meet in the store the failed attempt used, where its process
+    groups' keys (each rank's address) are still kept; unprefixed, the new attempt would connect to the
+    dead workers' ports.
+    """
+    import torch.distributed as dist
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world_size = next(rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    return dist.PrefixStore(f"ppctl/attempt_{restart_count()}", store), rank, world_size
 
 
 def set_tf32(allowed: bool) -> None:

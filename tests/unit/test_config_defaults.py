@@ -48,6 +48,8 @@ OPTION_CHANGES = {
     "data=synthetic": {"data.source": "synthetic"},
     "data=text": {"data.source": "text"},
     "optimizer=adamw": {},
+    "launcher=local": {},
+    "launcher=slurm": {"launcher.kind": "slurm"},
 }
 
 # The effective defaults of the shipped composition before this change (spot checks of the old disagreements).
@@ -57,9 +59,16 @@ KNOWN_DEFAULTS = {"optimizer.lr": 0.003, "parallel.pp": 2, "model.name": "gpt_ti
 
 
 def flat(config: PpctlConfig) -> dict:
-    """``{"section.key": value}`` of a config."""
-    return {f"{section}.{key}": value
-            for section, values in dataclasses.asdict(config).items() for key, value in values.items()}
+    """``{"section.key": value}`` of a config (a nested section's as ``section.sub.key``)."""
+    return dict(_flat_items("", dataclasses.asdict(config)))
+
+
+def _flat_items(prefix: str, values: dict):
+    for key, value in values.items():
+        if isinstance(value, dict):
+            yield from _flat_items(f"{prefix}{key}.", value)
+        else:
+            yield f"{prefix}{key}", value
 
 
 def schema_defaults() -> PpctlConfig:

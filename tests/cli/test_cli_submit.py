@@ -1,0 +1,80 @@
+"""``ppctl submit``, ``ppctl status`` and elastic restarts, without a Slurm cluster (tests/slurm has the real one).
+
+Submitting writes the run directory whose resolved config the job's ``ppctl train --config-dir`` reads back
+unchanged; the refusals are one line each. An elastic restart (``launcher.max_restarts``) after a worker killed
+on purpose resumes from the run's latest checkpoint and logs every step once, with the losses of one process.
+"""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from ppctl.cli.app import app
+from ppctl.config import compose_config, load_config_file
+from tests.cli.runs import assert_same_series, scalars
+
+SMALL = ["data=synthetic", "trainer.seq_length=16", "trainer.global_batch_size=8", "trainer.log_every=1",
+         "trainer.eval_every=0"]
+
+
+def invoke(args, env=None):
+    return CliRunner().invoke(app, args, env=env)
+
+
+def test_submit_dry_run_writes_the_run_directory_the_job_trains_from(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    result = invoke(["submit", "launcher=slurm", *SMALL, "launcher.slurm.time=00:30:00", f"trainer.out_dir={run}",
+                     "--dry-run"])
+    assert result.exit_code == 0, result.output
+    script = (run / "job.sbatch").read_text()
+    assert result.stdout == script and "#SBATCH --time=00:30:00" in script
+    assert f"train --config-dir {run} trainer.auto_resume=true" in script
+    assert not (run / "job.json").exists(), "a dry run submits nothing"
+    # The job's command composes the config submit resolved, key for key.
+    assert compose_config([], config_dir=run) == load_config_file(run / "config.yaml")
+    assert compose_config([], config_dir=run).trainer.max_steps == compose_config(SMALL).trainer.max_steps
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    outside = invoke(["train", "--config-dir", str(run), "--dry-run"])
+    assert outside.exit_code == 2 and "submit the run with ppctl submit" in outside.output
+    inside = invoke(["train", "--config-dir", str(run), "trainer.auto_resume=true", "--dry-run"],
+                    env={"SLURM_JOB_ID": "7"})
+    assert inside.exit_code == 0 and f"run directory: {run}" in inside.output
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["submit", *SMALL], "ppctl submit hands the run to Slurm: add launcher=slurm"),
+    (["submit", "launcher=slurm", "launcher.slurm.time=soon", *SMALL], "launcher.slurm.time='soon' must be a"),
+])
+def test_submit_refusals_are_one_line(args, fragment):
+    result = invoke(args)
+    assert result.exit_code == 2 and fragment in result.output and result.output.count("\n") == 1, result.output
+
+
+def test_submit_without_sbatch_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no Slurm client here
+    result = invoke(["submit", "launcher=slurm", *SMALL, f"trainer.out_dir={tmp_path / 'run'}"])
+    assert result.exit_code == 1 and "sbatch: command not found" in result.output
+
+
+@pytest.mark.cli
+@pytest.mark.timeout(300)
+def test_an_elastic_restart_resumes_from_the_latest_checkpoint_and_trains_like_one_process(ppctl, single_run,
+                                                                                              tmp_path):
+    common = [*SMALL, "trainer.max_steps=5", "trainer.save_every=2"]
+    run = tmp_path / "run"
+    result = ppctl("train", *common, "launcher.max_restarts=1", "launcher.inject_fault=0:kill@3",
+                   f"trainer.out_dir={run}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("step     3/5 | loss") == 2, "step 3 runs in the failed attempt and again"
+    assert f"resumed from {run / 'checkpoints' / 'step_00000002'} at step 2" in result.stdout
+    assert_same_series(run, single_run(common))
+    assert sorted(event.step for event in scalars(run).Scalars("train/loss")) == [0, 1, 2, 3, 4]
+
+    status = invoke(["status", str(run), "--json"])
+    assert status.exit_code == 0, status.output
+    report = json.loads(status.output)
+    assert report["job"] is None and report["last_step"] == 5 and report["max_steps"] == 5
+    assert report["latest_checkpoint"] == {"path": str(run / "checkpoints" / "step_00000005"), "step": 5}
+    assert "last logged step: 5/5, loss" in invoke(["status", str(run)]).output
