@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 export HF_DATASETS_OFFLINE := 1
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup test test-fast gpu-check run smoke bench clean
+.PHONY: setup test test-fast gpu-check run smoke bench clean slurm-setup
 
 setup: $(STAMP)  ## create .venv and install ppctl (editable) with its test extra; quick when done
 
@@ -36,6 +36,16 @@ PP1_SIZES = model.num_layers=4 model.hidden_size=256 model.num_heads=8 model.ffn
 bench: setup  ## measured comparisons (prints tables; asserts nothing): pp=1 against a plain loop, pp=2 against torch
 	$(BIN)/ppctl bench parallel=single data=synthetic --against plain --steps 8 --repeats 5 $(PP1_SIZES)
 	$(BIN)/ppctl bench parallel.pp=2 data=synthetic --against torch --steps 5 --repeats 5 --schedules 1f1b,gpipe
+
+# tests/slurm runs its cluster with auth/none, so munged is never started (apt brings munge along anyway).
+SLURM_PACKAGES = slurmctld slurmd slurm-client
+
+slurm-setup:  ## as root: install Slurm (slurmctld, slurmd, clients) from apt for tests/slurm's local cluster; quick when installed
+	@if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null; then \
+		echo "slurm-setup: slurmctld, slurmd and sbatch already installed"; \
+	else \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(SLURM_PACKAGES); \
+	fi
 
 clean:
 	rm -rf runs .pytest_cache

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, List, Optional
 
@@ -467,7 +468,7 @@ def _launch(config: PpctlConfig, task: str, dry_run: bool, files: dict[str, str]
     from ppctl.config import nproc_per_node
     from ppctl.run.launch import (backend_problem, build_launch_plan, default_run_dir, describe_interruption,
                                   describe_workers, local_gpus, rendezvous_problem, resolve_backend, reuse_problem,
-                                  run_plan)
+                                  run_plan, saved_on_stop)
 
     run_dir = Path(config.trainer.out_dir) if config.trainer.out_dir else default_run_dir()
     config.trainer.out_dir = str(run_dir)
@@ -495,6 +496,7 @@ def _launch(config: PpctlConfig, task: str, dry_run: bool, files: dict[str, str]
     if problem is not None:
         fail(problem)
     lock = write_run_dir(config, run_dir)  # one line and exit 2 when it cannot be made or another run holds it
+    started = time.time()
     try:
         if _clears_earlier_run(config, task):
             _clear_earlier_run(run_dir)  # only now, under the lock: never a live run's checkpoints
@@ -505,7 +507,8 @@ def _launch(config: PpctlConfig, task: str, dry_run: bool, files: dict[str, str]
         lock.release()
     if result.interrupted is not None:
         resumable = task == "train" and config.trainer.checkpoints
-        typer.echo(describe_interruption(result, run_dir, resumable), err=True)
+        saved = resumable and saved_on_stop(run_dir, result.interrupted, started)
+        typer.echo(describe_interruption(result, run_dir, resumable, saved), err=True)
         raise typer.Exit(result.exit_code)
     if result.failure:
         fail(result.failure, code=1)

@@ -2,7 +2,8 @@
 
 ``StopRequest`` is what a training worker installs once its process groups exist: SIGTERM
 or SIGINT then only asks for a stop (the trainer finishes its step, every rank agrees, a
-checkpoint is saved); a second one ends the worker at once. ``ParentDeathSignal`` is
+checkpoint is saved); a second one ends the worker at once (the copies of one SIGTERM that
+arrive together, as in a Slurm job, are one stop). ``ParentDeathSignal`` is
 Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG)``): the kernel signals a process
 when its parent ends, so that nothing of a job outlives ``ppctl`` even when ``ppctl`` is
 killed. Nothing here imports torch: the launcher uses this module too.
@@ -14,23 +15,33 @@ import ctypes
 import os
 import signal
 import sys
+import time
 from typing import Callable
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
+# One stop can reach a worker several times at once: Slurm signals every process of a job step (ppctl,
+# torchrun and the workers), and ppctl and torchrun each pass the signal on. SIGTERMs within this many
+# seconds of the first are that same stop, not the second one that ends the worker at once.
+SAME_STOP_S = 5.0
+
+
 class StopRequest:
-    """Turns the first SIGTERM/SIGINT into ``requested = True``; a second one raises ``KeyboardInterrupt``.
+    """Turns the first SIGTERM/SIGINT into ``requested = True``; a second one raises ``KeyboardInterrupt``
+    (a SIGTERM within ``SAME_STOP_S`` of a first SIGTERM is taken as the same stop).
 
     ``signal_name`` is the first signal's name (``"SIGTERM"``), None until one came. Use it as a
     context manager, or ``install()`` / ``uninstall()``; it must be installed from the main thread.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.requested = False
         self.signal_name: str | None = None
         self._previous: dict[int, object] = {}
+        self._clock = clock
+        self._first_at = 0.0
 
     def install(self) -> StopRequest:
         """Handle SIGTERM and SIGINT from now on (the previous handlers are kept for ``uninstall``)."""
@@ -53,9 +64,12 @@ class StopRequest:
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
         if self.requested:
+            if name == self.signal_name == "SIGTERM" and self._clock() - self._first_at < SAME_STOP_S:
+                return
             raise KeyboardInterrupt(f"{name} after {self.signal_name}: stopping at once")
         self.requested = True
         self.signal_name = name
+        self._first_at = self._clock()
 
 
 def _libc_prctl() -> Callable[..., int] | None:

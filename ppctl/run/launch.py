@@ -43,7 +43,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ppctl.checkpoint.files import CheckpointError, checkpoints_dir, latest_checkpoint, list_checkpoints
+from ppctl.checkpoint.files import (CheckpointError, checkpoints_dir, latest_checkpoint, list_checkpoints,
+                                    read_index)
 from ppctl.config import LauncherConfig, PpctlConfig, nproc_per_node, parse_endpoint
 from ppctl.run.interrupt import STOP_SIGNALS, ParentDeathSignal
 
@@ -395,13 +396,16 @@ def _send(pid: int, signum: int) -> None:
         pass
 
 
-def describe_interruption(result: LaunchResult, run_dir: Path, resumable: bool) -> str:
-    """One line: the job was interrupted, whether the workers stopped by themselves, and how to resume."""
+def describe_interruption(result: LaunchResult, run_dir: Path, resumable: bool, saved: bool = False) -> str:
+    """One line: the job was interrupted, whether the workers stopped by themselves, and how to resume.
+
+    ``saved``: the workers committed a checkpoint for this stop (``saved_on_stop``), which tells a clean stop
+    also when torchrun, signalled itself (every process of a Slurm job step is), exited non-zero."""
     line = f"interrupted by {signal.Signals(result.interrupted).name}"
     if result.killed is not None:
         line += f": the workers were killed {result.killed}"
         stopped_cleanly = False
-    elif result.returncode != 0:
+    elif result.returncode != 0 and not saved:
         line += f": the workers did not stop cleanly (torchrun exit code {result.returncode})"
         stopped_cleanly = False
     else:
@@ -412,6 +416,17 @@ def describe_interruption(result: LaunchResult, run_dir: Path, resumable: bool) 
     if stopped_cleanly:
         return f"{line} and saved a checkpoint; resume with trainer.resume_from={run_dir}"
     return f"{line}; resume from the run's latest complete checkpoint, if any, with trainer.resume_from={run_dir}"
+
+
+def saved_on_stop(run_dir: Path, signum: int, since: float) -> bool:
+    """Whether the run's latest checkpoint was saved for a stop by ``signum`` at or after ``since`` (epoch s)."""
+    try:
+        latest = latest_checkpoint(run_dir)
+        if latest is None or latest.stat().st_mtime < since:
+            return False
+        return read_index(latest).get("reason") == f"interrupted by {signal.Signals(signum).name}"
+    except (CheckpointError, OSError):
+        return False
 
 
 def describe_log_failure(log_path: Path, error: OSError, run_dir: Path) -> str:

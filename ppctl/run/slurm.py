@@ -7,10 +7,12 @@ its own rendezvous on a port the OS picks; a multi-node job's port follows from 
 jobs sharing a node do not meet. Every start passes ``trainer.auto_resume=true``: the first start
 begins the run, a requeued or resubmitted job continues from the run's latest complete checkpoint.
 
-Preemption and the time limit: Slurm signals the batch shell (``--signal=B:TERM@N``); the script
-passes SIGTERM on to ``srun``, which forwards it to ``ppctl train`` on every node, whose workers
-finish their step and save. ``ppctl train`` then exits 143 (also when ``scancel --signal=TERM``
-reached it directly), and the script requeues the job (``launcher.slurm.requeue``).
+Preemption and the time limit: Slurm signals the batch shell (``--signal=B:TERM@N``) and the script
+passes SIGTERM on with ``scancel --signal=TERM``, which reaches every process of the training step
+(``ppctl train``, torchrun, the workers: ``StopRequest`` takes the copies as one stop), as Slurm's own
+preemption and a user's ``scancel --signal=TERM`` do; the workers finish their step and save. Not through
+``srun``: srun turns a SIGTERM into SIGKILL for its tasks. ``ppctl train`` then exits 143 and the script
+requeues the job (``launcher.slurm.requeue``).
 """
 
 from __future__ import annotations
@@ -83,10 +85,10 @@ def job_script(config: PpctlConfig, run_dir: Path, workdir: Path, ppctl: list[st
                   'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
                   f"port=$(({PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN}))",
                   "export head_node port"]
-    lines += ["# Preemption or the time limit's warning signals this shell: pass SIGTERM on to srun, which forwards",
-              "# it to ppctl train on every node; the workers finish their step and save a checkpoint.",
-              'step=""',
-              "trap '[ -n \"$step\" ] && kill -TERM \"$step\" 2>/dev/null' TERM",
+    lines += ["# The time limit's warning (or a signal to this shell) stops the training step: scancel signals every",
+              "# process of the step (srun itself would turn a SIGTERM into SIGKILL for its tasks); ppctl train's",
+              "# workers finish their step and save a checkpoint.",
+              "trap 'scancel --signal=TERM \"$SLURM_JOB_ID\"' TERM",
               f"srun --nodes={nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {shlex.quote(task)} &",
               "step=$!",
               'wait "$step"; status=$?',

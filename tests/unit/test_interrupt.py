@@ -30,6 +30,19 @@ def test_first_signal_requests_a_stop_second_interrupts(first, second):
 
 
 @pytest.mark.timeout(10)
+def test_copies_of_one_sigterm_are_one_stop_and_a_later_one_interrupts():
+    now = [100.0]
+    with StopRequest(clock=lambda: now[0]) as stop:
+        deliver(signal.SIGTERM)
+        now[0] += 1.0
+        deliver(signal.SIGTERM)  # Slurm's copy, or torchrun's: the same stop
+        assert (stop.requested, stop.signal_name) == (True, "SIGTERM")
+        now[0] += 10.0
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM after SIGTERM"):
+            deliver(signal.SIGTERM)
+
+
+@pytest.mark.timeout(10)
 def test_parent_death_signal_arms_and_sees_the_parent():
     death = ParentDeathSignal(signal.SIGTERM)
     assert death.arm(os.getppid())

@@ -143,6 +143,13 @@ def test_describe_interruption(result, resumable, expected):
     assert describe_interruption(result, "RUN", resumable) == expected
 
 
+def test_a_stop_saved_by_the_workers_is_clean_though_torchrun_was_signalled_too():
+    """In a Slurm job step every process gets the SIGTERM: torchrun exits 1, but the workers saved."""
+    line = describe_interruption(LaunchResult(1, None, signal.SIGTERM), "RUN", True, saved=True)
+    assert line == ("interrupted by SIGTERM: the workers stopped after their step and saved a checkpoint; "
+                    "resume with trainer.resume_from=RUN")
+
+
 def test_exit_codes():
     assert LaunchResult(0, None, signal.SIGINT).exit_code == 130
     assert LaunchResult(-9, None, signal.SIGTERM, "x").exit_code == 143

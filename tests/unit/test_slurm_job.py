@@ -62,12 +62,15 @@ def test_the_script_parses_and_requeues_only_when_asked(overrides, tmp_path):
 
 
 def test_a_stop_signal_reaches_the_step_and_a_saved_stop_requeues(tmp_path):
-    """The script run by bash with stand-ins for srun and scontrol: SIGTERM to the batch shell reaches the step,
-    whose exit status 143 (stopped after saving) makes the script requeue its job."""
+    """The script run by bash with stand-ins for srun, scancel and scontrol: SIGTERM to the batch shell becomes
+    ``scancel --signal=TERM`` of the job's step, whose exit status 143 (stopped after saving) makes the script
+    requeue its job."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text("#!/bin/bash\ntrap 'echo step got TERM >> \"$LOG\"; exit 143' TERM\n"
+    (bin_dir / "srun").write_text("#!/bin/bash\necho $$ > \"$LOG.step\"\n"
+                                  "trap 'echo step got TERM >> \"$LOG\"; exit 143' TERM\n"
                                   "echo step started >> \"$LOG\"\nsleep 30 & wait\n")
+    (bin_dir / "scancel").write_text("#!/bin/bash\necho scancel \"$@\" >> \"$LOG\"\nkill -TERM $(cat \"$LOG.step\")\n")
     (bin_dir / "scontrol").write_text("#!/bin/bash\necho scontrol \"$@\" >> \"$LOG\"\n")
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
@@ -79,7 +82,8 @@ def test_a_stop_signal_reaches_the_step_and_a_saved_stop_requeues(tmp_path):
     _wait_for(lambda: log.exists() and "step started" in log.read_text())
     job.terminate()  # what --signal=B:TERM does
     assert job.wait(timeout=20) == 143
-    assert log.read_text().splitlines() == ["step started", "step got TERM", "scontrol requeue 42"]
+    assert log.read_text().splitlines() == ["step started", "scancel --signal=TERM 42", "step got TERM",
+                                            "scontrol requeue 42"]
 
 
 def _wait_for(condition, timeout_s: float = 20.0) -> None:

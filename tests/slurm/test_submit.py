@@ -1,0 +1,96 @@
+"""``ppctl submit`` against a real slurmctld and slurmd on this machine (tests/slurm/cluster.py).
+
+Three jobs run side by side on the node, each checked against
+the single-process run a user would launch (``parallel=single``, same overrides):
+- a plain job trains to the end, its TensorBoard losses and grad norms those of one process, and
+  ``ppctl status`` reports it COMPLETED with its last step and checkpoint;
+- a job stopped with ``scancel --signal=TERM`` saves a checkpoint, requeues itself, resumes in the
+  same run directory and finishes with every step logged once, equal to an uninterrupted run;
+- a job whose worker is killed on purpose restarts its workers (``launcher.max_restarts=1``), which
+  resume from the latest checkpoint and finish equal.
+"""
+
+import json
+import time
+
+import pytest
+
+from tests.cli.conftest import run_ppctl
+from tests.cli.runs import assert_same_series, scalars, single_run  # noqa: F401  (single_run: a fixture)
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420)]
+
+SMALL = ["data=synthetic", "trainer.seq_length=16", "trainer.global_batch_size=8", "trainer.log_every=1",
+         "trainer.eval_every=0"]
+PLAIN = [*SMALL, "trainer.max_steps=5", "trainer.save_every=2"]
+LONG = [*SMALL, "trainer.max_steps=60"]  # long enough to be stopped halfway
+JOBS = {"plain": PLAIN, "restarted": [*PLAIN, "launcher.max_restarts=1", "launcher.inject_fault=0:kill@3"]}
+JOB_TIMEOUT_S = 300.0
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster, tmp_path_factory):
+    """``name -> (job id, run directory)`` of the jobs that run to their end by themselves, submitted through
+    ``ppctl submit`` as the module's first test starts, so that they run beside it."""
+    return {name: _submit(slurm_cluster, tmp_path_factory.mktemp("runs") / name, overrides)
+            for name, overrides in JOBS.items()}
+
+
+def _submit(cluster, run, overrides) -> tuple[str, object]:
+    """``ppctl submit launcher=slurm OVERRIDES`` into ``run``: the job id and the run directory."""
+    result = _ppctl(cluster, "submit", "launcher=slurm", *overrides, f"trainer.out_dir={run}")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("submitted job ") and f"run directory {run}" in result.stdout
+    return result.stdout.split()[2].rstrip(":"), run
+
+
+def _ppctl(cluster, *args):
+    """``ppctl ARGS`` with the local cluster's client settings (``SLURM_CONF``) in the environment."""
+    return run_ppctl(*args, env=cluster.env)
+
+
+def _job_log(run, job_id) -> str:
+    path = run / f"slurm-{job_id}.out"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def test_a_job_stopped_by_sigterm_saves_requeues_and_finishes_like_an_uninterrupted_run(slurm_cluster, jobs,
+                                                                                         single_run, tmp_path):
+    job_id, run = _submit(slurm_cluster, tmp_path / "stopped", LONG)  # the other jobs run meanwhile (``jobs``)
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while "step     2/60 | loss" not in _job_log(run, job_id):
+        assert time.monotonic() < deadline and slurm_cluster.job_state(job_id) in ("PENDING", "RUNNING"), \
+            _job_log(run, job_id)
+        time.sleep(0.1)
+    slurm_cluster.run(["scancel", "--signal=TERM", job_id])
+    state = slurm_cluster.wait_for_job(job_id, timeout_s=JOB_TIMEOUT_S)
+    log = _job_log(run, job_id)
+    assert state == "COMPLETED", log
+    assert slurm_cluster.job_info(job_id).get("Restarts") == "1", log
+    assert "checkpoint saved (interrupted by SIGTERM)" in log and "requeueing job" in log, log
+    assert f"resumed from {run / 'checkpoints'}" in log, log
+    assert_same_series(run, single_run(LONG))
+    assert sorted(event.step for event in scalars(run).Scalars("train/loss")) == list(range(60)), \
+        "a step logged twice or missing"
+
+
+def test_a_submitted_job_trains_like_one_process_and_status_says_so(slurm_cluster, jobs, single_run):
+    job_id, run = jobs["plain"]
+    state = slurm_cluster.wait_for_job(job_id, timeout_s=JOB_TIMEOUT_S)
+    assert state == "COMPLETED", _job_log(run, job_id)
+    assert_same_series(run, single_run(PLAIN))
+    status = _ppctl(slurm_cluster, "status", str(run), "--json")
+    assert status.returncode == 0, status.stderr
+    report = json.loads(status.stdout)
+    assert report["job"]["job_id"] == job_id and report["job"]["state"] == "COMPLETED"
+    assert report["last_step"] == 5 and report["latest_checkpoint"]["step"] == 5
+
+
+def test_a_job_whose_worker_dies_restarts_from_its_checkpoint_and_finishes_equal(slurm_cluster, jobs, single_run):
+    job_id, run = jobs["restarted"]
+    state = slurm_cluster.wait_for_job(job_id, timeout_s=JOB_TIMEOUT_S)
+    log = _job_log(run, job_id)
+    assert state == "COMPLETED", log
+    assert f"resumed from {run / 'checkpoints' / 'step_00000002'} at step 2" in log, log
+    assert_same_series(run, single_run(PLAIN))
+    assert sorted(event.step for event in scalars(run).Scalars("train/loss")) == [0, 1, 2, 3, 4]
