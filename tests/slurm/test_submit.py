@@ -4,8 +4,9 @@ Three jobs run side by side on the node, each checked against
 the single-process run a user would launch (``parallel=single``, same overrides):
 - a plain job trains to the end, its TensorBoard losses and grad norms those of one process, and
   ``ppctl status`` reports it COMPLETED with its last step and checkpoint;
-- a job stopped with ``scancel --signal=TERM`` saves a checkpoint, requeues itself, resumes in the
-  same run directory and finishes with every step logged once, equal to an uninterrupted run;
+- a job stopped with ``scancel --signal=TERM``, and once resumed by SIGTERM to its batch shell (the time
+  limit's warning), saves a checkpoint and requeues itself each time, resumes in the same run directory
+  and finishes with every step logged once, equal to an uninterrupted run;
 - a job whose worker is killed on purpose restarts its workers (``launcher.max_restarts=1``), which
   resume from the latest checkpoint and finish equal.
 """
@@ -17,13 +18,14 @@ import pytest
 
 from tests.cli.conftest import run_ppctl
 from tests.cli.runs import assert_same_series, scalars, single_run  # noqa: F401  (single_run: a fixture)
+from tests.slurm.cluster import FINAL_STATES
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420)]
 
 SMALL = ["data=synthetic", "trainer.seq_length=16", "trainer.global_batch_size=8", "trainer.log_every=1",
          "trainer.eval_every=0"]
 PLAIN = [*SMALL, "trainer.max_steps=5", "trainer.save_every=2"]
-LONG = [*SMALL, "trainer.max_steps=60"]  # long enough to be stopped halfway
+LONG = [*SMALL, "trainer.max_steps=100"]  # long enough to be stopped twice on the way
 JOBS = {"plain": PLAIN, "restarted": [*PLAIN, "launcher.max_restarts=1", "launcher.inject_fault=0:kill@3"]}
 JOB_TIMEOUT_S = 300.0
 
@@ -56,22 +58,32 @@ def _job_log(run, job_id) -> str:
 
 def test_a_job_stopped_by_sigterm_saves_requeues_and_finishes_like_an_uninterrupted_run(slurm_cluster, jobs,
                                                                                          single_run, tmp_path):
+    """Stopped twice: by ``scancel --signal=TERM`` (the training step's processes get it, as in a preemption),
+    then, once requeued and resumed, by SIGTERM to the batch shell alone (what ``--signal=B:TERM@N`` sends
+    before the time limit), which the script passes on to the step."""
     job_id, run = _submit(slurm_cluster, tmp_path / "stopped", LONG)  # the other jobs run meanwhile (``jobs``)
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while "step     2/60 | loss" not in _job_log(run, job_id):
-        assert time.monotonic() < deadline and slurm_cluster.job_state(job_id) in ("PENDING", "RUNNING"), \
-            _job_log(run, job_id)
-        time.sleep(0.1)
+    _wait_for_log(slurm_cluster, job_id, run, "step     2/100 | loss")
     slurm_cluster.run(["scancel", "--signal=TERM", job_id])
+    _wait_for_log(slurm_cluster, job_id, run, "resumed from")
+    slurm_cluster.run(["scancel", "--signal=TERM", "--batch", job_id])
     state = slurm_cluster.wait_for_job(job_id, timeout_s=JOB_TIMEOUT_S)
     log = _job_log(run, job_id)
     assert state == "COMPLETED", log
-    assert slurm_cluster.job_info(job_id).get("Restarts") == "1", log
-    assert "checkpoint saved (interrupted by SIGTERM)" in log and "requeueing job" in log, log
-    assert f"resumed from {run / 'checkpoints'}" in log, log
+    assert slurm_cluster.job_info(job_id).get("Restarts") == "2", log
+    assert log.count("checkpoint saved (interrupted by SIGTERM)") == 2 and log.count("requeueing job") == 2, log
+    assert log.count(f"resumed from {run / 'checkpoints'}") == 2, log
     assert_same_series(run, single_run(LONG))
-    assert sorted(event.step for event in scalars(run).Scalars("train/loss")) == list(range(60)), \
+    assert sorted(event.step for event in scalars(run).Scalars("train/loss")) == list(range(100)), \
         "a step logged twice or missing"
+
+
+def _wait_for_log(cluster, job_id, run, text) -> None:
+    """Poll the job's log until it holds ``text``; fail with the log if the job ends or time runs out first."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while text not in _job_log(run, job_id):
+        assert time.monotonic() < deadline and cluster.job_state(job_id) not in FINAL_STATES, \
+            f"no {text!r} in the log of job {job_id}:\n{_job_log(run, job_id)}"
+        time.sleep(0.1)
 
 
 def test_a_submitted_job_trains_like_one_process_and_status_says_so(slurm_cluster, jobs, single_run):
