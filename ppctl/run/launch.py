@@ -86,8 +86,15 @@ def resolve_backend(requested: str, local_workers: int) -> str:
     return "nccl" if local_gpus() >= local_workers else "gloo"
 
 
+# Device nodes of GPU drivers torch can use (NVIDIA's, AMD's for ROCm, WSL's). Where none exists there is no GPU
+# to count, and asking torch would cost its import (seconds) on every launch.
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
 def local_gpus() -> int:
-    """The CUDA devices this node shows (0 without CUDA)."""
+    """The CUDA devices this node shows (0 without CUDA, at once where no GPU driver's device node exists)."""
+    if not any(os.path.exists(node) for node in GPU_DEVICE_NODES):
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -199,3 +199,22 @@ def test_nccl_needs_a_gpu_per_worker_on_the_node():
     assert backend_problem("nccl", 2, 2) is None and backend_problem("nccl", 1, 8) is None
     assert backend_problem("gloo", 4, 0) is None
 
+
+
+def test_no_gpu_device_node_means_no_gpus_without_importing_torch(monkeypatch):
+    """The launch asks how many GPUs the node has; where no GPU driver's device node exists the answer is 0 at
+    once (importing torch to ask costs seconds per launch); where one does, torch counts."""
+    import builtins
+    import os
+
+    from ppctl.run import launch
+
+    real_import = builtins.__import__
+
+    def no_torch(name, *args, **kwargs):
+        assert name != "torch", "local_gpus imported torch"
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(os.path, "exists", lambda path: False)
+    monkeypatch.setattr(builtins, "__import__", no_torch)
+    assert launch.local_gpus() == 0
