@@ -26,7 +26,6 @@ import sys
 import traceback
 from pathlib import Path
 
-from ppctl.run.faults import inject_fault, restart_count, restart_resume_point
 from ppctl.run.interrupt import ParentDeathSignal, StopRequest
 
 
@@ -45,6 +44,7 @@ def run_task(args: argparse.Namespace) -> None:
 
     from ppctl.config import load_config_file, layout_of
     from ppctl.parallel.groups import build_parallel_context, warm_up_communicators
+    from ppctl.run.faults import inject_fault, restart_resume_point
 
     config = load_config_file(args.run_dir / "config.yaml")
     torch.set_num_threads(int(os.environ.get("PPCTL_THREADS", "1")))
@@ -92,6 +92,8 @@ def attempt_store(timeout: datetime.timedelta):
     """
     import torch.distributed as dist
     from torch.distributed.rendezvous import rendezvous
+
+    from ppctl.run.faults import restart_count
 
     store, rank, world_size = next(rendezvous("env://", timeout=timeout))
     store.set_timeout(timeout)
