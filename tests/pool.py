@@ -16,6 +16,7 @@ next case starts a fresh one. ``run_workers`` keeps the signature of ``tests.spa
 from __future__ import annotations
 
 import datetime
+import gc
 import itertools
 import os
 import pickle
@@ -86,6 +87,11 @@ def _leftovers(fingerprint: dict[str, int], settings: dict[str, Any], groups: se
               for key, value in _torch_settings().items() if settings[key] != value]
     for group in _process_groups() - groups:  # the case's subgroups: destroyed, they must not reach the next
         dist.destroy_process_group(group)
+    # A destroyed group lives on while the case's objects (contexts, trainers: reference cycles) still hold it,
+    # and so do its gloo threads (three per group): without a collection here a long-lived worker gathered
+    # hundreds, whose loops kept the machine busy (a pool worker at 30% CPU between cases, most of it in the
+    # kernel), slowing every test after them.
+    gc.collect()
     return found
 
 

@@ -96,3 +96,28 @@ def test_a_broken_case_fails_alone_named_and_the_next_runs_on_a_fresh_pool():
         assert set(before).isdisjoint(pid for pid, *_ in after), case.__name__
         assert all(total == 1.0 and groups_before == 0 for *_, groups_before, total in after), case.__name__
         before = [pid for pid, *_ in after]
+
+
+def _threads(rank, world_size):
+    """This worker's thread count (Linux)."""
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+def _groups_in_a_cycle(rank, world_size):
+    """Three subgroups held by a reference cycle, as a case's contexts and trainers hold theirs."""
+    import torch.distributed as dist
+
+    holder = {"groups": [dist.new_group(list(range(world_size))) for _ in range(3)]}
+    holder["self"] = holder
+
+
+def test_a_cases_groups_and_their_threads_end_with_it():
+    """The pool destroys a case's groups and collects what still held them: their gloo threads end too, so a
+    long-lived worker does not gather the threads of every case it ran."""
+    run_workers(_groups_in_a_cycle, 2)  # the first groups also start what every later one shares
+    before = run_workers(_threads, 2)
+    for _ in range(3):
+        run_workers(_groups_in_a_cycle, 2)
+    assert run_workers(_threads, 2) == before  # without the collection: 9 more per case and rank
