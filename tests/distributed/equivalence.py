@@ -161,14 +161,23 @@ class Reference:
                                               optimizer.lr, optimizer.eps)
 
 
+# The session's single-process runs, by their override list and steps: many parallel runs (every schedule
+# and layout of one model) share one, and the comparisons only read it.
+_REFERENCES: dict[tuple[tuple[str, ...], int], Reference] = {}
+
+
 def single_process_reference(overrides: list[str], steps: int = STEPS) -> Reference:
-    """The single-process run of ``overrides`` as a user would launch it, trained ``steps`` steps."""
+    """The single-process run of ``overrides`` as a user would launch it, trained ``steps`` steps (trained once
+    per session for each override list of the single process)."""
     from ppctl.config import compose_config, validate
     from ppctl.run.reference import run_reference
 
-    single = compose_config(single_process_overrides(overrides))
-    validate(single)
-    return Reference(single, run_reference(single, steps), tolerance_of(single.trainer.precision))
+    key = (tuple(single_process_overrides(overrides)), steps)
+    if key not in _REFERENCES:
+        single = compose_config(list(key[0]))
+        validate(single)
+        _REFERENCES[key] = Reference(single, run_reference(single, steps), tolerance_of(single.trainer.precision))
+    return _REFERENCES[key]
 
 
 def _dense_and_expected(run: dict, name: str, shard: torch.Tensor, tensors: dict, vocab_size: int):
