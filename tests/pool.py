@@ -1,7 +1,8 @@
 """Long-lived gloo worker pools for the multi-process tests: one pool per world size, kept for the session.
 
-Starting a world costs more than most cases: every worker is a fresh process that imports
-torch and joins a new gloo group. A pool starts ``world_size`` workers once; each then runs
+Starting a world costs more than most cases: every worker is a fresh process (forked from the
+session's forkserver, which has imported torch and ppctl once: ``tests.spawn.worker_context``)
+that joins a new gloo group. A pool starts ``world_size`` workers once; each then runs
 case after case, ``fn(rank, world_size, *args)``, in the same process group. Each case builds
 its own subgroups (destroyed when it ends) and starts from the same state: seeds, one
 intra-op thread, float32 default dtype, grad mode on. After a case every worker checks that it
@@ -26,7 +27,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from tests.spawn import free_port
+from tests.spawn import free_port, worker_context
 
 CASE_SEED = 1234
 
@@ -148,9 +149,7 @@ class WorkerPool:
         self.cases = itertools.count()
 
     def _start(self) -> None:
-        import torch.multiprocessing as mp
-
-        context = mp.get_context("spawn")
+        context = worker_context()
         self.results = context.Queue()
         self.tasks = [context.Queue() for _ in range(self.world_size)]
         port = free_port()

@@ -1,8 +1,15 @@
 """Helpers for multi-process tests: run a function on N gloo workers with a time limit.
 
-Each worker is a fresh process (spawn) with one intra-op thread, joined to a gloo
-process group on a free local port. A worker that raises fails the whole run with
-its rank and traceback; a run that exceeds its time limit is killed, never hangs.
+Each worker is a fresh process with one intra-op thread, joined to a gloo process group
+on a free local port. A worker that raises fails the whole run with its rank and
+traceback; a run that exceeds its time limit is killed, never hangs.
+
+Workers are forked from one forkserver per session (``worker_context``) that has imported
+torch and every ppctl module once: a new worker then costs a fork, not seconds of imports
+(what made starting a world cost more than most cases). The forkserver runs nothing but
+those imports (no op, no thread pool, no process group), so each worker starts as clean as
+a spawned one; like a spawned one it takes its parent's working directory and ``sys.path``,
+but its environment is the session's as it was when the forkserver started.
 """
 
 from __future__ import annotations
@@ -20,6 +27,19 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# Imported by the forkserver before it forks any worker (tests/preload.py imports every ppctl module).
+PRELOAD = ["tests.preload"]
+
+
+def worker_context():
+    """The multiprocessing context the test workers start from: a forkserver with torch and ppctl loaded."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
 
 
 def _worker_entry(rank, world_size, port, fn, args, result_queue):
@@ -54,9 +74,7 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
     import queue as queue_module
     import time
 
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     result_queue = ctx.Queue()
     port = free_port()
     processes = [

@@ -58,8 +58,21 @@ def _record_message_bytes(trainer) -> set[int]:
     return sent
 
 
-def _train_runs(rank, world_size, runs, schedule_builder=None, breakers=None):
-    """Worker: for each override list, train STEPS steps; return losses, norms and this rank's shards.
+def composed_runs(runs: list[list[str]]) -> list:
+    """Each override list composed and validated, once, in this process: the workers train these configs
+    (composing them on every rank would cost each rank the same Hydra composition)."""
+    from ppctl.config import compose_config, validate
+
+    configs = []
+    for overrides in runs:
+        config = compose_config(overrides)
+        validate(config)
+        configs.append(config)
+    return configs
+
+
+def _train_runs(rank, world_size, configs, schedule_builder=None, breakers=None):
+    """Worker: for each config (``composed_runs``), train STEPS steps; return losses, norms and this rank's shards.
 
     Runs may use different layouts of the same world size: each layout's groups are built once.
     Before training, the forward-only path evaluates batch 0 (it must give step 0's loss).
@@ -67,14 +80,12 @@ def _train_runs(rank, world_size, runs, schedule_builder=None, breakers=None):
     given, names per run a defect of ``tests.distributed.breakers`` to train with (None: none). The
     bytes of every pipeline message sent are recorded too.
     """
-    from ppctl.config import compose_config, layout_of, validate
+    from ppctl.config import layout_of
     from ppctl.parallel.groups import build_parallel_context
     from tests.distributed.breakers import broken
 
     contexts, results = {}, []
-    for index, overrides in enumerate(runs):
-        config = compose_config(overrides)
-        validate(config)
+    for index, config in enumerate(configs):
         layout = layout_of(config)
         if layout not in contexts:
             contexts[layout] = build_parallel_context(layout, 60)
@@ -150,14 +161,23 @@ class Reference:
                                               optimizer.lr, optimizer.eps)
 
 
+# The session's single-process runs, by their override list and steps: many parallel runs (every schedule
+# and layout of one model) share one, and the comparisons only read it.
+_REFERENCES: dict[tuple[tuple[str, ...], int], Reference] = {}
+
+
 def single_process_reference(overrides: list[str], steps: int = STEPS) -> Reference:
-    """The single-process run of ``overrides`` as a user would launch it, trained ``steps`` steps."""
+    """The single-process run of ``overrides`` as a user would launch it, trained ``steps`` steps (trained once
+    per session for each override list of the single process)."""
     from ppctl.config import compose_config, validate
     from ppctl.run.reference import run_reference
 
-    single = compose_config(single_process_overrides(overrides))
-    validate(single)
-    return Reference(single, run_reference(single, steps), tolerance_of(single.trainer.precision))
+    key = (tuple(single_process_overrides(overrides)), steps)
+    if key not in _REFERENCES:
+        single = compose_config(list(key[0]))
+        validate(single)
+        _REFERENCES[key] = Reference(single, run_reference(single, steps), tolerance_of(single.trainer.precision))
+    return _REFERENCES[key]
 
 
 def _dense_and_expected(run: dict, name: str, shard: torch.Tensor, tensors: dict, vocab_size: int):
@@ -246,7 +266,7 @@ def compare_with_single_process(overrides: list[str], per_rank: list, index: int
 def train_in_workers(runs: list[list[str]], world_size: int, timeout: float = 240, schedule_builder=None,
                      breakers: list[str | None] | None = None) -> list[list[dict]]:
     """Train every run (layouts of one world size) in one launch; every rank's results, per run."""
-    return run_workers(_train_runs, world_size, runs, schedule_builder, breakers, timeout=timeout)
+    return run_workers(_train_runs, world_size, composed_runs(runs), schedule_builder, breakers, timeout=timeout)
 
 
 def assert_equivalent(runs: list[list[str]], world_size: int, timeout: float = 240,

@@ -16,7 +16,8 @@ import functools
 import pytest
 
 from tests.pool import run_workers
-from tests.distributed.equivalence import BASE, FP64, compare_parameters, compare_scalars, single_process_reference
+from tests.distributed.equivalence import (BASE, FP64, compare_parameters, compare_scalars, composed_runs,
+                                          single_process_reference)
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 
@@ -48,13 +49,19 @@ SAME_LAYOUT.append(BASE + ["parallel.pp=2", "optimizer.gradient_delay=1"])  # bo
 SAME_LAYOUT.append(BASE + ["parallel.pp=2", "schedule=pipedream_2bw", *DELAYED])  # both of the stream's buffers
 
 
-def _trainer(overrides, contexts):
-    from ppctl.config import compose_config, layout_of, validate
+def _composed(runs) -> dict:
+    """Every override list of ``runs``, composed and validated once in the test process, by its tuple."""
+    return {tuple(overrides): config for overrides, config in zip(runs, composed_runs(runs))}
+
+
+def _trainer(overrides, contexts, configs):
+    import copy
+
+    from ppctl.config import layout_of
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import Trainer
 
-    config = compose_config(overrides)
-    validate(config)
+    config = copy.deepcopy(configs[tuple(overrides)])  # each trainer its own config, as from compose_config
     layout = layout_of(config)
     if layout not in contexts:
         contexts[layout] = build_parallel_context(layout, 60)
@@ -85,30 +92,30 @@ def _save(trainer, root, name):
     return save_checkpoint(trainer, Path(root) / name, SAVED_AT, "test", keep_last=1)
 
 
-def _launch_2(rank, world_size, root):
+def _launch_2(rank, world_size, root, configs):
     """Save the across-worlds checkpoint; resume bf16 and fp16 at their own layout against their uninterrupted runs."""
     contexts = {}
-    across = _save(_trainer(EXACT + ACROSS_WORLDS[0], contexts), root, "across")
+    across = _save(_trainer(EXACT + ACROSS_WORLDS[0], contexts, configs), root, "across")
     same_layout = []
     for index, overrides in enumerate(SAME_LAYOUT):
-        trainer = _trainer(overrides, contexts)
+        trainer = _trainer(overrides, contexts, configs)
         checkpoint = _save(trainer, root, f"half{index}")
         uninterrupted = _steps(trainer, range(SAVED_AT, STEPS))
         params = {name: param.detach().clone() for name, param in trainer.named_parameters().items()}
-        resumed_trainer = _trainer(overrides, contexts)
+        resumed_trainer = _trainer(overrides, contexts, configs)
         resumed = _resumed(resumed_trainer, checkpoint)
         scalers = [None if t.loss_scaler is None else t.loss_scaler.state_dict() for t in (trainer, resumed_trainer)]
         same_layout.append((uninterrupted, params, resumed, scalers))
     return str(across), same_layout
 
 
-def _launch_4(rank, world_size, root, across):
+def _launch_4(rank, world_size, root, across, configs):
     """Every pair saved and loaded here, then the checkpoint 2 workers saved."""
     contexts, results = {}, []
     for index, (saving, loading) in enumerate(PAIRS_4):
-        checkpoint = _save(_trainer(EXACT + saving, contexts), root, f"pair{index}")
-        results.append(_resumed(_trainer(EXACT + loading, contexts), checkpoint))
-    results.append(_resumed(_trainer(EXACT + ACROSS_WORLDS[1], contexts), across))
+        checkpoint = _save(_trainer(EXACT + saving, contexts, configs), root, f"pair{index}")
+        results.append(_resumed(_trainer(EXACT + loading, contexts, configs), checkpoint))
+    results.append(_resumed(_trainer(EXACT + ACROSS_WORLDS[1], contexts, configs), across))
     return results
 
 
@@ -134,13 +141,14 @@ def _assert_matches_single_process(per_rank, index, overrides):
 def test_resume_at_other_layouts_and_world_sizes_equals_one_process(tmp_path):
     import torch
 
-    two = run_workers(_launch_2, 2, str(tmp_path), timeout=200)
+    two = run_workers(_launch_2, 2, str(tmp_path), _composed([EXACT + ACROSS_WORLDS[0], *SAME_LAYOUT]), timeout=200)
     for _across, same_layout in two:
         for (uninterrupted, params, resumed, (scaler, resumed_scaler)), overrides in zip(same_layout, SAME_LAYOUT):
             assert resumed["losses"] == uninterrupted[0] and resumed["norms"] == uninterrupted[1], overrides
             assert all(torch.equal(resumed["shards"][name], value) for name, value in params.items()), overrides
             assert resumed_scaler == scaler and ((scaler is not None) == ("trainer.precision=fp16" in overrides))
-    four = run_workers(_launch_4, 4, str(tmp_path), two[0][0], timeout=300)
+    four_runs = [EXACT + layout for pair in PAIRS_4 for layout in pair] + [EXACT + ACROSS_WORLDS[1]]
+    four = run_workers(_launch_4, 4, str(tmp_path), two[0][0], _composed(four_runs), timeout=300)
     for index, (saving, loading) in enumerate(PAIRS_4):
         _assert_matches_single_process(four, index, EXACT + loading)
     _assert_matches_single_process(four, len(PAIRS_4), EXACT + ACROSS_WORLDS[1])

@@ -9,7 +9,7 @@ same from the config alone.
 
 import pytest
 
-from tests.distributed.equivalence import BASE
+from tests.distributed.equivalence import BASE, composed_runs
 from tests.pool import run_workers
 
 CASES = {
@@ -35,16 +35,15 @@ def storage_bytes(tensors) -> int:
                 for tensor in tensors if tensor is not None}.values())
 
 
-def _measure(rank, world_size, runs):
-    """Per run: this rank's pp rank and measured bytes by part."""
-    from ppctl.config import compose_config, layout_of
+def _measure(rank, world_size, configs):
+    """Per run (a config composed in the test process): this rank's pp rank and measured bytes by part."""
+    from ppctl.config import layout_of
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.memory import held_bytes, step_peak_bytes
     from ppctl.run.train import Trainer
 
     contexts, results = {}, []
-    for overrides in runs:
-        config = compose_config(overrides)
+    for config in configs:
         layout = layout_of(config)
         if layout not in contexts:
             contexts[layout] = build_parallel_context(layout, 60)
@@ -67,15 +66,12 @@ TOTAL_TOLERANCE = 0.15  # the whole per rank; parameters, gradients and optimize
 
 @pytest.mark.timeout(300)
 def test_predicted_memory_per_rank_and_part_against_measured():
-    from ppctl.config import compose_config, validate
     from ppctl.plan.memory import config_memory
 
-    runs = [BASE + SIZES + layout for layout in CASES.values()]
-    per_rank = run_workers(_measure, 4, runs, timeout=240)
+    configs = composed_runs([BASE + SIZES + layout for layout in CASES.values()])  # composed and validated
+    per_rank = run_workers(_measure, 4, configs, timeout=240)
     rows = []
-    for index, (name, overrides) in enumerate(zip(CASES, runs)):
-        config = compose_config(overrides)
-        validate(config)
+    for index, (name, config) in enumerate(zip(CASES, configs)):
         predicted = config_memory(config)
         rows += [(name, rank_results[index], predicted[rank_results[index]["pp_rank"]]) for rank_results in per_rank]
     table = "\n".join(f"{name}: pp rank {measured['pp_rank']}: predicted {model.to_json()}, measured {measured}"

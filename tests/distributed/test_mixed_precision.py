@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.pool import run_workers
-from tests.distributed.equivalence import BASE, _record_message_bytes
+from tests.distributed.equivalence import BASE, _record_message_bytes, composed_runs
 from tests.tolerances import HALF_PRECISION_LOSS
 
 STEPS = 30
@@ -25,16 +25,25 @@ LAYOUTS = {"pp2": ["parallel.pp=2", "parallel.dp=1"], "dp2-distributed": ["paral
 OVERFLOWING_SCALE = 2.0 ** 20  # overflows fp16 (max 65504) in the backward of this model; 2^16 does not
 
 
-def _train(rank, world_size):
-    from ppctl.config import compose_config, layout_of, validate
+def _configs() -> dict:
+    """(layout name, precision) -> its config, and "overflow" -> the fp16 run that starts at an overflowing scale:
+    composed and validated once, in the test process."""
+    runs = {(name, precision): BASE + DATA + layout + [f"trainer.precision={precision}", f"trainer.max_steps={STEPS}"]
+            for name, layout in LAYOUTS.items() for precision in ("fp32", "bf16", "fp16")}
+    runs["overflow"] = BASE + DATA + LAYOUTS["dp2-distributed"] + [
+        "trainer.precision=fp16", f"optimizer.loss_scale={OVERFLOWING_SCALE}"]
+    return dict(zip(runs, composed_runs(list(runs.values()))))
+
+
+def _train(rank, world_size, configs):
+    from ppctl.config import layout_of
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import Trainer
 
     contexts, report = {}, {}
-    for name, layout in LAYOUTS.items():
+    for name in LAYOUTS:
         for precision in ("fp32", "bf16", "fp16"):
-            config = compose_config(BASE + DATA + layout + [f"trainer.precision={precision}", f"trainer.max_steps={STEPS}"])
-            validate(config)
+            config = configs[name, precision]
             context = contexts.setdefault(layout_of(config), build_parallel_context(layout_of(config), 60)) \
                 if layout_of(config) not in contexts else contexts[layout_of(config)]
             trainer = Trainer(config, context)
@@ -46,24 +55,22 @@ def _train(rank, world_size):
                 "param_dtypes": {str(param.dtype) for param in trainer.parameters()},
                 "main_dtypes": {str(param.dtype) for group in mains for param in group},
             }
-    report["overflow"] = _overflowing_fp16(contexts)
+    report["overflow"] = _overflowing_fp16(configs["overflow"], contexts)
     return report
 
 
-def _overflowing_fp16(contexts) -> list[tuple[bool, float]]:
+def _overflowing_fp16(config, contexts) -> list[tuple[bool, float]]:
     """(skipped, loss scale after the step) of 12 fp16 steps started at a scale that overflows."""
-    from ppctl.config import compose_config, layout_of
+    from ppctl.config import layout_of
     from ppctl.run.train import Trainer
 
-    config = compose_config(BASE + DATA + LAYOUTS["dp2-distributed"] + [
-        "trainer.precision=fp16", f"optimizer.loss_scale={OVERFLOWING_SCALE}"])
     trainer = Trainer(config, contexts[layout_of(config)])
     return [(trainer.train_step(step).skipped, trainer.loss_scaler.scale) for step in range(12)]
 
 
 @pytest.mark.timeout(300)
 def test_half_precision_tracks_fp32_with_fp32_main_parameters_and_fp16_backs_off_overflows():
-    per_rank = run_workers(_train, 2, timeout=280)
+    per_rank = run_workers(_train, 2, _configs(), timeout=280)
     for name in LAYOUTS:
         for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
             _check_half_precision_run(name, precision, dtype, per_rank)

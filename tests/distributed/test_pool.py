@@ -79,7 +79,7 @@ def test_cases_share_workers_and_start_from_the_same_state():
 BROKEN_CASES = [
     (_fail_on_rank_one, RuntimeError, "(?s)worker rank 1 failed:.*injected failure on rank 1"),
     (_die_on_rank_zero, RuntimeError, "worker rank 0 died with exit code 3"),
-    (_hang, TimeoutError, "workers did not finish within 3s"),
+    (_hang, TimeoutError, "workers did not finish within 1s"),
     (_leak_a_patch, RuntimeError, "left state behind: ppctl attribute replaced: ppctl.model.gpt_stages.MaskedTokenLoss.__call__"),
     (_leak_a_setting, RuntimeError, "left state behind: torch setting default_dtype changed"),
 ]
@@ -90,7 +90,7 @@ def test_a_broken_case_fails_alone_named_and_the_next_runs_on_a_fresh_pool():
     before = [pid for pid, *_ in run_workers(_identity_and_state, 2)]
     for case, error, message in BROKEN_CASES:
         with pytest.raises(error, match=message):
-            run_workers(case, 2, timeout=3 if case is _hang else 60)
+            run_workers(case, 2, timeout=1 if case is _hang else 60)
         assert not POOLS.pools[2].processes, case.__name__  # torn down: nothing of the broken case survives
         after = run_workers(_identity_and_state, 2)
         assert set(before).isdisjoint(pid for pid, *_ in after), case.__name__

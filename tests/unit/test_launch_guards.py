@@ -143,11 +143,11 @@ def test_a_free_explicit_port_and_an_endpoint_not_up_yet_pass():
 def test_an_endpoint_that_accepts_but_is_no_rendezvous_fails_within_the_timeout(listener):
     started = time.monotonic()
     problem = rendezvous_problem(LauncherConfig(nnodes=2, node_rank=1, rdzv_endpoint=f"127.0.0.1:{listener}",
-                                                timeout_s=2))
+                                                timeout_s=1))
     assert problem == (f"launcher.rdzv_endpoint=127.0.0.1:{listener}: something accepts connections there but does "
-                       f"not answer as a torch rendezvous within launcher.timeout_s=2 s; check the host and port "
+                       f"not answer as a torch rendezvous within launcher.timeout_s=1 s; check the host and port "
                        f"(another program may hold it)")
-    assert time.monotonic() - started < 2 + 1
+    assert time.monotonic() - started < 1 + 1
 
 
 @pytest.mark.timeout(120)
