@@ -403,10 +403,10 @@ def _check_slurm(config: PpctlConfig) -> None:
         require(SLURM_TIME_PATTERN.fullmatch(str(slurm.time)) is not None,
                 f"launcher.slurm.time={slurm.time!r} must be a Slurm time: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
                 f"D-HH:MM:SS")
-    for name in ("gpus_per_node", "cpus_per_task"):
-        value = getattr(slurm, name)
-        require(value is None or value >= (0 if name == "gpus_per_node" else 1),
-                f"launcher.slurm.{name}={value} must be {'>= 0' if name == 'gpus_per_node' else 'a positive integer'}")
+    require(slurm.gpus_per_node is None or slurm.gpus_per_node >= 0,
+            f"launcher.slurm.gpus_per_node={slurm.gpus_per_node} must be >= 0")
+    require(slurm.cpus_per_task is None or slurm.cpus_per_task >= 1,
+            f"launcher.slurm.cpus_per_task={slurm.cpus_per_task} must be a positive integer")
     require(slurm.signal_lead_s >= 0, f"launcher.slurm.signal_lead_s={slurm.signal_lead_s} must be >= 0")
     if slurm.requeue:
         require(config.trainer.checkpoints,
