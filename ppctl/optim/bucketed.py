@@ -37,6 +37,7 @@ A step.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -47,6 +48,23 @@ from ppctl.model.init import is_tp_replicated
 from ppctl.optim.grads import (AdamWStateful, StateTensors, adam_state, adamw, all_reduce_coalesced,
                               optimizer_state_bytes, sum_of_squares)
 from ppctl.parallel.tensor_parallel import all_gather_single, reduce_scatter_single
+
+
+def _weakly_bound(method):
+    """``method`` called through a weak reference to its object: a no-op once the object is gone.
+
+    A gradient hook lives in autograd's C++ graph node, where Python's garbage collector
+    cannot see it: a hook holding the optimizer strongly would make the cycle optimizer ->
+    parameters -> hook -> optimizer uncollectable, and every optimizer ever built in a
+    process would live on with its buffers and its replica group (three gloo threads each).
+    """
+    reference = weakref.WeakMethod(method)
+
+    def call_if_alive(*args):
+        bound = reference()
+        if bound is not None:
+            bound(*args)
+    return call_if_alive
 
 
 @dataclass
@@ -167,7 +185,8 @@ class BucketedOptimizer(AdamWStateful):
         self._build_buffers(ordered_parameters(chunks))
         self.pieces = self._shard_pieces()
         self.optimizer = self._build_adamw(decays or (lambda name, param: param.dim() >= 2))
-        self._hooks = [slot.param.register_post_accumulate_grad_hook(self._accumulate) for slot in self.slots]
+        accumulate = _weakly_bound(self._accumulate)
+        self._hooks = [slot.param.register_post_accumulate_grad_hook(accumulate) for slot in self.slots]
         self._hooks += self._register_gather_waits()
         self.next_launch = 0
         self.zero_grad()

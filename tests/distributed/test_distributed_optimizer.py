@@ -63,3 +63,31 @@ def test_tp2_pp2_dp2_with_tied_embeddings_and_sequence_parallelism():
             # embeddings are summed on each end rank before the reduce-scatter.
             BASE + parallel(tp=2, pp=2, dp=2, vpp=2, schedule="dualpipe") + CLIP + DISTRIBUTED + TIED]
     assert_equivalent(runs, world_size=8, timeout=500)
+
+
+def _trained_and_dropped(rank, world_size, overrides):
+    """Train one step of the config's trainer and drop it: whether its optimizer outlived it."""
+    import gc
+    import weakref
+
+    from ppctl.config import compose_config, layout_of
+    from ppctl.parallel.groups import build_parallel_context
+    from ppctl.run.train import Trainer
+
+    config = compose_config(overrides)
+    trainer = Trainer(config, build_parallel_context(layout_of(config), 60))
+    trainer.apply_gradients(0, trainer.compute_gradients(0)[1])
+    optimizer = weakref.ref(trainer.optimizer)
+    del trainer
+    gc.collect()
+    return optimizer() is not None
+
+
+@pytest.mark.timeout(120)
+def test_a_dropped_trainer_frees_its_bucketed_optimizer_and_groups():
+    """The gradient hooks live in autograd's C++ nodes, out of the collector's sight: holding the optimizer there
+    kept every trainer ever built alive, with its groups and their gloo threads (a test worker gathered 300)."""
+    from tests.pool import run_workers
+
+    for extra in (DISTRIBUTED, ["trainer.precision=bf16"]):  # sharded, and the half-precision plain path
+        assert not any(run_workers(_trained_and_dropped, 2, BASE + parallel(dp=2) + extra)), extra
