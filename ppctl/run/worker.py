@@ -109,12 +109,20 @@ def set_tf32(allowed: bool) -> None:
 
 
 def _leave_process_group() -> None:
-    """Destroy the process group if this worker joined one (after a failure), so that gloo peers see the sockets
-    close at once. Not under NCCL: there destroying waits for pending work a failed peer may never finish, and the
-    worker exits right after anyway."""
+    """Leave the process group after a failure (the error file is written by then), so that peers learn at once.
+
+    gloo: destroy it, and the peers see the sockets close. NCCL: abort it, for destroying would wait for
+    pending work that a failed peer may never finish; aborting cancels the communicators without a flush.
+    """
     dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_backend() != "nccl":
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    if dist.get_backend() != "nccl":
         dist.destroy_process_group()
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch >= 2.6
+    if abort is not None:
+        abort()
 
 
 def _write_error(run_dir: Path, rank: str) -> None:

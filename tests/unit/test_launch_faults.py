@@ -224,8 +224,8 @@ def test_signal_before_any_worker_starts_is_one_line_and_128_plus_the_signal(cap
     assert capsys.readouterr().err == "error: interrupted by SIGINT before any worker started\n"
 
 
-@pytest.mark.parametrize("backend, destroyed", [("gloo", True), ("nccl", False)])
-def test_a_failed_worker_leaves_a_gloo_group_at_once_but_not_an_nccl_one(monkeypatch, backend, destroyed):
+@pytest.mark.parametrize("backend, left", [("gloo", "destroyed"), ("nccl", "aborted")])
+def test_a_failed_worker_destroys_a_gloo_group_and_aborts_an_nccl_one(monkeypatch, backend, left):
     """Under NCCL destroying the group after a failure can wait forever on work a dead peer never finishes."""
     import sys
     import types
@@ -234,10 +234,11 @@ def test_a_failed_worker_leaves_a_gloo_group_at_once_but_not_an_nccl_one(monkeyp
 
     calls = []
     fake = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True, get_backend=lambda: backend,
-                                 destroy_process_group=lambda: calls.append("destroyed"))
+                                 destroy_process_group=lambda: calls.append("destroyed"),
+                                 distributed_c10d=types.SimpleNamespace(_abort_process_group=lambda: calls.append("aborted")))
     monkeypatch.setitem(sys.modules, "torch.distributed", fake)
     worker._leave_process_group()
-    assert calls == (["destroyed"] if destroyed else [])
+    assert calls == [left]
 
 
 def test_tf32_follows_trainer_allow_tf32_and_is_off_by_default():
