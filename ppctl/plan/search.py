@@ -9,9 +9,10 @@ recomputation), and:
    (``compute_bound_s``: every rank's mean compute after the fill, plus the reduction);
 2. in that order, skips a layout whose schedule bound (``schedule_bound_s``) cannot beat
    the K-th best, else predicts its variants' memory per rank (``ppctl.plan.memory``)
-   and step time (the simulator on the costs of ``step_costs``), validated as ``train``
-   validates them, and keeps the first variant that fits and beats the K-th best (the
-   schedule checker, the costliest rule, runs only then);
+   and step time (the simulator on the costs of ``step_costs``, skipped where
+   ``step_lower_bound_s`` already exceeds the K-th best), validated as ``train`` validates
+   them, and keeps the first variant that fits and beats the K-th best (the schedule
+   checker, the costliest rule, runs only then);
 3. stops once the next bound cannot beat the K-th best, counting what it left and why.
 
 The cost model (``StepCosts``) follows Megatron-LM's FLOP count (``ppctl.model.flops``): a
@@ -540,4 +541,4 @@ def explain_candidate(config: PpctlConfig, candidate: Candidate, device: Device)
 
 __all__ = ["DEVICES", "Candidate", "Device", "Plan", "Prediction", "StepCosts", "candidates", "compute_bound_s", "predict",
            "calibrated_device", "explain_candidate", "forward_flops_per_microbatch", "plan", "schedule_bound_s",
-           "simulated_step", "step_costs"]
+           "simulated_step", "step_costs", "step_lower_bound_s"]
