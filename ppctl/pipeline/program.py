@@ -208,15 +208,44 @@ def lower(schedule: Schedule) -> Program:
 
     Raises ``ScheduleError`` when an action needs a message that no action produces.
     """
+    sent = sends_only(schedule)
+    bare, messages = sent.bare, sent.messages
+    slots = _receive_slots(schedule, bare, run_timed(sent.timed()), messages)
+    steps = tuple(tuple(map(Step, actions, inputs, local_outputs, sends, rank_slots[1:]))
+                  for (inputs, local_outputs, sends), actions, rank_slots in zip(bare, schedule.actions, slots))
+    return Program(schedule, messages, tuple(rank_slots[0] for rank_slots in slots), steps)
+
+
+@dataclass(frozen=True)
+class SendsOnly:
+    """A schedule's steps with their messages and sends, no receive posted yet: what ``lower`` starts from.
+
+    A replay with buffered sends posts no receive, so it times this as it times the lowered
+    ``Program`` (the same makespan), without the cost of placing the receives: the planner
+    simulates thousands of candidates this way.
+    """
+
+    schedule: Schedule
+    messages: tuple[Message, ...]
+    bare: list["_Bare"]
+
+    def timed(self, costs: Costs = Costs(), pairs_as_one: bool = False) -> TimedProgram:
+        """The steps against ``costs``, for a buffered replay (``Program.timed``, every receive left out)."""
+        return TimedProgram.of(self.schedule, self.messages, [() for _ in self.bare],
+                               [(*columns, repeat(())) for columns in self.bare], costs, pairs_as_one)
+
+
+@gc_paused
+def sends_only(schedule: Schedule) -> SendsOnly:
+    """``schedule``'s messages from stage adjacency and each action's inputs, hand-over and sends (``SendsOnly``).
+
+    Raises ``ScheduleError`` when an action needs a message that no action produces.
+    """
     numbers = _MessageNumbers()
     bare = [_bare_steps(schedule, rank_actions, numbers) for rank_actions in schedule.actions]
     messages = numbers.messages(schedule.placement.owners)
     _check_produced(schedule, bare, messages)
-    unit = TimedProgram.of(schedule, messages, [() for _ in bare], [(*columns, repeat(())) for columns in bare])
-    slots = _receive_slots(schedule, bare, run_timed(unit), messages)
-    steps = tuple(tuple(map(Step, actions, inputs, local_outputs, sends, rank_slots[1:]))
-                  for (inputs, local_outputs, sends), actions, rank_slots in zip(bare, schedule.actions, slots))
-    return Program(schedule, messages, tuple(rank_slots[0] for rank_slots in slots), steps)
+    return SendsOnly(schedule, messages, bare)
 
 
 class _Bare(NamedTuple):
@@ -324,4 +353,5 @@ def _suffix_minimum(values: list[int]) -> list[int]:
     return result[::-1]
 
 
-__all__ = ["ACTIVATION", "GRADIENT", "Message", "Program", "Step", "adjacent_stages", "lower"]
+__all__ = ["ACTIVATION", "GRADIENT", "Message", "Program", "SendsOnly", "Step", "adjacent_stages", "lower",
+           "sends_only"]

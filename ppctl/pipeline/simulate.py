@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Optional, Sequence, Union
 
-from .program import Program, lower
-from .replay import Costs, Replay, gc_paused, run_timed
+from .program import Program, SendsOnly, lower
+from .replay import Costs, Replay, TimedProgram, gc_paused, run_timed
 from .schedules import stream_of, streams_steps
 from .schedules.base import BACKWARD, BACKWARD_WEIGHT, Action, FORWARD, Schedule, ScheduleError
 
 __all__ = ["Costs", "RankTimeline", "Replay", "SimResult", "TimedAction", "parse_costs", "peak_activations",
-           "replay", "simulate", "simulate_steps"]
+           "replay", "simulate", "simulate_makespan", "simulate_steps"]
 
 
 def parse_costs(text: str) -> Costs:
@@ -205,17 +205,40 @@ def simulate(schedule: Union[Schedule, Program], costs: Costs = Costs()) -> SimR
     program = schedule if isinstance(schedule, Program) else lower(schedule)
     schedule = program.schedule
     timed = program.timed(costs, pairs_as_one=True)
-    outcome = run_timed(timed, costs.comm)
-    if outcome.deadlocked:
-        raise ScheduleError(f"{schedule.name}: {outcome.deadlock_message()}")
+    outcome = _replayed(schedule, timed, costs)
     ranks = [RankTimeline(pp_rank, _timed_actions(schedule, pp_rank, outcome),
                           peak_activations(rank_actions, schedule.chunks_per_copy))
              for pp_rank, rank_actions in enumerate(schedule.actions)]
-    makespan = max((ends[-1] for ends in outcome.ends if ends), default=0.0)
-    busiest = max(sum(map(itemgetter(1), rank_steps)) for rank_steps in timed.steps)  # (inputs, duration, ...)
-    bubble_ratio = (makespan - busiest) / busiest if busiest > 0 else 0.0
+    makespan, bubble_ratio = _makespan_and_bubble(timed, outcome)
     return SimResult(schedule.name, schedule.pp, schedule.chunks_per_rank, schedule.num_microbatches,
                      costs, ranks, makespan, bubble_ratio, schedule.placement.copies, program)
+
+
+@gc_paused
+def simulate_makespan(program: Union[Program, SendsOnly], costs: Costs = Costs()) -> tuple[float, float]:
+    """(makespan, bubble ratio) of ``simulate``, the timelines left out; ScheduleError on deadlock.
+
+    ``program`` may be the schedule's ``SendsOnly`` (``sends_only``): the replay posts no
+    receive, so it times that as it times the lowered program, and the planner skips the
+    lowering of the thousands of candidates it only times.
+    """
+    timed = program.timed(costs, pairs_as_one=True)
+    return _makespan_and_bubble(timed, _replayed(program.schedule, timed, costs))
+
+
+def _replayed(schedule: Schedule, timed: TimedProgram, costs: Costs) -> Replay:
+    """The buffered replay of ``timed`` at ``costs.comm``; ScheduleError naming ``schedule`` on deadlock."""
+    outcome = run_timed(timed, costs.comm)
+    if outcome.deadlocked:
+        raise ScheduleError(f"{schedule.name}: {outcome.deadlock_message()}")
+    return outcome
+
+
+def _makespan_and_bubble(timed: TimedProgram, outcome: Replay) -> tuple[float, float]:
+    """The last end over all ranks, and (it - the busiest rank's compute) / that compute."""
+    makespan = max((ends[-1] for ends in outcome.ends if ends), default=0.0)
+    busiest = max(sum(map(itemgetter(1), rank_steps)) for rank_steps in timed.steps)  # (inputs, duration, ...)
+    return makespan, (makespan - busiest) / busiest if busiest > 0 else 0.0
 
 
 def _timed_actions(schedule: Schedule, pp_rank: int, outcome: Replay) -> list[TimedAction]:

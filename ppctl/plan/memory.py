@@ -254,11 +254,54 @@ def held_bytes_change(kind: str, stage: int, kept: dict[int, int], stash: dict[i
 def peak_in_flight_bytes(actions: Iterable[tuple[str, int]], kept: dict[int, int], stash: dict[int, int]) -> int:
     """The most activation bytes a rank holds at once, walking its ``(kind, stage)`` actions in order (after any
     action: a B whose stash outweighs what the forward kept, as with recomputation, raises it too)."""
-    held = peak = 0
+    return in_flight_peak(in_flight_states(actions), kept, stash)
+
+
+InFlightState = tuple[tuple[int, int, int], ...]  # per stage of the rank: (stage, forwards kept, B stashes kept)
+
+
+def in_flight_states(actions: Iterable[tuple[str, int]]) -> frozenset[InFlightState]:
+    """The distinct activations a rank holds after each of its ``(kind, stage)`` actions, as counts per stage.
+
+    The bytes held are these counts weighed by each stage's kept and stash bytes, so a
+    schedule's few distinct states (its steady state repeats) serve every model and batch
+    a planner weighs it for (``in_flight_peak``), where a walk of its actions would not.
+    """
+    actions = list(actions)
+    stages = sorted({stage for _, stage in actions})
+    slot = {stage: 2 * index for index, stage in enumerate(stages)}
+    counts = [0] * (2 * len(stages))  # per stage: forwards kept, stashes kept
+    seen = set()
     for kind, stage in actions:
-        held += held_bytes_change(kind, stage, kept, stash)
-        peak = max(peak, held)
-    return peak
+        kept_at = slot[stage]
+        if kind == FORWARD:
+            counts[kept_at] += 1
+        elif kind == BACKWARD:
+            counts[kept_at] -= 1
+        elif kind == BACKWARD_INPUT:
+            counts[kept_at] -= 1
+            counts[kept_at + 1] += 1
+        elif kind == BACKWARD_WEIGHT:
+            counts[kept_at + 1] -= 1
+        seen.add(tuple(counts))
+    return frozenset(tuple((stage, state[slot[stage]], state[slot[stage] + 1]) for stage in stages)
+                     for state in _undominated(seen))
+
+
+def _undominated(states: set[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The states that no other state matches or exceeds in every count: bytes per count are never negative, so
+    only these can hold the most (a GPipe rank's thousands of states are one)."""
+    kept: list[tuple[int, ...]] = []
+    for state in sorted(states, key=sum, reverse=True):  # a state is dominated only by one of larger or equal sum
+        if not any(all(mine >= theirs for mine, theirs in zip(other, state)) for other in kept):
+            kept.append(state)
+    return kept
+
+
+def in_flight_peak(states: Iterable[InFlightState], kept: dict[int, int], stash: dict[int, int]) -> int:
+    """The most bytes of ``states`` (``in_flight_states``) at these bytes per stage; 0 when none is above 0."""
+    return max([0, *(sum(forwards * kept[stage] + stashes * stash[stage] for stage, forwards, stashes in state)
+                     for state in states)])
 
 
 def activation_bytes_over_time(actions: Iterable, kept: dict[int, int],
@@ -312,13 +355,14 @@ def activation_tables(shape: ModelShape, chunks: Sequence[Chunk], tokens: Tokens
                             rebuilt=max((rebuilt for _, rebuilt in kept_and_rebuilt.values()), default=0))
 
 
-def rank_memory(shape: ModelShape, chunks: Sequence[Chunk], actions: Sequence[tuple[str, int]], tokens: Tokens,
+def rank_memory(shape: ModelShape, chunks: Sequence[Chunk], in_flight: Iterable[InFlightState], tokens: Tokens,
                 parallel: Parallelism) -> MemoryParts:
-    """One pipeline rank's predicted memory (one TP rank of it; every TP and DP rank alike)."""
+    """One pipeline rank's predicted memory (one TP rank of it; every TP and DP rank alike); ``in_flight``: the
+    ``in_flight_states`` of its actions."""
     parameters, gradients, optimizer = state_parts(sum(chunk_parameters(shape, chunk, parallel.tp) for chunk in chunks),
                                                    parallel)
     tables = activation_tables(shape, chunks, tokens, parallel)
-    activations = peak_in_flight_bytes(actions, tables.kept, tables.stash) + tables.rebuilt
+    activations = in_flight_peak(in_flight, tables.kept, tables.stash) + tables.rebuilt
     message = DTYPE_BYTES[parallel.precision] * tokens.batch * tokens.seq * shape.hidden
     message //= parallel.tp if parallel.sequence_parallel else 1
     buffers = 2 * message + backward_workspace_bytes(shape, chunks, tokens, parallel)
@@ -378,21 +422,28 @@ def config_memory_inputs(config, schedule) -> ConfigMemoryInputs:
                               weight_versions=2 if streams or config.optimizer.gradient_delay else 1)
 
 
-def config_memory(config, schedule=None) -> list[MemoryParts]:
+def config_memory(config, schedule=None, in_flight=None) -> list[MemoryParts]:
     """The predicted memory of every pipeline rank of ``config`` (a validated ``PpctlConfig``), by pp rank;
-    ``schedule``: its built schedule, when the caller has it already."""
+    ``schedule``: its built schedule, and ``in_flight``: its ``schedule_in_flight_states``, when the caller has
+    them already."""
     from ppctl.config import configured_schedule
 
     schedule = schedule or configured_schedule(config)
     inputs = config_memory_inputs(config, schedule)
+    in_flight = in_flight or schedule_in_flight_states(schedule)
     memory = []
     for pp_rank, chunks in enumerate(inputs.chunks):
-        actions = [(action.kind, action.stage) for action in schedule.actions[pp_rank]]
-        parts = rank_memory(inputs.shape, chunks, actions, inputs.tokens, inputs.parallel)
+        parts = rank_memory(inputs.shape, chunks, in_flight[pp_rank], inputs.tokens, inputs.parallel)
         extra_weights = (inputs.weight_versions - 1) * parts.parameters  # the previous weights kept as well
         memory.append(MemoryParts(parts.parameters + extra_weights, parts.gradients, parts.optimizer,
                                   parts.activations, parts.buffers))
     return memory
+
+
+def schedule_in_flight_states(schedule) -> list[frozenset[InFlightState]]:
+    """Per pp rank, the ``in_flight_states`` of its actions in ``schedule``."""
+    return [in_flight_states([(action.kind, action.stage) for action in rank_actions])
+            for rank_actions in schedule.actions]
 
 
 def config_activation_tables(config, schedule=None) -> list[ActivationTables]:

@@ -9,9 +9,10 @@ recomputation), and:
    (``compute_bound_s``: every rank's mean compute after the fill, plus the reduction);
 2. in that order, skips a layout whose schedule bound (``schedule_bound_s``) cannot beat
    the K-th best, else predicts its variants' memory per rank (``ppctl.plan.memory``)
-   and step time (the simulator on the costs of ``step_costs``), validated as ``train``
-   validates them, and keeps the first variant that fits and beats the K-th best (the
-   schedule checker, the costliest rule, runs only then);
+   and step time (the simulator on the costs of ``step_costs``, skipped where
+   ``step_lower_bound_s`` already exceeds the K-th best), validated as ``train`` validates
+   them, and keeps the first variant that fits and beats the K-th best (the schedule
+   checker, the costliest rule, runs only then);
 3. stops once the next bound cannot beat the K-th best, counting what it left and why.
 
 The cost model (``StepCosts``) follows Megatron-LM's FLOP count (``ppctl.model.flops``): a
@@ -27,13 +28,14 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Callable
+from typing import NamedTuple
 
 from ppctl.config import (ConfigError, PpctlConfig, config_layer_map, layout_of,
                           num_microbatches, validate)
 from ppctl.model.flops import forward_flops_per_token
 from ppctl.pipeline.schedules import ScheduleError
-from ppctl.plan.memory import DTYPE_BYTES, Chunk, MemoryParts, chunk_parameters, config_memory, model_shape
+from ppctl.plan.memory import (DTYPE_BYTES, Chunk, MemoryParts, chunk_parameters, config_memory, model_shape,
+                               schedule_in_flight_states)
 
 # (schedule, its vpp) tried for each pp; gpipe and 1f1b at vpp 1, the looped and V schedules at 2
 SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2), ("dualpipev", 2))
@@ -314,14 +316,38 @@ def _tp_cp_seconds(config: PpctlConfig, device: Device, tokens: int, element: in
     return seconds
 
 
+class _Built(NamedTuple):
+    """A built schedule and what the memory model and the bounds read of it: each rank's ``in_flight_states`` and
+    its actions per kind."""
+
+    schedule: object  # a Schedule
+    in_flight: list
+    kinds: list[Counter]
+
+
 @lru_cache(maxsize=256)
-def _schedule(name: str, pp: int, vpp: int, microbatches: int):
-    """A built schedule and its lowered program, kept: thousands of candidates share a few."""
-    from ppctl.pipeline.program import lower
+def _schedule(name: str, pp: int, vpp: int, microbatches: int) -> _Built:
+    """A built schedule and what the search reads of it, kept: thousands of candidates share a few."""
     from ppctl.pipeline.schedules import build_schedule
 
     schedule = build_schedule(name, pp, vpp, microbatches)
-    return schedule, lower(schedule)
+    return _Built(schedule, schedule_in_flight_states(schedule),
+                  [Counter(action.kind for action in rank_actions) for rank_actions in schedule.actions])
+
+
+@lru_cache(maxsize=64)
+def _sends(key: tuple):
+    """The ``SendsOnly`` of a kept schedule (all the simulator needs), kept: a schedule's simulations share it, and
+    many schedules the search builds are never simulated."""
+    from ppctl.pipeline.program import sends_only
+
+    return sends_only(_schedule(*key).schedule)
+
+
+def _schedule_of(config: PpctlConfig) -> _Built:
+    """``_schedule`` of a validated config."""
+    parallel = config.parallel
+    return _schedule(config.schedule.name, parallel.pp, parallel.vpp, num_microbatches(config))
 
 
 def simulated_step(config: PpctlConfig, costs: StepCosts) -> tuple[float, float]:
@@ -336,10 +362,39 @@ def simulated_step(config: PpctlConfig, costs: StepCosts) -> tuple[float, float]
 def _simulated(key: tuple, forward: float, backward: float, weight: float, comm: float) -> tuple[float, float]:
     """The simulator's makespan (ms) and bubble ratio of a schedule at these costs (kept: candidates that differ
     only in what the costs do not see, such as the optimizer's sharding, share one run)."""
-    from ppctl.pipeline.simulate import Costs, simulate
+    from ppctl.pipeline.simulate import Costs, simulate_makespan
 
-    result = simulate(_schedule(*key)[1], Costs(F=forward, B=backward, W=weight, comm=comm))
-    return result.makespan, result.bubble_ratio
+    return simulate_makespan(_sends(key), Costs(F=forward, B=backward, W=weight, comm=comm))
+
+
+# A prediction is skipped when a lower bound on it exceeds the time to beat by more than this share: far more than
+# the rounding that separates the bound's sum from the simulator's, so the skipped one would not have beaten it.
+ROUNDING_MARGIN = 1e-9
+
+
+def step_lower_bound_s(config: PpctlConfig, costs: StepCosts) -> float:
+    """A step time the simulator's prediction at ``costs`` cannot be below, from runs kept per schedule and size:
+    the busiest rank's compute, and the schedule's makespan with every F, B and W at the least of them and messages
+    at the largest of ``COMM_RATIOS`` of that below ``costs.comm`` (the makespan only grows with each cost and
+    scales with all of them together); plus the reduction."""
+    least = min(costs.F, costs.B, costs.W)
+    scaled = 0.0
+    if least > 0:
+        ratio = max(r for r in COMM_RATIOS if r * least <= costs.comm)
+        parallel = config.parallel
+        key = (config.schedule.name, parallel.pp, parallel.vpp, costs.microbatches)
+        scaled = _simulated(key, 1.0, 1.0, 1.0, ratio)[0] * least * 1e3  # costs in s, the simulations' in ms
+    return max(_busiest_ms(config, costs), scaled) / 1e3 + costs.reduction
+
+
+def _busiest_ms(config: PpctlConfig, costs: StepCosts) -> float:
+    """The busiest rank's compute in the simulator at ``costs`` (ms), from the kept schedule's actions per kind."""
+    from ppctl.pipeline.replay import Costs, action_durations
+
+    built = _schedule_of(config)
+    durations = action_durations(built.schedule.chunks_per_copy, Costs(F=costs.F * 1e3, B=costs.B * 1e3,
+                                                                       W=costs.W * 1e3))
+    return max(sum(count * durations[kind] for kind, count in kinds.items()) for kinds in built.kinds)
 
 
 # --- the search ----------------------------------------------------------------------------------
@@ -364,11 +419,12 @@ def plan(config: PpctlConfig, devices: int, memory_bytes: float, top: int, devic
         if len(best) >= top and bound >= best[-1].step_time_s:
             refused[NOT_EXAMINED] += sum(len(rest) for _, _, rest in bounded[position:])
             break
-        if len(best) >= top and _schedule_bound_or_zero(variants[0].apply(config), device) >= best[-1].step_time_s:
+        to_beat = best[-1] if len(best) >= top else None
+        if to_beat is not None and (_outpaced(config, variants[0], memory_bytes, device, to_beat) or
+                                    _schedule_bound_or_zero(variants[0].apply(config), device) >= to_beat.step_time_s):
             refused[NOT_EXAMINED] += len(variants)
             continue
-        kept = _first_fitting(config, variants, memory_bytes, device, refused,
-                              lambda prediction: len(best) < top or _order(prediction) < _order(best[-1]))
+        kept = _first_fitting(config, variants, memory_bytes, device, refused, to_beat)
         if kept is not None:
             best = sorted(best + [kept], key=_order)[:top]
     return Plan(best, refused)
@@ -377,6 +433,20 @@ def plan(config: PpctlConfig, devices: int, memory_bytes: float, top: int, devic
 def _order(prediction: Prediction) -> tuple[float, int]:
     """Fastest first; of equal times, the smaller peak memory."""
     return prediction.step_time_s, prediction.peak_memory_bytes
+
+
+def _outpaced(config: PpctlConfig, first: Candidate, memory_bytes: float, device: Device, to_beat: Prediction) -> bool:
+    """Whether a layout's ``first`` variant is valid, fits, and its busiest rank's compute alone (``_busiest_ms``)
+    is slower than ``to_beat``: then ``_first_fitting`` leaves all the variants, as ``schedule_bound_s`` may, so the
+    simulation that bound needs is skipped."""
+    built = first.apply(config)
+    try:
+        validate(built, data=False, prove_schedule=False)
+        costs = step_costs(built, device)
+        fits = max(parts.total for parts in _memory(built)) <= memory_bytes
+    except (ConfigError, ScheduleError):
+        return False
+    return fits and _busiest_ms(built, costs) / 1e3 + costs.reduction > to_beat.step_time_s * (1 + ROUNDING_MARGIN)
 
 
 def _schedule_bound_or_zero(config: PpctlConfig, device: Device) -> float:
@@ -388,20 +458,29 @@ def _schedule_bound_or_zero(config: PpctlConfig, device: Device) -> float:
 
 
 def _first_fitting(config: PpctlConfig, variants: list[Candidate], memory_bytes: float, device: Device,
-                   refused: Counter, beats: Callable[[Prediction], bool]) -> Prediction | None:
-    """The first variant ``train`` accepts that fits in ``memory_bytes``, if it ``beats`` the ones kept; the
-    others counted in ``refused``. The schedule checker, the costliest rule, runs only for a variant that would
-    be kept (its verdict kept per schedule and size)."""
+                   refused: Counter, to_beat: Prediction | None) -> Prediction | None:
+    """The first variant ``train`` accepts that fits in ``memory_bytes``, if it beats ``to_beat`` (the last one
+    kept, None while the list is not full); the others counted in ``refused``. A variant whose lower bound on its
+    time (``step_lower_bound_s``) is above ``to_beat``'s is not simulated, and the schedule checker, the costliest
+    rule, runs only for a variant that would be kept (its verdict kept per schedule and size)."""
     for index, candidate in enumerate(variants):
+        built = candidate.apply(config)
         try:
-            prediction = predict(config, candidate, device, prove_schedule=False)
-            if prediction.peak_memory_bytes > memory_bytes:
+            validate(built, data=False, prove_schedule=False)
+            costs = step_costs(built, device)
+            memory = _memory(built)
+            if max(parts.total for parts in memory) > memory_bytes:
                 refused[TOO_LARGE] += 1
                 continue
-            if not beats(prediction):  # the later variants are no faster
+            if to_beat is not None and \
+                    step_lower_bound_s(built, costs) > to_beat.step_time_s * (1 + ROUNDING_MARGIN):
+                refused[NOT_EXAMINED] += len(variants) - index  # the later variants are no faster
+                return None
+            prediction = Prediction(candidate, *simulated_step(built, costs), memory)
+            if to_beat is not None and _order(prediction) >= _order(to_beat):
                 refused[NOT_EXAMINED] += len(variants) - index
                 return None
-            validate(candidate.apply(config), data=False)
+            validate(built, data=False)
         except (ConfigError, ScheduleError) as error:
             refused[refusal_reason(str(error))] += 1
             continue
@@ -415,10 +494,14 @@ def predict(config: PpctlConfig, candidate: Candidate, device: Device, prove_sch
     refuse it (without the schedule checker's verdict when ``prove_schedule`` is False)."""
     built = candidate.apply(config)
     validate(built, data=False, prove_schedule=prove_schedule)  # the data source is the user's, checked once
-    costs = step_costs(built, device)
-    step_time, bubble = simulated_step(built, costs)
-    schedule = _schedule(built.schedule.name, built.parallel.pp, built.parallel.vpp, costs.microbatches)[0]
-    return Prediction(candidate, step_time, bubble, tuple(config_memory(built, schedule)))
+    step_time, bubble = simulated_step(built, step_costs(built, device))
+    return Prediction(candidate, step_time, bubble, _memory(built))
+
+
+def _memory(config: PpctlConfig) -> tuple[MemoryParts, ...]:
+    """The predicted memory per pp rank of a validated config, from its kept schedule."""
+    built = _schedule_of(config)
+    return tuple(config_memory(config, built.schedule, built.in_flight))
 
 
 def refusal_reason(message: str) -> str:
@@ -452,11 +535,10 @@ def explain_candidate(config: PpctlConfig, candidate: Candidate, device: Device)
 
     built = candidate.apply(config)
     costs = step_costs(built, device)
-    schedule_key = (built.schedule.name, built.parallel.pp, built.parallel.vpp, costs.microbatches)
-    return simulate(_schedule(*schedule_key)[1], Costs(F=costs.F * 1e3, B=costs.B * 1e3, W=costs.W * 1e3,
+    return simulate(_schedule_of(built).schedule, Costs(F=costs.F * 1e3, B=costs.B * 1e3, W=costs.W * 1e3,
                                                         comm=costs.comm * 1e3))
 
 
 __all__ = ["DEVICES", "Candidate", "Device", "Plan", "Prediction", "StepCosts", "candidates", "compute_bound_s", "predict",
            "calibrated_device", "explain_candidate", "forward_flops_per_microbatch", "plan", "schedule_bound_s",
-           "simulated_step", "step_costs"]
+           "simulated_step", "step_costs", "step_lower_bound_s"]

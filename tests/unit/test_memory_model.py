@@ -14,7 +14,8 @@ from ppctl.model.gpt import GPTChunk, GPTConfig
 from ppctl.model.recompute import Recompute
 from ppctl.parallel.tensor_parallel import TPGroup
 from ppctl.plan.memory import (Chunk, ModelShape, Parallelism, Tokens, chunk_activation_bytes, chunk_parameters,
-                               peak_in_flight_bytes, state_parts)
+                               held_bytes_change, in_flight_peak, in_flight_states, peak_in_flight_bytes,
+                               schedule_in_flight_states, state_parts)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 B, S, H, F, N, V = 2, 16, 32, 64, 4, 128
@@ -77,6 +78,30 @@ def test_kept_activations_are_what_autograd_saves(case):
     kept, _ = chunk_activation_bytes(shape(settings["rope"]), Chunk(0, 2, settings["pre"], settings["post"]),
                                      Tokens(B, S), parallel)
     assert kept == saved_bytes(chunk, settings["pre"], settings["post"], dtype)
+
+
+@pytest.mark.parametrize("name,vpp", [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2),
+                                      ("dualpipev", 2), ("dualpipe", 2)])
+def test_in_flight_states_weigh_as_the_walk_of_the_actions(name, vpp):
+    from ppctl.pipeline.schedules import build_schedule
+
+    schedule = build_schedule(name, 4, vpp, 16)
+    for rank_actions, states in zip(schedule.actions, schedule_in_flight_states(schedule)):
+        actions = [(action.kind, action.stage) for action in rank_actions]
+        stages = sorted({stage for _, stage in actions})
+        for kept, stash in (({s: 10 for s in stages}, {s: 4 for s in stages}),  # a B frees more than it stashes
+                            ({s: 3 + s for s in stages}, {s: 50 * (s + 1) for s in stages})):  # recomputation
+            held = peak = 0
+            for kind, stage in actions:
+                held += held_bytes_change(kind, stage, kept, stash)
+                peak = max(peak, held)
+            assert in_flight_peak(states, kept, stash) == peak
+
+
+def test_in_flight_states_keep_only_the_undominated():
+    actions = [("F", 0)] * 5 + [("BW", 0)] * 5
+    assert in_flight_states(actions) == {((0, 5, 0),)}
+    assert in_flight_peak(in_flight_states([]), {}, {}) == 0
 
 
 def test_in_flight_walk_and_state_parts():

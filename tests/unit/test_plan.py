@@ -85,6 +85,20 @@ def test_bounds_never_exceed_the_prediction(base):
         assert schedule_bound_s(built, H100) <= prediction.step_time_s * (1 + 1e-9)
 
 
+@pytest.mark.parametrize("devices", [8, 16])
+def test_the_step_lower_bound_never_exceeds_the_prediction(base, devices):
+    """The bound that spares a candidate's simulation, for every variant (recomputation makes B the largest cost)."""
+    for variants in candidates(base, devices):
+        for candidate in variants:
+            try:
+                prediction = predict(base, candidate, H100, prove_schedule=False)
+            except Exception:
+                continue
+            built = candidate.apply(base)
+            bound = search.step_lower_bound_s(built, search.step_costs(built, H100))
+            assert bound <= prediction.step_time_s * (1 + search.ROUNDING_MARGIN)
+
+
 def test_the_search_stops_early_and_counts_what_it_left(base):
     found = plan(base, 16, 80 * GIB, 1, H100)
     assert found.refused[NOT_EXAMINED] > 0

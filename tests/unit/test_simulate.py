@@ -187,3 +187,33 @@ def test_beyond_the_fill_is_what_no_order_removes_taken_off_the_idle_time(pp):
     costs = Costs(F=1, B=1, W=1)
     assert simulate(build_schedule("1f1b", pp, 1, 2 * pp), costs).beyond_the_fill() == (pp - 1, 2 * (pp - 1))
     assert simulate(build_schedule("zb_h1", pp, 1, 2 * pp), costs).beyond_the_fill() == (pp - 1, 0)
+
+
+# --- the planner's makespan: the timelines left out, the receives never placed -----------------
+
+PLANNED = [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2), ("dualpipev", 2)]
+
+
+@pytest.mark.parametrize("name,vpp", PLANNED)
+@pytest.mark.parametrize("pp,microbatches", [(2, 4), (4, 8), (4, 13), (8, 16)])
+@pytest.mark.parametrize("costs", [Costs(), Costs(F=1.3, B=1.9, W=0.7, comm=0.3), Costs(F=0.2, B=0.5, W=0.2, comm=2.0)])
+def test_simulate_makespan_of_the_sends_only_equals_simulate(name, vpp, pp, microbatches, costs):
+    from ppctl.pipeline.program import sends_only
+    from ppctl.pipeline.simulate import simulate_makespan
+
+    try:
+        schedule = build_schedule(name, pp, vpp, microbatches)
+    except ScheduleError:
+        pytest.skip(f"{name} refuses pp={pp} with {microbatches} microbatches")
+    full = simulate(schedule, costs)
+    assert simulate_makespan(sends_only(schedule), costs) == (full.makespan, full.bubble_ratio)
+    assert simulate_makespan(lower(schedule), costs) == (full.makespan, full.bubble_ratio)
+
+
+def test_lower_numbers_messages_as_sends_only_does():
+    from ppctl.pipeline.program import sends_only
+
+    schedule = build_schedule("zbv", 4, 2, 8)
+    program, sent = lower(schedule), sends_only(schedule)
+    assert program.messages == sent.messages
+    assert [[step.inputs for step in steps] for steps in program.steps] == [bare.inputs for bare in sent.bare]
