@@ -8,6 +8,7 @@ parallel run's internal settings reaches it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 from pathlib import Path
 
@@ -45,20 +46,42 @@ def assert_same_series(actual_dir: Path, expected_dir: Path, tags=("train/loss",
             assert actual[step] == pytest.approx(value, rel=rtol), (tag, step, actual[step], value)
 
 
+class SingleRuns:
+    """``single_runs(overrides)``: the run directory of ``ppctl train`` as one process, launched once per override
+    list; ``single_runs.start(overrides)`` launches it in the background, so that it trains while a test waits
+    on something else (a Slurm job's requeue, say), and the later call only waits for it."""
+
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory = tmp_path_factory
+        self.launches: dict[tuple[str, ...], concurrent.futures.Future] = {}
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)  # threads that wait on subprocesses
+
+    def start(self, overrides: list[str]) -> None:
+        """Launch the single-process run of ``overrides`` now, unless it was launched before."""
+        key = tuple(single_process_overrides(overrides))
+        if key not in self.launches:
+            self.launches[key] = self.pool.submit(self._train, key, self.tmp_path_factory.mktemp("single"))
+
+    def __call__(self, overrides: list[str]) -> Path:
+        self.start(overrides)
+        return self.launches[tuple(single_process_overrides(overrides))].result()
+
+    @staticmethod
+    def _train(key: tuple[str, ...], run_dir: Path) -> Path:
+        from tests.cli.conftest import run_ppctl
+
+        # One intra-op thread: a reference that trains beside other processes (a Slurm job, a background launch)
+        # would otherwise wait at every op for its second thread, which the busy machine has given to someone else
+        # (50 ms steps became 1-4 s). It changes no number beyond the tolerance each comparison already allows.
+        result = run_ppctl("train", *key, "launcher.threads_per_worker=1", f"trainer.out_dir={run_dir}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        return run_dir
+
+
 @pytest.fixture(scope="session")
 def single_run(tmp_path_factory):
-    """``single_run(overrides)``: run dir of ``ppctl train`` as one process (launched once per override list)."""
-    from tests.cli.conftest import run_ppctl
-
-    done: dict[tuple[str, ...], Path] = {}
-
-    def run(overrides: list[str]) -> Path:
-        key = tuple(single_process_overrides(overrides))
-        if key not in done:
-            run_dir = tmp_path_factory.mktemp("single")
-            result = run_ppctl("train", *key, f"trainer.out_dir={run_dir}")
-            assert result.returncode == 0, result.stderr[-3000:]
-            done[key] = run_dir
-        return done[key]
-
-    return run
+    """``single_run(overrides)``: run dir of ``ppctl train`` as one process (launched once per override list;
+    ``single_run.start(overrides)`` launches it in the background)."""
+    runs = SingleRuns(tmp_path_factory)
+    yield runs
+    runs.pool.shutdown(wait=True)

@@ -38,6 +38,11 @@ _CLIENT_ENV_PREFIXES = ("SLURM_", "SBATCH_", "SALLOC_", "SRUN_", "SQUEUE_", "SAC
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _PR_SET_CHILD_SUBREAPER = 36
 
+# The node declares at least this many CPUs, whatever the machine has: each test job asks for one, and the
+# session's three jobs then run side by side instead of the third waiting for a CPU (and again after each
+# requeue); they are small, and config_overrides lets the node claim more than it has.
+NODE_CPUS = 4
+
 # Why these settings:
 # - auth/none and cred/none still ship with Slurm 22.05 (auth_none.so, cred_none.so), so no munged is
 #   needed: the daemons trust the uid a client claims; fine for a root-only cluster on 127.0.0.1.
@@ -265,7 +270,7 @@ class LocalSlurm:
                 root=self.root,
                 ctld_port=ctld_port,
                 slurmd_port=slurmd_port,
-                cpus=os.cpu_count() or 1,
+                cpus=max(os.cpu_count() or 1, NODE_CPUS),
                 memory_mb=max(1, machine_memory_mb() // 2),  # below the machine's, so the node is never short
                 cred_expire=self.cred_expire_s,
                 kill_wait=self.kill_wait_s,

@@ -31,11 +31,15 @@ JOB_TIMEOUT_S = 300.0
 
 
 @pytest.fixture(scope="module")
-def jobs(slurm_cluster, tmp_path_factory):
+def jobs(slurm_cluster, tmp_path_factory, single_run):
     """``name -> (job id, run directory)`` of the jobs that run to their end by themselves, submitted through
-    ``ppctl submit`` as the module's first test starts, so that they run beside it."""
-    return {name: _submit(slurm_cluster, tmp_path_factory.mktemp("runs") / name, overrides)
-            for name, overrides in JOBS.items()}
+    ``ppctl submit`` as the module's first test starts, so that they run beside it; the single-process runs
+    the module compares with start training meanwhile (the jobs spend much of their time waiting)."""
+    submitted = {name: _submit(slurm_cluster, tmp_path_factory.mktemp("runs") / name, overrides)
+                 for name, overrides in JOBS.items()}
+    for overrides in (LONG, PLAIN):
+        single_run.start(overrides)
+    return submitted
 
 
 def _submit(cluster, run, overrides) -> tuple[str, object]:
