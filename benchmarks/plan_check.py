@@ -2,13 +2,13 @@
 
 One ``ppctl bench --against none`` run calibrates the device (its throughput, message time and
 the runtime's time between actions: ``ppctl plan --calibrate``); then a fixed list of
-candidates on ``--gpus`` workers, chosen before any measurement to differ in tp, pp, dp,
+candidates on ``--workers`` workers (2 or 4), chosen before any measurement to differ in tp, pp, dp,
 schedule and recomputation, is predicted by the planner's own functions and measured by
 ``ppctl bench --against none`` (median step of R blocks). Prints each candidate's predicted and
 measured step time with the error, the mean absolute error and the rank correlation of the
 two orders (Spearman). Asserts nothing.
 
-    .venv/bin/python benchmarks/plan_check.py [--steps 3] [--repeats 3]
+    .venv/bin/python benchmarks/plan_check.py [--workers 2|4] [--steps 3] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -27,21 +27,37 @@ sys.path.insert(0, str(ROOT))
 MODEL = ["data=synthetic", "model.num_layers=8", "model.hidden_size=256", "model.num_heads=4",
          "model.ffn_hidden_size=1024", "model.tie_embeddings=false", "trainer.seq_length=64",
          "trainer.global_batch_size=16", "launcher.threads_per_worker=1", "trainer.tensorboard=false"]
-CALIBRATION = ["parallel.pp=4", "schedule=1f1b", "trainer.micro_batch_size=1"]
-# (tp, cp, pp, vpp, dp, schedule, micro-batch size, recompute, distributed optimizer): fixed before measuring
-CANDIDATES = [
-    (1, 1, 4, 1, 1, "1f1b", 1, "none", False),
-    (1, 1, 4, 1, 1, "gpipe", 1, "none", False),
-    (1, 1, 4, 2, 1, "zbv", 1, "none", False),
-    (1, 1, 4, 1, 1, "1f1b", 1, "full", False),
-    (1, 1, 2, 1, 2, "1f1b", 1, "none", False),
-    (1, 1, 2, 2, 2, "interleaved_1f1b", 1, "none", True),
-    (2, 1, 2, 1, 1, "1f1b", 1, "none", False),
-    (1, 1, 1, 1, 4, "1f1b", 2, "none", False),
-    (2, 1, 1, 1, 2, "1f1b", 1, "selective", False),
-    (1, 1, 4, 1, 1, "zb_h1", 2, "none", False),
-]
-
+# Per number of workers: the calibration run, then (tp, cp, pp, vpp, dp, schedule, micro-batch size, recompute,
+# distributed optimizer) of each candidate, fixed before measuring. Two workers have a core each on the 2-core
+# machine; four share two cores, which the simulator (a device per rank) does not model.
+CALIBRATION = {2: ["parallel.pp=2", "schedule=1f1b", "trainer.micro_batch_size=1"],
+               4: ["parallel.pp=4", "schedule=1f1b", "trainer.micro_batch_size=1"]}
+CANDIDATES = {
+    2: [
+        (1, 1, 2, 1, 1, "1f1b", 1, "none", False),
+        (1, 1, 2, 1, 1, "gpipe", 1, "none", False),
+        (1, 1, 2, 2, 1, "zbv", 1, "none", False),
+        (1, 1, 2, 1, 1, "1f1b", 1, "full", False),
+        (1, 1, 2, 2, 1, "interleaved_1f1b", 1, "none", False),
+        (1, 1, 2, 1, 1, "zb_h1", 2, "none", False),
+        (1, 1, 1, 1, 2, "1f1b", 1, "none", False),
+        (1, 1, 1, 1, 2, "1f1b", 2, "none", True),
+        (2, 1, 1, 1, 1, "1f1b", 1, "none", False),
+        (2, 1, 1, 1, 1, "1f1b", 1, "selective", False),
+    ],
+    4: [
+        (1, 1, 4, 1, 1, "1f1b", 1, "none", False),
+        (1, 1, 4, 1, 1, "gpipe", 1, "none", False),
+        (1, 1, 4, 2, 1, "zbv", 1, "none", False),
+        (1, 1, 4, 1, 1, "1f1b", 1, "full", False),
+        (1, 1, 2, 1, 2, "1f1b", 1, "none", False),
+        (1, 1, 2, 2, 2, "interleaved_1f1b", 1, "none", True),
+        (2, 1, 2, 1, 1, "1f1b", 1, "none", False),
+        (1, 1, 1, 1, 4, "1f1b", 2, "none", False),
+        (2, 1, 1, 1, 2, "1f1b", 1, "selective", False),
+        (1, 1, 4, 1, 1, "zb_h1", 2, "none", False),
+    ],
+}
 
 def bench(overrides: list[str], out_dir: Path, steps: int, repeats: int) -> dict:
     """One ``ppctl bench --against none`` launch; its JSON entry."""
@@ -71,6 +87,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workers", type=int, choices=sorted(CANDIDATES), default=2)
     args = parser.parse_args()
 
     from ppctl.cli.calibrate import calibration_of
@@ -78,14 +95,14 @@ def main() -> None:
     from ppctl.plan.search import DEVICES, Candidate, calibrated_device, predict
 
     work = Path(tempfile.mkdtemp(prefix="plan_check_"))
-    calibration_entry = bench(CALIBRATION, work / "calibration", args.steps, args.repeats)
+    calibration_entry = bench(CALIBRATION[args.workers], work / "calibration", args.steps, args.repeats)
     calibration = calibration_of(work / "calibration", "1f1b")
     device = calibrated_device(DEVICES["h100"], calibration, calibration.measured_config())
-    print(f"calibration: {' '.join(CALIBRATION)}: {calibration_entry['ppctl_step_s'] * 1e3:.1f} ms per step; "
+    print(f"calibration: {' '.join(CALIBRATION[args.workers])}: {calibration_entry['ppctl_step_s'] * 1e3:.1f} ms per step; "
           f"device {device.describe()}")
     base = compose_config(MODEL)
     rows = []
-    for index, fields in enumerate(CANDIDATES):
+    for index, fields in enumerate(CANDIDATES[args.workers]):
         candidate = Candidate(*fields)
         predicted = predict(base, candidate, device).step_time_s
         measured = bench(candidate.overrides(), work / f"candidate_{index}", args.steps, args.repeats)["ppctl_step_s"]

@@ -33,6 +33,9 @@ from .rules import BenchRequest, LOSS_TOLERANCE, max_relative_difference, median
 from .sides import PpctlSide, other_side
 
 PING_PONGS = 10
+UPDATE_STEPS = 3  # steps whose update (clipping and AdamW) is timed on its own
+ALL_REDUCE_SIZES = (1024, 1 << 20)  # float32 elements: a latency-bound and a bandwidth-bound all-reduce
+ALL_REDUCES = 10
 
 
 def run_bench(context: ParallelContext, run_dir: Path) -> None:
@@ -78,7 +81,10 @@ def bench_schedule(config: PpctlConfig, context: ParallelContext, request: Bench
     trainer = sides[0].trainer
     snapshot = traced_snapshot(trainer, next_step + 1, request.steps)
     comm = one_way_seconds(trainer, context)
-    mine = {"losses": losses, "memory": memory, "snapshot": snapshot, "rank": context.rank}
+    mine = {"losses": losses, "memory": memory, "snapshot": snapshot, "rank": context.rank,
+            "update_s": update_seconds(trainer, next_step + 1 + request.steps),
+            "parameters": sum(param.numel() for param in trainer.named_parameters().values()),
+            "all_reduce_s": {str(numel): all_reduce_seconds(numel, context) for numel in ALL_REDUCE_SIZES}}
     gathered = [None] * dist.get_world_size() if context.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if context.rank != 0:
@@ -107,6 +113,39 @@ def traced_snapshot(trainer: Trainer, step: int, steps: int) -> dict:
         return trainer.tracer.snapshot()
     finally:
         trainer.set_tracing(False)
+
+
+def update_seconds(trainer: Trainer, first_step: int) -> float:
+    """This rank's median time of the step's update (``apply_gradients``: clipping and the optimizer) over
+    ``UPDATE_STEPS`` steps from ``first_step``; 0 for a schedule that streams steps (its updates run inside)."""
+    if trainer.stream is not None:
+        return 0.0
+    times = []
+    for step in range(first_step, first_step + UPDATE_STEPS):
+        _, grad_norm = trainer.compute_gradients(step)
+        started = time.perf_counter()
+        trainer.apply_gradients(step, grad_norm)
+        _synchronize(trainer.context.device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def all_reduce_seconds(numel: int, context: ParallelContext) -> float:
+    """The median time of an all-reduce of ``numel`` float32 elements over every worker (after a barrier each)."""
+    tensor = torch.ones(numel, device=context.device)
+    times = []
+    for _ in range(ALL_REDUCES + 1):
+        dist.barrier()
+        started = time.perf_counter()
+        dist.all_reduce(tensor)
+        _synchronize(context.device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
 
 
 def one_way_seconds(trainer: Trainer, context: ParallelContext) -> float:
@@ -151,8 +190,19 @@ def summarise(config: PpctlConfig, trainer: Trainer, request: BenchRequest, seco
     result["peak_memory_bytes"] = {name: [entry["memory"][name] for entry in sorted(gathered, key=_rank)]
                                    for name in seconds}
     result["losses"] = losses
+    result.update(step_outside_figures(gathered))
     result.update(bubble_figures(trainer, gathered, comm))
     return result
+
+
+def step_outside_figures(gathered: list[dict]) -> dict:
+    """What the step costs beyond the pipeline, for ``ppctl plan --calibrate``: the slowest rank's update time and
+    its parameter count, and each all-reduce size's slowest time over the world (``world_size`` workers)."""
+    slowest = max(gathered, key=lambda entry: entry["update_s"])
+    sizes = gathered[0]["all_reduce_s"]
+    return {"update_s": slowest["update_s"], "update_parameters": slowest["parameters"],
+            "all_reduce_s": {size: max(entry["all_reduce_s"][size] for entry in gathered) for size in sizes},
+            "world_size": len(gathered)}
 
 
 def _rank(entry: dict) -> int:

@@ -41,6 +41,11 @@ class Calibration:
     comm_measured: bool
     given: tuple[str, ...] = ()  # costs the user gave in place of measured ones
     config_file: str = ""  # the measured run's resolved config
+    # Beyond the pipeline (``ppctl bench`` only; None where not measured): the update's seconds per parameter a
+    # rank steps, and the ring collectives' latency per step and bus bandwidth (bytes/s) from two all-reduces.
+    update_s_per_parameter: float | None = None
+    ring_step_s: float | None = None
+    bus_bandwidth: float | None = None
 
     def measured_config(self):
         """The measured run's ``PpctlConfig``."""
@@ -97,9 +102,31 @@ def _from_bench(run_dir: Path, schedule_name: str) -> Calibration:
     fitted, overhead = entry["fitted_costs_ms"], entry["overhead_per_action_ms"]
     costs = Costs(F=_charged(fitted["F"], overhead, chunks), B=_charged(fitted["B"], overhead, chunks),
                   W=_charged(fitted["W"], overhead, chunks) if fitted["W"] else 0.0, comm=fitted["comm"])
-    return Calibration(str(run_dir / "bench.json"), costs, overhead, entry["schedule"], entry["pp"],
-                       entry["makespan_measured_s"] * 1e3, entry["bubble_measured"], comm_measured=True,
-                       config_file=str(run_dir / configs[index]))
+    calibration = Calibration(str(run_dir / "bench.json"), costs, overhead, entry["schedule"], entry["pp"],
+                              entry["makespan_measured_s"] * 1e3, entry["bubble_measured"], comm_measured=True,
+                              config_file=str(run_dir / configs[index]))
+    return replace(calibration, **_beyond_pipeline(entry))
+
+
+def _beyond_pipeline(entry: dict) -> dict:
+    """The update and collective figures of a ``bench.json`` entry (none from one written before they were)."""
+    figures = {}
+    if entry.get("update_parameters"):
+        figures["update_s_per_parameter"] = entry["update_s"] / entry["update_parameters"]
+    if entry.get("world_size", 1) > 1 and entry.get("all_reduce_s"):
+        sizes = sorted((int(numel), seconds) for numel, seconds in entry["all_reduce_s"].items())
+        figures["ring_step_s"], figures["bus_bandwidth"] = ring_fit(sizes[0], sizes[-1], entry["world_size"])
+    return figures
+
+
+def ring_fit(small: tuple[int, float], large: tuple[int, float], ranks: int) -> tuple[float, float]:
+    """(latency per ring step, bus bandwidth in bytes/s) of ring all-reduces over ``ranks`` that took ``seconds``
+    for ``numel`` float32 elements, from two such (numel, seconds): a ring all-reduce of b bytes takes
+    2(n - 1) steps and moves 2(n - 1)/n * b bytes per rank. Bandwidth infinite when the larger was not slower."""
+    steps, share = 2 * (ranks - 1), 2 * (ranks - 1) / ranks
+    (small_numel, small_s), (large_numel, large_s) = small, large
+    bandwidth = share * 4 * (large_numel - small_numel) / (large_s - small_s) if large_s > small_s else float("inf")
+    return max(small_s - share * 4 * small_numel / bandwidth, 0.0) / steps, bandwidth
 
 
 def _charged(cost: float, overhead_ms: float, chunks: int) -> float:

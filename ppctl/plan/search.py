@@ -56,19 +56,30 @@ class Device:
     inter_node_bandwidth: float  # bytes/s per device (InfiniBand)
     latency_s: float
     overhead_s: float = 0.0  # a runtime's time per action beyond its compute (measured: --calibrate)
+    # Seconds of the step's update per parameter a rank steps (clipping and AdamW): AdamW is bound by memory
+    # traffic (about 32 bytes per fp32 parameter: parameter, gradient and two moments read, three written).
+    update_s_per_parameter: float = 0.0
+    collective_latency_s: float | None = None  # per step of a ring collective; None: latency_s
 
     def describe(self) -> str:
         """One line: the name and the figures the plan assumes."""
         return (f"{self.name}: {self.flops / 1e12:.3g} TFLOP/s sustained, links {self.intra_node_bandwidth / 1e9:.3g} "
                 f"GB/s in a node of {self.node_size} and {self.inter_node_bandwidth / 1e9:.3g} GB/s between, "
-                f"{self.latency_s * 1e6:.3g} us per message, {self.overhead_s * 1e3:.3g} ms per action")
+                f"{self.latency_s * 1e6:.3g} us per message, {self.overhead_s * 1e3:.3g} ms per action, "
+                f"{self.update_s_per_parameter * 1e9 * 1e6:.3g} ms per million parameters updated")
+
+    @property
+    def ring_step_s(self) -> float:
+        """The latency of one step of a ring collective (an all-reduce of n ranks takes 2(n - 1))."""
+        return self.latency_s if self.collective_latency_s is None else self.collective_latency_s
 
 
 # Sustained FLOP/s: 45% of the dense bf16 peak, Megatron-LM's reported range for GPT models of this size.
-DEVICES = {
-    "h100": Device("h100", 0.45 * 989e12, 80, 8, 450e9, 50e9, 10e-6),
-    "h200": Device("h200", 0.45 * 989e12, 141, 8, 450e9, 50e9, 10e-6),
-    "a100": Device("a100", 0.45 * 312e12, 80, 8, 300e9, 25e9, 10e-6),
+ADAMW_BYTES_PER_PARAMETER = 32
+DEVICES = {  # the update at the memory bandwidth: 3.35, 4.8 and 2.0 TB/s
+    "h100": Device("h100", 0.45 * 989e12, 80, 8, 450e9, 50e9, 10e-6, update_s_per_parameter=32 / 3.35e12),
+    "h200": Device("h200", 0.45 * 989e12, 141, 8, 450e9, 50e9, 10e-6, update_s_per_parameter=32 / 4.8e12),
+    "a100": Device("a100", 0.45 * 312e12, 80, 8, 300e9, 25e9, 10e-6, update_s_per_parameter=32 / 2.0e12),
 }
 
 
@@ -206,7 +217,7 @@ def step_costs(config: PpctlConfig, device: Device) -> StepCosts:
     overhead = device.overhead_s * _chunks_per_copy(config)
     return StepCosts(F=forward + collective + overhead, B=forward + collective + recompute[model.recompute] + overhead,
                      W=forward + overhead, comm=message_s(config, device),
-                     reduction=reduction_s(config, device), microbatches=num_microbatches(config))
+                     reduction=after_pipeline_s(config, device), microbatches=num_microbatches(config))
 
 
 def message_s(config: PpctlConfig, device: Device) -> float:
@@ -250,7 +261,23 @@ def reduction_s(config: PpctlConfig, device: Device) -> float:
     whole = chunk_parameters(model_shape(config), Chunk(0, config.model.num_layers, True, True), parallel.tp)
     within_node = parallel.tp * replicas <= device.node_size
     bandwidth = device.intra_node_bandwidth if within_node else device.inter_node_bandwidth
-    return 2 * (replicas - 1) / replicas * 4 * whole / parallel.pp / bandwidth
+    return 2 * (replicas - 1) * (4 * whole / parallel.pp / replicas / bandwidth + device.ring_step_s)
+
+
+def update_s(config: PpctlConfig, device: Device) -> float:
+    """The step's update after the reduction (clipping and AdamW) on the rank with the most parameters: each rank
+    steps its own (the distributed optimizer: its 1 / (dp * cp) shard of them)."""
+    shape, parallel = model_shape(config), config.parallel
+    stepped = max(sum(chunk_parameters(shape, chunk, parallel.tp) for chunk in rank_chunks)
+                  for rank_chunks in _rank_chunks(config))
+    if config.optimizer.distributed:  # sharded over the replicas (with DualPipe's two copies, over both)
+        stepped /= parallel.dp * parallel.cp * layout_of(config).placement.copies
+    return stepped * device.update_s_per_parameter
+
+
+def after_pipeline_s(config: PpctlConfig, device: Device) -> float:
+    """What a step does once the pipeline has drained: the gradient reduction, then the update."""
+    return reduction_s(config, device) + update_s(config, device)
 
 
 def compute_bound_s(config: PpctlConfig, device: Device) -> float:
@@ -258,7 +285,7 @@ def compute_bound_s(config: PpctlConfig, device: Device) -> float:
     mean compute for the step (all microbatches through the whole model, shared by tp * pp devices) after its
     wait for the first microbatch to reach it (the fill), then the data-parallel reduction."""
     forward_s = _mean_forward_s(config, device)
-    return 3 * num_microbatches(config) * forward_s + _fill_stages(config) * forward_s + reduction_s(config, device)
+    return 3 * num_microbatches(config) * forward_s + _fill_stages(config) * forward_s + after_pipeline_s(config, device)
 
 
 def _mean_forward_s(config: PpctlConfig, device: Device) -> float:
@@ -282,7 +309,7 @@ def schedule_bound_s(config: PpctlConfig, device: Device) -> float:
     ratio = max(r for r in COMM_RATIOS if r * forward_s <= message_s(config, device))
     key = (config.schedule.name, parallel.pp, parallel.vpp, num_microbatches(config))
     unit_makespan, _ = _simulated(key, 1.0, 1.0, 1.0, ratio)
-    return unit_makespan * forward_s + reduction_s(config, device)
+    return unit_makespan * forward_s + after_pipeline_s(config, device)
 
 
 def _fill_stages(config: PpctlConfig) -> float:
@@ -305,14 +332,25 @@ def _rank_layers(config: PpctlConfig) -> list[int]:
     return counts
 
 
+def _rank_chunks(config: PpctlConfig) -> list[list[Chunk]]:
+    """The memory model's ``Chunk`` of each stage, per pp rank."""
+    chunks: list[list[Chunk]] = [[] for _ in range(config.parallel.pp)]
+    for (pp_rank, _), stage in config_layer_map(config).items():
+        chunks[pp_rank].append(Chunk(stage.stage, len(stage.layers), stage.pre_process, stage.post_process))
+    return chunks
+
+
 def _tp_cp_seconds(config: PpctlConfig, device: Device, tokens: int, element: int) -> float:
     """Per layer and microbatch: TP's two ring all-reduces (or SP's all-gathers and reduce-scatters: the same
     bytes) of the activations, and all-gather CP's keys and values, within a node."""
     parallel, hidden = config.parallel, config.model.hidden_size
     tp, cp = parallel.tp, parallel.cp
-    seconds = 2 * 2 * (tp - 1) / tp * element * tokens * hidden / device.intra_node_bandwidth if tp > 1 else 0.0
+    seconds = 0.0
+    if tp > 1:  # each all-reduce: 2(tp - 1) ring steps
+        seconds += 2 * (2 * (tp - 1) / tp * element * tokens * hidden / device.intra_node_bandwidth
+                        + 2 * (tp - 1) * device.ring_step_s)
     if cp > 1:
-        seconds += (cp - 1) * 2 * element * tokens * hidden / tp / device.intra_node_bandwidth
+        seconds += (cp - 1) * (2 * element * tokens * hidden / tp / device.intra_node_bandwidth + device.ring_step_s)
     return seconds
 
 
@@ -513,8 +551,10 @@ def refusal_reason(message: str) -> str:
 def calibrated_device(device: Device, calibration, measured: PpctlConfig) -> Device:
     """``device`` with the figures a measured run achieved (``--calibrate RUN_DIR``: a ``Calibration`` from
     ``ppctl bench`` or a traced ``train``, and that run's config): the FLOP/s of its fitted F + B + W (the
-    runtime's time between actions taken out), that time between actions per action, and its message time as the
-    latency of every message (links then free). ValueError (one line) when the figures make no throughput."""
+    runtime's time between actions taken out), that time between actions per action, its message time as the
+    latency of every message, and where ``ppctl bench`` measured them the update's time per parameter and the
+    ring collectives' latency and bandwidth (else a free update and free links). ValueError (one line)
+    when the figures make no throughput."""
     chunks = _chunks_per_copy(measured)
     costs, overhead_ms = calibration.costs, calibration.overhead_ms
     actions = 3 if costs.W else 2  # F, B and W each charged; an unsplit backward is B, with W at 0
@@ -522,11 +562,13 @@ def calibrated_device(device: Device, calibration, measured: PpctlConfig) -> Dev
     if compute_ms <= 0:
         raise ValueError(f"--calibrate: {calibration.source} holds no compute time once the runtime's time between "
                          "actions is taken out")
-    unlimited = float("inf")
+    bandwidth = calibration.bus_bandwidth or float("inf")  # not measured: free links
     return replace(device, name=f"calibrated by {calibration.source}",
                    flops=3 * forward_flops_per_microbatch(measured) / (compute_ms / 1e3),
-                   intra_node_bandwidth=unlimited, inter_node_bandwidth=unlimited,
-                   latency_s=costs.comm / 1e3, overhead_s=overhead_ms / 1e3)
+                   intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth,
+                   latency_s=costs.comm / 1e3, overhead_s=overhead_ms / 1e3,
+                   update_s_per_parameter=calibration.update_s_per_parameter or 0.0,
+                   collective_latency_s=calibration.ring_step_s)
 
 
 def explain_candidate(config: PpctlConfig, candidate: Candidate, device: Device):

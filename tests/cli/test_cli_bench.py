@@ -8,7 +8,8 @@ import pytest
 SMOKE = ["data=synthetic", "--steps", "2", "--repeats", "1"]
 KEYS = {"schedule", "ppctl_step_s", "other_step_s", "ratio", "ratios_per_block", "bubble_measured",
         "bubble_simulated", "makespan_measured_s", "makespan_simulated_s", "peak_memory_bytes", "loss_max_rel_diff",
-        "fitted_costs_ms", "losses", "pp", "vpp", "microbatches", "against"}
+        "fitted_costs_ms", "losses", "pp", "vpp", "microbatches", "against", "update_s", "update_parameters",
+        "all_reduce_s", "world_size"}
 
 
 @pytest.mark.timeout(240)
@@ -29,6 +30,8 @@ def test_bench_against_torch_pipelining_json(ppctl, tmp_path):
         assert all(len(per_rank) == 2 and min(per_rank) > 0 for per_rank in entry["peak_memory_bytes"].values())
         assert 0 <= entry["bubble_simulated"] and 0 <= entry["bubble_measured"]
         assert set(entry["fitted_costs_ms"]) >= {"F", "B", "W", "comm"}
+        assert entry["update_s"] > 0 and entry["update_parameters"] > 0 and entry["world_size"] == 2
+        assert set(entry["all_reduce_s"]) == {"1024", "1048576"} and min(entry["all_reduce_s"].values()) > 0
     assert (tmp_path / "bench.json").is_file()
 
 

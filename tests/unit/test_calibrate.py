@@ -95,6 +95,26 @@ def test_calibration_from_bench_takes_the_entry_of_the_schedule(tmp_path):
     assert first.schedule == "1f1b" and (first.costs.F, first.costs.W) == pytest.approx((4.5, 0.0))
 
 
+def test_bench_figures_beyond_the_pipeline_calibrate_the_update_and_the_ring(tmp_path):
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench/0_1f1b.yaml").write_text(to_yaml(compose_config(["data=synthetic", "parallel.pp=2"])))
+    step_s, bandwidth, ranks = 2e-4, 1e9, 2  # a ring all-reduce: 2(n - 1) steps, 2(n - 1)/n of the bytes moved
+    ring = {str(numel): 2 * (ranks - 1) * step_s + (ranks - 1) / ranks * 2 * 4 * numel / bandwidth
+            for numel in (1024, 1 << 20)}
+    entry = {"schedule": "1f1b", "pp": 2, "fitted_costs_ms": {"F": 4.0, "B": 8.0, "W": 0.0, "comm": 0.2},
+             "overhead_per_action_ms": 0.5, "makespan_measured_s": 0.1, "bubble_measured": 0.25,
+             "update_s": 0.03, "update_parameters": 1_000_000, "all_reduce_s": ring, "world_size": ranks}
+    (tmp_path / "bench.json").write_text(json.dumps([entry]))
+    (tmp_path / "bench_request.json").write_text(json.dumps({"configs": ["bench/0_1f1b.yaml"]}))
+    calibration = calibration_of(tmp_path, "1f1b")
+    assert calibration.update_s_per_parameter == pytest.approx(3e-8)
+    assert (calibration.ring_step_s, calibration.bus_bandwidth) == pytest.approx((step_s, bandwidth))
+    del entry["update_s"], entry["update_parameters"], entry["all_reduce_s"], entry["world_size"]  # an older bench
+    (tmp_path / "bench.json").write_text(json.dumps([entry]))
+    older = calibration_of(tmp_path, "1f1b")
+    assert older.update_s_per_parameter is None and older.ring_step_s is None and older.bus_bandwidth is None
+
+
 def test_calibration_refusals_name_the_directory(tmp_path):
     with pytest.raises(ValueError, match="no such run directory"):
         calibration_of(tmp_path / "missing", "1f1b")

@@ -132,3 +132,26 @@ def test_calibration_gives_the_measured_throughput_back(base):
     broken = Calibration("bench.json", Costs(F=0.1, B=0.1, W=0.1, comm=0), 1.0, "1f1b", 2, 10.0, 0.1, True)
     with pytest.raises(ValueError, match="no compute time"):
         calibrated_device(H100, broken, measured)
+
+
+def test_a_bench_calibration_predicts_its_update_and_collectives_back(base):
+    """The update's time per parameter comes back on the measured layout, is shared by the distributed optimizer's
+    replicas, and TP's all-reduces cost their ring steps."""
+    measured = compose_config(BASE + ["parallel.pp=2", "trainer.micro_batch_size=1"])
+    validate(measured)
+    costs = Costs(F=10.0, B=10.0, W=0.0, comm=0.25)
+    calibration = replace(Calibration("bench.json", costs, 0.0, "1f1b", 2, 10.0, 0.1, True),
+                          update_s_per_parameter=1e-8, ring_step_s=1e-4, bus_bandwidth=1e9)
+    device = calibrated_device(H100, calibration, measured)
+    busiest = max(parts.parameters for parts in config_memory(measured))
+    parameters = busiest / search.DTYPE_BYTES["fp32"]
+    assert search.update_s(measured, device) == pytest.approx(parameters * 1e-8)
+    replicated = compose_config(BASE + ["parallel.pp=1", "parallel.dp=2"])
+    sharded = compose_config(BASE + ["parallel.pp=1", "parallel.dp=2", "optimizer.distributed=true"])
+    assert search.update_s(sharded, device) == pytest.approx(search.update_s(replicated, device) / 2)
+    tp2 = compose_config(BASE + ["parallel.pp=1", "parallel.tp=2", "trainer.micro_batch_size=1"])
+    free = replace(device, collective_latency_s=0.0, intra_node_bandwidth=float("inf"))
+    layers = tp2.model.num_layers
+    extra = search.step_costs(tp2, device).F - search.step_costs(tp2, free).F
+    tokens, hidden = tp2.trainer.seq_length, tp2.model.hidden_size
+    assert extra == pytest.approx(layers * 2 * (2 * 1e-4 + 4 * tokens * hidden / 1e9))  # 2 all-reduces per layer
