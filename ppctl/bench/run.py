@@ -25,7 +25,7 @@ from ppctl.config import PpctlConfig, layout_of, load_config_file
 from ppctl.parallel.groups import ParallelContext, build_parallel_context
 from ppctl.pipeline.simulate import simulate
 from ppctl.pipeline.trace import (costs_from_measurement, measured_makespan_and_bubble, measured_timelines,
-                                  overhead_per_action)
+                                  overhead_per_action, posting_fit, simulate_with_posting)
 from ppctl.run.memory import step_peak_bytes
 from ppctl.run.train import Trainer
 
@@ -230,7 +230,11 @@ def bubble_figures(trainer: Trainer, gathered: list[dict], comm: float) -> dict:
     predicted = simulate(program, fitted)
     with_overhead = dataclasses.replace(costs_from_measurement(rows, schedule.chunks_per_copy, True), comm=comm * 1e3)
     charged = simulate(program, with_overhead)
+    posting = posting_fit(rows, program)
+    posted_makespan, posted_bubble = simulate_with_posting(program, fitted, posting)
     return {"bubble_measured": bubble, "bubble_simulated": predicted.bubble_ratio,
             "makespan_measured_s": makespan / 1e3, "makespan_simulated_s": predicted.makespan / 1e3,
             "fitted_costs_ms": fitted.to_json(), "overhead_per_action_ms": overhead_per_action(rows),
-            "makespan_simulated_with_overhead_s": charged.makespan / 1e3}
+            "makespan_simulated_with_overhead_s": charged.makespan / 1e3,
+            "posting_ms": dataclasses.asdict(posting), "makespan_simulated_with_posting_s": posted_makespan / 1e3,
+            "bubble_simulated_with_posting": posted_bubble}

@@ -123,3 +123,33 @@ def test_calibration_refusals_name_the_directory(tmp_path):
     (tmp_path / "trace.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot read"):
         calibration_of(tmp_path, "1f1b")
+
+
+def test_posting_costs_fitted_to_the_gaps_give_the_measured_makespan_back():
+    """A made-up run whose runtime spends 0.01 ms after each action and 0.3 ms per point-to-point operation it
+    posts: the fit finds both, and the simulator charging them reproduces the run's makespan."""
+    from ppctl.pipeline.replay import run_timed
+    from ppctl.pipeline.simulate import RankTimeline, TimedAction
+    from ppctl.pipeline.trace import PostingCosts, posting_fit, simulate_with_posting
+
+    program, costs, posting = lower(build_schedule("1f1b", 2, 1, 4)), Costs(F=2.0, B=4.0, W=0.0, comm=0.1), \
+        PostingCosts(per_action=0.01, per_operation=0.3)
+    made_up, _ = simulate_with_posting(program, costs, posting)
+    timed = program.timed(costs)
+    durations = [[step[1] for step in rank_steps] for rank_steps in timed.steps]
+    for rank_steps, initial in zip(timed.steps, program.initial_receives):  # as simulate_with_posting charges
+        for index, (inputs, duration, output, sends, receives) in enumerate(rank_steps):
+            posted = len(sends) + len(receives) + (len(initial) if index == 0 else 0)
+            rank_steps[index] = (inputs, duration + 0.01 + 0.3 * posted, output, sends, receives)
+    replayed = run_timed(timed, costs.comm)
+    rows = []
+    for rank, (starts, ends, rank_durations) in enumerate(zip(replayed.starts, replayed.ends, durations)):
+        starts = [starts[0] + 0.3 * len(program.initial_receives[rank]), *starts[1:]]  # posted before action 0
+        actions = [TimedAction(step.action.kind, step.action.stage, step.action.microbatch, start, start + duration)
+                   for step, start, duration in zip(program.steps[rank], starts, rank_durations)]
+        waits = [(end, start) for end, start in zip(ends, starts[1:]) if start > end]  # idle: waiting for a message
+        rows.append(RankTimeline(rank, actions, 0.0, waits))
+    fitted = posting_fit(rows, program)
+    assert (fitted.per_action, fitted.per_operation) == pytest.approx((0.01, 0.3))
+    assert max(ends[-1] for ends in replayed.ends) == pytest.approx(made_up)
+    assert simulate_with_posting(program, costs, fitted)[0] == pytest.approx(made_up)
