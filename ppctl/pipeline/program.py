@@ -203,12 +203,13 @@ class _MessageNumbers:
 # --- lowering ---------------------------------------------------------------------------------
 
 @gc_paused
-def lower(schedule: Schedule) -> Program:
+def lower(schedule: Schedule, sent: Optional["SendsOnly"] = None) -> Program:
     """The program of ``schedule``: its messages from stage adjacency, each receive posted where it is due.
 
-    Raises ``ScheduleError`` when an action needs a message that no action produces.
+    ``sent`` is the schedule's ``sends_only`` where the caller keeps it (``ppctl.pipeline.kept``), else made
+    here. Raises ``ScheduleError`` when an action needs a message that no action produces.
     """
-    sent = sends_only(schedule)
+    sent = sends_only(schedule) if sent is None else sent
     bare, messages = sent.bare, sent.messages
     slots = _receive_slots(schedule, bare, run_timed(sent.timed()), messages)
     steps = tuple(tuple(map(Step, actions, inputs, local_outputs, sends, rank_slots[1:]))
