@@ -194,6 +194,50 @@ def run_timed(program: TimedProgram, comm: float = 0.0, rendezvous: bool = False
     return Replay(engine.starts, engine.ends, engine.stuck(), engine.stalled())
 
 
+def buffered_finish_times(program: TimedProgram, comm: float = 0.0) -> Optional[list[float]]:
+    """Each rank's end of its last action in ``run_timed(program, comm)`` (0.0 for a rank without actions), or
+    None where that replay deadlocks (``run_timed`` names where).
+
+    The same engine loop and the same arithmetic, so the same times, without the timelines, the
+    message table or a call per batch: the planner times thousands of large schedules this way.
+    """
+    all_steps, pp = program.steps, len(program.steps)
+    available: list[Optional[float]] = [None] * len(program.messages)
+    sleeping: dict[int, int] = {}
+    positions, finish = [0] * pp, [0.0] * pp
+    ready = deque(range(pp))
+    while ready:
+        pp_rank = ready.popleft()
+        steps, free_at, position = all_steps[pp_rank], finish[pp_rank], len(all_steps[pp_rank])
+        for index in range(positions[pp_rank], position):
+            inputs, duration, local_output, sends, _ = steps[index]
+            start, missing = free_at, None
+            for number in inputs:
+                arrived = available[number]
+                if arrived is None:
+                    missing = number
+                    break
+                if arrived > start:
+                    start = arrived
+            if missing is not None:
+                sleeping[missing], position = pp_rank, index
+                break
+            free_at = start + duration
+            if local_output is not None:
+                available[local_output] = free_at
+                if local_output in sleeping:
+                    ready.append(sleeping.pop(local_output))
+            if sends:
+                arrives_at = free_at + comm
+                for number in sends:
+                    available[number] = arrives_at
+                    if number in sleeping:
+                        ready.append(sleeping.pop(number))
+        positions[pp_rank], finish[pp_rank] = position, free_at
+    done = all(position == len(steps) for position, steps in zip(positions, all_steps))
+    return finish if done else None
+
+
 class _Engine:
     """Event-driven replay: a rank runs until it needs a message not yet there, then sleeps on it.
 

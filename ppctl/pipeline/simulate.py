@@ -20,7 +20,7 @@ from operator import itemgetter
 from typing import Optional, Sequence, Union
 
 from .program import Program, SendsOnly, lower
-from .replay import Costs, Replay, TimedProgram, gc_paused, run_timed
+from .replay import Costs, Replay, TimedProgram, buffered_finish_times, gc_paused, run_timed
 from .schedules import stream_of, streams_steps
 from .schedules.base import BACKWARD, BACKWARD_WEIGHT, Action, FORWARD, Schedule, ScheduleError
 
@@ -209,7 +209,7 @@ def simulate(schedule: Union[Schedule, Program], costs: Costs = Costs()) -> SimR
     ranks = [RankTimeline(pp_rank, _timed_actions(schedule, pp_rank, outcome),
                           peak_activations(rank_actions, schedule.chunks_per_copy))
              for pp_rank, rank_actions in enumerate(schedule.actions)]
-    makespan, bubble_ratio = _makespan_and_bubble(timed, outcome)
+    makespan, bubble_ratio = _makespan_and_bubble(timed, [ends[-1] if ends else 0.0 for ends in outcome.ends])
     return SimResult(schedule.name, schedule.pp, schedule.chunks_per_rank, schedule.num_microbatches,
                      costs, ranks, makespan, bubble_ratio, schedule.placement.copies, program)
 
@@ -223,7 +223,10 @@ def simulate_makespan(program: Union[Program, SendsOnly], costs: Costs = Costs()
     lowering of the thousands of candidates it only times.
     """
     timed = program.timed(costs, pairs_as_one=True)
-    return _makespan_and_bubble(timed, _replayed(program.schedule, timed, costs))
+    finish = buffered_finish_times(timed, costs.comm)
+    if finish is None:
+        _replayed(program.schedule, timed, costs)  # raises, naming the stuck ranks
+    return _makespan_and_bubble(timed, finish)
 
 
 def _replayed(schedule: Schedule, timed: TimedProgram, costs: Costs) -> Replay:
@@ -234,9 +237,9 @@ def _replayed(schedule: Schedule, timed: TimedProgram, costs: Costs) -> Replay:
     return outcome
 
 
-def _makespan_and_bubble(timed: TimedProgram, outcome: Replay) -> tuple[float, float]:
-    """The last end over all ranks, and (it - the busiest rank's compute) / that compute."""
-    makespan = max((ends[-1] for ends in outcome.ends if ends), default=0.0)
+def _makespan_and_bubble(timed: TimedProgram, finish: list[float]) -> tuple[float, float]:
+    """The last of the ranks' ``finish`` times, and (it - the busiest rank's compute) / that compute."""
+    makespan = max(finish, default=0.0)
     busiest = max(sum(map(itemgetter(1), rank_steps)) for rank_steps in timed.steps)  # (inputs, duration, ...)
     return makespan, (makespan - busiest) / busiest if busiest > 0 else 0.0
 

@@ -217,3 +217,24 @@ def test_lower_numbers_messages_as_sends_only_does():
     program, sent = lower(schedule), sends_only(schedule)
     assert program.messages == sent.messages
     assert [[step.inputs for step in steps] for steps in program.steps] == [bare.inputs for bare in sent.bare]
+
+
+@pytest.mark.parametrize("name,vpp", PLANNED)
+def test_buffered_finish_times_are_the_replays_last_ends(name, vpp):
+    from ppctl.pipeline.replay import buffered_finish_times, run_timed
+
+    timed = lower(build_schedule(name, 4, vpp, 8)).timed(Costs(F=1.3, B=1.9, W=0.7, FB=2.9), pairs_as_one=True)
+    assert buffered_finish_times(timed, 0.3) == [ends[-1] for ends in run_timed(timed, 0.3).ends]
+
+
+def test_a_deadlock_has_no_finish_times_and_the_makespan_names_it():
+    from ppctl.pipeline.program import sends_only
+    from ppctl.pipeline.replay import buffered_finish_times
+    from ppctl.pipeline.simulate import simulate_makespan
+
+    schedule = build_schedule("1f1b", 2, 1, 2)
+    swapped = Schedule(schedule.name, 2, 1, 2, schedule.placement,
+                       (tuple(sorted(schedule.actions[0], key=lambda a: a.kind != "BW")), schedule.actions[1]))
+    assert buffered_finish_times(sends_only(swapped).timed()) is None
+    with pytest.raises(ScheduleError, match="deadlock: rank 0 stuck at BW"):
+        simulate_makespan(sends_only(swapped))
