@@ -436,10 +436,10 @@ def _outpaced(config: PpctlConfig, first: Candidate, memory_bytes: float, device
     try:
         validate(built, data=False, prove_schedule=False)
         costs = step_costs(built, device)
-        fits = max(parts.total for parts in _memory(built)) <= memory_bytes
+        return (_busiest_ms(built, costs) / 1e3 + costs.reduction > to_beat.step_time_s * (1 + ROUNDING_MARGIN)
+                and max(parts.total for parts in _memory(built)) <= memory_bytes)  # the memory only where it decides
     except (ConfigError, ScheduleError):
         return False
-    return fits and _busiest_ms(built, costs) / 1e3 + costs.reduction > to_beat.step_time_s * (1 + ROUNDING_MARGIN)
 
 
 def _schedule_bound_or_zero(config: PpctlConfig, device: Device) -> float:
