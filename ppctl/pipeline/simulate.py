@@ -20,7 +20,7 @@ from operator import itemgetter
 from typing import Optional, Sequence, Union
 
 from .program import Program, SendsOnly, lower
-from .replay import Costs, Replay, TimedProgram, buffered_finish_times, gc_paused, run_timed
+from .replay import Costs, Replay, TimedProgram, action_durations, gc_paused, run_timed
 from .schedules import stream_of, streams_steps
 from .schedules.base import BACKWARD, BACKWARD_WEIGHT, Action, FORWARD, Schedule, ScheduleError
 
@@ -209,7 +209,7 @@ def simulate(schedule: Union[Schedule, Program], costs: Costs = Costs()) -> SimR
     ranks = [RankTimeline(pp_rank, _timed_actions(schedule, pp_rank, outcome),
                           peak_activations(rank_actions, schedule.chunks_per_copy))
              for pp_rank, rank_actions in enumerate(schedule.actions)]
-    makespan, bubble_ratio = _makespan_and_bubble(timed, [ends[-1] if ends else 0.0 for ends in outcome.ends])
+    makespan, bubble_ratio = _makespan_and_bubble(timed, outcome)
     return SimResult(schedule.name, schedule.pp, schedule.chunks_per_rank, schedule.num_microbatches,
                      costs, ranks, makespan, bubble_ratio, schedule.placement.copies, program)
 
@@ -220,13 +220,16 @@ def simulate_makespan(program: Union[Program, SendsOnly], costs: Costs = Costs()
 
     ``program`` may be the schedule's ``SendsOnly`` (``sends_only``): the replay posts no
     receive, so it times that as it times the lowered program, and the planner skips the
-    lowering of the thousands of candidates it only times.
+    lowering of the thousands of candidates it only times. Without ``FB`` the replay walks the
+    program's ``StepGraph`` (made once per program), the same times at a fraction of the cost.
     """
-    timed = program.timed(costs, pairs_as_one=True)
-    finish = buffered_finish_times(timed, costs.comm)
-    if finish is None:
-        _replayed(program.schedule, timed, costs)  # raises, naming the stuck ranks
-    return _makespan_and_bubble(timed, finish)
+    graph = program.graph if costs.FB is None else None  # with FB, a pair's steps share its time: the engine runs it
+    if graph is None:
+        timed = program.timed(costs, pairs_as_one=True)
+        return _makespan_and_bubble(timed, _replayed(program.schedule, timed, costs))
+    durations = action_durations(program.schedule.chunks_per_copy, costs)
+    busiest = max(sum(map(durations.__getitem__, kinds)) for kinds in graph.rank_kinds)  # as the timed steps sum
+    return _bubble(max(graph.finish_times(durations, costs.comm), default=0.0), busiest)
 
 
 def _replayed(schedule: Schedule, timed: TimedProgram, costs: Costs) -> Replay:
@@ -237,10 +240,15 @@ def _replayed(schedule: Schedule, timed: TimedProgram, costs: Costs) -> Replay:
     return outcome
 
 
-def _makespan_and_bubble(timed: TimedProgram, finish: list[float]) -> tuple[float, float]:
-    """The last of the ranks' ``finish`` times, and (it - the busiest rank's compute) / that compute."""
-    makespan = max(finish, default=0.0)
+def _makespan_and_bubble(timed: TimedProgram, outcome: Replay) -> tuple[float, float]:
+    """The last end over all ranks, and (it - the busiest rank's compute) / that compute."""
+    makespan = max((ends[-1] for ends in outcome.ends if ends), default=0.0)
     busiest = max(sum(map(itemgetter(1), rank_steps)) for rank_steps in timed.steps)  # (inputs, duration, ...)
+    return _bubble(makespan, busiest)
+
+
+def _bubble(makespan: float, busiest: float) -> tuple[float, float]:
+    """``makespan`` and (it - the busiest rank's compute) / that compute."""
     return makespan, (makespan - busiest) / busiest if busiest > 0 else 0.0
 
 
