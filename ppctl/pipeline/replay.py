@@ -226,7 +226,7 @@ class StepGraph:
                 for number in sent:
                     made_by[number], remote[number] = step, 1
         rank_kinds = tuple(tuple(action.kind for action in rank_actions) for rank_actions in actions)
-        return _walked(cls, inputs, made_by, remote, rank_kinds)
+        return _walked(inputs, made_by, remote, rank_kinds)
 
     def finish_times(self, durations: dict[str, float], comm: float) -> list[float]:
         """Each rank's end of its last step (0.0 without one), with step kind -> ``durations`` and messages between
@@ -241,7 +241,7 @@ class StepGraph:
         return [ends[step] for step in self.last]
 
 
-def _walked(cls, inputs: list[Optional[int]], made_by: list[int], remote: bytearray,
+def _walked(inputs: list[Optional[int]], made_by: list[int], remote: bytearray,
             rank_kinds: tuple[tuple[str, ...], ...]) -> Optional[StepGraph]:
     """The ``StepGraph`` of steps numbered rank by rank, found by the engine's walk without times (a rank runs until
     a step's input is not made yet, then waits for its maker); None where some step is never reached."""
@@ -275,10 +275,10 @@ def _walked(cls, inputs: list[Optional[int]], made_by: list[int], remote: bytear
         positions[pp_rank] = position
     if len(order) < none:
         return None
-    return cls(tuple(order), tuple(previous), tuple(makers[step] for step in order),
-               tuple(0 if inputs[step] is None else remote[inputs[step]] for step in order),
-               tuple(kinds[step] for step in order), rank_kinds,
-               tuple(steps[-1] if steps else none for steps in ranges))
+    return StepGraph(tuple(order), tuple(previous), tuple(makers[step] for step in order),
+                     tuple(0 if inputs[step] is None else remote[inputs[step]] for step in order),
+                     tuple(kinds[step] for step in order), rank_kinds,
+                     tuple(steps[-1] if steps else none for steps in ranges))
 
 
 def run_timed(program: TimedProgram, comm: float = 0.0, rendezvous: bool = False) -> Replay:
