@@ -145,12 +145,18 @@ def _check_schedule_plan(config: PpctlConfig) -> None:
 @functools.lru_cache(maxsize=1024)
 def _built_schedule_problem(name: str, pp: int, vpp: int, microbatches: int) -> str | None:
     """The checker's verdict on a built schedule (None: proved), kept: these four sizes decide it, and a planner
-    validates thousands of configs that share a few schedules."""
+    validates thousands of configs that share a few schedules (and has usually built and timed this one: the
+    checker starts from its kept schedule and sends, ``ppctl.pipeline.kept``)."""
     from ppctl.pipeline.check import check_schedule
-    from ppctl.pipeline.schedules import ScheduleError, build_schedule
+    from ppctl.pipeline.kept import kept_schedule, kept_sends
+    from ppctl.pipeline.schedules import ScheduleError
 
     try:
-        check_schedule(build_schedule(name, pp, vpp, microbatches))
+        try:
+            sent = kept_sends(name, pp, vpp, microbatches)
+        except ScheduleError:  # not built, or a message lacking: the checker finds the first problem in its order
+            sent = None
+        check_schedule(kept_schedule(name, pp, vpp, microbatches) if sent is None else sent.schedule, sent)
     except ScheduleError as error:
         return str(error)
     return None

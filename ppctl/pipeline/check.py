@@ -24,19 +24,23 @@ Each failure raises ``ScheduleError`` with one line naming the rank, stage and m
 from __future__ import annotations
 
 from collections import Counter
+from typing import Optional
 
-from .program import Message, Program, lower
+from .program import Message, Program, SendsOnly, lower
 from .replay import gc_paused, run_timed
 from .schedules.base import (ACTION_KINDS, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action,
                              Schedule, ScheduleError)
 
 
 @gc_paused
-def check_schedule(schedule: Schedule) -> Program:
-    """The lowered program of ``schedule``; ``ScheduleError`` (one line) unless it is complete, well placed and runs."""
+def check_schedule(schedule: Schedule, sent: Optional[SendsOnly] = None) -> Program:
+    """The lowered program of ``schedule``; ``ScheduleError`` (one line) unless it is complete, well placed and runs.
+
+    ``sent``: the schedule's ``sends_only`` where the caller keeps it (``lower`` makes it otherwise).
+    """
     check_placement(schedule)
     check_actions(schedule)
-    program = lower(schedule)
+    program = lower(schedule, sent)
     check_program(program)
     return program
 

@@ -45,7 +45,7 @@ from functools import cached_property
 from itertools import chain, repeat
 from typing import NamedTuple, Optional
 
-from .replay import Costs, Replay, TimedProgram, gc_paused, run_timed
+from .replay import Costs, Replay, StepGraph, TimedProgram, gc_paused, run_timed
 from .schedules.base import BACKWARD, BACKWARD_INPUT, FORWARD, Action, Schedule, ScheduleError
 
 ACTIVATION = "act"
@@ -122,6 +122,13 @@ class Program:
     def dst_ranks(self) -> list[int]:
         """Message number -> the rank that receives it."""
         return [message.dst_rank for message in self.messages]
+
+    @cached_property
+    def graph(self) -> Optional[StepGraph]:
+        """The steps as a ``StepGraph`` for buffered replays (None where ``StepGraph.of`` says), made once."""
+        columns = [([step.inputs for step in steps], [step.local_output for step in steps],
+                    [step.sends for step in steps]) for steps in self.steps]
+        return StepGraph.of(self.schedule.actions, columns, len(self.messages))
 
     def timed(self, costs: Costs = Costs(), pairs_as_one: bool = False) -> TimedProgram:
         """The program against ``costs``, for the replay engine (``ppctl.pipeline.replay``)."""
@@ -203,12 +210,13 @@ class _MessageNumbers:
 # --- lowering ---------------------------------------------------------------------------------
 
 @gc_paused
-def lower(schedule: Schedule) -> Program:
+def lower(schedule: Schedule, sent: Optional["SendsOnly"] = None) -> Program:
     """The program of ``schedule``: its messages from stage adjacency, each receive posted where it is due.
 
-    Raises ``ScheduleError`` when an action needs a message that no action produces.
+    ``sent`` is the schedule's ``sends_only`` where the caller keeps it (``ppctl.pipeline.kept``), else made
+    here. Raises ``ScheduleError`` when an action needs a message that no action produces.
     """
-    sent = sends_only(schedule)
+    sent = sends_only(schedule) if sent is None else sent
     bare, messages = sent.bare, sent.messages
     slots = _receive_slots(schedule, bare, run_timed(sent.timed()), messages)
     steps = tuple(tuple(map(Step, actions, inputs, local_outputs, sends, rank_slots[1:]))
@@ -228,6 +236,12 @@ class SendsOnly:
     schedule: Schedule
     messages: tuple[Message, ...]
     bare: list["_Bare"]
+
+    @cached_property
+    def graph(self) -> Optional[StepGraph]:
+        """The steps as a ``StepGraph`` (None where ``StepGraph.of`` says), made once: the planner times these at
+        many costs."""
+        return StepGraph.of(self.schedule.actions, self.bare, len(self.messages))
 
     def timed(self, costs: Costs = Costs(), pairs_as_one: bool = False) -> TimedProgram:
         """The steps against ``costs``, for a buffered replay (``Program.timed``, every receive left out)."""

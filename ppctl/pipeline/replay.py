@@ -5,6 +5,9 @@ simulator (timelines) and the checker (deadlock detection). It runs a ``TimedPro
 a lowered program (``ppctl.pipeline.program``) with each step's duration, its messages
 numbers.
 
+``StepGraph`` gives the buffered replay's times without the engine: one walk of the steps in
+an order found once per program, for the planner, which times a program at many costs.
+
 An action starts once its rank is free and its inputs are there; its outputs become
 available to their consumers (after ``comm`` when they cross ranks). A rank that waits
 for a message nobody will produce is stuck; if ranks remain stuck when nothing can
@@ -185,6 +188,97 @@ def _time_pairs(schedule: Schedule, pp_rank: int, steps: list[EngineStep], costs
             f_inputs, b_inputs, f_sends, b_sends = f_inputs + b_inputs, (), (), f_sends + b_sends
         steps[index] = (f_inputs, forward_time, f_output, f_sends, f_receives)
         steps[index + 1] = (b_inputs, backward_time, b_output, b_sends, b_receives)
+
+
+@dataclass(frozen=True)
+class StepGraph:
+    """A program's steps as a dependency graph, for buffered sends at costs without overlapped pairs (no ``FB``).
+
+    Each step waits for the step before it on its rank and for the step that made its input,
+    which arrives ``comm`` later when it crosses ranks. Walked once in an order that puts every
+    step after those two (``order``), it gives each step's end with the engine's arithmetic, so
+    the same times as ``run_timed``: no ranks to wake, and the order is found once per program
+    while the planner times it at many costs. The other columns are per step in ``order``'s order.
+    """
+
+    order: tuple[int, ...]  # every step's number (rank by rank, in program order), each after what it waits for
+    previous: tuple[int, ...]  # the step before it on its rank; ``len(order)`` (a zero end) for a rank's first
+    producer: tuple[int, ...]  # the step that made its input; ``len(order)`` where it takes none
+    remote: tuple[int, ...]  # 1 where that input comes from another rank, else 0
+    kinds: tuple[str, ...]
+    rank_kinds: tuple[tuple[str, ...], ...]  # per rank, its steps' kinds in program order
+    last: tuple[int, ...]  # per rank, its last step's number (``len(order)`` for a rank without one)
+
+    @classmethod
+    def of(cls, actions: Sequence[Sequence[Action]], columns: Sequence, num_messages: int) -> Optional["StepGraph"]:
+        """The graph of per-rank ``actions`` with ``columns`` (inputs, local outputs, sends) per rank, messages
+        numbered below ``num_messages``; None where a step takes several inputs (overlapped pairs run as one) or
+        the steps deadlock (``run_timed`` names it)."""
+        inputs: list[Optional[int]] = []
+        made_by, remote = [-1] * num_messages, bytearray(num_messages)  # message -> its step; 1: between ranks
+        for rank_inputs, local_outputs, sends in columns:
+            for step, (numbers, local_output, sent) in enumerate(zip(rank_inputs, local_outputs, sends), len(inputs)):
+                if len(numbers) > 1:
+                    return None
+                inputs.append(numbers[0] if numbers else None)
+                if local_output is not None:
+                    made_by[local_output] = step
+                for number in sent:
+                    made_by[number], remote[number] = step, 1
+        rank_kinds = tuple(tuple(action.kind for action in rank_actions) for rank_actions in actions)
+        return _walked(inputs, made_by, remote, rank_kinds)
+
+    def finish_times(self, durations: dict[str, float], comm: float) -> list[float]:
+        """Each rank's end of its last step (0.0 without one), with step kind -> ``durations`` and messages between
+        ranks arriving ``comm`` after their step ends."""
+        ends = [0.0] * (len(self.order) + 1)  # the last one: the zero end of "none"
+        delays = (0.0, comm)  # x + 0.0 is x: a hand-over on the rank arrives as its step ends, as in the engine
+        for step, previous, producer, delay, duration in zip(self.order, self.previous, self.producer,
+                                                             map(delays.__getitem__, self.remote),
+                                                             map(durations.__getitem__, self.kinds)):
+            start, arrived = ends[previous], ends[producer] + delay
+            ends[step] = (arrived if arrived > start else start) + duration
+        return [ends[step] for step in self.last]
+
+
+def _walked(inputs: list[Optional[int]], made_by: list[int], remote: bytearray,
+            rank_kinds: tuple[tuple[str, ...], ...]) -> Optional[StepGraph]:
+    """The ``StepGraph`` of steps numbered rank by rank, found by the engine's walk without times (a rank runs until
+    a step's input is not made yet, then waits for its maker); None where some step is never reached."""
+    kinds = [kind for rank_kind in rank_kinds for kind in rank_kind]
+    none = len(inputs)
+    done = bytearray(none + 1)
+    done[none] = 1  # the maker of "no input"
+    ranges, first = [], 0
+    for rank_kind in rank_kinds:
+        ranges.append(range(first, first + len(rank_kind)))
+        first += len(rank_kind)
+    makers = [none if number is None else made_by[number] for number in inputs]  # -1: never made
+    waiting: dict[int, int] = {}  # step -> the rank that waits for it
+    positions, ready = [steps.start for steps in ranges], deque(range(len(ranges)))
+    order, previous = [], []
+    while ready:
+        pp_rank = ready.popleft()
+        steps = ranges[pp_rank]
+        position = steps.stop
+        for step in range(positions[pp_rank], position):
+            maker = makers[step]
+            if maker < 0 or not done[maker]:
+                waiting[maker] = pp_rank
+                position = step
+                break
+            done[step] = 1
+            order.append(step)
+            previous.append(none if step == steps.start else step - 1)
+            if step in waiting:
+                ready.append(waiting.pop(step))
+        positions[pp_rank] = position
+    if len(order) < none:
+        return None
+    return StepGraph(tuple(order), tuple(previous), tuple(makers[step] for step in order),
+                     tuple(0 if inputs[step] is None else remote[inputs[step]] for step in order),
+                     tuple(kinds[step] for step in order), rank_kinds,
+                     tuple(steps[-1] if steps else none for steps in ranges))
 
 
 def run_timed(program: TimedProgram, comm: float = 0.0, rendezvous: bool = False) -> Replay:

@@ -272,17 +272,17 @@ def in_flight_states(actions: Iterable[tuple[str, int]]) -> frozenset[InFlightSt
     slot = {stage: 2 * index for index, stage in enumerate(stages)}
     counts = [0] * (2 * len(stages))  # per stage: forwards kept, stashes kept
     seen = set()
-    for kind, stage in actions:
+    for index, (kind, stage) in enumerate(actions):
         kept_at = slot[stage]
         if kind == FORWARD:
             counts[kept_at] += 1
-        elif kind == BACKWARD:
-            counts[kept_at] -= 1
         elif kind == BACKWARD_INPUT:
             counts[kept_at] -= 1
             counts[kept_at + 1] += 1
-        elif kind == BACKWARD_WEIGHT:
-            counts[kept_at + 1] -= 1
+        elif kind in (BACKWARD, BACKWARD_WEIGHT):
+            counts[kept_at + (kind == BACKWARD_WEIGHT)] -= 1
+            if index:  # only lowers a count: the state before it, kept, dominates this one
+                continue
         seen.add(tuple(counts))
     return frozenset(tuple((stage, state[slot[stage]], state[slot[stage] + 1]) for stage in stages)
                      for state in _undominated(seen))

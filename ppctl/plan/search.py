@@ -365,21 +365,13 @@ class _Built(NamedTuple):
 
 @lru_cache(maxsize=256)
 def _schedule(name: str, pp: int, vpp: int, microbatches: int) -> _Built:
-    """A built schedule and what the search reads of it, kept: thousands of candidates share a few."""
-    from ppctl.pipeline.schedules import build_schedule
+    """A built schedule (``kept_schedule``, which validation's checker shares) and what the search reads of it,
+    kept: thousands of candidates share a few."""
+    from ppctl.pipeline.kept import kept_schedule
 
-    schedule = build_schedule(name, pp, vpp, microbatches)
+    schedule = kept_schedule(name, pp, vpp, microbatches)
     return _Built(schedule, schedule_in_flight_states(schedule),
                   [Counter(action.kind for action in rank_actions) for rank_actions in schedule.actions])
-
-
-@lru_cache(maxsize=64)
-def _sends(key: tuple):
-    """The ``SendsOnly`` of a kept schedule (all the simulator needs), kept: a schedule's simulations share it, and
-    many schedules the search builds are never simulated."""
-    from ppctl.pipeline.program import sends_only
-
-    return sends_only(_schedule(*key).schedule)
 
 
 def _schedule_of(config: PpctlConfig) -> _Built:
@@ -400,9 +392,10 @@ def simulated_step(config: PpctlConfig, costs: StepCosts) -> tuple[float, float]
 def _simulated(key: tuple, forward: float, backward: float, weight: float, comm: float) -> tuple[float, float]:
     """The simulator's makespan (ms) and bubble ratio of a schedule at these costs (kept: candidates that differ
     only in what the costs do not see, such as the optimizer's sharding, share one run)."""
+    from ppctl.pipeline.kept import kept_sends
     from ppctl.pipeline.simulate import Costs, simulate_makespan
 
-    return simulate_makespan(_sends(key), Costs(F=forward, B=backward, W=weight, comm=comm))
+    return simulate_makespan(kept_sends(*key), Costs(F=forward, B=backward, W=weight, comm=comm))
 
 
 # A prediction is skipped when a lower bound on it exceeds the time to beat by more than this share: far more than
@@ -481,10 +474,10 @@ def _outpaced(config: PpctlConfig, first: Candidate, memory_bytes: float, device
     try:
         validate(built, data=False, prove_schedule=False)
         costs = step_costs(built, device)
-        fits = max(parts.total for parts in _memory(built)) <= memory_bytes
+        return (_busiest_ms(built, costs) / 1e3 + costs.reduction > to_beat.step_time_s * (1 + ROUNDING_MARGIN)
+                and max(parts.total for parts in _memory(built)) <= memory_bytes)  # the memory only where it decides
     except (ConfigError, ScheduleError):
         return False
-    return fits and _busiest_ms(built, costs) / 1e3 + costs.reduction > to_beat.step_time_s * (1 + ROUNDING_MARGIN)
 
 
 def _schedule_bound_or_zero(config: PpctlConfig, device: Device) -> float:

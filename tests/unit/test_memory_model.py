@@ -112,3 +112,24 @@ def test_in_flight_walk_and_state_parts():
     assert state_parts(1000, Parallelism()) == (4000, 4000, 8000)
     assert state_parts(1000, Parallelism(precision="bf16", bucketed_optimizer=True, optimizer_shards=4)) == (
         2000, 4000, 3 * 250 * 4)
+
+
+@pytest.mark.parametrize("name,vpp", [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2),
+                                      ("dualpipev", 2), ("dualpipe", 2)])
+def test_in_flight_states_are_the_undominated_of_every_state(name, vpp):
+    """The states after BW and W are left out of the walk (each lowers a count of the state before it): the kept
+    ones are still exactly the undominated states after every action."""
+    from ppctl.pipeline.schedules import build_schedule
+
+    for rank_actions in build_schedule(name, 4, vpp, 10).actions:
+        stages = sorted({action.stage for action in rank_actions})
+        counts, states = {(stage, part): 0 for stage in stages for part in (0, 1)}, set()
+        for action in rank_actions:
+            change = {"F": ((0, 1),), "BW": ((0, -1),), "B": ((0, -1), (1, 1)), "W": ((1, -1),)}[action.kind]
+            for part, step in change:
+                counts[action.stage, part] += step
+            states.add(tuple((stage, counts[stage, 0], counts[stage, 1]) for stage in stages))
+        undominated = {state for state in states if not any(
+            other != state and all(o[1] >= s[1] and o[2] >= s[2] for o, s in zip(other, state)) for other in states)}
+        assert in_flight_states([(action.kind, action.stage) for action in rank_actions]) == undominated
+    assert in_flight_states([("W", 0)]) == {((0, 0, -1),)}  # a first action's state is kept whatever it is

@@ -10,7 +10,8 @@ import pytest
 
 from ppctl.parallel.placement import Placement
 from ppctl.pipeline.check import check_program, check_schedule
-from ppctl.pipeline.program import Message, Program, Step, lower
+from ppctl.pipeline.kept import kept_schedule, kept_sends
+from ppctl.pipeline.program import Message, Program, Step, lower, sends_only
 from ppctl.pipeline.schedules import SCHEDULE_SPECS, Action, Schedule, ScheduleError, build_schedule
 from ppctl.pipeline.simulate import replay
 
@@ -405,10 +406,41 @@ def test_the_program_is_the_frozen_one(case):
     assert [" ".join(step_text(program, step) for step in steps) for steps in program.steps] == FROZEN_PLANS[case]
 
 
+# --- kept schedules and sends: the planner's and validation's shared builder ----------------------
+
+@pytest.mark.parametrize("case", [("1f1b", 4, 1, 8), ("zbv", 4, 2, 9), ("dualpipev", 4, 2, 10),
+                                  ("interleaved_1f1b", 2, 2, 5)])
+def test_lowering_from_kept_sends_is_the_plain_lowering(case):
+    kept_schedule.cache_clear()  # other tests keep sizes too: a schedule evicted and built again is another object
+    kept_sends.cache_clear()
+    schedule = kept_schedule(*case)
+    assert kept_schedule(*case) is schedule and kept_sends(*case).schedule is schedule
+    assert schedule == build_schedule(*case)
+    assert lower(schedule, kept_sends(*case)) == lower(schedule) == check_schedule(schedule, kept_sends(*case))
+
+
+def test_a_schedule_lacking_a_message_is_refused_alike_with_or_without_its_sends():
+    schedule = build_schedule("1f1b", 2, 1, 2)
+    broken = with_actions(schedule, [tuple(a for a in schedule.actions[0] if (a.kind, a.microbatch) != ("F", 1)),
+                                     schedule.actions[1]])
+    with pytest.raises(ScheduleError) as plain:
+        check_schedule(broken)
+    with pytest.raises(ScheduleError):
+        sends_only(broken)  # so validation passes no sends: the checker's own order names the problem
+    assert "forwards, expected exactly 1" in str(plain.value)
+
+
+def test_kept_sizes_that_cannot_be_built_raise_as_the_builder_does():
+    with pytest.raises(ScheduleError) as built:
+        build_schedule("dualpipev", 4, 2, 3)
+    with pytest.raises(ScheduleError, match=re.escape(str(built.value))):
+        kept_sends("dualpipev", 4, 2, 3)
+
+
 # --- module structure: no import cycle, nothing low imports something above it --------------------
 
 PIPELINE = Path(__file__).resolve().parents[2] / "ppctl" / "pipeline"
-LAYERS = {"schedules": 0, "replay": 1, "program": 2, "simulate": 3, "check": 3, "render": 4}
+LAYERS = {"schedules": 0, "replay": 1, "program": 2, "simulate": 3, "check": 3, "kept": 3, "render": 4}
 
 
 def pipeline_imports() -> dict[str, set[str]]:

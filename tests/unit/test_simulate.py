@@ -217,3 +217,43 @@ def test_lower_numbers_messages_as_sends_only_does():
     program, sent = lower(schedule), sends_only(schedule)
     assert program.messages == sent.messages
     assert [[step.inputs for step in steps] for steps in program.steps] == [bare.inputs for bare in sent.bare]
+
+
+@pytest.mark.parametrize("name,vpp", PLANNED)
+@pytest.mark.parametrize("pp,microbatches", [(1, 3), (4, 8), (8, 19)])
+@pytest.mark.parametrize("comm", [0.0, 0.3, 7.0])
+def test_the_step_graph_gives_the_engines_finish_times(name, vpp, pp, microbatches, comm):
+    from ppctl.pipeline.program import sends_only
+    from ppctl.pipeline.replay import action_durations, run_timed
+
+    try:
+        schedule = build_schedule(name, pp, vpp, microbatches)
+    except ScheduleError:
+        pytest.skip(f"{name} refuses pp={pp} with {microbatches} microbatches")
+    costs = Costs(F=1.3, B=1.9, W=0.7, comm=comm)
+    sent = sends_only(schedule)
+    engine = [ends[-1] for ends in run_timed(sent.timed(costs, pairs_as_one=True), comm).ends]
+    durations = action_durations(schedule.chunks_per_copy, costs)
+    assert sent.graph.finish_times(durations, comm) == engine == lower(schedule).graph.finish_times(durations, comm)
+
+
+def test_a_deadlock_has_no_step_graph_and_the_makespan_names_it():
+    from ppctl.pipeline.program import sends_only
+    from ppctl.pipeline.simulate import simulate_makespan
+
+    schedule = build_schedule("1f1b", 2, 1, 2)
+    swapped = Schedule(schedule.name, 2, 1, 2, schedule.placement,
+                       (tuple(sorted(schedule.actions[0], key=lambda a: a.kind != "BW")), schedule.actions[1]))
+    assert sends_only(swapped).graph is None
+    with pytest.raises(ScheduleError, match="deadlock: rank 0 stuck at BW"):
+        simulate_makespan(sends_only(swapped))
+
+
+def test_overlapped_pairs_run_as_one_are_left_to_the_engine():
+    from ppctl.pipeline.program import sends_only
+    from ppctl.pipeline.simulate import simulate_makespan
+
+    schedule = build_schedule("dualpipev", 4, 2, 8)
+    costs = Costs(F=1.3, B=1.9, W=0.7, FB=2.9, comm=0.3)
+    full = simulate(schedule, costs)
+    assert simulate_makespan(sends_only(schedule), costs) == (full.makespan, full.bubble_ratio)

@@ -220,81 +220,72 @@ class _Compression:
     """
 
     def __init__(self, pp: int, num_microbatches: int, orders: list[Order], cap: int, window: int):
-        self.pp, self.num_microbatches, self.orders = pp, num_microbatches, orders
-        self.cap, self.window = cap, window
-        self.ends = [[[_NEVER] * num_microbatches for _ in range(pp)] for _ in range(WEIGHT_GRAD_1)]
-        self.placed = [bytearray(len(order)) for order in orders]
-        self.first_open = [0] * pp  # index of each rank's first pass not yet placed
+        self.pp, self.cap, self.window = pp, cap, window
+        ends = [[[_NEVER] * num_microbatches for _ in range(pp)] for _ in range(WEIGHT_GRAD_1)]
+        # per rank, its order as (0 forward / 1 input gradient / 2 W, microbatch, the end lists its inputs wait on)
+        self.entries = [[(_pass_class(pass_), mb, dependencies[pass_]) for pass_, mb in order]
+                        for order, dependencies in zip(orders, _dependencies(ends, pp))]
+        self.ends, self.orders = ends, orders
+        self.open = [list(range(len(order))) for order in orders]  # per rank, its passes not yet placed, in order
         self.held = [0] * pp  # chunk activations from forward to W
         self.peak = 0
         self.forwards_left = [2 * num_microbatches] * pp
         self.runs: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
 
     def run(self) -> Optional[tuple[int, int, tuple[Order, ...]]]:
-        """Place every pass, slot by slot; a slot where no rank can start anything is a stall (nothing changes)."""
+        """Place every pass, slot by slot; a slot where no rank can start anything is a stall (nothing changes).
+
+        Each rank picks and places in turn: a pass placed at ``time`` ends at ``time + 1``, so no
+        other rank's pick at ``time`` sees it, as if all ranks picked first.
+        """
         remaining, time = sum(map(len, self.orders)), 0
         while remaining:
-            picks = [(pp_rank, self._pick(pp_rank, time)) for pp_rank in range(self.pp)]
-            picks = [(pp_rank, index) for pp_rank, index in picks if index is not None]
-            if not picks:
+            placed = 0
+            for pp_rank in range(self.pp):
+                position = self._pick(pp_rank, time)
+                if position is not None:
+                    self._place(pp_rank, position, time)
+                    placed += 1
+            if not placed:
                 return None
-            for pp_rank, index in picks:
-                self._place(pp_rank, index, time)
-            remaining -= len(picks)
+            remaining -= placed
             time += 1
         return time, self.peak, tuple(tuple(run) for run in self.runs)
 
     def _pick(self, pp_rank: int, time: int) -> Optional[int]:
-        """The index in the rank's order of the pass it starts at ``time``, or None to idle.
+        """The position in the rank's open passes of the pass it starts at ``time``, or None to idle.
 
         The first ready pass of the window, a forward only if the activations it adds, with
         those of the forwards it overtakes, stay within the cap; a deferred W only when
         nothing else is ready.
         """
-        order, placed = self.orders[pp_rank], self.placed[pp_rank]
-        defer_weights = self.held[pp_rank] < self.cap or not self.forwards_left[pp_rank]
-        index, seen, overtaken, most_overtaken, deferred = self.first_open[pp_rank], 0, 0, 0, None
-        while index < len(order) and seen < self.window:
-            if not placed[index]:
-                pass_, mb = order[index]
-                if self._ready(pp_rank, pass_, mb, time):
-                    if pass_ < INPUT_GRAD_1:  # a forward
-                        if self.held[pp_rank] + most_overtaken + 1 <= self.cap:
-                            return index
-                    elif pass_ < WEIGHT_GRAD_1 or not defer_weights:
-                        return index
-                    elif deferred is None:
-                        deferred = index
-                # a forward picked past these must leave room for the forwards among them
-                overtaken += 1 if pass_ < INPUT_GRAD_1 else (-1 if pass_ >= WEIGHT_GRAD_1 else 0)
+        entries, open_, held, cap = self.entries[pp_rank], self.open[pp_rank], self.held[pp_rank], self.cap
+        defer_weights = held < cap or not self.forwards_left[pp_rank]
+        overtaken, most_overtaken, deferred = 0, 0, None
+        for position in range(min(self.window, len(open_))):
+            pass_class, mb, dependencies = entries[open_[position]]
+            for ends in dependencies:
+                if ends[mb] > time:
+                    break
+            else:  # ready
+                if pass_class == 0:
+                    if held + most_overtaken + 1 <= cap:
+                        return position
+                elif pass_class == 1 or not defer_weights:
+                    return position
+                elif deferred is None:
+                    deferred = position
+            # a forward picked past these must leave room for the forwards among them
+            if pass_class == 0:
+                overtaken += 1
                 most_overtaken = max(most_overtaken, overtaken)
-                seen += 1
-            index += 1
+            elif pass_class == 2:
+                overtaken -= 1
         return deferred
 
-    def _ready(self, pp_rank: int, pass_: int, mb: int, time: int) -> bool:
-        """Whether ``pass_`` of ``mb`` has its inputs on ``pp_rank`` by ``time`` (the V's dependencies)."""
-        ends, last = self.ends, self.pp - 1
-        if pass_ == FORWARD_0:
-            return pp_rank == 0 or ends[FORWARD_0][pp_rank - 1][mb] <= time
-        if pass_ == FORWARD_1:
-            previous = ends[FORWARD_0][pp_rank] if pp_rank == last else ends[FORWARD_1][pp_rank + 1]
-            return previous[mb] <= time
-        if pass_ == INPUT_GRAD_1:
-            previous = ends[INPUT_GRAD_1][pp_rank - 1][mb] if pp_rank > 0 else 0
-            return ends[FORWARD_1][pp_rank][mb] <= time and previous <= time
-        if pass_ == INPUT_GRAD_0:
-            following = ends[INPUT_GRAD_1][pp_rank] if pp_rank == last else ends[INPUT_GRAD_0][pp_rank + 1]
-            return ends[FORWARD_0][pp_rank][mb] <= time and following[mb] <= time
-        return ends[pass_ - 2][pp_rank][mb] <= time  # a W: its B, two passes before it in PASSES
-
-    def _place(self, pp_rank: int, index: int, time: int) -> None:
-        """Start the pass at ``index`` of the rank's order at ``time``: its end, the rank's activations, its run."""
-        pass_, mb = self.orders[pp_rank][index]
-        placed = self.placed[pp_rank]
-        placed[index] = 1
-        while self.first_open[pp_rank] < len(placed) and placed[self.first_open[pp_rank]]:
-            self.first_open[pp_rank] += 1
+    def _place(self, pp_rank: int, position: int, time: int) -> None:
+        """Start the rank's open pass at ``position`` at ``time``: its end, the rank's activations, its run."""
+        pass_, mb = self.orders[pp_rank][self.open[pp_rank].pop(position)]
         if pass_ < INPUT_GRAD_1:
             self.held[pp_rank] += 1
             self.forwards_left[pp_rank] -= 1
@@ -304,6 +295,25 @@ class _Compression:
         if pass_ < WEIGHT_GRAD_1:
             self.ends[pass_][pp_rank][mb] = time + 1
         self.runs[pp_rank].append((pass_, mb))
+
+
+def _pass_class(pass_: int) -> int:
+    """0 for a forward, 1 for an input gradient, 2 for a W (what ``_Compression._pick`` tells apart)."""
+    return 0 if pass_ < INPUT_GRAD_1 else 1 if pass_ < WEIGHT_GRAD_1 else 2
+
+
+def _dependencies(ends: list[list[list[int]]], pp: int) -> list[list[tuple[list[int], ...]]]:
+    """Per rank and pass, the end lists (by microbatch) of the passes its inputs come from (the V's dependencies):
+    a pass is ready at ``time`` once each of them holds an end no later than ``time``."""
+    last, per_rank = pp - 1, []
+    for pp_rank in range(pp):
+        forward_0 = (ends[FORWARD_0][pp_rank - 1],) if pp_rank > 0 else ()
+        forward_1 = ends[FORWARD_0][pp_rank] if pp_rank == last else ends[FORWARD_1][pp_rank + 1]
+        input_grad_1 = (ends[FORWARD_1][pp_rank],) + ((ends[INPUT_GRAD_1][pp_rank - 1],) if pp_rank > 0 else ())
+        following = ends[INPUT_GRAD_1][pp_rank] if pp_rank == last else ends[INPUT_GRAD_0][pp_rank + 1]
+        per_rank.append([forward_0, (forward_1,), input_grad_1, (ends[FORWARD_0][pp_rank], following),
+                         (ends[INPUT_GRAD_1][pp_rank],), (ends[INPUT_GRAD_0][pp_rank],)])  # a W: its B
+    return per_rank
 
 
 # --- the registry entries ----------------------------------------------------------------------
