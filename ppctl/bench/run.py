@@ -97,8 +97,7 @@ def timed_block(side, first: int, count: int, context: ParallelContext) -> tuple
     dist.barrier()
     started = time.perf_counter()
     block_losses = side.run_steps(first, count)
-    if context.device.startswith("cuda"):
-        torch.cuda.synchronize(context.device)
+    _synchronize(context.device)
     elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device=context.device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed.item()), block_losses
@@ -144,6 +143,7 @@ def all_reduce_seconds(numel: int, context: ParallelContext) -> float:
 
 
 def _synchronize(device: str) -> None:
+    """Wait for the device's queued work (CUDA), so that a host clock times it."""
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
 
@@ -162,8 +162,7 @@ def one_way_seconds(trainer: Trainer, context: ParallelContext) -> float:
             started = time.perf_counter()
             for sender in (0, 1):
                 (dist.send if context.pp_rank == sender else dist.recv)(message, peer)
-            if context.device.startswith("cuda"):
-                torch.cuda.synchronize(context.device)
+            _synchronize(context.device)
             trips.append(time.perf_counter() - started)
         timing[0] = statistics.median(trips[1:]) / 2
     dist.all_reduce(timing, op=dist.ReduceOp.MAX)

@@ -398,7 +398,7 @@ class ConfigMemoryInputs:
 def config_memory_inputs(config, schedule) -> ConfigMemoryInputs:
     """The ``ConfigMemoryInputs`` of ``config`` (validated, its layers splitting into the stages of ``schedule``, its
     built schedule); ``ConfigError`` or ``LayoutError`` where the layers do not split."""
-    from ppctl.config import config_layer_map, layout_of
+    from ppctl.config import layout_of
     from ppctl.pipeline.schedules import streams_steps
 
     model, parallel_config, trainer = config.model, config.parallel, config.trainer
@@ -413,13 +413,20 @@ def config_memory_inputs(config, schedule) -> ConfigMemoryInputs:
         optimizer_shards=replicas if config.optimizer.distributed else 1,
         recompute=model.recompute, recompute_method=model.recompute_method,
         recompute_num_layers=model.recompute_num_layers)
-    chunks: list[list[Chunk]] = [[] for _ in range(layout.pp)]
-    for (pp_rank, _), stage in config_layer_map(config).items():
-        chunks[pp_rank].append(Chunk(stage.stage, len(stage.layers), stage.pre_process, stage.post_process))
     return ConfigMemoryInputs(shape=model_shape(config),
                               tokens=Tokens(trainer.micro_batch_size, trainer.seq_length // parallel_config.cp),
-                              parallel=parallel, chunks=chunks,
+                              parallel=parallel, chunks=config_rank_chunks(config),
                               weight_versions=2 if streams or config.optimizer.gradient_delay else 1)
+
+
+def config_rank_chunks(config) -> list[list[Chunk]]:
+    """The ``Chunk`` of each stage of a validated config, per pp rank."""
+    from ppctl.config import config_layer_map
+
+    chunks: list[list[Chunk]] = [[] for _ in range(config.parallel.pp)]
+    for (pp_rank, _), stage in config_layer_map(config).items():
+        chunks[pp_rank].append(Chunk(stage.stage, len(stage.layers), stage.pre_process, stage.post_process))
+    return chunks
 
 
 def config_memory(config, schedule=None, in_flight=None) -> list[MemoryParts]:

@@ -34,8 +34,8 @@ from ppctl.config import (ConfigError, PpctlConfig, config_layer_map, layout_of,
                           num_microbatches, validate)
 from ppctl.model.flops import forward_flops_per_token
 from ppctl.pipeline.schedules import ScheduleError
-from ppctl.plan.memory import (DTYPE_BYTES, Chunk, MemoryParts, chunk_parameters, config_memory, model_shape,
-                               schedule_in_flight_states)
+from ppctl.plan.memory import (DTYPE_BYTES, Chunk, MemoryParts, chunk_parameters, config_memory, config_rank_chunks,
+                               model_shape, schedule_in_flight_states)
 
 # (schedule, its vpp) tried for each pp; gpipe and 1f1b at vpp 1, the looped and V schedules at 2
 SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2), ("dualpipev", 2))
@@ -56,8 +56,8 @@ class Device:
     inter_node_bandwidth: float  # bytes/s per device (InfiniBand)
     latency_s: float
     overhead_s: float = 0.0  # a runtime's time per action beyond its compute (measured: --calibrate)
-    # Seconds of the step's update per parameter a rank steps (clipping and AdamW): AdamW is bound by memory
-    # traffic (about 32 bytes per fp32 parameter: parameter, gradient and two moments read, three written).
+    # Seconds of the step's update (clipping and AdamW) per parameter a rank steps: bound by memory traffic
+    # (``ADAMW_BYTES_PER_PARAMETER``), or measured (--calibrate)
     update_s_per_parameter: float = 0.0
     collective_latency_s: float | None = None  # per step of a ring collective; None: latency_s
 
@@ -74,12 +74,17 @@ class Device:
         return self.latency_s if self.collective_latency_s is None else self.collective_latency_s
 
 
-# Sustained FLOP/s: 45% of the dense bf16 peak, Megatron-LM's reported range for GPT models of this size.
+# AdamW moves about this many bytes per fp32 parameter (parameter, gradient and two moments read, three written).
 ADAMW_BYTES_PER_PARAMETER = 32
-DEVICES = {  # the update at the memory bandwidth: 3.35, 4.8 and 2.0 TB/s
-    "h100": Device("h100", 0.45 * 989e12, 80, 8, 450e9, 50e9, 10e-6, update_s_per_parameter=32 / 3.35e12),
-    "h200": Device("h200", 0.45 * 989e12, 141, 8, 450e9, 50e9, 10e-6, update_s_per_parameter=32 / 4.8e12),
-    "a100": Device("a100", 0.45 * 312e12, 80, 8, 300e9, 25e9, 10e-6, update_s_per_parameter=32 / 2.0e12),
+# Sustained FLOP/s: 45% of the dense bf16 peak, Megatron-LM's reported range for GPT models of this size; the
+# update at the memory bandwidth (3.35, 4.8 and 2.0 TB/s).
+DEVICES = {
+    "h100": Device("h100", 0.45 * 989e12, 80, 8, 450e9, 50e9, 10e-6,
+                   update_s_per_parameter=ADAMW_BYTES_PER_PARAMETER / 3.35e12),
+    "h200": Device("h200", 0.45 * 989e12, 141, 8, 450e9, 50e9, 10e-6,
+                   update_s_per_parameter=ADAMW_BYTES_PER_PARAMETER / 4.8e12),
+    "a100": Device("a100", 0.45 * 312e12, 80, 8, 300e9, 25e9, 10e-6,
+                   update_s_per_parameter=ADAMW_BYTES_PER_PARAMETER / 2.0e12),
 }
 
 
@@ -269,7 +274,7 @@ def update_s(config: PpctlConfig, device: Device) -> float:
     steps its own (the distributed optimizer: its 1 / (dp * cp) shard of them)."""
     shape, parallel = model_shape(config), config.parallel
     stepped = max(sum(chunk_parameters(shape, chunk, parallel.tp) for chunk in rank_chunks)
-                  for rank_chunks in _rank_chunks(config))
+                  for rank_chunks in config_rank_chunks(config))
     if config.optimizer.distributed:  # sharded over the replicas (with DualPipe's two copies, over both)
         stepped /= parallel.dp * parallel.cp * layout_of(config).placement.copies
     return stepped * device.update_s_per_parameter
@@ -330,14 +335,6 @@ def _rank_layers(config: PpctlConfig) -> list[int]:
     for (pp_rank, _), stage in config_layer_map(config).items():
         counts[pp_rank] += len(stage.layers)
     return counts
-
-
-def _rank_chunks(config: PpctlConfig) -> list[list[Chunk]]:
-    """The memory model's ``Chunk`` of each stage, per pp rank."""
-    chunks: list[list[Chunk]] = [[] for _ in range(config.parallel.pp)]
-    for (pp_rank, _), stage in config_layer_map(config).items():
-        chunks[pp_rank].append(Chunk(stage.stage, len(stage.layers), stage.pre_process, stage.post_process))
-    return chunks
 
 
 def _tp_cp_seconds(config: PpctlConfig, device: Device, tokens: int, element: int) -> float:
