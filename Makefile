@@ -6,7 +6,11 @@ STAMP := $(VENV)/.installed-stamp
 export HF_DATASETS_OFFLINE := 1
 export HF_HUB_OFFLINE := 1
 
-# `test` compiles ppctl first: the suite starts a few hundred Python processes (CLI, torchrun workers) that
+# `test` runs the suite in TEST_WORKERS pytest processes (pytest-xdist; the Slurm tests share one, with their
+# cluster): alone, the suite kept about one of two cores busy, its tests waiting on process starts, rendezvous
+# and Slurm's scheduler as often as they compute.
+TEST_WORKERS ?= 2
+# `test` also compiles ppctl first: the suite starts a few hundred Python processes (CLI, torchrun workers) that
 # each import it, and where PYTHONDONTWRITEBYTECODE is set none would write the bytecode the next could reuse
 # (half a second of CPU each).
 .PHONY: setup test test-fast gpu-check run smoke bench clean slurm-setup
@@ -18,15 +22,16 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
-test: setup  ## the whole suite: unit, multi-process (gloo) and end-to-end CLI tests
+test: setup  ## the whole suite: unit, multi-process (gloo) and end-to-end CLI tests, in TEST_WORKERS pytest processes
 	$(BIN)/python -m compileall -q ppctl > /dev/null
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 test-fast: setup  ## unit tests only (no processes)
 	$(BIN)/python -m pytest -q tests/unit
 
-gpu-check: setup  ## on a machine with GPUs: the NCCL path against gloo (tests/gpu; prints gpt_small's bf16 MFU)
+gpu-check: setup  ## on a machine with GPUs: the NCCL path against gloo (tests/gpu; prints gpt_small's bf16 MFU), then the equivalence suite under NCCL (a GPU per rank; worlds larger than the GPUs skip)
 	$(BIN)/python -m pytest -q -rs tests/gpu
+	PPCTL_TEST_BACKEND=nccl $(BIN)/python -m pytest -q -rs -m nccl tests/distributed
 
 run: setup  ## the main job: train the default config on the embedded default dataset
 	$(BIN)/ppctl train

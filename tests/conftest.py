@@ -1,7 +1,9 @@
-"""Session-wide fixtures: the long-lived gloo worker pools of the multi-process tests (tests/pool.py)."""
+"""Session-wide fixtures: the long-lived worker pools of the multi-process tests (tests/pool.py), and the
+backend they run on (tests/backend.py: gloo, or NCCL with ``PPCTL_TEST_BACKEND=nccl``)."""
 
 import pytest
 
+from tests.backend import chosen_backend, gloo_only_reason
 from tests.pool import POOLS
 
 
@@ -23,3 +25,13 @@ def pytest_runtest_teardown(item, nextitem):
 def _folder(item) -> str:
     """The test's folder under tests/ (``distributed``, ``cli``, ...)."""
     return item.nodeid.split("/")[1] if item.nodeid.count("/") >= 2 else ""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``PPCTL_TEST_BACKEND=nccl`` only the multi-process tests marked ``nccl`` run (tests/backend.py)."""
+    reason = gloo_only_reason(chosen_backend())
+    if reason is None:
+        return
+    for item in items:
+        if _folder(item) == "distributed" and item.get_closest_marker("nccl") is None:
+            item.add_marker(pytest.mark.skip(reason=reason))

@@ -27,6 +27,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+from tests.backend import chosen_backend, gpu_count, missing_gpus, rank_device
 from tests.spawn import free_port, worker_context
 
 CASE_SEED = 1234
@@ -125,8 +126,9 @@ def _import_ppctl() -> None:
         importlib.import_module(module.name)
 
 
-def _pool_worker(rank: int, world_size: int, port: int, tasks, results) -> None:
-    """A pool worker: join the gloo world once, then run cases from ``tasks`` until the pool kills it."""
+def _pool_worker(rank: int, world_size: int, port: int, backend: str, tasks, results) -> None:
+    """A pool worker: join the world once (gloo, or NCCL on GPU ``rank``), then run cases from ``tasks`` until the
+    pool kills it."""
     import torch
     import torch.distributed as dist
 
@@ -134,17 +136,24 @@ def _pool_worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     _import_ppctl()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    device_id = None
+    if backend == "nccl":  # as ppctl's worker does: its own GPU, communicators made eagerly on it
+        device_id = torch.device(rank_device(backend, rank))
+        torch.cuda.set_device(device_id)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60),
+                            device_id=device_id)
     while True:  # until the pool kills this worker
         case_id, fn, args = tasks.get()
         results.put((case_id, rank, *_run_case(rank, world_size, fn, args)))
 
 
 class WorkerPool:
-    """``world_size`` gloo workers that run many cases; torn down on a failure, started again on demand."""
+    """``world_size`` workers (``backend``: gloo or NCCL) that run many cases; torn down on a failure, started
+    again on demand."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, backend: str = "gloo"):
         self.world_size = world_size
+        self.backend = backend
         self.processes: list = []
         self.cases = itertools.count()
 
@@ -154,7 +163,8 @@ class WorkerPool:
         self.tasks = [context.Queue() for _ in range(self.world_size)]
         port = free_port()
         self.processes = [context.Process(target=_pool_worker, daemon=True,
-                                          args=(rank, self.world_size, port, self.tasks[rank], self.results))
+                                          args=(rank, self.world_size, port, self.backend, self.tasks[rank],
+                                                self.results))
                           for rank in range(self.world_size)]
         for process in self.processes:
             process.start()
@@ -204,14 +214,23 @@ class WorkerPool:
 
 
 class WorkerPools:
-    """One ``WorkerPool`` per world size, started when first asked for."""
+    """One ``WorkerPool`` per world size, started when first asked for, on the suite's backend
+    (``tests/backend.py``)."""
 
-    def __init__(self):
+    def __init__(self, backend: str = "gloo"):
+        self.backend = backend
         self.pools: dict[int, WorkerPool] = {}
 
     def run(self, fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
-        """Run ``fn(rank, world_size, *args)`` on the pool of ``world_size`` workers (see ``WorkerPool.run``)."""
-        pool = self.pools.setdefault(world_size, WorkerPool(world_size))
+        """Run ``fn(rank, world_size, *args)`` on the pool of ``world_size`` workers (see ``WorkerPool.run``);
+        skips the test where the backend needs more GPUs than the machine has."""
+        if self.backend != "gloo":
+            reason = missing_gpus(self.backend, world_size, gpu_count())
+            if reason:
+                import pytest
+
+                pytest.skip(reason)
+        pool = self.pools.setdefault(world_size, WorkerPool(world_size, self.backend))
         return pool.run(fn, args, timeout)
 
     def close(self) -> None:
@@ -222,11 +241,12 @@ class WorkerPools:
 
 
 # The session's pools: opened on first use, closed by the session fixture in tests/conftest.py.
-POOLS = WorkerPools()
+POOLS = WorkerPools(chosen_backend())
 
 
 def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on the session's pool of ``world_size`` gloo workers.
+    """Run ``fn(rank, world_size, *args)`` on the session's pool of ``world_size`` workers (gloo, or NCCL with
+    ``PPCTL_TEST_BACKEND=nccl``).
 
     ``fn`` must be importable (module level) and its results picklable. Raises ``RuntimeError``
     naming the first failing rank with its traceback, or ``TimeoutError`` after ``timeout`` seconds.

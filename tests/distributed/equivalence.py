@@ -81,18 +81,36 @@ def _train_runs(rank, world_size, configs, schedule_builder=None, breakers=None)
     bytes of every pipeline message sent are recorded too.
     """
     from ppctl.config import layout_of
-    from ppctl.parallel.groups import build_parallel_context
     from tests.distributed.breakers import broken
 
     contexts, results = {}, []
     for index, config in enumerate(configs):
         layout = layout_of(config)
         if layout not in contexts:
-            contexts[layout] = build_parallel_context(layout, 60)
+            contexts[layout] = _context_on_this_rank(layout, rank)
         schedule = schedule_builder(config) if schedule_builder is not None else None
         with broken(breakers[index] if breakers else None):
             results.append(_train_one(config, contexts[layout], schedule))
     return results
+
+
+def _context_on_this_rank(layout, rank: int):
+    """The layout's groups, computing where the suite's backend puts this rank (``tests/backend.py``: the CPU on
+    gloo, GPU ``rank`` on NCCL)."""
+    from ppctl.parallel.groups import build_parallel_context, warm_up_communicators
+    from tests.backend import chosen_backend, rank_device
+
+    device = rank_device(chosen_backend(), rank)
+    context = build_parallel_context(layout, 60, device.split(":")[0])
+    context.device = device
+    if device != "cpu":  # as ppctl's worker does: every NCCL communicator made before step 0, in one order
+        warm_up_communicators(context)
+    return context
+
+
+def _on_cpu(tensors: dict) -> dict:
+    """Detached CPU copies (a GPU tensor cannot leave its worker through the result pickle)."""
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in tensors.items()}
 
 
 def _train_one(config, context, schedule) -> dict:
@@ -109,11 +127,11 @@ def _train_one(config, context, schedule) -> dict:
     for step in range(STEPS if trainer.stream is None else 0):
         loss, grad_norm = trainer.compute_gradients(step)
         if step == 0:
-            first_gradients = {name: grad.detach().clone() for name, grad in trainer.gradients().items()}
+            first_gradients = _on_cpu(trainer.gradients())
         trainer.apply_gradients(step, grad_norm)
         losses.append(loss)
         norms.append(grad_norm)
-    shards = {name: param.detach().clone() for name, param in trainer.named_parameters().items()}
+    shards = _on_cpu(trainer.named_parameters())
     traced = None  # with trainer.trace=true: the last step's actions as the tracer recorded them, in order
     if trainer.tracer is not None:
         traced = [(kind, stage, microbatch) for kind, stage, microbatch, _, _ in trainer.tracer.actions]

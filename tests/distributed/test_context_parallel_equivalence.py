@@ -35,6 +35,7 @@ def assert_messages(per_rank: list, index: int, expected_bytes: int) -> None:
     assert sent == {expected_bytes}, f"run {index}: pipeline messages of {sorted(sent)} bytes, expected {expected_bytes}"
 
 
+@pytest.mark.nccl
 @pytest.mark.timeout(300)
 def test_two_ranks_cp2_in_every_mode_and_sequence_parallel_tp2():
     runs = []
@@ -48,6 +49,7 @@ def test_two_ranks_cp2_in_every_mode_and_sequence_parallel_tp2():
     assert_equivalent(runs, world_size=2)
 
 
+@pytest.mark.nccl
 @pytest.mark.timeout(400)
 def test_four_ranks_cp4_sequence_parallel_with_pipelines_and_cp_with_dp():
     runs = [BASE + parallel(cp=4, comm=comm) for comm in MODES]
@@ -63,6 +65,7 @@ def test_four_ranks_cp4_sequence_parallel_with_pipelines_and_cp_with_dp():
     assert_messages(per_rank, 7, message_bytes(SEQ // 2))            # cp=2: this rank's half of the sequence
 
 
+@pytest.mark.nccl
 @pytest.mark.timeout(600)
 def test_eight_ranks_tp2_cp2_pp2_in_every_mode_with_and_without_sequence_parallel():
     runs = [BASE + parallel(tp=2, cp=2, pp=2, comm="allgather") + ROPE_TIED + MASKED,

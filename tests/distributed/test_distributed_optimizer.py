@@ -29,6 +29,7 @@ def state_bytes(per_rank: list, index: int) -> int:
     return per_rank[0][index]["optimizer_bytes"]
 
 
+@pytest.mark.nccl
 @pytest.mark.timeout(300)
 def test_dp2_with_and_without_overlap_and_tiny_buckets():
     runs = [BASE + parallel(dp=2) + CLIP,
@@ -43,6 +44,7 @@ def test_dp2_with_and_without_overlap_and_tiny_buckets():
         assert abs(state_bytes(per_rank, index) / plain - 1 / 2) < 0.01, (index, state_bytes(per_rank, index), plain)
 
 
+@pytest.mark.nccl
 @pytest.mark.timeout(400)
 def test_four_ranks_dp4_interleaved_and_context_parallel():
     runs = [BASE + parallel(dp=4) + CLIP,
@@ -54,6 +56,7 @@ def test_four_ranks_dp4_interleaved_and_context_parallel():
     assert abs(state_bytes(per_rank, 1) / state_bytes(per_rank, 0) - 1 / 4) < 0.02
 
 
+@pytest.mark.nccl
 @pytest.mark.timeout(600)
 def test_tp2_pp2_dp2_with_tied_embeddings_and_sequence_parallelism():
     runs = [BASE + parallel(tp=2, pp=2, dp=2) + CLIP + DISTRIBUTED + TIED + MASKED,

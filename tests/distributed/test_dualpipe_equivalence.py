@@ -19,6 +19,7 @@ DUALPIPE = ["schedule=dualpipe", "parallel.dp=1"]
 DUALPIPEV = ["schedule=dualpipev", "parallel.dp=1"]
 
 
+@pytest.mark.nccl
 @pytest.mark.timeout(300)
 def test_dualpipe_and_dualpipev_at_pp2_match_single_process():
     """One launch of two workers: the mirror pair is the whole pipeline, sharded or not."""
@@ -28,6 +29,7 @@ def test_dualpipe_and_dualpipev_at_pp2_match_single_process():
     assert_equivalent(runs, world_size=2)
 
 
+@pytest.mark.nccl
 @pytest.mark.timeout(300)
 def test_dualpipe_and_dualpipev_at_world_size_4_match_single_process():
     """DualPipe at pp=4, at tp=2 pp=2 (tied) and at pp=2 dp=2 sharded over dp x mirror; DualPipeV at pp=4 (tied)."""

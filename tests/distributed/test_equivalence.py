@@ -17,6 +17,7 @@ LAYOUTS = [  # (tp, pp, dp)
 ]
 
 
+@pytest.mark.nccl
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tp, pp, dp", LAYOUTS, ids=[f"tp{t}-pp{p}-dp{d}" for t, p, d in LAYOUTS])
 def test_gpipe_and_1f1b_match_single_process(tp, pp, dp):
@@ -28,6 +29,7 @@ def test_gpipe_and_1f1b_match_single_process(tp, pp, dp):
     assert_equivalent(runs, world_size=tp * pp * dp)
 
 
+@pytest.mark.nccl
 @pytest.mark.timeout(300)
 def test_tp4_with_pipeline_rotary_tied_and_masked_loss():
     # tp=4 pads the vocabulary to 256 rows where one process pads to 64: padding must not change the model.

@@ -47,6 +47,7 @@ def failing_checks(overrides, per_rank, index) -> set[str]:
     return failed
 
 
+@pytest.mark.nccl
 @pytest.mark.timeout(300)
 def test_every_broken_twin_fails_the_comparisons_its_defect_reaches():
     runs = [overrides for _defect, overrides, _checks in TWINS]

@@ -21,6 +21,7 @@ CASES = [  # (tp, pp, vpp, layers, global batch)
 ]
 
 
+@pytest.mark.nccl
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tp, pp, vpp, layers, batch", CASES,
                          ids=[f"tp{t}-pp{p}-vpp{v}-gbs{b}" for t, p, v, _, b in CASES])

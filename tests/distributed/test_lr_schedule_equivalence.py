@@ -18,6 +18,7 @@ COSINE_TO_MINIMUM = ["optimizer.lr_decay_style=cosine", "optimizer.decay_steps=2
                      "model.tie_embeddings=true", "optimizer.decay_embeddings=true"]
 
 
+@pytest.mark.nccl
 @pytest.mark.timeout(300)
 def test_scheduled_lr_and_decay_groups_match_single_process():
     runs = [BASE + LAYOUT + WARMUP_THEN_COSINE, BASE + LAYOUT + COSINE_TO_MINIMUM]

@@ -55,6 +55,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.nccl
 @pytest.mark.timeout(300)
 def test_recompute_trains_like_one_process_and_like_no_recompute():
     runs = []

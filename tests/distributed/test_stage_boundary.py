@@ -29,6 +29,7 @@ def deferred_weight_schedule(config):
                     whole.placement, tuple(ranks))
 
 
+@pytest.mark.nccl
 @pytest.mark.timeout(300)
 def test_split_backward_matches_single_process():
     layout = ["parallel.tp=2", "parallel.pp=2", "parallel.dp=1", "schedule=1f1b"]
@@ -37,6 +38,7 @@ def test_split_backward_matches_single_process():
     assert_equivalent(runs, world_size=4, schedule_builder=deferred_weight_schedule)
 
 
+@pytest.mark.nccl
 @pytest.mark.timeout(300)
 def test_split_backward_interleaved_with_local_hand_overs_matches_single_process():
     layout = ["parallel.pp=1", "parallel.vpp=2", "schedule=interleaved_1f1b", "model.tie_embeddings=true"]

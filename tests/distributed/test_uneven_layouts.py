@@ -24,6 +24,7 @@ UNEVEN = {
 }
 
 
+@pytest.mark.nccl
 @pytest.mark.timeout(300)
 def test_uneven_layouts_match_single_process():
     assert_equivalent([BASE + layout + FP64 for layout in UNEVEN.values()], world_size=4)

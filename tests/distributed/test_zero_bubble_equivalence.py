@@ -16,6 +16,7 @@ TIED = ["model.tie_embeddings=true"]
 TWO_BW = ["schedule=pipedream_2bw", "optimizer.gradient_delay=1", "optimizer.clip_grad=0"]
 
 
+@pytest.mark.nccl
 @pytest.mark.timeout(300)
 def test_zb_h1_and_zbv_at_world_size_4_match_single_process():
     """One launch of four workers: ZB-H1 at tp=2 pp=2 (tied; and float64 with sequence parallelism) and at
@@ -49,6 +50,7 @@ def test_zb_h1_and_zbv_at_world_size_4_match_single_process():
                                     for step in program.steps[result["pp_rank"]]]
 
 
+@pytest.mark.nccl
 @pytest.mark.timeout(300)
 def test_world_size_2_zbv_looped_and_schedule_files_match_single_process(tmp_path):
     """One launch of two workers. ZB-V with both ends of the V on rank 0: the two tied copies summed there, plain

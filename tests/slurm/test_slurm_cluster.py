@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm"), pytest.mark.timeout(120)]
 
 def wait_for_text(path: Path, text: str, timeout_s: float = 60.0) -> str:
     """Poll until the file at `path` holds `text` and return its content; TimeoutError otherwise."""

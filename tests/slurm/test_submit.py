@@ -20,7 +20,7 @@ from tests.cli.conftest import run_ppctl
 from tests.cli.runs import assert_same_series, scalars, single_run  # noqa: F401  (single_run: a fixture)
 from tests.slurm.cluster import FINAL_STATES
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm"), pytest.mark.timeout(420)]
 
 SMALL = ["data=synthetic", "trainer.seq_length=16", "trainer.global_batch_size=8", "trainer.log_every=1",
          "trainer.eval_every=0"]
