@@ -25,7 +25,7 @@ from ppctl.config import PpctlConfig, layout_of, load_config_file
 from ppctl.parallel.groups import ParallelContext, build_parallel_context
 from ppctl.pipeline.simulate import simulate
 from ppctl.pipeline.trace import (costs_from_measurement, measured_makespan_and_bubble, measured_timelines,
-                                  overhead_per_action, posting_fit, simulate_with_posting)
+                                  on_core_shares, overhead_per_action, posting_fit, simulate_with_posting)
 from ppctl.run.memory import step_peak_bytes
 from ppctl.run.train import Trainer
 
@@ -36,6 +36,10 @@ PING_PONGS = 10
 UPDATE_STEPS = 3  # steps whose update (clipping and AdamW) is timed on its own
 ALL_REDUCE_SIZES = (1024, 1 << 20)  # float32 elements: a latency-bound and a bandwidth-bound all-reduce
 ALL_REDUCES = 10
+# After a compute burst of about a transformer sublayer on this CPU (a 256 x 256 x 256 matmul), as TP's and CP's
+# collectives follow each rank's own layer work: the wait for the slowest member that a lockstep all-reduce hides.
+BURST_SIZE = 256
+BURSTS = 30
 
 
 def run_bench(context: ParallelContext, run_dir: Path) -> None:
@@ -84,7 +88,8 @@ def bench_schedule(config: PpctlConfig, context: ParallelContext, request: Bench
     mine = {"losses": losses, "memory": memory, "snapshot": snapshot, "rank": context.rank,
             "update_s": update_seconds(trainer, next_step + 1 + request.steps),
             "parameters": sum(param.numel() for param in trainer.named_parameters().values()),
-            "all_reduce_s": {str(numel): all_reduce_seconds(numel, context) for numel in ALL_REDUCE_SIZES}}
+            "all_reduce_s": {str(numel): all_reduce_seconds(numel, context) for numel in ALL_REDUCE_SIZES},
+            "collective_wait_s": collective_wait_seconds(context)}
     gathered = [None] * dist.get_world_size() if context.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if context.rank != 0:
@@ -142,6 +147,33 @@ def all_reduce_seconds(numel: int, context: ParallelContext) -> float:
     return statistics.median(times[1:])
 
 
+def collective_wait_seconds(context: ParallelContext) -> float:
+    """What a small all-reduce over every worker costs beyond its lockstep time when each worker computes first
+    (``BURSTS`` rounds of a matmul then the all-reduce, no barrier between): the median round less the median
+    matmul alone and the lockstep all-reduce (``all_reduce_seconds``), at least 0. The workers' compute drifts
+    apart by a little every round and each collective waits for the last of them; TP's and CP's collectives,
+    which follow every rank's own layer work, pay it each time."""
+    left = torch.randn(BURST_SIZE, BURST_SIZE, device=context.device)
+    right, tensor = torch.randn_like(left), torch.ones(ALL_REDUCE_SIZES[0], device=context.device)
+    alone = _median_seconds(lambda: torch.mm(left, right), context.device, BURSTS)
+    lockstep = all_reduce_seconds(ALL_REDUCE_SIZES[0], context)
+    dist.barrier()
+    rounds = _median_seconds(lambda: (torch.mm(left, right), dist.all_reduce(tensor)), context.device, BURSTS)
+    return max(rounds - alone - lockstep, 0.0)
+
+
+def _median_seconds(work, device: str, times: int) -> float:
+    """The median seconds of ``work()`` over ``times`` calls after one untimed call, back to back."""
+    work()
+    seconds = []
+    for _ in range(times):
+        started = time.perf_counter()
+        work()
+        _synchronize(device)
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
+
+
 def _synchronize(device: str) -> None:
     """Wait for the device's queued work (CUDA), so that a host clock times it."""
     if device.startswith("cuda"):
@@ -196,11 +228,13 @@ def summarise(config: PpctlConfig, trainer: Trainer, request: BenchRequest, seco
 
 def step_outside_figures(gathered: list[dict]) -> dict:
     """What the step costs beyond the pipeline, for ``ppctl plan --calibrate``: the slowest rank's update time and
-    its parameter count, and each all-reduce size's slowest time over the world (``world_size`` workers)."""
+    its parameter count, each all-reduce size's slowest time over the world (``world_size`` workers), and the
+    slowest rank's wait of a collective after compute (``collective_wait_seconds``)."""
     slowest = max(gathered, key=lambda entry: entry["update_s"])
     sizes = gathered[0]["all_reduce_s"]
     return {"update_s": slowest["update_s"], "update_parameters": slowest["parameters"],
             "all_reduce_s": {size: max(entry["all_reduce_s"][size] for entry in gathered) for size in sizes},
+            "collective_wait_s": max(entry["collective_wait_s"] for entry in gathered),
             "world_size": len(gathered)}
 
 
@@ -236,4 +270,5 @@ def bubble_figures(trainer: Trainer, gathered: list[dict], comm: float) -> dict:
             "fitted_costs_ms": fitted.to_json(), "overhead_per_action_ms": overhead_per_action(rows),
             "makespan_simulated_with_overhead_s": charged.makespan / 1e3,
             "posting_ms": dataclasses.asdict(posting), "makespan_simulated_with_posting_s": posted_makespan / 1e3,
-            "bubble_simulated_with_posting": posted_bubble}
+            "bubble_simulated_with_posting": posted_bubble,
+            "on_core_share": [on_core_shares([entry["snapshot"] for entry in gathered])[rank] for rank in pipeline_ranks]}

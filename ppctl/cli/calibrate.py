@@ -42,10 +42,12 @@ class Calibration:
     given: tuple[str, ...] = ()  # costs the user gave in place of measured ones
     config_file: str = ""  # the measured run's resolved config
     # Beyond the pipeline (``ppctl bench`` only; None where not measured): the update's seconds per parameter a
-    # rank steps, and the ring collectives' latency per step and bus bandwidth (bytes/s) from two all-reduces.
+    # rank steps, the ring collectives' latency per step and bus bandwidth (bytes/s) from two all-reduces, and
+    # what a small one waits beyond its lockstep time when it follows each worker's compute.
     update_s_per_parameter: float | None = None
     ring_step_s: float | None = None
     bus_bandwidth: float | None = None
+    collective_wait_s: float | None = None  # a collective's wait for its slowest member after compute
 
     def measured_config(self):
         """The measured run's ``PpctlConfig``."""
@@ -116,6 +118,7 @@ def _beyond_pipeline(entry: dict) -> dict:
     if entry.get("world_size", 1) > 1 and entry.get("all_reduce_s"):
         sizes = sorted((int(numel), seconds) for numel, seconds in entry["all_reduce_s"].items())
         figures["ring_step_s"], figures["bus_bandwidth"] = ring_fit(sizes[0], sizes[-1], entry["world_size"])
+        figures["collective_wait_s"] = entry.get("collective_wait_s")
     return figures
 
 

@@ -99,10 +99,10 @@ class PipelineRuntime:
                 raise ValueError(f"the runtime has no handler for action kind {step.action.kind!r}")
             if hooks is not None:
                 hooks.before(step.action)
-            started = time.perf_counter() if self.tracer is not None else 0.0
+            started = self.tracer.mark() if self.tracer is not None else None
             produced = handler(step, inputs, state)
             if self.tracer is not None:
-                self.tracer.action(step.action, started, time.perf_counter())
+                self.tracer.action(step.action, started)
             self._hand_over(step, produced, state)
             if hooks is not None:
                 hooks.after(step.action)

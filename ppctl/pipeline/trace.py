@@ -2,7 +2,10 @@
 
 A ``Tracer`` is handed to the runtime only when ``trainer.trace=true``; with tracing
 off the runtime skips every call (one ``is None`` check per action). Times are
-``time.perf_counter`` seconds relative to the step's start on each rank.
+``time.perf_counter`` seconds relative to the step's start on each rank. Each action also
+records the CPU time its thread spent in it (``time.thread_time``): on a CPU device, a wall
+time well above it means the thread waited for a core (another worker, gloo's threads),
+which no cost model of the schedule contains.
 """
 
 from __future__ import annotations
@@ -23,17 +26,26 @@ class Tracer:
     step_start: float = field(default_factory=time.perf_counter)
     actions: list[tuple[str, int, int, float, float]] = field(default_factory=list)
     waits: list[tuple[float, float]] = field(default_factory=list)
+    cpu_seconds: list[float] = field(default_factory=list)  # the thread's CPU time in each action, in order
 
     def start_step(self) -> None:
         """Forget the previous step and take the time origin."""
         self.step_start = time.perf_counter()
         self.actions.clear()
         self.waits.clear()
+        self.cpu_seconds.clear()
 
-    def action(self, action: Action, start: float, end: float) -> None:
-        """Record one computed action."""
+    @staticmethod
+    def mark() -> tuple[float, float]:
+        """(wall, thread CPU) seconds now: an action's start, for ``action``."""
+        return time.perf_counter(), time.thread_time()
+
+    def action(self, action: Action, started: tuple[float, float]) -> None:
+        """Record one computed action that began at ``started`` (``mark``) and ends now."""
+        cpu_end, end = time.thread_time(), time.perf_counter()
         self.actions.append((action.kind, action.stage, action.microbatch,
-                             start - self.step_start, end - self.step_start))
+                             started[0] - self.step_start, end - self.step_start))
+        self.cpu_seconds.append(cpu_end - started[1])
 
     def wait(self, start: float, end: float) -> None:
         """Record time spent waiting for a message."""
@@ -49,7 +61,8 @@ class Tracer:
 
     def snapshot(self) -> dict:
         """A picklable record of this step for gathering to one rank."""
-        return {"rank": self.rank, "actions": list(self.actions), "waits": list(self.waits)}
+        return {"rank": self.rank, "actions": list(self.actions), "waits": list(self.waits),
+                "cpu_seconds": list(self.cpu_seconds)}
 
 
 def chrome_trace(snapshots: list[dict], step: int) -> dict:
@@ -58,10 +71,13 @@ def chrome_trace(snapshots: list[dict], step: int) -> dict:
     for snapshot in snapshots:
         rank = snapshot["rank"]
         events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}})
-        for kind, stage, microbatch, start, end in snapshot["actions"]:
+        cpu_seconds = snapshot.get("cpu_seconds") or [None] * len(snapshot["actions"])
+        for (kind, stage, microbatch, start, end), cpu in zip(snapshot["actions"], cpu_seconds, strict=True):
+            arguments = {"stage": stage, "microbatch": microbatch, "step": step}
+            if cpu is not None:
+                arguments["cpu_ms"] = round(cpu * 1e3, 4)
             events.append({"name": f"{kind}{microbatch}", "cat": kind, "ph": "X", "pid": 0, "tid": rank,
-                           "ts": start * 1e6, "dur": (end - start) * 1e6,
-                           "args": {"stage": stage, "microbatch": microbatch, "step": step}})
+                           "ts": start * 1e6, "dur": (end - start) * 1e6, "args": arguments})
         for start, end in snapshot["waits"]:
             events.append({"name": "wait", "cat": "wait", "ph": "X", "pid": 0, "tid": rank,
                            "ts": start * 1e6, "dur": (end - start) * 1e6, "args": {"step": step}})
@@ -76,7 +92,8 @@ def _laid_out_in_sequence(all_traces: list[tuple[int, list[dict]]]) -> list[tupl
         for snapshot in snapshots:
             actions = [(k, s, m, start + offset, end + offset) for k, s, m, start, end in snapshot["actions"]]
             waits = [(start + offset, end + offset) for start, end in snapshot["waits"]]
-            moved.append({"rank": snapshot["rank"], "actions": actions, "waits": waits})
+            moved.append({"rank": snapshot["rank"], "actions": actions, "waits": waits,
+                          "cpu_seconds": snapshot.get("cpu_seconds", [])})
         shifted.append((step, moved))
         offset += max((end for snap in snapshots for *_, end in snap["actions"]), default=0.0) * 1.02
     return shifted
@@ -146,6 +163,18 @@ def overhead_per_action(rows) -> float:
             waiting = sum(min(stop, end) - start for start, stop in row.waits if start < end)
             shares.append(max(0.0, end - busy - waiting) / len(row.actions))
     return sum(shares) / len(shares) if shares else 0.0
+
+
+def on_core_shares(snapshots: list[dict]) -> dict[int, float | None]:
+    """Per rank: the share of its actions' wall time its thread spent on a core (thread CPU time over wall time,
+    at most 1; None without CPU times). Meaningful on CPU devices only: a CUDA action's host thread waits for
+    the GPU, so its share is low by design."""
+    shares = {}
+    for snapshot in snapshots:
+        wall = sum(end - start for *_, start, end in snapshot["actions"])
+        cpu = snapshot.get("cpu_seconds")
+        shares[snapshot["rank"]] = min(sum(cpu) / wall, 1.0) if cpu and wall > 0 else None
+    return shares
 
 
 def costs_from_measurement(rows, chunks_per_copy: int, include_overhead: bool = False):

@@ -60,6 +60,9 @@ class Device:
     # (``ADAMW_BYTES_PER_PARAMETER``), or measured (--calibrate)
     update_s_per_parameter: float = 0.0
     collective_latency_s: float | None = None  # per step of a ring collective; None: latency_s
+    # Per TP or CP collective: the wait for its slowest member after the ranks' own compute (measured:
+    # --calibrate; 0 for the GPU classes, whose kernels drift apart by microseconds)
+    collective_wait_s: float = 0.0
 
     def describe(self) -> str:
         """One line: the name and the figures the plan assumes."""
@@ -339,15 +342,17 @@ def _rank_layers(config: PpctlConfig) -> list[int]:
 
 def _tp_cp_seconds(config: PpctlConfig, device: Device, tokens: int, element: int) -> float:
     """Per layer and microbatch: TP's two ring all-reduces (or SP's all-gathers and reduce-scatters: the same
-    bytes) of the activations, and all-gather CP's keys and values, within a node."""
+    bytes) of the activations, and all-gather CP's keys and values, within a node; each collective also waits
+    ``collective_wait_s`` for its slowest member."""
     parallel, hidden = config.parallel, config.model.hidden_size
     tp, cp = parallel.tp, parallel.cp
     seconds = 0.0
     if tp > 1:  # each all-reduce: 2(tp - 1) ring steps
         seconds += 2 * (2 * (tp - 1) / tp * element * tokens * hidden / device.intra_node_bandwidth
-                        + 2 * (tp - 1) * device.ring_step_s)
+                        + 2 * (tp - 1) * device.ring_step_s + device.collective_wait_s)
     if cp > 1:
         seconds += (cp - 1) * (2 * element * tokens * hidden / tp / device.intra_node_bandwidth + device.ring_step_s)
+        seconds += device.collective_wait_s
     return seconds
 
 
@@ -542,8 +547,9 @@ def calibrated_device(device: Device, calibration, measured: PpctlConfig) -> Dev
     """``device`` with the figures a measured run achieved (``--calibrate RUN_DIR``: a ``Calibration`` from
     ``ppctl bench`` or a traced ``train``, and that run's config): the FLOP/s of its fitted F + B + W (the
     runtime's time between actions taken out), that time between actions per action, its message time as the
-    latency of every message, and where ``ppctl bench`` measured them the update's time per parameter and the
-    ring collectives' latency and bandwidth (else a free update and free links). ValueError (one line)
+    latency of every message, and where ``ppctl bench`` measured them the update's time per parameter, the
+    ring collectives' latency and bandwidth and a collective's wait after compute (else a free update and free
+    links). ValueError (one line)
     when the figures make no throughput."""
     chunks = _chunks_per_copy(measured)
     costs, overhead_ms = calibration.costs, calibration.overhead_ms
@@ -558,7 +564,8 @@ def calibrated_device(device: Device, calibration, measured: PpctlConfig) -> Dev
                    intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth,
                    latency_s=costs.comm / 1e3, overhead_s=overhead_ms / 1e3,
                    update_s_per_parameter=calibration.update_s_per_parameter or 0.0,
-                   collective_latency_s=calibration.ring_step_s)
+                   collective_latency_s=calibration.ring_step_s,
+                   collective_wait_s=calibration.collective_wait_s or 0.0)
 
 
 def explain_candidate(config: PpctlConfig, candidate: Candidate, device: Device):

@@ -103,16 +103,22 @@ def test_bench_figures_beyond_the_pipeline_calibrate_the_update_and_the_ring(tmp
             for numel in (1024, 1 << 20)}
     entry = {"schedule": "1f1b", "pp": 2, "fitted_costs_ms": {"F": 4.0, "B": 8.0, "W": 0.0, "comm": 0.2},
              "overhead_per_action_ms": 0.5, "makespan_measured_s": 0.1, "bubble_measured": 0.25,
-             "update_s": 0.03, "update_parameters": 1_000_000, "all_reduce_s": ring, "world_size": ranks}
+             "update_s": 0.03, "update_parameters": 1_000_000, "all_reduce_s": ring, "world_size": ranks,
+             "collective_wait_s": 4e-4}
     (tmp_path / "bench.json").write_text(json.dumps([entry]))
     (tmp_path / "bench_request.json").write_text(json.dumps({"configs": ["bench/0_1f1b.yaml"]}))
     calibration = calibration_of(tmp_path, "1f1b")
     assert calibration.update_s_per_parameter == pytest.approx(3e-8)
     assert (calibration.ring_step_s, calibration.bus_bandwidth) == pytest.approx((step_s, bandwidth))
+    assert calibration.collective_wait_s == pytest.approx(4e-4)
+    del entry["collective_wait_s"]  # a bench from before the wait was measured: ring figures, no wait
+    (tmp_path / "bench.json").write_text(json.dumps([entry]))
+    assert calibration_of(tmp_path, "1f1b").collective_wait_s is None
     del entry["update_s"], entry["update_parameters"], entry["all_reduce_s"], entry["world_size"]  # an older bench
     (tmp_path / "bench.json").write_text(json.dumps([entry]))
     older = calibration_of(tmp_path, "1f1b")
     assert older.update_s_per_parameter is None and older.ring_step_s is None and older.bus_bandwidth is None
+    assert older.collective_wait_s is None
 
 
 def test_calibration_refusals_name_the_directory(tmp_path):
@@ -153,3 +159,32 @@ def test_posting_costs_fitted_to_the_gaps_give_the_measured_makespan_back():
     assert (fitted.per_action, fitted.per_operation) == pytest.approx((0.01, 0.3))
     assert max(ends[-1] for ends in replayed.ends) == pytest.approx(made_up)
     assert simulate_with_posting(program, costs, fitted)[0] == pytest.approx(made_up)
+
+
+def test_the_tracer_tells_an_action_on_a_core_from_one_that_waited_for_it():
+    """A busy action spends its wall time on the CPU, a sleeping one (as a thread waiting for a core) does not;
+    the shares and the trace's ``cpu_ms`` say so."""
+    import time
+
+    from ppctl.pipeline.schedules import Action
+    from ppctl.pipeline.trace import Tracer, on_core_shares
+
+    tracer = Tracer(rank=3)
+    started = tracer.mark()
+    spent = time.thread_time() + 0.01
+    while time.thread_time() < spent:  # 10 ms on a core, however loaded the machine
+        pass
+    tracer.action(Action("F", 0, 0), started)
+    busy = tracer.snapshot()
+    started = tracer.mark()
+    time.sleep(0.02)  # off the core throughout
+    tracer.action(Action("B", 0, 0), started)
+    both = tracer.snapshot()
+    assert len(both["cpu_seconds"]) == len(both["actions"]) == 2
+    assert both["cpu_seconds"][0] >= 0.01 and both["cpu_seconds"][1] < 0.005
+    assert 0 < on_core_shares([both])[3] < on_core_shares([busy])[3] <= 1
+    assert on_core_shares([{"rank": 0, "actions": busy["actions"], "waits": []}]) == {0: None}  # no CPU times
+    events = [event for event in chrome_trace([both], 1)["traceEvents"] if event["ph"] == "X"]
+    assert [event["args"]["cpu_ms"] for event in events] == [round(cpu * 1e3, 4) for cpu in both["cpu_seconds"]]
+    tracer.start_step()
+    assert tracer.snapshot()["cpu_seconds"] == []

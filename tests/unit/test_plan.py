@@ -155,3 +155,8 @@ def test_a_bench_calibration_predicts_its_update_and_collectives_back(base):
     extra = search.step_costs(tp2, device).F - search.step_costs(tp2, free).F
     tokens, hidden = tp2.trainer.seq_length, tp2.model.hidden_size
     assert extra == pytest.approx(layers * 2 * (2 * 1e-4 + 4 * tokens * hidden / 1e9))  # 2 all-reduces per layer
+    waiting = calibrated_device(H100, replace(calibration, collective_wait_s=3e-4), measured)
+    assert waiting.collective_wait_s == pytest.approx(3e-4) and device.collective_wait_s == 0.0
+    waited = search.step_costs(tp2, waiting).F - search.step_costs(tp2, device).F
+    assert waited == pytest.approx(layers * 2 * 3e-4)  # each all-reduce waits once for its slowest member
+    assert search.step_costs(measured, waiting).F == pytest.approx(search.step_costs(measured, device).F)  # no TP
