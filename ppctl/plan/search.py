@@ -219,7 +219,8 @@ def step_costs(config: PpctlConfig, device: Device) -> StepCosts:
     forward = forward_flops_per_microbatch(config) / device.flops
     element = DTYPE_BYTES[trainer.precision]
     collective = _tp_cp_seconds(config, device, tokens, element) * layers
-    recompute = {"none": 0.0, "full": forward,
+    # full recomputation runs the layers' forward again, their TP and CP collectives included
+    recompute = {"none": 0.0, "full": forward + collective,
                  "selective": tokens * layers * attention_core / parallel.tp / device.flops}
     # the runtime's time per action, charged to each of the rank's actions of a microbatch (one per chunk)
     overhead = device.overhead_s * _chunks_per_copy(config)

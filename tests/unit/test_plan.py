@@ -160,3 +160,16 @@ def test_a_bench_calibration_predicts_its_update_and_collectives_back(base):
     waited = search.step_costs(tp2, waiting).F - search.step_costs(tp2, device).F
     assert waited == pytest.approx(layers * 2 * 3e-4)  # each all-reduce waits once for its slowest member
     assert search.step_costs(measured, waiting).F == pytest.approx(search.step_costs(measured, device).F)  # no TP
+
+
+def test_recomputation_costs_what_it_runs_again():
+    """Full recomputation runs each layer's forward again, its TP all-reduces included; selective only the
+    attention core, which holds no collective."""
+    tp2 = BASE + ["parallel.pp=1", "parallel.tp=2", "trainer.micro_batch_size=1"]
+    plain, full, selective = (search.step_costs(compose_config(tp2 + [f"model.recompute={mode}"]), H100)
+                              for mode in ("none", "full", "selective"))
+    assert full.B - plain.B == pytest.approx(plain.F)  # a whole forward, collectives and all
+    free = replace(H100, collective_latency_s=0.0, intra_node_bandwidth=float("inf"))
+    no_links = search.step_costs(compose_config(tp2 + ["model.recompute=selective"]), free)
+    assert selective.B - plain.B == pytest.approx(no_links.B - search.step_costs(compose_config(tp2), free).B)
+    assert 0 < selective.B - plain.B < plain.F
