@@ -271,4 +271,13 @@ def bubble_figures(trainer: Trainer, gathered: list[dict], comm: float) -> dict:
             "makespan_simulated_with_overhead_s": charged.makespan / 1e3,
             "posting_ms": dataclasses.asdict(posting), "makespan_simulated_with_posting_s": posted_makespan / 1e3,
             "bubble_simulated_with_posting": posted_bubble,
-            "on_core_share": [on_core_shares([entry["snapshot"] for entry in gathered])[rank] for rank in pipeline_ranks]}
+            "on_core_share": _on_core_by_pipeline_rank(gathered, pipeline_ranks)}
+
+
+def _on_core_by_pipeline_rank(gathered: list[dict], pipeline_ranks: list[int]) -> dict[str, list[float]] | None:
+    """``on_core_shares`` of the traced pipeline's ranks in order: {"actions": [...], "between": [...]}."""
+    by_rank = {entry["rank"]: on_core_shares(entry["snapshot"]) for entry in gathered}
+    shares = [by_rank[rank] for rank in pipeline_ranks]
+    if any(share is None for share in shares):
+        return None
+    return {part: [share[part] for share in shares] for part in ("actions", "between")}

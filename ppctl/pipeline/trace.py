@@ -26,14 +26,16 @@ class Tracer:
     step_start: float = field(default_factory=time.perf_counter)
     actions: list[tuple[str, int, int, float, float]] = field(default_factory=list)
     waits: list[tuple[float, float]] = field(default_factory=list)
-    cpu_seconds: list[float] = field(default_factory=list)  # the thread's CPU time in each action, in order
+    step_cpu_start: float = field(default_factory=time.thread_time)
+    # the thread's CPU clock at each action's start and end, in order, relative to the step's start
+    cpu_spans: list[tuple[float, float]] = field(default_factory=list)
 
     def start_step(self) -> None:
-        """Forget the previous step and take the time origin."""
-        self.step_start = time.perf_counter()
+        """Forget the previous step and take the time origins."""
+        self.step_start, self.step_cpu_start = time.perf_counter(), time.thread_time()
         self.actions.clear()
         self.waits.clear()
-        self.cpu_seconds.clear()
+        self.cpu_spans.clear()
 
     @staticmethod
     def mark() -> tuple[float, float]:
@@ -45,7 +47,7 @@ class Tracer:
         cpu_end, end = time.thread_time(), time.perf_counter()
         self.actions.append((action.kind, action.stage, action.microbatch,
                              started[0] - self.step_start, end - self.step_start))
-        self.cpu_seconds.append(cpu_end - started[1])
+        self.cpu_spans.append((started[1] - self.step_cpu_start, cpu_end - self.step_cpu_start))
 
     def wait(self, start: float, end: float) -> None:
         """Record time spent waiting for a message."""
@@ -62,7 +64,7 @@ class Tracer:
     def snapshot(self) -> dict:
         """A picklable record of this step for gathering to one rank."""
         return {"rank": self.rank, "actions": list(self.actions), "waits": list(self.waits),
-                "cpu_seconds": list(self.cpu_seconds)}
+                "cpu_spans": list(self.cpu_spans)}
 
 
 def chrome_trace(snapshots: list[dict], step: int) -> dict:
@@ -71,11 +73,11 @@ def chrome_trace(snapshots: list[dict], step: int) -> dict:
     for snapshot in snapshots:
         rank = snapshot["rank"]
         events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}})
-        cpu_seconds = snapshot.get("cpu_seconds") or [None] * len(snapshot["actions"])
-        for (kind, stage, microbatch, start, end), cpu in zip(snapshot["actions"], cpu_seconds, strict=True):
+        cpu_spans = snapshot.get("cpu_spans") or [None] * len(snapshot["actions"])
+        for (kind, stage, microbatch, start, end), cpu in zip(snapshot["actions"], cpu_spans, strict=True):
             arguments = {"stage": stage, "microbatch": microbatch, "step": step}
             if cpu is not None:
-                arguments["cpu_ms"] = round(cpu * 1e3, 4)
+                arguments["cpu_ms"] = round((cpu[1] - cpu[0]) * 1e3, 4)
             events.append({"name": f"{kind}{microbatch}", "cat": kind, "ph": "X", "pid": 0, "tid": rank,
                            "ts": start * 1e6, "dur": (end - start) * 1e6, "args": arguments})
         for start, end in snapshot["waits"]:
@@ -93,7 +95,7 @@ def _laid_out_in_sequence(all_traces: list[tuple[int, list[dict]]]) -> list[tupl
             actions = [(k, s, m, start + offset, end + offset) for k, s, m, start, end in snapshot["actions"]]
             waits = [(start + offset, end + offset) for start, end in snapshot["waits"]]
             moved.append({"rank": snapshot["rank"], "actions": actions, "waits": waits,
-                          "cpu_seconds": snapshot.get("cpu_seconds", [])})
+                          "cpu_spans": snapshot.get("cpu_spans", [])})
         shifted.append((step, moved))
         offset += max((end for snap in snapshots for *_, end in snap["actions"]), default=0.0) * 1.02
     return shifted
@@ -165,16 +167,23 @@ def overhead_per_action(rows) -> float:
     return sum(shares) / len(shares) if shares else 0.0
 
 
-def on_core_shares(snapshots: list[dict]) -> dict[int, float | None]:
-    """Per rank: the share of its actions' wall time its thread spent on a core (thread CPU time over wall time,
-    at most 1; None without CPU times). Meaningful on CPU devices only: a CUDA action's host thread waits for
-    the GPU, so its share is low by design."""
-    shares = {}
-    for snapshot in snapshots:
-        wall = sum(end - start for *_, start, end in snapshot["actions"])
-        cpu = snapshot.get("cpu_seconds")
-        shares[snapshot["rank"]] = min(sum(cpu) / wall, 1.0) if cpu and wall > 0 else None
-    return shares
+def on_core_shares(snapshot: dict) -> dict[str, float] | None:
+    """The share of one rank's traced wall time its thread spent on a core (thread CPU time / wall time, at most
+    1), from its first action's start to its last action's end: in its actions (``actions``), and in the
+    runtime's time between them, less the waits for messages (``between``: posting, handing over, bookkeeping;
+    a blocked wait uses no CPU, and its CPU counts here). None without CPU times. Meaningful on CPU devices
+    only: a CUDA action's host thread waits for the GPU, so its share is low by design."""
+    actions, spans = snapshot["actions"], snapshot.get("cpu_spans")
+    if not spans or not actions:
+        return None
+    action_wall = sum(end - start for *_, start, end in actions)
+    action_cpu = sum(end - start for start, end in spans)
+    first, last = actions[0][3], actions[-1][4]
+    waiting = sum(min(stop, last) - max(start, first) for start, stop in snapshot["waits"] if start < last and stop > first)
+    between_wall = last - first - action_wall - waiting
+    between_cpu = spans[-1][1] - spans[0][0] - action_cpu
+    return {"actions": min(action_cpu / action_wall, 1.0) if action_wall > 0 else 1.0,
+            "between": min(between_cpu / between_wall, 1.0) if between_wall > 0 else 1.0}
 
 
 def costs_from_measurement(rows, chunks_per_copy: int, include_overhead: bool = False):

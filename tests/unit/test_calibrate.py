@@ -161,30 +161,35 @@ def test_posting_costs_fitted_to_the_gaps_give_the_measured_makespan_back():
     assert simulate_with_posting(program, costs, fitted)[0] == pytest.approx(made_up)
 
 
-def test_the_tracer_tells_an_action_on_a_core_from_one_that_waited_for_it():
-    """A busy action spends its wall time on the CPU, a sleeping one (as a thread waiting for a core) does not;
-    the shares and the trace's ``cpu_ms`` say so."""
+def test_the_tracer_tells_time_on_a_core_from_time_waiting_for_one():
+    """A busy action spends its wall time on the CPU, a sleeping one (as a thread waiting for a core) does not,
+    and so for the time between actions; the shares and the trace's ``cpu_ms`` say so."""
     import time
 
     from ppctl.pipeline.schedules import Action
     from ppctl.pipeline.trace import Tracer, on_core_shares
 
+    def busy(seconds):  # on a core for ``seconds`` of CPU time, however loaded the machine
+        spent = time.thread_time() + seconds
+        while time.thread_time() < spent:
+            pass
+
     tracer = Tracer(rank=3)
-    started = tracer.mark()
-    spent = time.thread_time() + 0.01
-    while time.thread_time() < spent:  # 10 ms on a core, however loaded the machine
-        pass
-    tracer.action(Action("F", 0, 0), started)
-    busy = tracer.snapshot()
-    started = tracer.mark()
-    time.sleep(0.02)  # off the core throughout
-    tracer.action(Action("B", 0, 0), started)
-    both = tracer.snapshot()
-    assert len(both["cpu_seconds"]) == len(both["actions"]) == 2
-    assert both["cpu_seconds"][0] >= 0.01 and both["cpu_seconds"][1] < 0.005
-    assert 0 < on_core_shares([both])[3] < on_core_shares([busy])[3] <= 1
-    assert on_core_shares([{"rank": 0, "actions": busy["actions"], "waits": []}]) == {0: None}  # no CPU times
-    events = [event for event in chrome_trace([both], 1)["traceEvents"] if event["ph"] == "X"]
-    assert [event["args"]["cpu_ms"] for event in events] == [round(cpu * 1e3, 4) for cpu in both["cpu_seconds"]]
+    for kind, work in (("F", lambda: busy(0.01)), ("B", lambda: time.sleep(0.02)), ("W", lambda: busy(0.01))):
+        started = tracer.mark()
+        work()
+        tracer.action(Action(kind, 0, 0), started)
+        time.sleep(0.01) if kind == "F" else busy(0.005)  # off the core after F, on it after B
+    snapshot = tracer.snapshot()
+    durations = [end - start for start, end in snapshot["cpu_spans"]]
+    assert durations[0] >= 0.01 and durations[1] < 0.005 and durations[2] >= 0.01
+    shares = on_core_shares(snapshot)
+    assert 0 < shares["actions"] < 1 and 0 < shares["between"] < 1
+    first_two = {**snapshot, "actions": snapshot["actions"][:2], "cpu_spans": snapshot["cpu_spans"][:2]}
+    # the sleep alone, then with the busy gap
+    assert on_core_shares(first_two)["between"] < 0.1 and on_core_shares(first_two)["between"] < shares["between"]
+    assert on_core_shares({**snapshot, "cpu_spans": []}) is None
+    events = [event for event in chrome_trace([snapshot], 1)["traceEvents"] if event["ph"] == "X"]
+    assert [event["args"]["cpu_ms"] for event in events] == [round(duration * 1e3, 4) for duration in durations]
     tracer.start_step()
-    assert tracer.snapshot()["cpu_seconds"] == []
+    assert tracer.snapshot()["cpu_spans"] == []
