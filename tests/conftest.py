@@ -28,7 +28,13 @@ def _folder(item) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under ``PPCTL_TEST_BACKEND=nccl`` only the multi-process tests marked ``nccl`` run (tests/backend.py)."""
+    """The Slurm tests first, then the rest in their order; under ``PPCTL_TEST_BACKEND=nccl`` only the
+    multi-process tests marked ``nccl`` run (tests/backend.py).
+
+    The Slurm tests are one unit of work for ``make test``'s pytest processes (they share their cluster) and the
+    longest, mostly waiting for the scheduler: started first, they run beside everything else rather than
+    after it, with the quick unit tests left to fill the end."""
+    items.sort(key=lambda item: _folder(item) != "slurm")  # stable: every other test keeps its place
     reason = gloo_only_reason(chosen_backend())
     if reason is None:
         return
