@@ -26,13 +26,20 @@ def timed(function, *args):
         tracemalloc.stop()
 
 
+# Time bounds that only a pathological path breaks (an enumeration of twenty million ranks takes minutes): the
+# suite runs in two pytest processes beside multi-process tests, which can slow a unit test ten times. What
+# proves the summary is the memory peak; speed figures belong in benchmarks.
+QUICK_S = 10
+LISTED_S = 30
+
+
 def test_validation_and_the_json_report_of_twenty_million_ranks_are_quick_and_small():
     config = compose_config(HUGE)
     _, seconds, peak = timed(validate, config)
-    assert seconds < 0.5 and peak < 10 << 20
+    assert seconds < QUICK_S and peak < 10 << 20
     report, seconds, peak = timed(layout_report, config)
     text = json.dumps(report)
-    assert seconds < 0.5 and peak < 10 << 20 and len(text) < 64 << 10
+    assert seconds < QUICK_S and peak < 10 << 20 and len(text) < 64 << 10
     assert is_summarised(report) and report["world_size"] == 20_000_000
     assert set(report) == {"world_size", "order", "sizes", "placement", "sequence", "groups", "ranks", "pipeline_layout",
                            "layers"}
@@ -56,7 +63,7 @@ def test_the_table_of_twenty_million_ranks_is_quick(capsys):
     report = layout_report(config)
     _, seconds, _ = timed(print_layout, report, config)
     text = capsys.readouterr().out
-    assert seconds < 1 and "process groups (summarised)" in text and "10,000,000" in text
+    assert seconds < QUICK_S and "process groups (summarised)" in text and "10,000,000" in text
     assert "[0, 1, 2, 3, ...," in text and "19999999]" in text  # the first and the last group's ends
 
 
@@ -90,4 +97,4 @@ def test_up_to_the_limit_everything_is_listed():
     config = compose_config(["parallel.tp=8", "parallel.pp=16", "parallel.dp=128", "model.num_layers=32",
                              "model.num_heads=8", "trainer.global_batch_size=1024"])
     report, seconds, _ = timed(layout_report, config)
-    assert not is_summarised(report) and len(report["ranks"]) == MAX_LISTED_RANKS and seconds < 2
+    assert not is_summarised(report) and len(report["ranks"]) == MAX_LISTED_RANKS and seconds < LISTED_S
