@@ -13,7 +13,7 @@ pipeline rank that runs it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 from ppctl.parallel.placement import Placement, looped_placement, v_placement
 
@@ -28,13 +28,15 @@ class ScheduleError(ValueError):
     """A schedule that cannot be built or cannot run; the message is one line."""
 
 
-@dataclass(frozen=True)
-class Action:
+class Action(NamedTuple):
     """One computation on one stage for one microbatch.
 
     ``kind`` is ``F`` (forward), ``B`` (input-gradient backward of a split backward),
     ``W`` (weight-gradient backward) or ``BW`` (whole backward). ``stage`` is the
     global virtual stage.
+
+    A named tuple, not a frozen dataclass: a planner builds millions of them, and a tuple
+    is made in half the time (the same fields, equality, hash and repr).
     """
 
     kind: str

@@ -145,12 +145,12 @@ def _schedule(path: Path, ranks: list[list[Any]], overlapped: Optional[list[tupl
 
 
 def _unfold_pairs(ranks: list[list[Any]]) -> tuple[list[list[Action]], list[tuple[int, ...]]]:
-    """Each overlapped pair (a tuple) becomes its two actions; its start index is noted."""
+    """Each overlapped pair (a plain tuple of two actions) becomes its two actions; its start index is noted."""
     unfolded, starts = [], []
     for rank in ranks:
         actions, rank_starts = [], []
         for item in rank:
-            if isinstance(item, tuple):
+            if not isinstance(item, Action):  # a pair (an ``Action`` is a named tuple itself)
                 rank_starts.append(len(actions))
                 actions.extend(item)
             else:
