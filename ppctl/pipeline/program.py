@@ -45,7 +45,7 @@ from functools import cached_property
 from itertools import chain, repeat
 from typing import NamedTuple, Optional
 
-from .replay import Costs, Replay, StepGraph, TimedProgram, gc_paused, run_timed
+from .replay import Costs, StepGraph, TimedProgram, action_durations, gc_paused, run_timed
 from .schedules.base import BACKWARD, BACKWARD_INPUT, FORWARD, Action, Schedule, ScheduleError
 
 ACTIVATION = "act"
@@ -218,7 +218,7 @@ def lower(schedule: Schedule, sent: Optional["SendsOnly"] = None) -> Program:
     """
     sent = sends_only(schedule) if sent is None else sent
     bare, messages = sent.bare, sent.messages
-    slots = _receive_slots(schedule, bare, run_timed(sent.timed()), messages)
+    slots = _receive_slots(schedule, bare, unit_cost_ends(sent), messages)
     steps = tuple(tuple(map(Step, actions, inputs, local_outputs, sends, rank_slots[1:]))
                   for (inputs, local_outputs, sends), actions, rank_slots in zip(bare, schedule.actions, slots))
     return Program(schedule, messages, tuple(rank_slots[0] for rank_slots in slots), steps)
@@ -247,6 +247,16 @@ class SendsOnly:
         """The steps against ``costs``, for a buffered replay (``Program.timed``, every receive left out)."""
         return TimedProgram.of(self.schedule, self.messages, [() for _ in self.bare],
                                [(*columns, repeat(())) for columns in self.bare], costs, pairs_as_one)
+
+
+def unit_cost_ends(sent: SendsOnly) -> list[list[float]]:
+    """Per rank, the end of each action that runs in a buffered replay of ``sent`` at unit costs (``Costs()``), where
+    ``lower`` places the receives: from the steps' ``StepGraph`` (the planner has made it already, to time the
+    schedule), else from the engine (a deadlock: the actions before it)."""
+    graph = sent.graph
+    if graph is None:
+        return run_timed(sent.timed()).ends
+    return graph.rank_ends(action_durations(sent.schedule.chunks_per_copy, Costs()), Costs().comm)
 
 
 @gc_paused
@@ -311,22 +321,22 @@ def _check_produced(schedule: Schedule, bare: list[_Bare], messages: tuple[Messa
                                     f"from stage {message.src_stage}, which no action produces")
 
 
-def _receive_slots(schedule: Schedule, bare: list[_Bare], unit: Replay,
+def _receive_slots(schedule: Schedule, bare: list[_Bare], unit_ends: list[list[float]],
                    messages: tuple[Message, ...]) -> list[list[tuple[int, ...]]]:
     """Per rank, slot 0 (initial) and slot i + 1 (after action i): the receives posted there.
 
-    A receive goes in the batch the receiver issues when, in the unit-cost replay, the
-    sender sends the message; at the latest in the batch before the action that needs it.
-    Per sender, slots never decrease along its send order.
+    A receive goes in the batch the receiver issues when, in the unit-cost replay (``unit_ends``:
+    per rank, the end of each action that ran), the sender sends the message; at the latest in
+    the batch before the action that needs it. Per sender, slots never decrease along its send order.
     """
-    send_time = _send_times(bare, unit.ends, len(messages))
+    send_time = _send_times(bare, unit_ends, len(messages))
     slots: list[list[list[int]]] = [[[] for _ in range(len(actions) + 1)] for actions in schedule.actions]
     dst_ranks = [message.dst_rank for message in messages]
     sequences = _by_pair(((rank, numbers) for rank, (_, _, sends) in enumerate(bare) for numbers in sends),
                          dst_ranks, sender_known=True)
     needed_at = [{number: index for index, numbers in enumerate(inputs) for number in numbers} for inputs, _, _ in bare]
     for (_, dst_rank), sequence in sequences.items():
-        wanted = _wanted_slots(sequence, send_time, unit.ends[dst_rank], needed_at[dst_rank],
+        wanted = _wanted_slots(sequence, send_time, unit_ends[dst_rank], needed_at[dst_rank],
                                len(schedule.actions[dst_rank]))
         rank_slots = slots[dst_rank]
         for number, slot in zip(sequence, _suffix_minimum(wanted)):
@@ -368,4 +378,4 @@ def _suffix_minimum(values: list[int]) -> list[int]:
 
 
 __all__ = ["ACTIVATION", "GRADIENT", "Message", "Program", "SendsOnly", "Step", "adjacent_stages", "lower",
-           "sends_only"]
+           "sends_only", "unit_cost_ends"]

@@ -231,14 +231,28 @@ class StepGraph:
     def finish_times(self, durations: dict[str, float], comm: float) -> list[float]:
         """Each rank's end of its last step (0.0 without one), with step kind -> ``durations`` and messages between
         ranks arriving ``comm`` after their step ends."""
-        ends = [0.0] * (len(self.order) + 1)  # the last one: the zero end of "none"
+        ends = self._ends(durations, comm)
+        return [ends[step] for step in self.last]
+
+    def rank_ends(self, durations: dict[str, float], comm: float) -> list[list[float]]:
+        """Per rank, the end of each of its steps in program order: the ``ends`` of ``run_timed``'s ``Replay`` (the
+        same floats), which ``lower``'s unit-cost replay reads."""
+        ends, first, per_rank = self._ends(durations, comm), 0, []
+        for kinds in self.rank_kinds:  # steps are numbered rank by rank
+            per_rank.append(ends[first:first + len(kinds)])
+            first += len(kinds)
+        return per_rank
+
+    def _ends(self, durations: dict[str, float], comm: float) -> list[float]:
+        """Every step's end, by step number, and a last 0.0: the end of "none"."""
+        ends = [0.0] * (len(self.order) + 1)
         delays = (0.0, comm)  # x + 0.0 is x: a hand-over on the rank arrives as its step ends, as in the engine
         for step, previous, producer, delay, duration in zip(self.order, self.previous, self.producer,
                                                              map(delays.__getitem__, self.remote),
                                                              map(durations.__getitem__, self.kinds)):
             start, arrived = ends[previous], ends[producer] + delay
             ends[step] = (arrived if arrived > start else start) + duration
-        return [ends[step] for step in self.last]
+        return ends
 
 
 def _walked(inputs: list[Optional[int]], made_by: list[int], remote: bytearray,

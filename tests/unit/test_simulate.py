@@ -237,8 +237,24 @@ def test_the_step_graph_gives_the_engines_finish_times(name, vpp, pp, microbatch
     assert sent.graph.finish_times(durations, comm) == engine == lower(schedule).graph.finish_times(durations, comm)
 
 
+@pytest.mark.parametrize("name,vpp", PLANNED)
+@pytest.mark.parametrize("pp,microbatches", [(1, 3), (4, 8), (8, 19)])
+def test_the_unit_cost_ends_of_the_step_graph_are_the_engines(name, vpp, pp, microbatches):
+    """``lower`` places the receives at the ends of a unit-cost replay, which it reads from the step graph."""
+    from ppctl.pipeline.program import sends_only, unit_cost_ends
+    from ppctl.pipeline.replay import run_timed
+
+    try:
+        schedule = build_schedule(name, pp, vpp, microbatches)
+    except ScheduleError:
+        pytest.skip(f"{name} refuses pp={pp} with {microbatches} microbatches")
+    sent = sends_only(schedule)
+    assert sent.graph is not None and unit_cost_ends(sent) == run_timed(sent.timed()).ends
+
+
 def test_a_deadlock_has_no_step_graph_and_the_makespan_names_it():
-    from ppctl.pipeline.program import sends_only
+    from ppctl.pipeline.program import sends_only, unit_cost_ends
+    from ppctl.pipeline.replay import run_timed
     from ppctl.pipeline.simulate import simulate_makespan
 
     schedule = build_schedule("1f1b", 2, 1, 2)
@@ -247,6 +263,8 @@ def test_a_deadlock_has_no_step_graph_and_the_makespan_names_it():
     assert sends_only(swapped).graph is None
     with pytest.raises(ScheduleError, match="deadlock: rank 0 stuck at BW"):
         simulate_makespan(sends_only(swapped))
+    sent = sends_only(swapped)
+    assert unit_cost_ends(sent) == run_timed(sent.timed()).ends  # the engine's, as far as the ranks got
 
 
 def test_overlapped_pairs_run_as_one_are_left_to_the_engine():
