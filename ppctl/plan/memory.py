@@ -34,6 +34,8 @@ context-parallel attention's own blocks in flight.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from itertools import accumulate, compress, repeat
+from operator import ge, itemgetter
 from typing import Iterable, Sequence
 
 from ppctl.model.recompute import Recompute
@@ -266,26 +268,29 @@ def in_flight_states(actions: Iterable[tuple[str, int]]) -> frozenset[InFlightSt
     The bytes held are these counts weighed by each stage's kept and stash bytes, so a
     schedule's few distinct states (its steady state repeats) serve every model and batch
     a planner weighs it for (``in_flight_peak``), where a walk of its actions would not.
+    The states after a BW or a W are left out (each only lowers a count of the state before it,
+    which dominates it), but for a first action's.
     """
     actions = list(actions)
     stages = sorted({stage for _, stage in actions})
-    slot = {stage: 2 * index for index, stage in enumerate(stages)}
-    counts = [0] * (2 * len(stages))  # per stage: forwards kept, stashes kept
-    seen = set()
-    for index, (kind, stage) in enumerate(actions):
-        kept_at = slot[stage]
-        if kind == FORWARD:
-            counts[kept_at] += 1
-        elif kind == BACKWARD_INPUT:
-            counts[kept_at] -= 1
-            counts[kept_at + 1] += 1
-        elif kind in (BACKWARD, BACKWARD_WEIGHT):
-            counts[kept_at + (kind == BACKWARD_WEIGHT)] -= 1
-            if index:  # only lowers a count: the state before it, kept, dominates this one
-                continue
-        seen.add(tuple(counts))
-    return frozenset(tuple((stage, state[slot[stage]], state[slot[stage] + 1]) for stage in stages)
+    # The walk in C loops (a rank has up to thousands of actions, a search walks millions): per stage, its two
+    # counts (forwards kept, stashes kept) as running sums of each action's change to them, zipped into states.
+    counts = []
+    for stage in stages:
+        counts.append(accumulate(map({(FORWARD, stage): 1, (BACKWARD_INPUT, stage): -1, (BACKWARD, stage): -1}.get,
+                                     actions, repeat(0))))
+        counts.append(accumulate(map({(BACKWARD_INPUT, stage): 1, (BACKWARD_WEIGHT, stage): -1}.get,
+                                     actions, repeat(0))))
+    kept = list(map(_STATE_KEPT_AFTER.get, map(itemgetter(0), actions), repeat(True)))
+    if kept:
+        kept[0] = True
+    seen = set(compress(zip(*counts), kept))
+    return frozenset(tuple((stage, state[2 * index], state[2 * index + 1]) for index, stage in enumerate(stages))
                      for state in _undominated(seen))
+
+
+# The kinds after which ``in_flight_states`` keeps no state: each only lowers a count.
+_STATE_KEPT_AFTER = {BACKWARD: False, BACKWARD_WEIGHT: False}
 
 
 def _undominated(states: set[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -293,7 +298,7 @@ def _undominated(states: set[tuple[int, ...]]) -> list[tuple[int, ...]]:
     only these can hold the most (a GPipe rank's thousands of states are one)."""
     kept: list[tuple[int, ...]] = []
     for state in sorted(states, key=sum, reverse=True):  # a state is dominated only by one of larger or equal sum
-        if not any(all(mine >= theirs for mine, theirs in zip(other, state)) for other in kept):
+        if not any(all(map(ge, other, state)) for other in kept):  # other >= state in every count
             kept.append(state)
     return kept
 
@@ -449,7 +454,7 @@ def config_memory(config, schedule=None, in_flight=None) -> list[MemoryParts]:
 
 def schedule_in_flight_states(schedule) -> list[frozenset[InFlightState]]:
     """Per pp rank, the ``in_flight_states`` of its actions in ``schedule``."""
-    return [in_flight_states([(action.kind, action.stage) for action in rank_actions])
+    return [in_flight_states(map(itemgetter(0, 1), rank_actions))  # an action's (kind, stage)
             for rank_actions in schedule.actions]
 
 

@@ -6,6 +6,8 @@ for one microbatch (distinct storages seen by a saved-tensor hook), exactly, for
 precision, both position embeddings, the embedding and loss ends and each recomputation.
 """
 
+import random
+
 import pytest
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -102,6 +104,50 @@ def test_in_flight_states_keep_only_the_undominated():
     actions = [("F", 0)] * 5 + [("BW", 0)] * 5
     assert in_flight_states(actions) == {((0, 5, 0),)}
     assert in_flight_peak(in_flight_states([]), {}, {}) == 0
+
+
+def walked_in_flight_states(actions):
+    """``in_flight_states`` as it walked the actions one by one (before its walk ran in C loops): the reference."""
+    actions = list(actions)
+    stages = sorted({stage for _, stage in actions})
+    slot = {stage: 2 * index for index, stage in enumerate(stages)}
+    counts, seen = [0] * (2 * len(stages)), set()
+    for index, (kind, stage) in enumerate(actions):
+        kept_at = slot[stage]
+        if kind == "F":
+            counts[kept_at] += 1
+        elif kind == "B":
+            counts[kept_at] -= 1
+            counts[kept_at + 1] += 1
+        elif kind in ("BW", "W"):
+            counts[kept_at + (kind == "W")] -= 1
+            if index:
+                continue
+        seen.add(tuple(counts))
+    undominated = {state for state in seen
+                   if not any(other != state and all(o >= s for o, s in zip(other, state)) for other in seen)}
+    return frozenset(tuple((stage, state[slot[stage]], state[slot[stage] + 1]) for stage in stages)
+                     for state in undominated)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_in_flight_states_are_those_of_the_walk(seed):
+    """Any actions (unordered, incomplete, kinds that are none of the four), one to three stages."""
+    rng = random.Random(seed)
+    stages = rng.sample(range(9), rng.randint(1, 3))
+    actions = [(rng.choice(["F", "F", "B", "W", "BW", "X"]), rng.choice(stages)) for _ in range(rng.randint(0, 60))]
+    assert in_flight_states(actions) == walked_in_flight_states(actions)
+    assert in_flight_states(iter(actions)) == walked_in_flight_states(actions)
+
+
+@pytest.mark.parametrize("name,vpp", [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2),
+                                      ("dualpipev", 2), ("dualpipe", 2)])
+def test_a_schedules_in_flight_states_are_those_of_the_walk(name, vpp):
+    from ppctl.pipeline.schedules import build_schedule
+
+    schedule = build_schedule(name, 8, vpp, 24)
+    assert schedule_in_flight_states(schedule) == [walked_in_flight_states((a.kind, a.stage) for a in rank_actions)
+                                                   for rank_actions in schedule.actions]
 
 
 def test_in_flight_walk_and_state_parts():
