@@ -24,6 +24,8 @@ Each failure raises ``ScheduleError`` with one line naming the rank, stage and m
 from __future__ import annotations
 
 from collections import Counter
+from itertools import count, repeat
+from operator import gt
 from typing import Optional
 
 from .program import Message, Program, SendsOnly, lower
@@ -153,15 +155,26 @@ def _check_one_of_each(schedule: Schedule, stage: int, mb: int, count: dict[str,
         raise ScheduleError(f"{where} has {count[BACKWARD]} backwards, expected exactly 1")
 
 
+# The action each kind needs before it on its rank (of the same stage and microbatch).
+PREREQUISITE = {BACKWARD: FORWARD, BACKWARD_INPUT: FORWARD, BACKWARD_WEIGHT: BACKWARD_INPUT}
+
+
 def _check_rank_order(pp_rank: int, rank_actions: tuple[Action, ...]) -> None:
-    """On ``pp_rank``, each B/BW comes after its F and each W after its B."""
-    done: set[tuple[str, int, int]] = set()
-    prerequisite = {BACKWARD: FORWARD, BACKWARD_INPUT: FORWARD, BACKWARD_WEIGHT: BACKWARD_INPUT}
-    for action in rank_actions:
-        needed = prerequisite.get(action.kind)
-        if needed is not None and (needed, action.stage, action.microbatch) not in done:
-            raise ScheduleError(f"rank {pp_rank}: {action} comes before its {needed} on this rank")
-        done.add((action.kind, action.stage, action.microbatch))
+    """On ``pp_rank``, each B/BW comes after its F and each W after its B: the first that does not is refused.
+
+    In C loops (a large schedule has hundreds of thousands of actions): where each action first occurs on the rank,
+    then for each action where its prerequisite first does; an action that needs none looks itself up (it occurs
+    no later than itself), one whose prerequisite is missing gets the end of the rank.
+    """
+    if not rank_actions:
+        return
+    first = dict(zip(reversed(rank_actions), range(len(rank_actions) - 1, -1, -1)))  # the earliest index wins
+    kinds, stages, microbatches = zip(*rank_actions)  # an Action is a (kind, stage, microbatch) tuple
+    needed = map(PREREQUISITE.get, kinds, kinds)
+    late = list(map(gt, map(first.get, zip(needed, stages, microbatches), repeat(len(rank_actions))), count()))
+    if True in late:
+        action = rank_actions[late.index(True)]
+        raise ScheduleError(f"rank {pp_rank}: {action} comes before its {PREREQUISITE[action.kind]} on this rank")
 
 
 def _check_overlapped(schedule: Schedule) -> None:

@@ -3,6 +3,7 @@
 import ast
 import dataclasses
 import json
+import random
 import re
 from pathlib import Path
 
@@ -203,6 +204,34 @@ def test_weight_gradient_before_input_gradient_is_reported():
     broken = with_actions(schedule, [parse("F0.0 W0.0 B0.0")])
     with pytest.raises(ScheduleError, match=r"W\(stage 0, mb 0\) comes before its B"):
         check_schedule(broken)
+
+
+def walked_rank_order_problem(pp_rank, rank_actions):
+    """The rank-order check as it walked the actions one by one (before its C loops): the reference; its line or
+    None."""
+    done, prerequisite = set(), {"BW": "F", "B": "F", "W": "B"}
+    for action in rank_actions:
+        needed = prerequisite.get(action.kind)
+        if needed is not None and (needed, action.stage, action.microbatch) not in done:
+            return f"rank {pp_rank}: {action} comes before its {needed} on this rank"
+        done.add((action.kind, action.stage, action.microbatch))
+    return None
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_rank_order_check_refuses_what_the_walk_refused(seed):
+    """Random actions of a few stages and microbatches, repeats and every order included: the same first refusal."""
+    from ppctl.pipeline.check import _check_rank_order
+
+    rng = random.Random(seed)
+    actions = tuple(Action(rng.choice(["F", "F", "B", "W", "BW"]), rng.randint(0, 2), rng.randint(0, 2))
+                    for _ in range(rng.randint(0, 25)))
+    expected = walked_rank_order_problem(3, actions)
+    if expected is None:
+        _check_rank_order(3, actions)
+    else:
+        with pytest.raises(ScheduleError, match=re.escape(expected) + "$"):
+            _check_rank_order(3, actions)
 
 
 def test_action_on_the_wrong_rank_is_reported():
