@@ -36,8 +36,10 @@ larger), so V-ZB meets the fill bound and the bubble does not grow with m.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import islice
 from typing import Callable, Optional, Sequence
 
 from ppctl.parallel.placement import v_placement
@@ -226,7 +228,8 @@ class _Compression:
         self.entries = [[(_pass_class(pass_), mb, dependencies[pass_]) for pass_, mb in order]
                         for order, dependencies in zip(orders, _dependencies(ends, pp))]
         self.ends, self.orders = ends, orders
-        self.open = [list(range(len(order))) for order in orders]  # per rank, its passes not yet placed, in order
+        # per rank, its passes not yet placed, in order; a deque: a rank takes them near the front (within its window)
+        self.open = [deque(range(len(order))) for order in orders]
         self.held = [0] * pp  # chunk activations from forward to W
         self.peak = 0
         self.forwards_left = [2 * num_microbatches] * pp
@@ -239,12 +242,13 @@ class _Compression:
         other rank's pick at ``time`` sees it, as if all ranks picked first.
         """
         remaining, time = sum(map(len, self.orders)), 0
+        pick, place, ranks = self._pick, self._place, range(self.pp)
         while remaining:
             placed = 0
-            for pp_rank in range(self.pp):
-                position = self._pick(pp_rank, time)
+            for pp_rank in ranks:
+                position = pick(pp_rank, time)
                 if position is not None:
-                    self._place(pp_rank, position, time)
+                    place(pp_rank, position, time)
                     placed += 1
             if not placed:
                 return None
@@ -262,8 +266,8 @@ class _Compression:
         entries, open_, held, cap = self.entries[pp_rank], self.open[pp_rank], self.held[pp_rank], self.cap
         defer_weights = held < cap or not self.forwards_left[pp_rank]
         overtaken, most_overtaken, deferred = 0, 0, None
-        for position in range(min(self.window, len(open_))):
-            pass_class, mb, dependencies = entries[open_[position]]
+        for position, index in enumerate(islice(open_, self.window)):
+            pass_class, mb, dependencies = entries[index]
             for ends in dependencies:
                 if ends[mb] > time:
                     break
@@ -285,7 +289,9 @@ class _Compression:
 
     def _place(self, pp_rank: int, position: int, time: int) -> None:
         """Start the rank's open pass at ``position`` at ``time``: its end, the rank's activations, its run."""
-        pass_, mb = self.orders[pp_rank][self.open[pp_rank].pop(position)]
+        open_ = self.open[pp_rank]
+        pass_, mb = self.orders[pp_rank][open_[position]]
+        del open_[position]
         if pass_ < INPUT_GRAD_1:
             self.held[pp_rank] += 1
             self.forwards_left[pp_rank] -= 1
