@@ -28,11 +28,13 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from operator import itemgetter
 from typing import NamedTuple
 
 from ppctl.config import (ConfigError, PpctlConfig, config_layer_map, layout_of,
                           num_microbatches, validate)
 from ppctl.model.flops import forward_flops_per_token
+from ppctl.pipeline.replay import gc_paused
 from ppctl.pipeline.schedules import ScheduleError
 from ppctl.plan.memory import (DTYPE_BYTES, Chunk, MemoryParts, chunk_parameters, config_memory, config_rank_chunks,
                                model_shape, schedule_in_flight_states)
@@ -373,8 +375,8 @@ def _schedule(name: str, pp: int, vpp: int, microbatches: int) -> _Built:
     from ppctl.pipeline.kept import kept_schedule
 
     schedule = kept_schedule(name, pp, vpp, microbatches)
-    return _Built(schedule, schedule_in_flight_states(schedule),
-                  [Counter(action.kind for action in rank_actions) for rank_actions in schedule.actions])
+    return _Built(schedule, schedule_in_flight_states(schedule),  # an action's kind is its item 0 (counted in C)
+                  [Counter(map(itemgetter(0), rank_actions)) for rank_actions in schedule.actions])
 
 
 def _schedule_of(config: PpctlConfig) -> _Built:
@@ -438,12 +440,16 @@ TOO_LARGE = "needs more memory than the device has"
 DOMINATED = "not needed: a variant of the same layout that is as fast or faster fits"
 
 
+@gc_paused
 def plan(config: PpctlConfig, devices: int, memory_bytes: float, top: int, device: Device) -> Plan:
     """The ``top`` fastest candidates whose every rank fits in ``memory_bytes``, fastest first (equal times: the
     smaller peak memory first); see the module docstring. ``config`` is the user's, already validated.
 
     Of a layout's variants the first that fits is kept: the later ones save memory it does not need, at a cost
     in time (recomputation) or none (the optimizer's sharding, tried first).
+
+    The cyclic garbage collector is paused meanwhile: the schedules the search keeps hold millions of tuples, which
+    each collection walked again (about a third of the time of building them), and the search makes no cycle.
     """
     refused: Counter = Counter()
     bounded = sorted(((compute_bound_s(variants[0].apply(config), device), index, variants)

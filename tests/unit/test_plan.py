@@ -107,6 +107,29 @@ def test_the_search_stops_early_and_counts_what_it_left(base):
     assert set(json["candidates"][0]) >= {"overrides", "step_time_s", "bubble_ratio", "peak_memory_bytes"}
 
 
+def test_the_search_pauses_the_collector_and_leaves_it_as_it_was(base, monkeypatch):
+    """The collector is paused while the search runs (its kept schedules hold millions of tuples), resumed after,
+    and left off where it was off; the search leaves no cycle for it to collect."""
+    import gc
+
+    seen, original = [], search._first_fitting
+
+    def first_fitting(*args):
+        seen.append(gc.isenabled())
+        return original(*args)
+
+    monkeypatch.setattr(search, "_first_fitting", first_fitting)
+    gc.collect()
+    assert plan(base, 8, 80 * GIB, 3, H100).candidates and seen and not any(seen)
+    assert gc.isenabled() and gc.collect() == 0
+    gc.disable()
+    try:
+        plan(base, 8, 80 * GIB, 3, H100)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_layers_that_do_not_divide_get_balance_auto(base):
     config = replace(base, model=replace(base.model, num_layers=7))
     found = plan(config, 4, 80 * GIB, 10, H100)
