@@ -71,7 +71,9 @@ class Device:
         return (f"{self.name}: {self.flops / 1e12:.3g} TFLOP/s sustained, links {self.intra_node_bandwidth / 1e9:.3g} "
                 f"GB/s in a node of {self.node_size} and {self.inter_node_bandwidth / 1e9:.3g} GB/s between, "
                 f"{self.latency_s * 1e6:.3g} us per message, {self.overhead_s * 1e3:.3g} ms per action, "
-                f"{self.update_s_per_parameter * 1e9:.3g} ms per million parameters updated")
+                f"{self.update_s_per_parameter * 1e9:.3g} ms per million parameters updated, "
+                f"{self.ring_step_s * 1e6:.3g} us per ring step and {self.collective_wait_s * 1e6:.3g} us waited per "
+                "TP or CP collective")
 
     @property
     def ring_step_s(self) -> float:
