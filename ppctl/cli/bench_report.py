@@ -34,6 +34,14 @@ def _memory_cell(result: dict) -> str:
     return " / ".join(f"{max(per_rank) / MIB:.1f}" for per_rank in result["peak_memory_bytes"].values())
 
 
+def _on_core_cell(result: dict) -> str:
+    """The least share of a traced rank's time on a core, in its actions and between them (``on_core_share``)."""
+    shares = result.get("on_core_share")
+    if not shares:
+        return "-"
+    return f"{min(shares['actions']):.2f} / {min(shares['between']):.2f}"
+
+
 def print_bench(results: list[dict], run_dir: Path) -> None:
     """The comparison table: step times (medians of the blocks), ratio, bubbles, peak memory, loss agreement."""
     from rich.console import Console
@@ -44,18 +52,20 @@ def print_bench(results: list[dict], run_dir: Path) -> None:
     table = Table(title=f"ppctl against {other[first['against']]}: median of {first['repeats']} blocks of "
                         f"{first['steps_per_block']} steps each, taken in turns")
     for column in ("schedule", "pp x vpp", "m", "ppctl ms", "other ms", "ratio (blocks)", "bubble", "sim.",
-                   "MiB", "loss diff"):
+                   "on core", "MiB", "loss diff"):
         table.add_column(column, overflow="fold")
     for result in results:
         difference = result["loss_max_rel_diff"]
         table.add_row(result["schedule"], f"{result['pp']} x {result['vpp']}", str(result["microbatches"]),
                       _milliseconds(result["ppctl_step_s"]), _milliseconds(result["other_step_s"]),
                       _ratio_cell(result), f"{result['bubble_measured']:.3f}", f"{result['bubble_simulated']:.3f}",
-                      _memory_cell(result), "-" if difference is None else f"{difference:.1e}")
+                      _on_core_cell(result), _memory_cell(result), "-" if difference is None else f"{difference:.1e}")
     console = Console(width=None if sys.stdout.isatty() else 150)  # a file or pipe gets the whole table
     console.print(table)
     console.print("ms: median step time of each side; ratio: ppctl / other, per block in brackets (below 1: ppctl "
                   "is faster). bubble: (makespan - busiest rank's compute) / that compute in one traced step; sim.: "
-                  "the simulator's, given that step's mean F, B, W and the measured message time. MiB: largest "
+                  "the simulator's, given that step's mean F, B, W and the measured message time. on core: the "
+                  "least share of a traced rank's time its thread was on a core, in its actions / between them (on "
+                  "a CPU device, below 1 is waiting for a core or blocked in a post). MiB: largest "
                   "peak per rank, ppctl / other. loss diff: largest relative difference of the step losses. "
                   f"All figures: {run_dir / 'bench.json'}")

@@ -48,6 +48,8 @@ def test_bench_against_a_plain_loop_table(ppctl, tmp_path):
     assert "1 x 1" in row
     entry = json.loads((tmp_path / "bench.json").read_text())[0]
     assert entry["against"] == "plain" and entry["loss_max_rel_diff"] <= 1e-4
+    shares = entry["on_core_share"]  # the table's "on core" cell: the least share, in actions / between them
+    assert "on core" in result.stdout and f"{min(shares['actions']):.2f} / {min(shares['between']):.2f}" in row
 
 
 @pytest.mark.parametrize("arguments, words", [
