@@ -85,11 +85,12 @@ def bench_schedule(config: PpctlConfig, context: ParallelContext, request: Bench
     trainer = sides[0].trainer
     snapshot = traced_snapshot(trainer, next_step + 1, request.steps)
     comm = one_way_seconds(trainer, context)
+    all_reduce_s = {numel: all_reduce_seconds(numel, context) for numel in ALL_REDUCE_SIZES}
     mine = {"losses": losses, "memory": memory, "snapshot": snapshot, "rank": context.rank,
             "update_s": update_seconds(trainer, next_step + 1 + request.steps),
             "parameters": sum(param.numel() for param in trainer.named_parameters().values()),
-            "all_reduce_s": {str(numel): all_reduce_seconds(numel, context) for numel in ALL_REDUCE_SIZES},
-            "collective_wait_s": collective_wait_seconds(context)}
+            "all_reduce_s": {str(numel): seconds for numel, seconds in all_reduce_s.items()},
+            "collective_wait_s": collective_wait_seconds(context, all_reduce_s[ALL_REDUCE_SIZES[0]])}
     gathered = [None] * dist.get_world_size() if context.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if context.rank != 0:
@@ -147,19 +148,19 @@ def all_reduce_seconds(numel: int, context: ParallelContext) -> float:
     return statistics.median(times[1:])
 
 
-def collective_wait_seconds(context: ParallelContext) -> float:
-    """What a small all-reduce over every worker costs beyond its lockstep time when each worker computes first
-    (``BURSTS`` rounds of a matmul then the all-reduce, no barrier between): the median round less the median
-    matmul alone and the lockstep all-reduce (``all_reduce_seconds``), at least 0. The workers' compute drifts
-    apart by a little every round and each collective waits for the last of them; TP's and CP's collectives,
-    which follow every rank's own layer work, pay it each time."""
+def collective_wait_seconds(context: ParallelContext, lockstep_s: float) -> float:
+    """What a small all-reduce over every worker costs beyond its lockstep time ``lockstep_s``
+    (``all_reduce_seconds`` of ``ALL_REDUCE_SIZES[0]`` elements) when each worker computes first (``BURSTS``
+    rounds of a matmul then the all-reduce, no barrier between): the median round less the median matmul alone
+    and ``lockstep_s``, at least 0. The workers' compute drifts apart by a little every round and each
+    collective waits for the last of them; TP's and CP's collectives, which follow every rank's own layer work,
+    pay it each time."""
     left = torch.randn(BURST_SIZE, BURST_SIZE, device=context.device)
     right, tensor = torch.randn_like(left), torch.ones(ALL_REDUCE_SIZES[0], device=context.device)
     alone = _median_seconds(lambda: torch.mm(left, right), context.device, BURSTS)
-    lockstep = all_reduce_seconds(ALL_REDUCE_SIZES[0], context)
     dist.barrier()
     rounds = _median_seconds(lambda: (torch.mm(left, right), dist.all_reduce(tensor)), context.device, BURSTS)
-    return max(rounds - alone - lockstep, 0.0)
+    return max(rounds - alone - lockstep_s, 0.0)
 
 
 def _median_seconds(work, device: str, times: int) -> float:

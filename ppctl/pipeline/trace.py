@@ -179,7 +179,8 @@ def on_core_shares(snapshot: dict) -> dict[str, float] | None:
     action_wall = sum(end - start for *_, start, end in actions)
     action_cpu = sum(end - start for start, end in spans)
     first, last = actions[0][3], actions[-1][4]
-    waiting = sum(min(stop, last) - max(start, first) for start, stop in snapshot["waits"] if start < last and stop > first)
+    waiting = sum(min(stop, last) - max(start, first) for start, stop in snapshot["waits"]
+                  if start < last and stop > first)
     between_wall = last - first - action_wall - waiting
     between_cpu = spans[-1][1] - spans[0][0] - action_cpu
     return {"actions": min(action_cpu / action_wall, 1.0) if action_wall > 0 else 1.0,
