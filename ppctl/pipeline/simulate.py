@@ -22,10 +22,10 @@ from typing import Optional, Sequence, Union
 from .program import Program, SendsOnly, lower
 from .replay import Costs, Replay, TimedProgram, action_durations, gc_paused, run_timed
 from .schedules import stream_of, streams_steps
-from .schedules.base import BACKWARD, BACKWARD_WEIGHT, Action, FORWARD, Schedule, ScheduleError
+from .schedules.base import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, Action, FORWARD, Schedule, ScheduleError
 
-__all__ = ["Costs", "RankTimeline", "Replay", "SimResult", "TimedAction", "parse_costs", "peak_activations",
-           "replay", "simulate", "simulate_makespan", "simulate_steps"]
+__all__ = ["Costs", "RankTimeline", "Replay", "SimResult", "TimedAction", "makespan_floor", "parse_costs",
+           "peak_activations", "replay", "simulate", "simulate_makespan", "simulate_steps"]
 
 
 def parse_costs(text: str) -> Costs:
@@ -230,6 +230,42 @@ def simulate_makespan(program: Union[Program, SendsOnly], costs: Costs = Costs()
     durations = action_durations(program.schedule.chunks_per_copy, costs)
     busiest = max(sum(map(durations.__getitem__, kinds)) for kinds in graph.rank_kinds)  # as the timed steps sum
     return _bubble(max(graph.finish_times(durations, costs.comm), default=0.0), busiest)
+
+
+def makespan_floor(placement, microbatches: int, costs: Costs) -> float:
+    """A makespan that no schedule of ``microbatches`` on ``placement`` goes below in the simulator (without
+    ``FB``), built from no schedule: the planner rules layouts out with it before building theirs.
+
+    Every rank holds ``chunks_per_copy`` stages of each copy and runs each microbatch of the copy through each
+    once (an F, and a B with its W or a whole BW), so every rank computes ``microbatches * chunks_per_copy``
+    chunk passes. Before its first action, a microbatch has gone through the stages in front of its earliest
+    (each a chunk's F; ``comm`` at each change of rank). With one copy, its last B on its earliest stage
+    comes after all its F's and B's, and that microbatch's gradient then goes back through those stages.
+    """
+    pp = max(placement.owners, default=-1) + 1
+    chunks = placement.num_stages // placement.copies // max(pp, 1)
+    durations = action_durations(chunks, costs)
+    forward, backward_input = durations[FORWARD], durations[BACKWARD_INPUT]
+    passes = microbatches * chunks
+    work = passes * (forward + durations[BACKWARD])
+    floor = work
+    for pp_rank in range(pp):
+        stages, hops = _front_of(placement, pp_rank)
+        fill = stages * forward + hops * costs.comm
+        floor = max(floor, fill + work)
+        if placement.copies == 1:
+            floor = max(floor, fill + passes * (forward + backward_input) + stages * backward_input + hops * costs.comm)
+    return floor
+
+
+def _front_of(placement, pp_rank: int) -> tuple[int, int]:
+    """(the stages of its copy in front of ``pp_rank``'s earliest stage, the changes of rank between them and
+    it): the fewest a microbatch passes, and crosses, before it reaches the rank."""
+    per_copy, owners = placement.stages_per_copy, placement.owners
+    earliest = min(placement.stages_of(pp_rank), key=lambda stage: stage % per_copy)
+    first = earliest - earliest % per_copy
+    hops = sum(owners[stage] != owners[stage + 1] for stage in range(first, earliest))
+    return earliest - first, hops
 
 
 def _replayed(schedule: Schedule, timed: TimedProgram, costs: Costs) -> Replay:

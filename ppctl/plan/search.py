@@ -6,14 +6,14 @@ they are tried (the distributed optimizer, free in time; then selective and full
 recomputation), and:
 
 1. orders the layouts by a lower bound on their step time that needs no validation
-   (``compute_bound_s``: every rank's mean compute after the fill, plus the reduction);
-2. in that order, skips a layout whose schedule bound (``schedule_bound_s``) cannot beat
-   the K-th best, else predicts its variants' memory per rank (``ppctl.plan.memory``)
-   and step time (the simulator on the costs of ``step_costs``, skipped where
-   ``step_lower_bound_s`` already exceeds the K-th best), validated as ``train`` validates
-   them, and keeps the first variant that fits and beats the K-th best (the schedule
-   checker, the costliest rule, runs only then);
-3. stops once the next bound cannot beat the K-th best, counting what it left and why.
+   (``compute_bound_s``: every rank's mean compute and collectives after the fill, plus the reduction);
+2. in that order, skips a layout whose makespan floor (``_floor_ms``, from the placement alone) or schedule
+   bound (``schedule_bound_s``) cannot beat the K-th best, else predicts its variants' memory per rank
+   (``ppctl.plan.memory``) and step time (the simulator on the costs of ``step_costs``, skipped where
+   ``step_lower_bound_s`` already exceeds the K-th best), validated as ``train`` validates them but for the
+   schedule checker, and keeps the first variant that fits and beats the K-th best;
+3. stops once the next bound cannot beat the K-th best, counting what it left and why;
+4. proves the schedules of the list with the checker, and searches again with any it refuses refused.
 
 The cost model (``StepCosts``) follows Megatron-LM's FLOP count (``ppctl.model.flops``): a
 backward is twice a forward (B and W one forward each), full recomputation adds a forward
@@ -28,7 +28,6 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from operator import itemgetter
 from typing import NamedTuple
 
 from ppctl.config import (ConfigError, PpctlConfig, config_layer_map, layout_of,
@@ -295,10 +294,14 @@ def after_pipeline_s(config: PpctlConfig, device: Device) -> float:
 
 def compute_bound_s(config: PpctlConfig, device: Device) -> float:
     """A step time that neither the schedule nor the split of a (not yet validated) config can beat: every rank's
-    mean compute for the step (all microbatches through the whole model, shared by tp * pp devices) after its
-    wait for the first microbatch to reach it (the fill), then the data-parallel reduction."""
-    forward_s = _mean_forward_s(config, device)
-    return 3 * num_microbatches(config) * forward_s + _fill_stages(config) * forward_s + after_pipeline_s(config, device)
+    mean compute for the step (all microbatches through the whole model, shared by tp * pp devices) and the TP and
+    CP collectives of its mean share of the layers in the forward and the backward, after its wait for the first
+    microbatch to reach it (the fill), then the data-parallel reduction."""
+    forward_s, microbatches = _mean_forward_s(config, device), num_microbatches(config)
+    collectives = _tp_cp_seconds(config, device, _microbatch_tokens(config), DTYPE_BYTES[config.trainer.precision])
+    mean_layers = config.model.num_layers / config.parallel.pp
+    return (3 * microbatches * forward_s + 2 * microbatches * collectives * mean_layers
+            + _fill_stages(config) * forward_s + after_pipeline_s(config, device))
 
 
 def _mean_forward_s(config: PpctlConfig, device: Device) -> float:
@@ -309,6 +312,12 @@ def _mean_forward_s(config: PpctlConfig, device: Device) -> float:
     return _microbatch_tokens(config) * forward / (parallel.tp * parallel.pp) / device.flops
 
 
+def _schedule_key(config: PpctlConfig) -> tuple:
+    """What the schedule checker's verdict depends on: the schedule, pp, vpp and the microbatches."""
+    parallel = config.parallel
+    return config.schedule.name, parallel.pp, parallel.vpp, num_microbatches(config)
+
+
 COMM_RATIOS = (0.0, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)  # message time / forward time, simulated once each
 
 
@@ -317,11 +326,9 @@ def schedule_bound_s(config: PpctlConfig, device: Device) -> float:
     the schedule's makespan with every F, B and W at the mean compute of a rank's forward, and messages at the
     largest of ``COMM_RATIOS`` of that below the candidate's message time (the simulated makespan only grows with
     each cost, and scales with all of them together)."""
-    parallel = config.parallel
     forward_s = _mean_forward_s(config, device)
     ratio = max(r for r in COMM_RATIOS if r * forward_s <= message_s(config, device))
-    key = (config.schedule.name, parallel.pp, parallel.vpp, num_microbatches(config))
-    unit_makespan, _ = _simulated(key, 1.0, 1.0, 1.0, ratio)
+    unit_makespan, _ = _simulated(_schedule_key(config), 1.0, 1.0, 1.0, ratio)
     return unit_makespan * forward_s + after_pipeline_s(config, device)
 
 
@@ -362,12 +369,10 @@ def _tp_cp_seconds(config: PpctlConfig, device: Device, tokens: int, element: in
 
 
 class _Built(NamedTuple):
-    """A built schedule and what the memory model and the bounds read of it: each rank's ``in_flight_states`` and
-    its actions per kind."""
+    """A built schedule and what the memory model reads of it: each rank's ``in_flight_states``."""
 
     schedule: object  # a Schedule
     in_flight: list
-    kinds: list[Counter]
 
 
 @lru_cache(maxsize=256)
@@ -377,21 +382,18 @@ def _schedule(name: str, pp: int, vpp: int, microbatches: int) -> _Built:
     from ppctl.pipeline.kept import kept_schedule
 
     schedule = kept_schedule(name, pp, vpp, microbatches)
-    return _Built(schedule, schedule_in_flight_states(schedule),  # an action's kind is its item 0 (counted in C)
-                  [Counter(map(itemgetter(0), rank_actions)) for rank_actions in schedule.actions])
+    return _Built(schedule, schedule_in_flight_states(schedule))
 
 
 def _schedule_of(config: PpctlConfig) -> _Built:
     """``_schedule`` of a validated config."""
-    parallel = config.parallel
-    return _schedule(config.schedule.name, parallel.pp, parallel.vpp, num_microbatches(config))
+    return _schedule(*_schedule_key(config))
 
 
 def simulated_step(config: PpctlConfig, costs: StepCosts) -> tuple[float, float]:
     """(step time in seconds, bubble ratio) from the simulator, with the reduction added."""
-    parallel = config.parallel
-    key = (config.schedule.name, parallel.pp, parallel.vpp, costs.microbatches)
-    makespan_ms, bubble = _simulated(key, costs.F * 1e3, costs.B * 1e3, costs.W * 1e3, costs.comm * 1e3)
+    makespan_ms, bubble = _simulated(_schedule_key(config), costs.F * 1e3, costs.B * 1e3, costs.W * 1e3,
+                                     costs.comm * 1e3)
     return makespan_ms / 1e3 + costs.reduction, bubble
 
 
@@ -412,27 +414,26 @@ ROUNDING_MARGIN = 1e-9
 
 def step_lower_bound_s(config: PpctlConfig, costs: StepCosts) -> float:
     """A step time the simulator's prediction at ``costs`` cannot be below, from runs kept per schedule and size:
-    the busiest rank's compute, and the schedule's makespan with every F, B and W at the least of them and messages
+    the makespan floor (``_floor_ms``), and the schedule's makespan with every F, B and W at the least of them and messages
     at the largest of ``COMM_RATIOS`` of that below ``costs.comm`` (the makespan only grows with each cost and
     scales with all of them together); plus the reduction."""
     least = min(costs.F, costs.B, costs.W)
     scaled = 0.0
     if least > 0:
         ratio = max(r for r in COMM_RATIOS if r * least <= costs.comm)
-        parallel = config.parallel
-        key = (config.schedule.name, parallel.pp, parallel.vpp, costs.microbatches)
-        scaled = _simulated(key, 1.0, 1.0, 1.0, ratio)[0] * least * 1e3  # costs in s, the simulations' in ms
-    return max(_busiest_ms(config, costs), scaled) / 1e3 + costs.reduction
+        unit_makespan_ms = _simulated(_schedule_key(config), 1.0, 1.0, 1.0, ratio)[0]
+        scaled = unit_makespan_ms * least * 1e3  # costs in s, the simulations' in ms
+    return max(_floor_ms(config, costs), scaled) / 1e3 + costs.reduction
 
 
-def _busiest_ms(config: PpctlConfig, costs: StepCosts) -> float:
-    """The busiest rank's compute in the simulator at ``costs`` (ms), from the kept schedule's actions per kind."""
-    from ppctl.pipeline.replay import Costs, action_durations
+def _floor_ms(config: PpctlConfig, costs: StepCosts) -> float:
+    """The simulator's makespan at ``costs`` (ms) cannot be below this, whatever the schedule: its busiest rank's
+    compute after the fill in front of it, and with one copy before the drain behind it (``makespan_floor``,
+    from the placement alone: no schedule is built)."""
+    from ppctl.pipeline.simulate import Costs, makespan_floor
 
-    built = _schedule_of(config)
-    durations = action_durations(built.schedule.chunks_per_copy, Costs(F=costs.F * 1e3, B=costs.B * 1e3,
-                                                                       W=costs.W * 1e3))
-    return max(sum(count * durations[kind] for kind, count in kinds.items()) for kinds in built.kinds)
+    return makespan_floor(layout_of(config).placement, costs.microbatches,
+                          Costs(F=costs.F * 1e3, B=costs.B * 1e3, W=costs.W * 1e3, comm=costs.comm * 1e3))
 
 
 # --- the search ----------------------------------------------------------------------------------
@@ -450,9 +451,27 @@ def plan(config: PpctlConfig, devices: int, memory_bytes: float, top: int, devic
     Of a layout's variants the first that fits is kept: the later ones save memory it does not need, at a cost
     in time (recomputation) or none (the optimizer's sharding, tried first).
 
+    The schedule checker, the costliest of ``train``'s rules, proves only the schedules of the list found: a
+    schedule it refuses is searched again as refused (``_search``'s ``disproved``) until every schedule in the
+    list is proved. So a candidate is counted under the checker's rule where it would have entered the list, and
+    one slower than the list's last is counted as slower without its schedule proved.
+
     The cyclic garbage collector is paused meanwhile: the schedules the search keeps hold millions of tuples, which
     each collection walked again (about a third of the time of building them), and the search makes no cycle.
     """
+    disproved: dict[tuple, str] = {}
+    while True:
+        found = _search(config, devices, memory_bytes, top, device, disproved)
+        refusals = _checker_refusals(config, found.candidates)
+        if not refusals:
+            return found
+        disproved.update(refusals)
+
+
+def _search(config: PpctlConfig, devices: int, memory_bytes: float, top: int, device: Device,
+            disproved: dict[tuple, str]) -> Plan:
+    """The pruned search, with the schedules in ``disproved`` (``_schedule_key`` -> the checker's refusal)
+    refused where their candidate would enter the list, and no other schedule proved."""
     refused: Counter = Counter()
     bounded = sorted(((compute_bound_s(variants[0].apply(config), device), index, variants)
                       for index, variants in enumerate(candidates(config, devices))), key=lambda entry: entry[:2])
@@ -462,14 +481,27 @@ def plan(config: PpctlConfig, devices: int, memory_bytes: float, top: int, devic
             refused[NOT_EXAMINED] += sum(len(rest) for _, _, rest in bounded[position:])
             break
         to_beat = best[-1] if len(best) >= top else None
-        if to_beat is not None and (_outpaced(config, variants[0], memory_bytes, device, to_beat) or
+        if to_beat is not None and (_outpaced(config, variants[0], device, to_beat) or
                                     _schedule_bound_or_zero(variants[0].apply(config), device) >= to_beat.step_time_s):
             refused[NOT_EXAMINED] += len(variants)
             continue
-        kept = _first_fitting(config, variants, memory_bytes, device, refused, to_beat)
+        kept = _first_fitting(config, variants, memory_bytes, device, refused, to_beat, disproved)
         if kept is not None:
             best = sorted(best + [kept], key=_order)[:top]
     return Plan(best, refused)
+
+
+def _checker_refusals(config: PpctlConfig, found: list[Prediction]) -> dict[tuple, str]:
+    """The schedules of ``found`` that ``train``'s validation refuses, each with its one-line refusal (the checker's
+    verdict, kept per schedule and size by validation)."""
+    refusals = {}
+    for prediction in found:
+        built = prediction.candidate.apply(config)
+        try:
+            validate(built, data=False)
+        except (ConfigError, ScheduleError) as error:
+            refusals[_schedule_key(built)] = str(error)
+    return refusals
 
 
 def _order(prediction: Prediction) -> tuple[float, int]:
@@ -477,16 +509,15 @@ def _order(prediction: Prediction) -> tuple[float, int]:
     return prediction.step_time_s, prediction.peak_memory_bytes
 
 
-def _outpaced(config: PpctlConfig, first: Candidate, memory_bytes: float, device: Device, to_beat: Prediction) -> bool:
-    """Whether a layout's ``first`` variant is valid, fits, and its busiest rank's compute alone (``_busiest_ms``)
-    is slower than ``to_beat``: then ``_first_fitting`` leaves all the variants, as ``schedule_bound_s`` may, so the
-    simulation that bound needs is skipped."""
+def _outpaced(config: PpctlConfig, first: Candidate, device: Device, to_beat: Prediction) -> bool:
+    """Whether a layout's ``first`` variant is valid and its makespan floor (``_floor_ms``, which builds no
+    schedule) is slower than ``to_beat``: then so are its later variants (more recomputation, or the update
+    unsharded), and the layout is counted as slower before its schedule is built or its memory weighed."""
     built = first.apply(config)
     try:
         validate(built, data=False, prove_schedule=False)
         costs = step_costs(built, device)
-        return (_busiest_ms(built, costs) / 1e3 + costs.reduction > to_beat.step_time_s * (1 + ROUNDING_MARGIN)
-                and max(parts.total for parts in _memory(built)) <= memory_bytes)  # the memory only where it decides
+        return _floor_ms(built, costs) / 1e3 + costs.reduction > to_beat.step_time_s * (1 + ROUNDING_MARGIN)
     except (ConfigError, ScheduleError):
         return False
 
@@ -500,11 +531,11 @@ def _schedule_bound_or_zero(config: PpctlConfig, device: Device) -> float:
 
 
 def _first_fitting(config: PpctlConfig, variants: list[Candidate], memory_bytes: float, device: Device,
-                   refused: Counter, to_beat: Prediction | None) -> Prediction | None:
+                   refused: Counter, to_beat: Prediction | None, disproved: dict[tuple, str]) -> Prediction | None:
     """The first variant ``train`` accepts that fits in ``memory_bytes``, if it beats ``to_beat`` (the last one
     kept, None while the list is not full); the others counted in ``refused``. A variant whose lower bound on its
-    time (``step_lower_bound_s``) is above ``to_beat``'s is not simulated, and the schedule checker, the costliest
-    rule, runs only for a variant that would be kept (its verdict kept per schedule and size)."""
+    time (``step_lower_bound_s``) is above ``to_beat``'s is not simulated. Its schedule counts as proved unless
+    it is in ``disproved`` (``plan`` proves the list's at the end)."""
     for index, candidate in enumerate(variants):
         built = candidate.apply(config)
         try:
@@ -522,7 +553,8 @@ def _first_fitting(config: PpctlConfig, variants: list[Candidate], memory_bytes:
             if to_beat is not None and _order(prediction) >= _order(to_beat):
                 refused[NOT_EXAMINED] += len(variants) - index
                 return None
-            validate(built, data=False)
+            if _schedule_key(built) in disproved:
+                raise ConfigError(disproved[_schedule_key(built)])
         except (ConfigError, ScheduleError) as error:
             refused[refusal_reason(str(error))] += 1
             continue

@@ -107,6 +107,33 @@ def test_the_search_stops_early_and_counts_what_it_left(base):
     assert set(json["candidates"][0]) >= {"overrides", "step_time_s", "bubble_ratio", "peak_memory_bytes"}
 
 
+def test_a_schedule_the_checker_refuses_leaves_the_list_as_in_the_exhaustive_search(base, monkeypatch):
+    """The checker proves only the list's schedules at the end; one it refuses is searched again as refused: the
+    list is the exhaustive search's (which proves every candidate), and the refusal is counted under its rule."""
+    import importlib
+
+    validation = importlib.import_module("ppctl.config.validate")  # the module: the package exports the function
+
+    roomy = plan(base, 8, 80 * GIB, 3, H100)
+    winner = roomy.candidates[0].candidate.apply(base)
+    refused_key = search._schedule_key(winner)
+    proved, checked = validation._built_schedule_problem, []
+
+    def checker(name, pp, vpp, microbatches):
+        checked.append((name, pp, vpp, microbatches))
+        return "refused here" if (name, pp, vpp, microbatches) == refused_key else proved(name, pp, vpp, microbatches)
+
+    monkeypatch.setattr(validation, "_built_schedule_problem", checker)
+    found = plan(base, 8, 80 * GIB, 3, H100)
+    proved_by_the_search = set(checked)
+    expected = exhaustive(base, 8, 80 * GIB, H100)[:3]
+    assert [p.candidate.layout_key for p in found.candidates] == [p.candidate.layout_key for p in expected]
+    assert refused_key not in {search._schedule_key(p.candidate.apply(base)) for p in found.candidates}
+    assert found.refused["refused by validation: schedule " + refused_key[0]] >= 1
+    # the search proved the schedules of its two lists only: the first, with the refused one, and the second
+    assert refused_key in proved_by_the_search and len(proved_by_the_search) <= 2 * 3
+
+
 def test_the_search_pauses_the_collector_and_leaves_it_as_it_was(base, monkeypatch):
     """The collector is paused while the search runs (its kept schedules hold millions of tuples), resumed after,
     and left off where it was off; the search leaves no cycle for it to collect."""

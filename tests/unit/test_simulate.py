@@ -1,11 +1,12 @@
 """The simulator against the published results: makespans, bubbles, peak activations, latency."""
 
+import itertools
 import json
 
 import pytest
 
 from ppctl.pipeline.program import lower
-from ppctl.pipeline.schedules import ScheduleError, build_schedule
+from ppctl.pipeline.schedules import SCHEDULE_SPECS, ScheduleError, build_schedule
 from ppctl.pipeline.schedules.base import Action, Schedule
 from ppctl.pipeline.simulate import Costs, parse_costs, replay, simulate
 
@@ -275,3 +276,39 @@ def test_overlapped_pairs_run_as_one_are_left_to_the_engine():
     costs = Costs(F=1.3, B=1.9, W=0.7, FB=2.9, comm=0.3)
     full = simulate(schedule, costs)
     assert simulate_makespan(sends_only(schedule), costs) == (full.makespan, full.bubble_ratio)
+
+
+FLOOR_COSTS = [Costs(), Costs(F=1.3, B=1.9, W=0.7, comm=0.3), Costs(F=0.2, B=0.5, W=0.2, comm=2.0),
+               Costs(F=1.0, B=2.0, W=0.0, comm=0.05), Costs(F=0.0, B=0.0, W=0.0, comm=1.0)]
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULE_SPECS))
+def test_no_schedule_runs_below_the_makespan_floor(name):
+    """``makespan_floor`` (built from the placement alone, for the planner) is at or below the simulated makespan of
+    every registered schedule, at every size and cost tried: slow compute, slow messages, no W, free compute."""
+    from ppctl.pipeline.program import sends_only
+    from ppctl.pipeline.simulate import makespan_floor, simulate_makespan
+
+    tried = 0
+    for pp, vpp, microbatches in itertools.product((1, 2, 3, 4, 6, 8), (1, 2, 3), (1, 2, 3, 4, 6, 8, 12, 16)):
+        try:
+            schedule = build_schedule(name, pp, vpp, microbatches)
+        except ScheduleError:
+            continue
+        sent = sends_only(schedule)
+        for costs in FLOOR_COSTS:
+            floor = makespan_floor(schedule.placement, microbatches, costs)
+            assert floor <= simulate_makespan(sent, costs)[0] * (1 + 1e-12), (pp, vpp, microbatches, costs)
+        tried += 1
+    assert tried >= 8  # every schedule builds at several sizes (DualPipe: even pp, enough microbatches)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("pp,microbatches", [(1, 3), (2, 4), (4, 8), (4, 3), (8, 16)])
+def test_the_floor_is_the_makespan_of_a_pipeline_that_runs_without_gaps(name, pp, microbatches):
+    """Without messages or a W, GPipe and 1F1B take (m + pp - 1)(F + B): the floor's fill and drain, exactly."""
+    from ppctl.pipeline.simulate import makespan_floor
+
+    costs = Costs(F=1.0, B=2.0, W=0.0)
+    schedule = build_schedule(name, pp, 1, microbatches)
+    assert makespan_floor(schedule.placement, microbatches, costs) == simulate(schedule, costs).makespan
