@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -230,13 +231,14 @@ def summarise(config: PpctlConfig, trainer: Trainer, request: BenchRequest, seco
 def step_outside_figures(gathered: list[dict]) -> dict:
     """What the step costs beyond the pipeline, for ``ppctl plan --calibrate``: the slowest rank's update time and
     its parameter count, each all-reduce size's slowest time over the world (``world_size`` workers), and the
-    slowest rank's wait of a collective after compute (``collective_wait_seconds``)."""
+    slowest rank's wait of a collective after compute (``collective_wait_seconds``); and the cores the workers had
+    (the machine's that this process may run on: a CPU run with more workers than these shared them)."""
     slowest = max(gathered, key=lambda entry: entry["update_s"])
     sizes = gathered[0]["all_reduce_s"]
     return {"update_s": slowest["update_s"], "update_parameters": slowest["parameters"],
             "all_reduce_s": {size: max(entry["all_reduce_s"][size] for entry in gathered) for size in sizes},
             "collective_wait_s": max(entry["collective_wait_s"] for entry in gathered),
-            "world_size": len(gathered)}
+            "world_size": len(gathered), "cores": len(os.sched_getaffinity(0))}
 
 
 def _rank(entry: dict) -> int:

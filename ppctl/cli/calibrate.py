@@ -48,6 +48,10 @@ class Calibration:
     ring_step_s: float | None = None
     bus_bandwidth: float | None = None
     collective_wait_s: float | None = None  # a collective's wait for its slowest member after compute
+    # Where the measured run's workers outnumbered the machine's cores: those cores, and the share of the pipeline
+    # ranks' action time spent on a core (the rest waited for one), for the planner's processor sharing
+    cores: int | None = None
+    on_core_share: float | None = None
 
     def measured_config(self):
         """The measured run's ``PpctlConfig``."""
@@ -111,7 +115,8 @@ def _from_bench(run_dir: Path, schedule_name: str) -> Calibration:
 
 
 def _beyond_pipeline(entry: dict) -> dict:
-    """The update and collective figures of a ``bench.json`` entry (none from one written before they were)."""
+    """The update and collective figures of a ``bench.json`` entry, and the cores its workers shared where they
+    outnumbered them (none from one written before they were)."""
     figures = {}
     if entry.get("update_parameters"):
         figures["update_s_per_parameter"] = entry["update_s"] / entry["update_parameters"]
@@ -119,6 +124,9 @@ def _beyond_pipeline(entry: dict) -> dict:
         sizes = sorted((int(numel), seconds) for numel, seconds in entry["all_reduce_s"].items())
         figures["ring_step_s"], figures["bus_bandwidth"] = ring_fit(sizes[0], sizes[-1], entry["world_size"])
         figures["collective_wait_s"] = entry.get("collective_wait_s")
+    shares = (entry.get("on_core_share") or {}).get("actions")
+    if entry.get("cores") and entry.get("world_size", 1) > entry["cores"] and shares:
+        figures["cores"], figures["on_core_share"] = entry["cores"], sum(shares) / len(shares)
     return figures
 
 

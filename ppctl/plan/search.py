@@ -64,6 +64,9 @@ class Device:
     # Per TP or CP collective: the wait for its slowest member after the ranks' own compute (measured:
     # --calibrate; 0 for the GPU classes, whose kernels drift apart by microseconds)
     collective_wait_s: float = 0.0
+    # The cores all the planned devices' processes share (a CPU machine that ran more single-threaded workers than it
+    # has cores: --calibrate from such a run); None: a device each, as on GPUs
+    cores: int | None = None
 
     def describe(self) -> str:
         """One line: the name and the figures the plan assumes."""
@@ -72,7 +75,7 @@ class Device:
                 f"{self.latency_s * 1e6:.3g} us per message, {self.overhead_s * 1e3:.3g} ms per action, "
                 f"{self.update_s_per_parameter * 1e9:.3g} ms per million parameters updated, "
                 f"{self.ring_step_s * 1e6:.3g} us per ring step and {self.collective_wait_s * 1e6:.3g} us waited per "
-                "TP or CP collective")
+                "TP or CP collective" + (f", the devices sharing {self.cores} cores" if self.cores else ""))
 
     @property
     def ring_step_s(self) -> float:
@@ -211,6 +214,11 @@ class StepCosts:
     comm: float
     reduction: float
     microbatches: int
+    # The parts of F, B and W that wait on no core (the TP and CP collectives, the runtime's time between actions),
+    # and where the world's processes outnumber the device's cores, (cores, processes per pipeline rank): then the
+    # rest is compute that the computing processes share the cores for (``ppctl.pipeline.shared_cores``)
+    waits: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    sharing: tuple[int, int] | None = None
 
 
 def step_costs(config: PpctlConfig, device: Device) -> StepCosts:
@@ -227,9 +235,22 @@ def step_costs(config: PpctlConfig, device: Device) -> StepCosts:
                  "selective": tokens * layers * attention_core / parallel.tp / device.flops}
     # the runtime's time per action, charged to each of the rank's actions of a microbatch (one per chunk)
     overhead = device.overhead_s * _chunks_per_copy(config)
+    backward_collectives = collective * (2 if model.recompute == "full" else 1)  # full: the forward's again
     return StepCosts(F=forward + collective + overhead, B=forward + collective + recompute[model.recompute] + overhead,
                      W=forward + overhead, comm=message_s(config, device),
-                     reduction=after_pipeline_s(config, device), microbatches=num_microbatches(config))
+                     reduction=after_pipeline_s(config, device), microbatches=num_microbatches(config),
+                     waits=(collective + overhead, backward_collectives + overhead, overhead),
+                     sharing=_sharing(config, device))
+
+
+def _sharing(config: PpctlConfig, device: Device) -> tuple[int, int] | None:
+    """(cores, processes per pipeline rank) where the config's processes outnumber the cores they share, else
+    None. A pipeline rank's TP, CP and DP replicas compute alike, so each stands for tp * cp * dp processes."""
+    parallel = config.parallel
+    replicas = parallel.tp * parallel.cp * parallel.dp
+    if device.cores is None or replicas * parallel.pp <= device.cores:
+        return None
+    return device.cores, replicas
 
 
 def message_s(config: PpctlConfig, device: Device) -> float:
@@ -392,8 +413,13 @@ def _schedule_of(config: PpctlConfig) -> _Built:
 
 def simulated_step(config: PpctlConfig, costs: StepCosts) -> tuple[float, float]:
     """(step time in seconds, bubble ratio) from the simulator, with the reduction added."""
-    makespan_ms, bubble = _simulated(_schedule_key(config), costs.F * 1e3, costs.B * 1e3, costs.W * 1e3,
-                                     costs.comm * 1e3)
+    if costs.sharing is None:
+        makespan_ms, bubble = _simulated(_schedule_key(config), costs.F * 1e3, costs.B * 1e3, costs.W * 1e3,
+                                         costs.comm * 1e3)
+    else:
+        makespan_ms, bubble = _shared_simulated(_schedule_key(config), (costs.F * 1e3, costs.B * 1e3, costs.W * 1e3),
+                                                tuple(wait * 1e3 for wait in costs.waits), costs.comm * 1e3,
+                                                costs.sharing)
     return makespan_ms / 1e3 + costs.reduction, bubble
 
 
@@ -405,6 +431,27 @@ def _simulated(key: tuple, forward: float, backward: float, weight: float, comm:
     from ppctl.pipeline.simulate import Costs, simulate_makespan
 
     return simulate_makespan(kept_sends(*key), Costs(F=forward, B=backward, W=weight, comm=comm))
+
+
+@lru_cache(maxsize=1024)
+def _shared_simulated(key: tuple, costs: tuple[float, float, float], waits: tuple[float, float, float], comm: float,
+                      sharing: tuple[int, int]) -> tuple[float, float]:
+    """``_simulated`` where the processes share ``sharing``'s cores (``ppctl.pipeline.shared_cores``): each F, B
+    and W (ms) is its compute, shared, then its wait; the bubble against the busiest rank's F, B and W in full.
+    Never below ``_simulated`` at the same costs (sharing only slows steps), so the search's bounds hold."""
+    from ppctl.pipeline.kept import kept_sends
+    from ppctl.pipeline.simulate import Costs
+    from ppctl.pipeline.shared_cores import shared_finish_times
+    from ppctl.pipeline.replay import action_durations
+
+    sent = kept_sends(*key)
+    whole = action_durations(sent.schedule.chunks_per_copy, Costs(*costs))
+    waited = action_durations(sent.schedule.chunks_per_copy, Costs(*waits))
+    computed = {kind: whole[kind] - waited[kind] for kind in whole}
+    cores, processes_per_rank = sharing
+    makespan = max(shared_finish_times(sent.graph, computed, waited, comm, cores, processes_per_rank), default=0.0)
+    busiest = max(sum(map(whole.__getitem__, kinds)) for kinds in sent.graph.rank_kinds)
+    return makespan, (makespan / busiest - 1 if busiest > 0 else 0.0)
 
 
 # A prediction is skipped when a lower bound on it exceeds the time to beat by more than this share: far more than
@@ -590,8 +637,9 @@ def calibrated_device(device: Device, calibration, measured: PpctlConfig) -> Dev
     runtime's time between actions taken out), that time between actions per action, its message time as the
     latency of every message, and where ``ppctl bench`` measured them the update's time per parameter, the
     ring collectives' latency and bandwidth and a collective's wait after compute (else a free update and free
-    links). ValueError (one line)
-    when the figures make no throughput."""
+    links). Where the measured run's workers outnumbered its machine's cores, the devices share those cores
+    (``Device.cores``) and the FLOP/s are those of the actions' time on a core. ValueError (one line) when the
+    figures make no throughput."""
     chunks = _chunks_per_copy(measured)
     costs, overhead_ms = calibration.costs, calibration.overhead_ms
     actions = 3 if costs.W else 2  # F, B and W each charged; an unsplit backward is B, with W at 0
@@ -600,13 +648,15 @@ def calibrated_device(device: Device, calibration, measured: PpctlConfig) -> Dev
         raise ValueError(f"--calibrate: {calibration.source} holds no compute time once the runtime's time between "
                          "actions is taken out")
     bandwidth = calibration.bus_bandwidth or float("inf")  # not measured: free links
+    if calibration.cores:  # the measured actions waited for a core part of their time: the compute is the rest
+        compute_ms *= calibration.on_core_share
     return replace(device, name=f"calibrated by {calibration.source}",
                    flops=3 * forward_flops_per_microbatch(measured) / (compute_ms / 1e3),
                    intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth,
                    latency_s=costs.comm / 1e3, overhead_s=overhead_ms / 1e3,
                    update_s_per_parameter=calibration.update_s_per_parameter or 0.0,
                    collective_latency_s=calibration.ring_step_s,
-                   collective_wait_s=calibration.collective_wait_s or 0.0)
+                   collective_wait_s=calibration.collective_wait_s or 0.0, cores=calibration.cores)
 
 
 def explain_candidate(config: PpctlConfig, candidate: Candidate, device: Device):

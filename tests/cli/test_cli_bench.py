@@ -9,7 +9,7 @@ SMOKE = ["data=synthetic", "--steps", "2", "--repeats", "1"]
 KEYS = {"schedule", "ppctl_step_s", "other_step_s", "ratio", "ratios_per_block", "bubble_measured",
         "bubble_simulated", "makespan_measured_s", "makespan_simulated_s", "peak_memory_bytes", "loss_max_rel_diff",
         "fitted_costs_ms", "losses", "pp", "vpp", "microbatches", "against", "update_s", "update_parameters",
-        "all_reduce_s", "collective_wait_s", "world_size", "on_core_share"}
+        "all_reduce_s", "collective_wait_s", "world_size", "cores", "on_core_share"}
 
 
 @pytest.mark.timeout(240)
@@ -32,7 +32,7 @@ def test_bench_against_torch_pipelining_json(ppctl, tmp_path):
         assert set(entry["fitted_costs_ms"]) >= {"F", "B", "W", "comm"}
         assert entry["update_s"] > 0 and entry["update_parameters"] > 0 and entry["world_size"] == 2
         assert set(entry["all_reduce_s"]) == {"1024", "1048576"} and min(entry["all_reduce_s"].values()) > 0
-        assert entry["collective_wait_s"] >= 0
+        assert entry["collective_wait_s"] >= 0 and entry["cores"] >= 1
         assert all(len(shares) == 2 and all(0 < share <= 1 for share in shares)
                    for shares in entry["on_core_share"].values()), entry["on_core_share"]
     assert (tmp_path / "bench.json").is_file()

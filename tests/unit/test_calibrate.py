@@ -121,6 +121,26 @@ def test_bench_figures_beyond_the_pipeline_calibrate_the_update_and_the_ring(tmp
     assert older.collective_wait_s is None
 
 
+def test_a_bench_whose_workers_outnumbered_the_cores_says_so(tmp_path):
+    """Four workers on two cores: the calibration keeps the cores and the actions' mean share on a core; two
+    workers on two cores (a core each) and a bench from before ``cores`` was written keep neither."""
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench/0_1f1b.yaml").write_text(to_yaml(compose_config(["data=synthetic", "parallel.pp=4"])))
+    (tmp_path / "bench_request.json").write_text(json.dumps({"configs": ["bench/0_1f1b.yaml"]}))
+    entry = {"schedule": "1f1b", "pp": 4, "fitted_costs_ms": {"F": 4.0, "B": 8.0, "W": 0.0, "comm": 0.2},
+             "overhead_per_action_ms": 0.5, "makespan_measured_s": 0.1, "bubble_measured": 0.25, "world_size": 4,
+             "cores": 2, "on_core_share": {"actions": [0.7, 0.6, 0.6, 0.7], "between": [0.5, 0.1, 0.1, 1.0]}}
+
+    def calibrated(**changed):
+        (tmp_path / "bench.json").write_text(json.dumps([{**entry, **changed}]))
+        calibration = calibration_of(tmp_path, "1f1b")
+        return calibration.cores, calibration.on_core_share
+
+    assert calibrated() == (2, pytest.approx(0.65))
+    assert calibrated(world_size=2) == (None, None)
+    assert calibrated(cores=None) == (None, None)
+
+
 def test_calibration_refusals_name_the_directory(tmp_path):
     with pytest.raises(ValueError, match="no such run directory"):
         calibration_of(tmp_path / "missing", "1f1b")

@@ -85,17 +85,18 @@ def test_bounds_never_exceed_the_prediction(base):
         assert schedule_bound_s(built, H100) <= prediction.step_time_s * (1 + 1e-9)
 
 
-@pytest.mark.parametrize("devices", [8, 16])
-def test_the_step_lower_bound_never_exceeds_the_prediction(base, devices):
-    """The bound that spares a candidate's simulation, for every variant (recomputation makes B the largest cost)."""
+@pytest.mark.parametrize("devices,device", [(8, H100), (16, H100), (8, replace(H100, cores=2))])
+def test_the_step_lower_bound_never_exceeds_the_prediction(base, devices, device):
+    """The bound that spares a candidate's simulation, for every variant (recomputation makes B the largest cost),
+    also where the devices share two cores."""
     for variants in candidates(base, devices):
         for candidate in variants:
             try:
-                prediction = predict(base, candidate, H100, prove_schedule=False)
+                prediction = predict(base, candidate, device, prove_schedule=False)
             except Exception:
                 continue
             built = candidate.apply(base)
-            bound = search.step_lower_bound_s(built, search.step_costs(built, H100))
+            bound = search.step_lower_bound_s(built, search.step_costs(built, device))
             assert bound <= prediction.step_time_s * (1 + search.ROUNDING_MARGIN)
 
 
@@ -223,3 +224,39 @@ def test_recomputation_costs_what_it_runs_again():
     no_links = search.step_costs(compose_config(tp2 + ["model.recompute=selective"]), free)
     assert selective.B - plain.B == pytest.approx(no_links.B - search.step_costs(compose_config(tp2), free).B)
     assert 0 < selective.B - plain.B < plain.F
+
+
+def test_devices_sharing_cores_compute_at_the_measured_share_and_wait_for_a_core():
+    """A calibration from four workers on two cores: the FLOP/s of the actions' time on a core, and predictions that
+    share the two cores where the processes outnumber them: never below the same costs on a core each, equal where
+    they do not outnumber them, and a pipeline of pp=1 with dp=4 at half speed."""
+    measured = compose_config(BASE + ["parallel.pp=2", "trainer.micro_batch_size=1"])
+    validate(measured)
+    calibration = Calibration("bench.json", Costs(F=10.0, B=20.0, W=0.0, comm=0.1), 0.0, "1f1b", 2, 10.0, 0.1,
+                              True)
+    alone = calibrated_device(H100, calibration, measured)
+    shared = calibrated_device(H100, replace(calibration, cores=2, on_core_share=0.5), measured)
+    assert shared.cores == 2 and shared.flops == pytest.approx(2 * alone.flops)
+    a_core_each = replace(shared, cores=None)
+    for overrides in (["parallel.pp=4"], ["parallel.pp=2", "parallel.dp=2"], ["parallel.pp=1", "parallel.dp=4"],
+                      ["parallel.pp=4", "schedule=zbv", "parallel.vpp=2"], ["parallel.tp=2", "parallel.pp=2"]):
+        config = compose_config(BASE + overrides)
+        validate(config)
+        costs = search.step_costs(config, shared)
+        assert costs.sharing == (2, config.parallel.tp * config.parallel.dp)
+        assert search.simulated_step(config, costs)[0] >= \
+            search.simulated_step(config, search.step_costs(config, a_core_each))[0] * (1 - 1e-12)
+    two = compose_config(BASE + ["parallel.pp=2"])
+    assert search.step_costs(two, shared).sharing is None  # two processes, two cores
+    replicas = compose_config(BASE + ["parallel.pp=1", "parallel.dp=4"])
+    costs = search.step_costs(replicas, shared)
+    makespan = search.simulated_step(replicas, costs)[0] - costs.reduction
+    microbatches = costs.microbatches
+    assert makespan == pytest.approx(2 * microbatches * (costs.F + costs.B + costs.W))  # four processes, two cores
+
+
+def test_the_pruned_search_on_shared_cores_finds_what_the_exhaustive_one_finds(base):
+    device = replace(H100, cores=2)
+    found = plan(base, 8, 80 * GIB, 5, device)
+    expected = exhaustive(base, 8, 80 * GIB, device)[:5]
+    assert [p.candidate.layout_key for p in found.candidates] == [p.candidate.layout_key for p in expected]
