@@ -29,7 +29,8 @@ MODEL = ["data=synthetic", "model.num_layers=8", "model.hidden_size=256", "model
          "trainer.global_batch_size=16", "launcher.threads_per_worker=1", "trainer.tensorboard=false"]
 # Per number of workers: the calibration run, then (tp, cp, pp, vpp, dp, schedule, micro-batch size, recompute,
 # distributed optimizer) of each candidate, fixed before measuring. Two workers have a core each on the 2-core
-# machine; four share two cores, which the simulator (a device per rank) does not model.
+# machine; four share two cores, which the calibration records (bench.json's ``cores``) and the planner then models
+# (``Device.cores``: a processor-sharing replay).
 CALIBRATION = {2: ["parallel.pp=2", "schedule=1f1b", "trainer.micro_batch_size=1"],
                4: ["parallel.pp=4", "schedule=1f1b", "trainer.micro_batch_size=1"]}
 CANDIDATES = {
