@@ -23,6 +23,8 @@ SECOND = ["parallel.pp=2", "parallel.dp=2", "schedule=zbv", "optimizer.distribut
 
 
 def test_resume_a_run_at_another_layout_continues_its_logs(ppctl, single_run, tmp_path):
+    single = [*COMMON, "trainer.max_steps=5"]
+    single_run.start(single)  # trains beside the two launches, which spend much of their time starting workers
     run = tmp_path / "run"
     first = ppctl("train", *COMMON, *FIRST, f"trainer.out_dir={run}")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -30,7 +32,7 @@ def test_resume_a_run_at_another_layout_continues_its_logs(ppctl, single_run, tm
     second = ppctl("train", *COMMON, *SECOND, f"trainer.resume_from={run}")
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"run directory: {run}" in second.stderr and "at step 3" in second.stdout
-    assert_same_series(run, single_run([*COMMON, "trainer.max_steps=5"]),
+    assert_same_series(run, single_run(single),
                        tags=("train/loss", "train/grad_norm", "val/loss", "val/perplexity"))
     events = scalars(run).Scalars("train/loss")
     assert sorted(event.step for event in events) == [0, 1, 2, 3, 4], "a step logged twice or missing"
@@ -53,6 +55,7 @@ def test_pipedream_2bw_trains_like_its_delayed_single_process_run(ppctl, single_
     """PipeDream-2BW end to end: streams of at most 2 steps, cut by validation every 2 steps; every step's loss,
     grad norm and validation loss are those of one process with the same delayed update, each logged once."""
     delayed = [*COMMON, "optimizer.gradient_delay=1", "optimizer.clip_grad=0", "trainer.max_steps=5"]
+    single_run.start(delayed)  # trains beside the launch below
     run = tmp_path / "2bw"
     result = ppctl("train", *delayed, "parallel.pp=2", "schedule=pipedream_2bw", "schedule.stream_steps=2",
                    f"trainer.out_dir={run}")

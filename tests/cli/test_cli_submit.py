@@ -63,6 +63,7 @@ def test_submit_without_sbatch_says_so(tmp_path, monkeypatch):
 def test_an_elastic_restart_resumes_from_the_latest_checkpoint_and_trains_like_one_process(ppctl, single_run,
                                                                                               tmp_path):
     common = [*SMALL, "trainer.max_steps=5", "trainer.save_every=2"]
+    single_run.start(common)  # trains beside the run below, which waits on its restart
     run = tmp_path / "run"
     result = ppctl("train", *common, "launcher.max_restarts=1", "launcher.inject_fault=0:kill@3",
                    f"trainer.out_dir={run}")

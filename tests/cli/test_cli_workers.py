@@ -73,6 +73,7 @@ def test_train_8_ranks_writes_tensorboard(ppctl, single_run, tmp_path):
     model = compose_config(settings).model
     padded = padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, 2)
     assert padded != padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, 1)
+    single_run.start(settings)  # trains beside the 8 ranks, which spend seconds starting and meeting
     result = ppctl("train", *settings, f"trainer.out_dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step     3/3 | loss" in result.stdout
@@ -197,6 +198,7 @@ def test_two_nodes_rendezvous_through_c10d(single_run, tmp_path):
 
     endpoint = f"127.0.0.1:{free_port()}"
     overrides = ["parallel.pp=2", *THREE_STEPS, "launcher.nnodes=2", f"launcher.rdzv_endpoint={endpoint}"]
+    single_run.start(overrides)  # trains while the two nodes start and meet
     launchers = [
         subprocess.Popen([sys.executable, "-m", "ppctl.cli.app", "train", *overrides, f"launcher.node_rank={node}",
                           f"trainer.out_dir={tmp_path / f'node{node}'}"],
