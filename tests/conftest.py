@@ -27,6 +27,24 @@ def _folder(item) -> str:
     return item.nodeid.split("/")[1] if item.nodeid.count("/") >= 2 else ""
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown where it is not installed
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` with every test under tests/slurm in one work unit, as their ``xdist_group("slurm")`` asks.
+
+    pytest-xdist groups a test by appending ``@group`` to the item's ``_nodeid``, which pytest 9.2 no longer reads
+    (a node's id is its ``_id`` there): the group was lost, and each Slurm test went to whichever pytest process was
+    free, both processes then starting a cluster and submitting the module's jobs (twice the work, side by side)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None  # pytest-xdist's own scheduler
+    from xdist.scheduler import LoadGroupScheduling
+
+    class SlurmTogether(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "slurm" if nodeid.startswith("tests/slurm/") else super()._split_scope(nodeid)
+
+    return SlurmTogether(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     """The Slurm tests first, then the rest in their order; under ``PPCTL_TEST_BACKEND=nccl`` only the
     multi-process tests marked ``nccl`` run (tests/backend.py).
