@@ -26,15 +26,18 @@ SMALL = ["data=synthetic", "trainer.seq_length=16", "trainer.global_batch_size=8
          "trainer.eval_every=0"]
 PLAIN = [*SMALL, "trainer.max_steps=5", "trainer.save_every=2"]
 LONG = [*SMALL, "trainer.max_steps=100"]  # long enough to be stopped twice on the way
-JOBS = {"plain": PLAIN, "restarted": [*PLAIN, "launcher.max_restarts=1", "launcher.inject_fault=0:kill@3"]}
+# The job to be stopped comes first: its starts, stops and requeues are the module's longest path, and the jobs that
+# run to their end by themselves start beside it.
+JOBS = {"stopped": LONG, "plain": PLAIN,
+        "restarted": [*PLAIN, "launcher.max_restarts=1", "launcher.inject_fault=0:kill@3"]}
 JOB_TIMEOUT_S = 300.0
 
 
 @pytest.fixture(scope="module")
 def jobs(slurm_cluster, tmp_path_factory, single_run):
-    """``name -> (job id, run directory)`` of the jobs that run to their end by themselves, submitted through
-    ``ppctl submit`` as the module's first test starts, so that they run beside it; the single-process runs
-    the module compares with start training meanwhile (the jobs spend much of their time waiting)."""
+    """``name -> (job id, run directory)`` of the module's jobs (``JOBS``), submitted through ``ppctl submit`` as
+    its first test starts, so that they run side by side whichever test runs first; the single-process runs the
+    module compares with start training meanwhile (the jobs spend much of their time waiting)."""
     submitted = {name: _submit(slurm_cluster, tmp_path_factory.mktemp("runs") / name, overrides)
                  for name, overrides in JOBS.items()}
     for overrides in (LONG, PLAIN):
@@ -61,11 +64,11 @@ def _job_log(run, job_id) -> str:
 
 
 def test_a_job_stopped_by_sigterm_saves_requeues_and_finishes_like_an_uninterrupted_run(slurm_cluster, jobs,
-                                                                                         single_run, tmp_path):
+                                                                                         single_run):
     """Stopped twice: by ``scancel --signal=TERM`` (the training step's processes get it, as in a preemption),
     then, once requeued and resumed, by SIGTERM to the batch shell alone (what ``--signal=B:TERM@N`` sends
     before the time limit), which the script passes on to the step."""
-    job_id, run = _submit(slurm_cluster, tmp_path / "stopped", LONG)  # the other jobs run meanwhile (``jobs``)
+    job_id, run = jobs["stopped"]  # the other jobs run meanwhile
     _wait_for_log(slurm_cluster, job_id, run, "step     2/100 | loss")
     slurm_cluster.run(["scancel", "--signal=TERM", job_id])
     _wait_for_log(slurm_cluster, job_id, run, "resumed from")
