@@ -186,6 +186,14 @@ def adjacent_stages(action: Action, num_stages: int, stages_per_copy: int) -> tu
             target if first <= target < first + stages_per_copy else None)
 
 
+def rank_changes_in_front(placement, stage: int) -> int:
+    """How many times a microbatch changes rank (a message between ranks) on its way through its copy's stages
+    in front of global ``stage`` to ``stage`` itself."""
+    first = stage - stage % placement.stages_per_copy  # the first stage of its copy
+    owners = placement.owners[first:stage + 1]
+    return sum(here != there for here, there in zip(owners, owners[1:]))
+
+
 class _MessageNumbers:
     """Numbers the messages between adjacent stages in order of first sight, by (src stage, dst stage, mb)."""
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Optional, Sequence, Union
 
-from .program import Program, SendsOnly, lower
+from .program import Program, SendsOnly, lower, rank_changes_in_front
 from .replay import Costs, Replay, TimedProgram, action_durations, gc_paused, run_timed
 from .schedules import stream_of, streams_steps
 from .schedules.base import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, Action, FORWARD, Schedule, ScheduleError
@@ -261,11 +261,9 @@ def makespan_floor(placement, microbatches: int, costs: Costs) -> float:
 def _front_of(placement, pp_rank: int) -> tuple[int, int]:
     """(the stages of its copy in front of ``pp_rank``'s earliest stage, the changes of rank between them and
     it): the fewest a microbatch passes, and crosses, before it reaches the rank."""
-    per_copy, owners = placement.stages_per_copy, placement.owners
+    per_copy = placement.stages_per_copy
     earliest = min(placement.stages_of(pp_rank), key=lambda stage: stage % per_copy)
-    first = earliest - earliest % per_copy
-    hops = sum(owners[stage] != owners[stage + 1] for stage in range(first, earliest))
-    return earliest - first, hops
+    return earliest % per_copy, rank_changes_in_front(placement, earliest)
 
 
 def _replayed(schedule: Schedule, timed: TimedProgram, costs: Costs) -> Replay:
