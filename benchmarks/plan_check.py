@@ -5,8 +5,9 @@ the runtime's time between actions: ``ppctl plan --calibrate``); then a fixed li
 candidates on ``--workers`` workers (2 or 4), chosen before any measurement to differ in tp, pp, dp,
 schedule and recomputation, is predicted by the planner's own functions and measured by
 ``ppctl bench --against none`` (median step of R blocks). Prints each candidate's predicted and
-measured step time with the error, the mean absolute error and the rank correlation of the
-two orders (Spearman). Asserts nothing.
+measured step time with the error and how far apart its measured blocks were, the mean absolute
+error, the rank correlation of the two orders (Spearman) and the blocks' median spread. Asserts
+nothing.
 
     .venv/bin/python benchmarks/plan_check.py [--workers 2|4] [--steps 3] [--repeats 3]
 """
@@ -106,13 +107,23 @@ def main() -> None:
     for index, fields in enumerate(CANDIDATES[args.workers]):
         candidate = Candidate(*fields)
         predicted = predict(base, candidate, device).step_time_s
-        measured = bench(candidate.overrides(), work / f"candidate_{index}", args.steps, args.repeats)["ppctl_step_s"]
-        rows.append((candidate, predicted, measured))
+        entry = bench(candidate.overrides(), work / f"candidate_{index}", args.steps, args.repeats)
+        measured, spread = entry["ppctl_step_s"], block_spread(entry)
+        rows.append((candidate, predicted, measured, spread))
         print(f"{' '.join(candidate.overrides())}: predicted {predicted * 1e3:.1f} ms, measured {measured * 1e3:.1f} "
-              f"ms, error {predicted / measured - 1:+.1%}", flush=True)
-    errors = [abs(predicted / measured - 1) for _, predicted, measured in rows]
+              f"ms (blocks {spread:.0%} apart), error {predicted / measured - 1:+.1%}", flush=True)
+    errors = [abs(predicted / measured - 1) for _, predicted, measured, _ in rows]
     print(f"mean absolute error {statistics.mean(errors):.1%}, largest {max(errors):.1%}, rank correlation "
-          f"{spearman([p for _, p, _ in rows], [m for _, _, m in rows]):.2f} over {len(rows)} candidates")
+          f"{spearman([p for _, p, _, _ in rows], [m for _, _, m, _ in rows]):.2f} over {len(rows)} candidates; "
+          f"the measured blocks of a candidate {statistics.median(spread for *_, spread in rows):.0%} apart "
+          "(median), the calibration's "
+          f"{block_spread(calibration_entry):.0%}")
+
+
+def block_spread(entry: dict) -> float:
+    """How far apart a measurement's blocks were: (slowest - fastest) / median, the measurement's own noise."""
+    blocks = entry["ppctl_blocks_s"]
+    return (max(blocks) - min(blocks)) / statistics.median(blocks)
 
 
 if __name__ == "__main__":
