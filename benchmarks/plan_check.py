@@ -9,7 +9,7 @@ measured step time with the error and how far apart its measured blocks were, th
 error, the rank correlation of the two orders (Spearman) and the blocks' median spread. Asserts
 nothing.
 
-    .venv/bin/python benchmarks/plan_check.py [--workers 2|4] [--steps 3] [--repeats 3]
+    .venv/bin/python benchmarks/plan_check.py [--workers 2|4] [--steps 3] [--repeats 3] [--recalibrate]
 """
 
 from __future__ import annotations
@@ -90,22 +90,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, choices=sorted(CANDIDATES), default=2)
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="calibrate again right before each candidate (twice the time): its prediction then "
+                             "uses figures measured in the same minute, not the machine's speed minutes earlier")
     args = parser.parse_args()
 
-    from ppctl.cli.calibrate import calibration_of
     from ppctl.config import compose_config
-    from ppctl.plan.search import DEVICES, Candidate, calibrated_device, predict
+    from ppctl.plan.search import Candidate, predict
 
     work = Path(tempfile.mkdtemp(prefix="plan_check_"))
-    calibration_entry = bench(CALIBRATION[args.workers], work / "calibration", args.steps, args.repeats)
-    calibration = calibration_of(work / "calibration", "1f1b")
-    device = calibrated_device(DEVICES["h100"], calibration, calibration.measured_config())
-    print(f"calibration: {' '.join(CALIBRATION[args.workers])}: {calibration_entry['ppctl_step_s'] * 1e3:.1f} ms per step; "
-          f"device {device.describe()}")
     base = compose_config(MODEL)
+    device, calibration_entry = calibrate(args, work / "calibration")
     rows = []
     for index, fields in enumerate(CANDIDATES[args.workers]):
         candidate = Candidate(*fields)
+        if args.recalibrate and index:
+            device, _ = calibrate(args, work / f"calibration_{index}")
         predicted = predict(base, candidate, device).step_time_s
         entry = bench(candidate.overrides(), work / f"candidate_{index}", args.steps, args.repeats)
         measured, spread = entry["ppctl_step_s"], block_spread(entry)
@@ -116,8 +116,21 @@ def main() -> None:
     print(f"mean absolute error {statistics.mean(errors):.1%}, largest {max(errors):.1%}, rank correlation "
           f"{spearman([p for _, p, _, _ in rows], [m for _, _, m, _ in rows]):.2f} over {len(rows)} candidates; "
           f"the measured blocks of a candidate {statistics.median(spread for *_, spread in rows):.0%} apart "
-          "(median), the calibration's "
+          "(median), the first calibration's "
           f"{block_spread(calibration_entry):.0%}")
+
+
+def calibrate(args, out_dir: Path):
+    """One ``ppctl bench`` of the calibration layout into ``out_dir``: the device it calibrates, and its entry."""
+    from ppctl.cli.calibrate import calibration_of
+    from ppctl.plan.search import DEVICES, calibrated_device
+
+    entry = bench(CALIBRATION[args.workers], out_dir, args.steps, args.repeats)
+    calibration = calibration_of(out_dir, "1f1b")
+    device = calibrated_device(DEVICES["h100"], calibration, calibration.measured_config())
+    print(f"calibration: {' '.join(CALIBRATION[args.workers])}: {entry['ppctl_step_s'] * 1e3:.1f} ms per step; "
+          f"device {device.describe()}", flush=True)
+    return device, entry
 
 
 def block_spread(entry: dict) -> float:
