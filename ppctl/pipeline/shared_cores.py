@@ -43,12 +43,11 @@ class _SharedReplay:
 
     def __init__(self, graph: StepGraph, durations: dict[str, float], waits: dict[str, float], comm: float):
         steps = len(graph.order)
-        self.none = steps  # the maker of "no input"; its end is 0.0
         self.producer, self.remote, self.kind = [0] * steps, [0] * steps, [""] * steps
         for step, producer, remote, kind in zip(graph.order, graph.producer, graph.remote, graph.kinds):
             self.producer[step], self.remote[step], self.kind[step] = producer, remote, kind
         self.durations, self.waits, self.comm = durations, waits, comm
-        self.ends: list[float | None] = [None] * steps + [0.0]
+        self.ends: list[float | None] = [None] * steps + [0.0]  # the last: the maker of "no input"
         self.next_step, self.stop = [], []
         first = 0
         for kinds in graph.rank_kinds:  # steps are numbered rank by rank

@@ -22,10 +22,11 @@ from typing import Optional, Sequence, Union
 from .program import Program, SendsOnly, lower, rank_changes_in_front
 from .replay import Costs, Replay, TimedProgram, action_durations, gc_paused, run_timed
 from .schedules import stream_of, streams_steps
+from .shared_cores import shared_finish_times
 from .schedules.base import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, Action, FORWARD, Schedule, ScheduleError
 
 __all__ = ["Costs", "RankTimeline", "Replay", "SimResult", "TimedAction", "makespan_floor", "parse_costs",
-           "peak_activations", "replay", "simulate", "simulate_makespan", "simulate_steps"]
+           "peak_activations", "replay", "simulate", "simulate_makespan", "simulate_shared_makespan", "simulate_steps"]
 
 
 def parse_costs(text: str) -> Costs:
@@ -228,8 +229,30 @@ def simulate_makespan(program: Union[Program, SendsOnly], costs: Costs = Costs()
         timed = program.timed(costs, pairs_as_one=True)
         return _makespan_and_bubble(timed, _replayed(program.schedule, timed, costs))
     durations = action_durations(program.schedule.chunks_per_copy, costs)
-    busiest = max(sum(map(durations.__getitem__, kinds)) for kinds in graph.rank_kinds)  # as the timed steps sum
-    return _bubble(max(graph.finish_times(durations, costs.comm), default=0.0), busiest)
+    return _bubble(max(graph.finish_times(durations, costs.comm), default=0.0), _busiest(graph, durations))
+
+
+@gc_paused
+def simulate_shared_makespan(program: Union[Program, SendsOnly], costs: Costs, waits: Costs, cores: int,
+                             processes_per_rank: int = 1) -> tuple[float, float]:
+    """(makespan, bubble ratio) of ``simulate_makespan`` where the ranks' processes share ``cores``
+    (``ppctl.pipeline.shared_cores``): each step's cost less its ``waits`` (F, B, W: the part on no core) is
+    compute that the computing processes share; the bubble against the busiest rank's whole costs. Never below
+    ``simulate_makespan`` at the same costs: sharing only slows steps. ScheduleError without a step graph."""
+    graph = program.graph if costs.FB is None else None
+    if graph is None:
+        raise ScheduleError(f"{program.schedule.name}: no step graph (a deadlock, or overlapped pairs timed as one) "
+                            "to share cores on")
+    chunks = program.schedule.chunks_per_copy
+    whole, waited = action_durations(chunks, costs), action_durations(chunks, waits)
+    computed = {kind: whole[kind] - waited[kind] for kind in whole}
+    finish = shared_finish_times(graph, computed, waited, costs.comm, cores, processes_per_rank)
+    return _bubble(max(finish, default=0.0), _busiest(graph, whole))
+
+
+def _busiest(graph, durations: dict[str, float]) -> float:
+    """The busiest rank's compute: its steps' durations summed in program order, as the timed steps sum."""
+    return max(sum(map(durations.__getitem__, kinds)) for kinds in graph.rank_kinds)
 
 
 def makespan_floor(placement, microbatches: int, costs: Costs) -> float:

@@ -436,22 +436,12 @@ def _simulated(key: tuple, forward: float, backward: float, weight: float, comm:
 @lru_cache(maxsize=1024)
 def _shared_simulated(key: tuple, costs: tuple[float, float, float], waits: tuple[float, float, float], comm: float,
                       sharing: tuple[int, int]) -> tuple[float, float]:
-    """``_simulated`` where the processes share ``sharing``'s cores (``ppctl.pipeline.shared_cores``): each F, B
-    and W (ms) is its compute, shared, then its wait; the bubble against the busiest rank's F, B and W in full.
-    Never below ``_simulated`` at the same costs (sharing only slows steps), so the search's bounds hold."""
+    """``_simulated`` where the processes share ``sharing``'s cores (``simulate_shared_makespan``): each F, B and
+    W (ms) less its wait is compute, shared. Never below ``_simulated`` at the same costs, so the bounds hold."""
     from ppctl.pipeline.kept import kept_sends
-    from ppctl.pipeline.simulate import Costs
-    from ppctl.pipeline.shared_cores import shared_finish_times
-    from ppctl.pipeline.replay import action_durations
+    from ppctl.pipeline.simulate import Costs, simulate_shared_makespan
 
-    sent = kept_sends(*key)
-    whole = action_durations(sent.schedule.chunks_per_copy, Costs(*costs))
-    waited = action_durations(sent.schedule.chunks_per_copy, Costs(*waits))
-    computed = {kind: whole[kind] - waited[kind] for kind in whole}
-    cores, processes_per_rank = sharing
-    makespan = max(shared_finish_times(sent.graph, computed, waited, comm, cores, processes_per_rank), default=0.0)
-    busiest = max(sum(map(whole.__getitem__, kinds)) for kinds in sent.graph.rank_kinds)
-    return makespan, (makespan / busiest - 1 if busiest > 0 else 0.0)
+    return simulate_shared_makespan(kept_sends(*key), Costs(*costs, comm=comm), Costs(*waits), *sharing)
 
 
 # A prediction is skipped when a lower bound on it exceeds the time to beat by more than this share: far more than
@@ -461,9 +451,9 @@ ROUNDING_MARGIN = 1e-9
 
 def step_lower_bound_s(config: PpctlConfig, costs: StepCosts) -> float:
     """A step time the simulator's prediction at ``costs`` cannot be below, from runs kept per schedule and size:
-    the makespan floor (``_floor_ms``), and the schedule's makespan with every F, B and W at the least of them and messages
-    at the largest of ``COMM_RATIOS`` of that below ``costs.comm`` (the makespan only grows with each cost and
-    scales with all of them together); plus the reduction."""
+    the makespan floor (``_floor_ms``), and the schedule's makespan with every F, B and W at the least of them and
+    messages at the largest of ``COMM_RATIOS`` of that below ``costs.comm`` (the makespan only grows with each cost
+    and scales with all of them together); plus the reduction."""
     least = min(costs.F, costs.B, costs.W)
     scaled = 0.0
     if least > 0:
@@ -600,8 +590,9 @@ def _first_fitting(config: PpctlConfig, variants: list[Candidate], memory_bytes:
             if to_beat is not None and _order(prediction) >= _order(to_beat):
                 refused[NOT_EXAMINED] += len(variants) - index
                 return None
-            if _schedule_key(built) in disproved:
-                raise ConfigError(disproved[_schedule_key(built)])
+            refusal = disproved.get(_schedule_key(built))
+            if refusal is not None:
+                raise ConfigError(refusal)
         except (ConfigError, ScheduleError) as error:
             refused[refusal_reason(str(error))] += 1
             continue

@@ -469,7 +469,8 @@ def test_kept_sizes_that_cannot_be_built_raise_as_the_builder_does():
 # --- module structure: no import cycle, nothing low imports something above it --------------------
 
 PIPELINE = Path(__file__).resolve().parents[2] / "ppctl" / "pipeline"
-LAYERS = {"schedules": 0, "replay": 1, "program": 2, "simulate": 3, "check": 3, "kept": 3, "render": 4}
+LAYERS = {"schedules": 0, "replay": 1, "program": 2, "shared_cores": 2, "simulate": 3, "check": 3, "kept": 3,
+          "render": 4}
 
 
 def pipeline_imports() -> dict[str, set[str]]:

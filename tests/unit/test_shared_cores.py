@@ -61,3 +61,14 @@ def test_sharing_never_ends_a_step_sooner(cores):
     if cores == 1:
         total = sum(durations[kind] for kinds in graph.rank_kinds for kind in kinds)
         assert max(shared) >= total - 1e-9
+
+
+def test_the_simulators_shared_makespan_is_its_makespan_with_a_core_each_and_never_below_it():
+    from ppctl.pipeline.simulate import simulate_makespan, simulate_shared_makespan
+
+    sent = sends_only(build_schedule("zbv", 3, 2, 6))
+    costs, waits = Costs(F=1.0, B=2.0, W=1.0, comm=0.25), Costs(F=0.2, B=0.2, W=0.0)
+    alone = simulate_makespan(sent, costs)
+    assert simulate_shared_makespan(sent, costs, waits, cores=6, processes_per_rank=2) == pytest.approx(alone)
+    shared, bubble = simulate_shared_makespan(sent, costs, waits, cores=2, processes_per_rank=2)
+    assert shared > alone[0] and bubble > alone[1]
