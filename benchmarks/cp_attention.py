@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ppctl.parallel.context_parallel import CP_COMM_MODES, CPGroup, context_parallel_attention  # noqa: E402
 from ppctl.run.memory import StoragePeak  # noqa: E402
-from tests.spawn import run_workers  # noqa: E402
+from tests.harness.spawn import run_workers  # noqa: E402
 
 
 def attention_step(inputs: list[torch.Tensor], grad_out: torch.Tensor, cp: CPGroup) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.spawn import run_workers  # noqa: E402
+from tests.harness.spawn import run_workers  # noqa: E402
 
 VARIANTS = {
     "plain": ["optimizer.distributed=false"],

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.spawn import run_workers  # noqa: E402
+from tests.harness.spawn import run_workers  # noqa: E402
 
 DELAYED = ["optimizer.gradient_delay=1", "optimizer.clip_grad=0"]
 VARIANTS = {"1f1b": ["schedule=1f1b", *DELAYED], "pipedream_2bw": ["schedule=pipedream_2bw", *DELAYED]}

@@ -1,10 +1,10 @@
-"""Session-wide fixtures: the long-lived worker pools of the multi-process tests (tests/pool.py), and the
-backend they run on (tests/backend.py: gloo, or NCCL with ``PPCTL_TEST_BACKEND=nccl``)."""
+"""Session-wide fixtures: the long-lived worker pools of the multi-process tests (tests/harness/pool.py), and the
+backend they run on (tests/harness/backend.py: gloo, or NCCL with ``PPCTL_TEST_BACKEND=nccl``)."""
 
 import pytest
 
-from tests.backend import chosen_backend, gloo_only_reason
-from tests.pool import POOLS
+from tests.harness.backend import chosen_backend, gloo_only_reason
+from tests.harness.pool import POOLS
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -47,7 +47,7 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
     """The Slurm tests first, then the rest in their order; under ``PPCTL_TEST_BACKEND=nccl`` only the
-    multi-process tests marked ``nccl`` run (tests/backend.py).
+    multi-process tests marked ``nccl`` run (tests/harness/backend.py).
 
     The Slurm tests are one unit of work for ``make test``'s pytest processes (they share their cluster) and the
     longest, mostly waiting for the scheduler: started first, they run beside everything else rather than

@@ -16,7 +16,7 @@ import pytest
 
 from tests.distributed.equivalence import single_process_overrides
 
-from tests.tolerances import tolerance_of
+from tests.harness.tolerances import tolerance_of
 
 RTOL = tolerance_of("fp32").relative  # a parallel run's logged float32 losses and norms against one process's
 

@@ -194,7 +194,7 @@ def test_two_nodes_rendezvous_through_c10d(single_run, tmp_path):
     import sys
 
     from tests.cli.conftest import REPO
-    from tests.spawn import free_port
+    from tests.harness.spawn import free_port
 
     endpoint = f"127.0.0.1:{free_port()}"
     overrides = ["parallel.pp=2", *THREE_STEPS, "launcher.nnodes=2", f"launcher.rdzv_endpoint={endpoint}"]

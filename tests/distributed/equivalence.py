@@ -5,7 +5,7 @@ with every ``parallel.*`` setting dropped and ``parallel=single`` added (so the 
 vocabulary padding of tp=1), trained by the plain loop of ``ppctl.run.reference``. Nothing
 of the parallel run's settings reaches it. Compared: every step's loss and global
 gradient norm, the forward-only loss, every parameter's gradient at step 0 and every final
-parameter, within the tolerances that ``tests/tolerances.py`` derives for the run's precision
+parameter, within the tolerances that ``tests/harness/tolerances.py`` derives for the run's precision
 (float64 carries the exactness claims). ``tests/distributed/test_harness_twins.py`` proves that
 a broken run fails this comparison.
 """
@@ -17,15 +17,15 @@ from typing import Callable
 
 import torch
 
-from tests.pool import run_workers
-from tests.tolerances import Tolerance, tolerance_of
+from tests.harness.pool import run_workers
+from tests.harness.tolerances import Tolerance, tolerance_of
 
 BASE = [
     "data=synthetic", "model=gpt_tiny", "model.num_layers=4", "model.hidden_size=32", "model.num_heads=4",
     "model.ffn_hidden_size=64", "trainer.global_batch_size=8", "trainer.micro_batch_size=1",
     "trainer.seq_length=16", "trainer.tensorboard=false", "optimizer.lr=0.01", "optimizer.clip_grad=1.0",
     # AdamW's step on an element whose true gradient is ~0 has slope 1/eps in the gradient: eps=1e-5
-    # (not the default 1e-8) bounds what it amplifies roundoff into (tests/tolerances.py), in both precisions.
+    # (not the default 1e-8) bounds what it amplifies roundoff into (tests/harness/tolerances.py), in both precisions.
     "optimizer.eps=1e-5",
 ]
 FP64 = ["trainer.precision=fp64"]
@@ -95,10 +95,10 @@ def _train_runs(rank, world_size, configs, schedule_builder=None, breakers=None)
 
 
 def _context_on_this_rank(layout, rank: int):
-    """The layout's groups, computing where the suite's backend puts this rank (``tests/backend.py``: the CPU on
+    """The layout's groups, computing where the suite's backend puts this rank (``tests/harness/backend.py``: the CPU on
     gloo, GPU ``rank`` on NCCL)."""
     from ppctl.parallel.groups import build_parallel_context, warm_up_communicators
-    from tests.backend import chosen_backend, rank_device
+    from tests.harness.backend import chosen_backend, rank_device
 
     device = rank_device(chosen_backend(), rank)
     context = build_parallel_context(layout, 60, device.split(":")[0])

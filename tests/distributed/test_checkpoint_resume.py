@@ -15,7 +15,7 @@ import functools
 
 import pytest
 
-from tests.pool import run_workers
+from tests.harness.pool import run_workers
 from tests.distributed.equivalence import (BASE, FP64, compare_parameters, compare_scalars, composed_runs,
                                           single_process_reference)
 

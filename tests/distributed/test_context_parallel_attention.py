@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ppctl.parallel.context_parallel import CP_COMM_MODES, CPGroup, context_parallel_attention
 from ppctl.parallel.layout import context_parallel_positions
-from tests.pool import run_workers
+from tests.harness.pool import run_workers
 
 pytestmark = pytest.mark.dist
 

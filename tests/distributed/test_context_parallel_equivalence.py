@@ -3,7 +3,7 @@
 Each launch trains several layouts of one world size; every run is compared with the
 single-process run as a user would launch it (the same overrides with
 ``parallel=single``): per-step losses and grad norms, the forward-only loss, step-0
-gradients and final parameters, within the tolerances of ``tests/tolerances.py``. The pipeline messages must carry only the rank's part of the sequence:
+gradients and final parameters, within the tolerances of ``tests/harness/tolerances.py``. The pipeline messages must carry only the rank's part of the sequence:
 seq/cp tokens, and seq/(cp*tp) with sequence parallelism.
 """
 

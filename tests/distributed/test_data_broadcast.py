@@ -3,7 +3,7 @@
 import pytest
 
 from ppctl.data.dataset import SyntheticDataset
-from tests.pool import run_workers
+from tests.harness.pool import run_workers
 
 SEED = 11
 GLOBAL_BATCH_SIZE = 8

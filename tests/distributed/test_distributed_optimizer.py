@@ -90,7 +90,7 @@ def _trained_and_dropped(rank, world_size, overrides):
 def test_a_dropped_trainer_frees_its_bucketed_optimizer_and_groups():
     """The gradient hooks live in autograd's C++ nodes, out of the collector's sight: holding the optimizer there
     kept every trainer ever built alive, with its groups and their gloo threads (a test worker gathered 300)."""
-    from tests.pool import run_workers
+    from tests.harness.pool import run_workers
 
     for extra in (DISTRIBUTED, ["trainer.precision=bf16"]):  # sharded, and the half-precision plain path
         assert not any(run_workers(_trained_and_dropped, 2, BASE + parallel(dp=2) + extra)), extra

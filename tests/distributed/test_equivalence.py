@@ -4,7 +4,7 @@ One launch per layout trains several runs (schedules, position embeddings, tied
 embeddings, a loss mask with holes, float64); each is compared with the single-process
 run as a user would launch it (the same overrides with ``parallel=single``): per-step
 losses and grad norms, step-0 gradients and final parameters, within the tolerances of
-``tests/tolerances.py`` (float64 every element within 1e-10).
+``tests/harness/tolerances.py`` (float64 every element within 1e-10).
 """
 
 import pytest

@@ -6,7 +6,7 @@ every group kind of each, and its point-to-point check reports a link that deliv
 
 import pytest
 
-from tests.pool import run_workers
+from tests.harness.pool import run_workers
 
 LAYOUTS = [dict(tp=2, pp=2, dp=2), dict(tp=2, pp=2, dp=2, order="dp-tp-cp-pp"), dict(cp=2, dp=2, pp=2)]
 

@@ -1,6 +1,6 @@
 """The equivalence harness can fail: every defect of ``tests.distributed.breakers`` is reported.
 
-The tolerances of ``tests/tolerances.py`` admit the roundoff of another summation order and
+The tolerances of ``tests/harness/tolerances.py`` admit the roundoff of another summation order and
 nothing more. One launch of 4 workers trains each broken twin, a real bug a parallel run could
 have (a microbatch's gradient dropped, the loss scaled twice, a TP or DP gradient not reduced,
 the vocabulary padding in the softmax, a parameter left out of the step, PipeDream-2BW's steps run on the

@@ -2,7 +2,7 @@
 
 Each rank holds vpp chunks placed by the looped layer map; per-step losses, grad norms,
 step-0 gradients and final parameters are compared with the single-process run
-(within the tolerances of ``tests/tolerances.py``). One case uses a microbatch count that is
+(within the tolerances of ``tests/harness/tolerances.py``). One case uses a microbatch count that is
 not a multiple of pp; rotary runs need positions on middle chunks, which read them as data.
 """
 

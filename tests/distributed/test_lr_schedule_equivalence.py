@@ -8,7 +8,7 @@ both phases are exercised. ``Trainer.train_step`` reports the lr each step used.
 
 import pytest
 
-from tests.pool import run_workers
+from tests.harness.pool import run_workers
 from tests.distributed.equivalence import BASE, assert_equivalent
 
 LAYOUT = ["parallel.tp=1", "parallel.pp=2", "parallel.dp=1", "schedule=1f1b"]

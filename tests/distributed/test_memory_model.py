@@ -10,7 +10,7 @@ same from the config alone.
 import pytest
 
 from tests.distributed.equivalence import BASE, composed_runs
-from tests.pool import run_workers
+from tests.harness.pool import run_workers
 
 CASES = {
     "1f1b pp4": ["parallel.pp=4", "parallel.dp=1", "schedule=1f1b"],

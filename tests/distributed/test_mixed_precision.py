@@ -12,9 +12,9 @@ skips steps, halving the scale each time, until it fits, then trains.
 import pytest
 import torch
 
-from tests.pool import run_workers
+from tests.harness.pool import run_workers
 from tests.distributed.equivalence import BASE, _record_message_bytes, composed_runs
-from tests.tolerances import HALF_PRECISION_LOSS
+from tests.harness.tolerances import HALF_PRECISION_LOSS
 
 STEPS = 30
 # Real text, so the loss falls and a broken bf16 path shows; a learning rate low enough that no loss

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tests.pool import run_workers
+from tests.harness.pool import run_workers
 from tests.distributed.equivalence import BASE
 
 LAYOUT = ["parallel.pp=1", "parallel.dp=2"]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.spawn import run_workers
+from tests.harness.spawn import run_workers
 
 
 def _wait_on_silent_peers(rank, world_size):

@@ -7,7 +7,7 @@ almost nothing; GPipe without release holds every microbatch.
 
 import pytest
 
-from tests.pool import run_workers
+from tests.harness.pool import run_workers
 
 PP, MICROBATCHES = 4, 8
 BASE = ["data=synthetic", "model.num_layers=4", "model.hidden_size=32", "model.num_heads=4",

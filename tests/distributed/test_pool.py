@@ -6,7 +6,7 @@ pass on a fresh pool, with the same fresh state a first case sees.
 
 import pytest
 
-from tests.pool import CASE_SEED, POOLS, run_workers
+from tests.harness.pool import CASE_SEED, POOLS, run_workers
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
 
@@ -18,7 +18,7 @@ def _identity_and_state(rank, world_size):
     import torch
     import torch.distributed as dist
 
-    from tests.pool import _process_groups
+    from tests.harness.pool import _process_groups
 
     groups_before = len(_process_groups())
     group = dist.new_group(list(range(world_size)))

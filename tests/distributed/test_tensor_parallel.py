@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.pool import run_workers
+from tests.harness.pool import run_workers
 from tests.unit.test_model_single import run_pipeline
 
 pytestmark = pytest.mark.dist

@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 
 from tests.cli.conftest import run_ppctl  # noqa: E402
 from tests.cli.runs import assert_same_series, series  # noqa: E402
-from tests.tolerances import HALF_PRECISION_LOSS  # noqa: E402
+from tests.harness.tolerances import HALF_PRECISION_LOSS  # noqa: E402
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.skipif(GPUS == 0, reason="no CUDA device: the NCCL checks need a GPU (make gpu-check)")

@@ -1,4 +1,4 @@
-"""GPTChunk against the independent oracle GPT of ``tests/gpt_oracle.py``, in float64.
+"""GPTChunk against the independent oracle GPT of ``tests/harness/gpt_oracle.py``, in float64.
 
 One chunk holding every layer (tp=1) must give the oracle's logits, per-token losses
 and every parameter's gradient to ~1e-10 relative, whatever the position embedding,
@@ -14,7 +14,7 @@ import torch
 
 from ppctl.model.gpt import GPTChunk, GPTConfig
 from ppctl.parallel.tensor_parallel import TPGroup
-from tests.gpt_oracle import OracleConfig, OracleGPT
+from tests.harness.gpt_oracle import OracleConfig, OracleGPT
 
 VOCAB, HIDDEN, HEADS, FFN, LAYERS = 37, 32, 4, 64, 3
 BATCH, SEQ = 3, 12

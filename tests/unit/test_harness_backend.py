@@ -1,5 +1,5 @@
 """``PPCTL_TEST_BACKEND``: the multi-process harness on gloo (the default) or NCCL with one GPU per rank
-(tests/backend.py). On a machine without enough GPUs the NCCL harness skips, named; the tests not marked
+(tests/harness/backend.py). On a machine without enough GPUs the NCCL harness skips, named; the tests not marked
 ``nccl`` skip under it with the reason."""
 
 import os
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.backend import chosen_backend, gloo_only_reason, missing_gpus, rank_device
-from tests.pool import WorkerPools
+from tests.harness.backend import chosen_backend, gloo_only_reason, missing_gpus, rank_device
+from tests.harness.pool import WorkerPools
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,7 +38,7 @@ def _never_called(rank, world_size):
 
 
 def test_an_nccl_pool_without_its_gpus_skips_before_starting_a_worker(monkeypatch):
-    monkeypatch.setattr("tests.pool.gpu_count", lambda: 1)
+    monkeypatch.setattr("tests.harness.pool.gpu_count", lambda: 1)
     pools = WorkerPools("nccl")
     with pytest.raises(pytest.skip.Exception, match="a world of 2 ranks needs 2 GPUs, this machine has 1"):
         pools.run(_never_called, 2)

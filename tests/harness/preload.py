@@ -1,4 +1,4 @@
-"""Imported once by the test workers' forkserver (``tests.spawn.worker_context``): torch and every ppctl module.
+"""Imported once by the test workers' forkserver (``tests.harness.spawn.worker_context``): torch and every ppctl module.
 
 Each worker forked from it then starts with them loaded, instead of importing them itself; one
 config composition loads Hydra and OmegaConf (and Hydra's plugin scan) too, which every case's first
@@ -12,7 +12,7 @@ import io
 import torch  # noqa: F401
 import torch.distributed  # noqa: F401
 
-from tests.pool import _import_ppctl
+from tests.harness.pool import _import_ppctl
 
 with contextlib.redirect_stdout(io.StringIO()):  # ppctl.config.__main__ prints the key table when imported
     _import_ppctl()

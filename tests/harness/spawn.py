@@ -29,8 +29,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-# Imported by the forkserver before it forks any worker (tests/preload.py imports every ppctl module).
-PRELOAD = ["tests.preload"]
+# Imported by the forkserver before it forks any worker (tests/harness/preload.py imports every ppctl module).
+PRELOAD = ["tests.harness.preload"]
 
 
 def worker_context():

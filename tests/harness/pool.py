@@ -1,7 +1,7 @@
 """Long-lived gloo worker pools for the multi-process tests: one pool per world size, kept for the session.
 
 Starting a world costs more than most cases: every worker is a fresh process (forked from the
-session's forkserver, which has imported torch and ppctl once: ``tests.spawn.worker_context``)
+session's forkserver, which has imported torch and ppctl once: ``tests.harness.spawn.worker_context``)
 that joins a new gloo group. A pool starts ``world_size`` workers once; each then runs
 case after case, ``fn(rank, world_size, *args)``, in the same process group. Each case builds
 its own subgroups (destroyed when it ends) and starts from the same state: seeds, one
@@ -11,7 +11,7 @@ of its own still alive, the default group still answering) and the case fails, n
 
 A case that raises on any rank, runs past its time limit or loses a worker fails alone: the
 pool is torn down (every worker killed, so no rank waits on a collective forever) and the
-next case starts a fresh one. ``run_workers`` keeps the signature of ``tests.spawn``'s.
+next case starts a fresh one. ``run_workers`` keeps the signature of ``tests.harness.spawn``'s.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import time
 import traceback
 from typing import Any, Callable
 
-from tests.backend import chosen_backend, gpu_count, missing_gpus, rank_device
-from tests.spawn import free_port, worker_context
+from tests.harness.backend import chosen_backend, gpu_count, missing_gpus, rank_device
+from tests.harness.spawn import free_port, worker_context
 
 CASE_SEED = 1234
 
@@ -215,7 +215,7 @@ class WorkerPool:
 
 class WorkerPools:
     """One ``WorkerPool`` per world size, started when first asked for, on the suite's backend
-    (``tests/backend.py``)."""
+    (``tests/harness/backend.py``)."""
 
     def __init__(self, backend: str = "gloo"):
         self.backend = backend
