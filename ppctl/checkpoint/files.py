@@ -29,6 +29,7 @@ FORMAT_VERSION = 3  # 2: the index carries its own digest; 3: the parts are Stat
 INDEX_NAME = "ppctl.json"
 INDEX_DIGEST_KEY = "index_sha256"
 LATEST_NAME = "latest"
+CHECKPOINTS_FOLDER = "checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
 
@@ -38,7 +39,7 @@ class CheckpointError(ValueError):
 
 def checkpoints_dir(run_dir: Path) -> Path:
     """Where a run's checkpoints live."""
-    return Path(run_dir) / "checkpoints"
+    return Path(run_dir) / CHECKPOINTS_FOLDER
 
 
 def step_dir_name(step: int) -> str:
@@ -110,6 +111,17 @@ def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
         index = read_index(path) if problem is None else {}
         found.append(CheckpointInfo(path, int(match.group(1)), problem is None, problem, size, index))
     return sorted(found, key=lambda info: (info.step, info.complete))
+
+
+def locate_run(path: Path) -> tuple[Path, Path | None]:
+    """``(run directory, the one checkpoint named or None)`` for a path a user gives: a run directory, its
+    checkpoints folder, or one of its checkpoints (``.../checkpoints/step_<N>``, as ``trainer.resume_from`` takes)."""
+    bare_name = path.name.removeprefix(".").removesuffix(".partial")
+    if path.parent.name == CHECKPOINTS_FOLDER and (_STEP_DIR.match(bare_name) or (path / INDEX_NAME).exists()):
+        return path.parent.parent, path
+    if path.name == CHECKPOINTS_FOLDER and not checkpoints_dir(path).is_dir():
+        return path.parent, None
+    return path, None
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

@@ -266,7 +266,8 @@ def submit(
     """Validate, write the run directory and its Slurm job script (launcher=slurm), and submit it with sbatch."""
     from ppctl.config import validate
     from ppctl.run.launch import default_run_dir, reuse_problem
-    from ppctl.run.slurm import JOB_SCRIPT, SlurmError, job_script, ppctl_command, record_job, submit_job
+    from ppctl.run.slurm import (JOB_SCRIPT, SlurmError, job_script, ppctl_command, record_job, script_problem,
+                                 submit_job)
 
     config = load_config(overrides, config_dir, config_name, validate)
     if config.launcher.kind != "slurm":
@@ -276,7 +277,9 @@ def submit(
         _resolve_resume(config)
     run_dir = Path(config.trainer.out_dir or default_run_dir()).resolve()  # the job may start anywhere
     config.trainer.out_dir = str(run_dir)
-    problem = reuse_problem(run_dir, config.trainer.resume_from, config.trainer.overwrite)
+    workdir = Path.cwd().resolve()
+    problem = script_problem(run_dir, workdir) or reuse_problem(run_dir, config.trainer.resume_from,
+                                                                config.trainer.overwrite)
     if problem is not None:
         fail(problem)
     lock = write_run_dir(config, run_dir)
@@ -286,7 +289,7 @@ def submit(
         # Cleared now, once: the job's starts (a requeue too) continue the run instead of deleting it again.
         config.trainer.overwrite = False
         _write_files(run_dir, {"config.yaml": to_yaml(config),
-                               JOB_SCRIPT: job_script(config, run_dir, Path.cwd().resolve(), ppctl_command())})
+                               JOB_SCRIPT: job_script(config, run_dir, workdir, ppctl_command())})
     finally:
         lock.release()
     script = run_dir / JOB_SCRIPT
@@ -309,13 +312,15 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (keys as the lines)."),
 ) -> None:
     """Show a run's Slurm job state, its last logged step and loss, and its latest checkpoint."""
-    from ppctl.cli.status_report import print_status, run_status
-    from ppctl.config import load_config_file
-    from ppctl.run.slurm import SlurmError, job_state, recorded_job
+    from ppctl.cli.status_report import configured_max_steps, print_status, run_status
+    from ppctl.run.slurm import JobRecordError, SlurmError, job_state, recorded_job
 
-    if not run_dir.is_dir():
-        fail(f"{run_dir}: no such run directory")
-    job_id = recorded_job(run_dir)
+    run_dir = _existing_run_dir(run_dir)
+    try:
+        job_id = recorded_job(run_dir)
+        max_steps = configured_max_steps(run_dir)
+    except JobRecordError as error:
+        fail(str(error))
     job = None
     if job_id is not None:
         try:
@@ -323,8 +328,6 @@ def status(
         except SlurmError as error:
             fail(str(error), code=1)
         job = {"job_id": job_id, "state": state.state, "restarts": state.restarts}
-    config_file = run_dir / "config.yaml"
-    max_steps = load_config_file(config_file).trainer.max_steps if config_file.exists() else None
     report = run_status(run_dir.resolve(), job, max_steps)
     if as_json:
         sys.stdout.write(json.dumps(report) + "\n")
@@ -335,11 +338,11 @@ def status(
 @app.command("checkpoints")
 def checkpoints(run_dir: Path = typer.Argument(..., help="A run directory (trainer.out_dir of a run).")) -> None:
     """List a run's checkpoints: step, layout, size, and whether each is complete (the latest is marked)."""
-    from ppctl.checkpoint.files import CheckpointError, latest_checkpoint, list_checkpoints
+    from ppctl.checkpoint.files import CheckpointError, latest_checkpoint, list_checkpoints, locate_run
 
-    if not run_dir.is_dir():
-        fail(f"{run_dir}: no such run directory")
-    found = list_checkpoints(run_dir)
+    run_dir, only = locate_run(run_dir)
+    run_dir = _existing_run_dir(run_dir)
+    found = [info for info in list_checkpoints(run_dir) if only is None or info.path.name == only.name]
     if not found:
         typer.echo(f"{run_dir}: no checkpoints")
         return
@@ -349,6 +352,19 @@ def checkpoints(run_dir: Path = typer.Argument(..., help="A run directory (train
         fail(str(error))
     for info in found:
         typer.echo(describe_checkpoint(info, info.path == latest))
+
+
+def _existing_run_dir(path: Path) -> Path:
+    """``path`` when it is a run directory (it holds the ``config.yaml`` a run writes, or a checkpoints folder);
+    else one line and exit 2."""
+    from ppctl.checkpoint.files import checkpoints_dir
+
+    if not path.is_dir():
+        fail(f"{path}: no such run directory")
+    if not (path / "config.yaml").is_file() and not checkpoints_dir(path).is_dir():
+        fail(f"{path}: not a run directory (no config.yaml or checkpoints folder in it): give the trainer.out_dir "
+             f"of a run")
+    return path
 
 
 def describe_checkpoint(info, is_latest: bool) -> str:

@@ -36,6 +36,22 @@ def latest_complete(run_dir: Path) -> dict | None:
     return None
 
 
+def configured_max_steps(run_dir: Path) -> int | None:
+    """``trainer.max_steps`` of the run's ``config.yaml``, or None when it has none; one ``JobRecordError`` line
+    when the file cannot be read as a config."""
+    from ppctl.config import load_config_file
+    from ppctl.run.slurm import JobRecordError
+
+    config_file = run_dir / "config.yaml"
+    if not config_file.exists():
+        return None
+    try:
+        return load_config_file(config_file).trainer.max_steps
+    except Exception as error:  # YAML, schema or OS errors alike: the file is not the config a run wrote
+        reason = " ".join(str(error).split())[:200]
+        raise JobRecordError(f"{config_file}: not the config a run wrote ({reason})") from None
+
+
 def run_status(run_dir: Path, job: dict | None, max_steps: int | None) -> dict:
     """Everything ``ppctl status`` shows, as one JSON-ready object."""
     logged = last_logged(run_dir)

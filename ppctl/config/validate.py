@@ -370,7 +370,7 @@ def _check_misc(config: PpctlConfig, data: bool = True) -> None:
                 "trainer.auto_resume=true continues the run directory, trainer.overwrite=true deletes its checkpoints: "
                 "choose one")
     if config.launcher.inject_fault:
-        parse_fault(config.launcher.inject_fault)
+        _check_fault(config)
     require(config.launcher.max_restarts >= 0,
             f"launcher.max_restarts={config.launcher.max_restarts} must be >= 0")
     require(config.launcher.kind in LAUNCHERS,
@@ -388,6 +388,8 @@ def _check_misc(config: PpctlConfig, data: bool = True) -> None:
 
 
 FAULT_PATTERN = re.compile(r"(\d+):(raise|kill)(?:@(\d+))?")
+CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
+SLURM_MAX_SIGNAL_LEAD_S = 65535  # sbatch's --signal takes at most this many seconds
 SLURM_TIME_PATTERN = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}")
 
 
@@ -397,6 +399,18 @@ def parse_fault(spec: str) -> tuple[int, str, int | None]:
     require(match is not None,
             f"launcher.inject_fault={spec!r} must look like RANK:raise or RANK:kill, optionally @STEP (1:kill@5)")
     return int(match[1]), match[2], None if match[3] is None else int(match[3])
+
+
+def _check_fault(config: PpctlConfig) -> None:
+    """``launcher.inject_fault`` names a rank of the job and a step it reaches: a fault that cannot fire is refused."""
+    spec = config.launcher.inject_fault
+    rank, _, step = parse_fault(spec)
+    world_size = layout_of(config).world_size
+    require(rank < world_size, f"launcher.inject_fault={spec!r} names rank {rank}, but the job has {world_size} "
+                               f"rank(s) (0..{world_size - 1}): the fault would never fire")
+    require(step is None or 1 <= step <= config.trainer.max_steps,
+            f"launcher.inject_fault={spec!r} fires after step {step}, outside this run's steps 1..trainer.max_steps="
+            f"{config.trainer.max_steps}: the fault would never fire")
 
 
 def _check_slurm(config: PpctlConfig) -> None:
@@ -413,14 +427,52 @@ def _check_slurm(config: PpctlConfig) -> None:
             f"launcher.slurm.gpus_per_node={slurm.gpus_per_node} must be >= 0")
     require(slurm.cpus_per_task is None or slurm.cpus_per_task >= 1,
             f"launcher.slurm.cpus_per_task={slurm.cpus_per_task} must be a positive integer")
-    require(slurm.signal_lead_s >= 0, f"launcher.slurm.signal_lead_s={slurm.signal_lead_s} must be >= 0")
+    require(0 <= slurm.signal_lead_s <= SLURM_MAX_SIGNAL_LEAD_S,
+            f"launcher.slurm.signal_lead_s={slurm.signal_lead_s} must be in 0..{SLURM_MAX_SIGNAL_LEAD_S} (Slurm's limit)")
+    limit_s = slurm_time_seconds(str(slurm.time)) if slurm.time is not None else 0
+    require(limit_s == 0 or slurm.signal_lead_s < limit_s,  # a time of 0 asks Slurm for no limit
+            f"launcher.slurm.signal_lead_s={slurm.signal_lead_s} is not shorter than launcher.slurm.time={slurm.time} "
+            f"({limit_s} s): the job would be told to stop before it starts working; lower signal_lead_s")
     if slurm.requeue:
         require(config.trainer.checkpoints,
                 "launcher.slurm.requeue=true resumes a stopped job from its checkpoint, but trainer.checkpoints=false "
                 "saves none: set launcher.slurm.requeue=false or trainer.checkpoints=true")
     for option in slurm.extra_args:
-        require(str(option).startswith("-") and "\n" not in str(option),
+        require(str(option).startswith("-"),
                 f"launcher.slurm.extra_args: {option!r} must be one sbatch option (starting with -)")
+    script_values = [(f"launcher.slurm.{name}", getattr(slurm, name)) for name in ("partition", "account", "qos")]
+    script_values += [("launcher.slurm.extra_args", option) for option in slurm.extra_args]
+    script_values.append(("trainer.out_dir", config.trainer.out_dir))
+    for name, value in script_values:
+        if value is not None:
+            require(control_character(str(value)) is None, script_value_problem(name, str(value)))
+
+
+def control_character(value: str) -> str | None:
+    """The first control character (a newline, a tab, ...) in ``value``, or None."""
+    found = CONTROL_CHARACTER.search(value)
+    return None if found is None else found[0]
+
+
+def script_value_problem(name: str, value: str) -> str:
+    """The one line that refuses a value with a control character in it: a job script would split it into lines."""
+    return (f"{name}={value!r} holds the control character {control_character(value)!r}: ppctl submit writes it "
+            f"into the job script, where it would start a new line; remove it")
+
+
+def slurm_time_seconds(time: str) -> int:
+    """A Slurm time (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``) in seconds."""
+    days, _, clock = time.rpartition("-")
+    parts = [int(part) for part in clock.split(":")]
+    if days:  # D-HH[:MM[:SS]]
+        parts += [0] * (3 - len(parts))
+        hours, minutes, seconds = parts
+        return ((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds
+    if len(parts) == 3:
+        hours, minutes, seconds = parts
+        return (hours * 60 + minutes) * 60 + seconds
+    minutes, seconds = (parts + [0])[:2]
+    return minutes * 60 + seconds
 
 
 def _check_data(config: PpctlConfig) -> None:

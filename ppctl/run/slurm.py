@@ -27,11 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ppctl.config import PpctlConfig
+from ppctl.config.validate import control_character, script_value_problem
 
 JOB_SCRIPT = "job.sbatch"
 JOB_RECORD = "job.json"  # the submitted job's id, for ``ppctl status``
 STOPPED_BY_SIGTERM = 143  # ppctl train's exit status after SIGTERM, once the workers saved (128 + 15)
 PORT_BASE, PORT_SPAN = 20000, 20000  # a multi-node job's rendezvous port: PORT_BASE + job id mod PORT_SPAN
+SBATCH_PLAIN_WORD = re.compile(r"[-\w.,:=@/%+]+")  # an #SBATCH option sbatch reads whole without quotes
 SLURM_TIMEOUT_S = 30.0  # the longest wait for sbatch, squeue, sacct or scontrol
 
 
@@ -39,11 +41,34 @@ class SlurmError(RuntimeError):
     """A Slurm command is missing or refused; the message is one line."""
 
 
+def script_problem(run_dir: Path, workdir: Path) -> str | None:
+    """Why the resolved run directory or working directory cannot go into a job script, in one line, or None.
+
+    The config's own values are checked by validation; these two also hold the current directory."""
+    for name, path in (("trainer.out_dir", run_dir), ("the current directory", workdir)):
+        if control_character(str(path)) is not None:
+            return script_value_problem(name, str(path))
+    if "\\" in str(run_dir):  # a backslash turns off the %j of Slurm's --output pattern
+        return (f"trainer.out_dir={str(run_dir)!r} holds a backslash, which Slurm's --output pattern reads as "
+                f"'no %j here' (every job would write one log): choose a run directory without one")
+    return None
+
+
+def sbatch_word(option: str) -> str:
+    """One ``#SBATCH`` option as sbatch's script parser reads it whole: as it is when it holds nothing special,
+    else in double quotes with ``\\``, ``"`` and ``#`` escaped (an older sbatch ends a word at ``#`` even in
+    quotes, and a space ends it outside them)."""
+    if SBATCH_PLAIN_WORD.fullmatch(option):
+        return option
+    return '"' + re.sub(r'([\\"#])', r"\\\1", option) + '"'
+
+
 def sbatch_options(config: PpctlConfig, run_dir: Path) -> list[str]:
     """The ``#SBATCH`` options of the run's job, unset settings left to the cluster."""
     slurm, nodes = config.launcher.slurm, config.launcher.nnodes
+    log_pattern = str(run_dir).replace("%", "%%") + "/slurm-%j.out"  # %% is a plain % in Slurm's file patterns
     options = [f"--job-name=ppctl-{run_dir.name}", f"--nodes={nodes}", "--ntasks-per-node=1",
-               f"--output={run_dir}/slurm-%j.out", "--open-mode=append",  # a requeued job appends to the same log
+               f"--output={log_pattern}", "--open-mode=append",  # a requeued job appends to the same log
                f"--signal=B:TERM@{slurm.signal_lead_s}", "--requeue" if slurm.requeue else "--no-requeue"]
     for name in ("partition", "account", "qos", "time", "gpus_per_node", "cpus_per_task"):
         value = getattr(slurm, name)
@@ -73,9 +98,9 @@ def job_script(config: PpctlConfig, run_dir: Path, workdir: Path, ppctl: list[st
     nodes = config.launcher.nnodes
     task = train_command(config, run_dir, ppctl)
     lines = ["#!/bin/bash",
-             f"# Written by `ppctl submit` for the run directory {run_dir}.",
+             f"# Written by `ppctl submit` for the run directory {shlex.quote(str(run_dir))}.",
              "# Submitting it again (sbatch job.sbatch) continues the run from its latest checkpoint.",
-             *(f"#SBATCH {option}" for option in sbatch_options(config, run_dir)),
+             *(f"#SBATCH {sbatch_word(option)}" for option in sbatch_options(config, run_dir)),
              "",
              "set -uo pipefail",
              f"cd {shlex.quote(str(workdir))}  # where ppctl submit ran: relative paths in the config mean the same",
@@ -128,12 +153,26 @@ def record_job(run_dir: Path, job_id: str) -> None:
     (run_dir / JOB_RECORD).write_text(json.dumps({"job_id": job_id, "script": str(run_dir / JOB_SCRIPT)}) + "\n")
 
 
+class JobRecordError(ValueError):
+    """A run's ``job.json`` that ``ppctl submit`` did not write as it is; the message is one line."""
+
+
 def recorded_job(run_dir: Path) -> str | None:
     """The id of the job ``ppctl submit`` submitted for this run directory, or None (a local run)."""
     path = run_dir / JOB_RECORD
     if not path.exists():
         return None
-    return str(json.loads(path.read_text())["job_id"])
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise JobRecordError(f"{path}: cannot read the job record ppctl submit writes ({error}); the job's id is "
+                             f"the <id> of {run_dir}/slurm-<id>.out") from None
+    job_id = record.get("job_id") if isinstance(record, dict) else None
+    if not isinstance(job_id, (str, int)) or isinstance(job_id, bool) or not str(job_id).strip():
+        raise JobRecordError(f"{path}: not the job record ppctl submit writes (a JSON object with a job_id, got "
+                             f"{type(record).__name__} {json.dumps(record)[:60]}); the job's id is the <id> of "
+                             f"{run_dir}/slurm-<id>.out")
+    return str(job_id)
 
 
 @dataclass(frozen=True)

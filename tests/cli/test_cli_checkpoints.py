@@ -42,6 +42,10 @@ def test_resume_a_run_at_another_layout_continues_its_logs(ppctl, single_run, tm
     assert listing.returncode == 0 and len(lines) == 2, listing.stdout
     assert "step        3" in lines[0] and "tp=4 pp=1" in lines[0] and "plain optimizer" in lines[0]
     assert "step        5" in lines[1] and "zbv, distributed optimizer" in lines[1] and "latest" in lines[1]
+    # The checkpoints folder lists the run; one checkpoint (what trainer.resume_from takes) lists itself.
+    assert ppctl("checkpoints", str(run / "checkpoints")).stdout.strip().splitlines() == lines
+    one = ppctl("checkpoints", str(run / "checkpoints" / "step_00000003"))
+    assert one.returncode == 0 and one.stdout.strip().splitlines() == lines[:1], one.stdout
 
     data_file = next((run / "checkpoints" / "step_00000005").glob("*.distcp"))
     corrupt = data_file.read_bytes()

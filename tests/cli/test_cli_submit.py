@@ -46,10 +46,46 @@ def test_submit_dry_run_writes_the_run_directory_the_job_trains_from(tmp_path, m
 @pytest.mark.parametrize("args, fragment", [
     (["submit", *SMALL], "ppctl submit hands the run to Slurm: add launcher=slurm"),
     (["submit", "launcher=slurm", "launcher.slurm.time=soon", *SMALL], "launcher.slurm.time='soon' must be a"),
+    (["submit", "launcher=slurm", "launcher.slurm.partition='gpu\ntouch pwned'", *SMALL],
+     "launcher.slurm.partition='gpu\\ntouch pwned' holds the control character '\\n'"),
+    (["submit", "launcher=slurm", "launcher.slurm.time=00:01:00", *SMALL],
+     "launcher.slurm.signal_lead_s=120 is not shorter than launcher.slurm.time=00:01:00 (60 s)"),
 ])
 def test_submit_refusals_are_one_line(args, fragment):
     result = invoke(args)
     assert result.exit_code == 2 and fragment in result.output and result.output.count("\n") == 1, result.output
+
+
+@pytest.mark.parametrize("record, fragment", [
+    ('{"job_id": "12', "cannot read the job record ppctl submit writes (Unterminated string"),
+    ("[1, 2]", "not the job record ppctl submit writes (a JSON object with a job_id, got list [1, 2])"),
+    ('{"job": 3}', "got dict"),
+    ('{"job_id": ""}', "got dict"),
+])
+@pytest.mark.parametrize("as_json", [[], ["--json"]])
+def test_status_of_a_damaged_job_record_is_one_line(record, fragment, as_json, tmp_path):
+    run = tmp_path / "run"
+    assert invoke(["submit", "launcher=slurm", *SMALL, f"trainer.out_dir={run}", "--dry-run"]).exit_code == 0
+    (run / "job.json").write_text(record)
+    result = invoke(["status", str(run), *as_json])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert result.output.startswith(f"error: {run / 'job.json'}: ") and fragment in result.output, result.output
+
+
+def test_status_of_a_damaged_config_is_one_line(tmp_path):
+    run = tmp_path / "run"
+    assert invoke(["submit", "launcher=slurm", *SMALL, f"trainer.out_dir={run}", "--dry-run"]).exit_code == 0
+    (run / "config.yaml").write_text("trainer: [1,\n")
+    result = invoke(["status", str(run)])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert f"{run / 'config.yaml'}: not the config a run wrote" in result.output
+
+
+@pytest.mark.parametrize("command", ["status", "checkpoints"])
+def test_a_folder_that_is_no_run_is_refused(command, tmp_path):
+    result = invoke([command, str(tmp_path)])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert f"{tmp_path}: not a run directory (no config.yaml or checkpoints folder in it)" in result.output
 
 
 def test_submit_without_sbatch_says_so(tmp_path, monkeypatch):

@@ -92,6 +92,11 @@ RULES = [
     (["launcher.backend=mpi"], "launcher.backend='mpi' must be one of"),
     (["launcher.inject_fault=boom"], "launcher.inject_fault='boom' must look like RANK:raise or RANK:kill"),
     (["launcher.inject_fault=1:kill@x"], "optionally @STEP (1:kill@5)"),
+    (["launcher.inject_fault=99:kill"], "launcher.inject_fault='99:kill' names rank 99, but the job has 2 rank(s) "
+                                        "(0..1): the fault would never fire"),
+    (["launcher.inject_fault=0:kill@999", "trainer.max_steps=10"],
+     "fires after step 999, outside this run's steps 1..trainer.max_steps=10"),
+    (["launcher.inject_fault=0:raise@0"], "fires after step 0, outside this run's steps"),
     (["launcher.max_restarts=-1"], "launcher.max_restarts=-1 must be >= 0"),
     (["launcher.kind=pbs"], "launcher.kind='pbs' must be one of local, slurm"),
     (["launcher=slurm", "launcher.slurm.nodes=2", "launcher.nnodes=4", "launcher.nproc_per_node=2",
