@@ -9,6 +9,7 @@ inside the commands that need them, so ``inspect-layout`` starts quickly.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -589,7 +590,50 @@ def write_run_dir(config: PpctlConfig, run_dir: Path) -> RunDirLock:
 def main() -> None:
     """Console-script entry point."""
     install_before_start_handlers()  # the launch installs its own while workers run
-    app()
+    sys.stdout = GuardedStdout(sys.stdout)
+    try:
+        app()
+    except StdoutError as error:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), STDOUT_FD)  # the interpreter's last flush must not fail again
+        if error.errno != errno.EPIPE:  # a reader that went away (`| head`) wants no message
+            typer.echo(f"error: cannot write the output to stdout: {error.strerror}", err=True)
+        raise SystemExit(1) from None
+
+
+STDOUT_FD = 1
+
+
+class StdoutError(Exception):
+    """Writing to stdout failed (a full disk, ``/dev/full``, a closed pipe): not an ``OSError``, so that neither
+    Click nor a command's own file handling takes it for theirs."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(error.strerror)
+        self.errno, self.strerror = error.errno, error.strerror or str(error)
+
+
+class GuardedStdout:
+    """``sys.stdout`` whose failed writes raise ``StdoutError``; everything else is the stream's own."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        """Write ``text``; ``StdoutError`` when the stream refuses it."""
+        try:
+            return self._stream.write(text)
+        except OSError as error:
+            raise StdoutError(error) from None
+
+    def flush(self) -> None:
+        """Flush; ``StdoutError`` when the stream refuses it."""
+        try:
+            self._stream.flush()
+        except OSError as error:
+            raise StdoutError(error) from None
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 BEFORE_START_SIGNALS = (signal.SIGINT, signal.SIGTERM)

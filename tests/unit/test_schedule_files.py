@@ -7,6 +7,7 @@ names the rank, the action and the rule.
 """
 
 import json
+import os
 import re
 
 import pytest
@@ -106,13 +107,25 @@ def test_a_file_at_other_sizes_than_the_config_is_refused(tmp_path):
     ("s.json", "{nope", "not JSON"),
     ("s.json", '{"ranks": 3}', "not a ppctl schedule"),
     ("missing.csv", None, "cannot read it"),
+    ("deep.json", "[" * 200_000 + "]" * 200_000, "nested too deeply to be a ppctl schedule"),
+    ("deep2.json", '{"a":' * 100_000 + "1" + "}" * 100_000, "nested too deeply"),
 ])
 def test_an_unreadable_file_is_named(tmp_path, name, text, message):
     path = tmp_path / name
     if text is not None:
         path.write_text(text)
-    with pytest.raises(ScheduleError, match=message):
+    with pytest.raises(ScheduleError, match=message) as refused:
         read_schedule_file(path)
+    assert str(path) in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_a_file_that_is_not_regular_is_refused_at_once(tmp_path, kind):
+    """A FIFO would block the read for ever (no writer ever comes); a folder is no file either."""
+    path = tmp_path / "s.json"
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    with pytest.raises(ConfigError, match=rf"^schedule.file {path}: not a regular file"):
+        validate(compose_config(["schedule=custom", f"schedule.file={path}"]))
 
 
 def test_vpp_follows_the_file(tmp_path):

@@ -37,12 +37,14 @@ _FROM_TORCH = {"F": FORWARD, "B": BACKWARD, "I": BACKWARD_INPUT, "W": BACKWARD_W
 _TO_TORCH = {kind: torch_kind for torch_kind, kind in _FROM_TORCH.items()}
 _TORCH_ACTION = re.compile(r"^(\d+)([A-Z_]+?)(\d*)$")
 _TORCH_PAIR = re.compile(r"^\((.*);(.*)\)OVERLAP_F_B$")
+MAX_FILE_BYTES = 256 * 2**20  # far above any schedule's (a million actions as JSON is about 60 MiB)
 
 
 def read_schedule_file(path: str | Path) -> Schedule:
     """The schedule in the file at ``path`` (``.csv`` or ``.json``); ``ScheduleError`` naming the file otherwise."""
     path = Path(path)
     try:
+        _refuse_unless_regular(path)
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise ScheduleError(f"schedule.file {path}: cannot read it ({getattr(error, 'strerror', None) or error})")
@@ -53,6 +55,16 @@ def read_schedule_file(path: str | Path) -> Schedule:
     else:
         raise ScheduleError(f"schedule.file {path}: a schedule file ends in .csv (torch's CSV) or .json (ppctl's)")
     return _schedule(path, ranks, overlapped, placement)
+
+
+def _refuse_unless_regular(path: Path) -> None:
+    """A schedule file is a regular file of sensible size: a FIFO or a device would block or never end."""
+    if path.exists() and not path.is_file():
+        raise ScheduleError(f"schedule.file {path}: not a regular file (a FIFO, a device or a folder would block or "
+                            f"never end); give the path of a .csv or .json file")
+    if path.is_file() and path.stat().st_size > MAX_FILE_BYTES:
+        raise ScheduleError(f"schedule.file {path}: {path.stat().st_size:,} bytes, more than a schedule file's "
+                            f"{MAX_FILE_BYTES // 2**20} MiB")
 
 
 # --- torch's CSV ------------------------------------------------------------------------------------
@@ -115,6 +127,9 @@ def _read_json(path: Path, text: str) -> tuple[list[list[Any]], list[tuple[int, 
             placement = Placement(tuple(int(owner) for owner in placement["owners"]), int(placement.get("copies", 1)))
     except json.JSONDecodeError as error:
         raise ScheduleError(f"schedule.file {path}: not JSON ({error.msg}, line {error.lineno} column {error.colno})")
+    except RecursionError:
+        raise ScheduleError(f"schedule.file {path}: nested too deeply to be a ppctl schedule (inspect-schedule "
+                            f"--json writes a few levels: program, ranks, steps)") from None
     except (AttributeError, KeyError, TypeError, ValueError) as error:
         raise ScheduleError(f"schedule.file {path}: not a ppctl schedule (inspect-schedule --json): "
                             f"{type(error).__name__} {error}")
