@@ -209,16 +209,19 @@ DATA_KEYS = ("seed", "global_batch_size", "seq_length")
 
 
 def resume_problem(index: dict[str, Any], model: dict[str, Any], data: dict[str, Any], precision: str,
-                   max_steps: int, gradient_delay: int = 0) -> str | None:
-    """Why a run with this model, data position, precision, ``max_steps`` and ``optimizer.gradient_delay`` cannot
-    resume from a checkpoint whose ``ppctl.json`` is ``index`` (None when it can). The layout, schedule and
-    optimizer sharding may change."""
+                   max_steps: int, gradient_delay: int = 0, tokenizer: dict[str, Any] | None = None) -> str | None:
+    """Why a run with this model, data position, precision, ``max_steps``, ``optimizer.gradient_delay`` and
+    ``tokenizer`` (``ppctl.data.tokenizer.tokenizer_record``) cannot resume from a checkpoint whose ``ppctl.json``
+    is ``index`` (None when it can). The layout, schedule and optimizer sharding may change."""
     for section, keys, current in (("model", MODEL_KEYS, model), ("data", DATA_KEYS, data)):
         for key in keys:
             saved = index[section].get(key)
             if saved != current[key]:
                 setting = f"model.{key}" if section == "model" else f"trainer.{key}"
                 return f"it was saved with {setting}={saved}, this run has {current[key]}"
+    problem = tokenizer_problem(index["data"].get("tokenizer"), tokenizer)
+    if problem is not None:
+        return problem
     if index["precision"] != precision:
         return f"it was saved with trainer.precision={index['precision']}, this run has {precision}"
     if index.get("gradient_delay", 0) != gradient_delay:
@@ -227,6 +230,30 @@ def resume_problem(index: dict[str, Any], model: dict[str, Any], data: dict[str,
     if index["step"] >= max_steps:
         return f"it is at step {index['step']}, not before trainer.max_steps={max_steps}: raise trainer.max_steps"
     return None
+
+
+def tokenizer_problem(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> str | None:
+    """Why weights trained on the tokens of ``saved`` cannot go on with those of ``current`` (None when they can):
+    another vocabulary gives each embedding row another token. A checkpoint without the record (saved before
+    ppctl kept one, or on synthetic data) is taken as it is."""
+    if not saved or not current or saved.get("vocab_sha256") == current.get("vocab_sha256"):
+        return None
+    then, now = _tokenizer_named(saved), _tokenizer_named(current)
+    if then == now:  # the same file, edited since
+        then += f" (vocabulary {saved['vocab_sha256'][:12]})"
+        now += f" (vocabulary {current['vocab_sha256'][:12]})"
+    if saved.get("vocab_size") == current.get("vocab_size"):
+        sizes = "same vocabulary size, different tokens"
+    else:
+        sizes = f"{saved.get('vocab_size'):,} ids then, {current.get('vocab_size'):,} now"
+    return (f"it was trained with tokenizer {then}; this run's data.tokenizer is {now} ({sizes}): each embedding row "
+            f"would stand for another token; resume with the tokenizer it was trained with, or start a new run "
+            f"without trainer.resume_from")
+
+
+def _tokenizer_named(record: dict[str, Any]) -> str:
+    """A tokenizer as a message names it: a file by its path, else by its name (``byte``)."""
+    return record.get("path") or record.get("name", "?")
 
 
 def is_run_dir_checkpoint(location: str | os.PathLike) -> bool:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from ppctl.checkpoint.files import DATA_KEYS, MODEL_KEYS, commit, read_index, temporary_dir
 from ppctl.checkpoint.pieces import parameter_pieces
 from ppctl.checkpoint.store import add_pieces, load_state, save_state
+from ppctl.data.tokenizer import tokenizer_record
 
 OBJECTS = ("optimizer/steps", "trainer", "loss_scaler", "data", "rng")
 
@@ -137,10 +138,20 @@ def checkpoint_index(trainer, step: int, reason: str, optimizer_steps: int) -> d
                    "schedule": config.schedule.name, "distributed_optimizer": config.optimizer.distributed},
         "precision": config.trainer.precision,
         "model": {key: getattr(config.model, key) for key in MODEL_KEYS},
-        "data": {**{key: getattr(config.trainer, key) for key in DATA_KEYS}, "source": config.data.source},
+        "data": {**{key: getattr(config.trainer, key) for key in DATA_KEYS}, "source": config.data.source,
+                 "tokenizer": _tokenizer_of(config)},
         "optimizer_steps": optimizer_steps,
         "gradient_delay": config.optimizer.gradient_delay,
     }
+
+
+def _tokenizer_of(config) -> dict[str, Any] | None:
+    """The record of the run's tokenizer (``tokenizer_record``); None when its file is gone since the run began: a
+    save does not fail for want of it, and a resume then checks nothing of it, as of a checkpoint without one."""
+    try:
+        return tokenizer_record(config.data)
+    except (OSError, ValueError):
+        return None
 
 
 def save_checkpoint(trainer, run_dir: Path, step: int, reason: str, keep_last: int) -> Path:

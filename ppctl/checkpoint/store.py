@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
                                                    TensorProperties, TensorStorageMetadata)
@@ -148,10 +149,34 @@ class _PieceLoadPlanner(DefaultLoadPlanner):
 
 
 def save_state(state: dict[str, Any], directory: Path, process_group=None) -> None:
-    """Write this rank's part of ``state`` into ``directory`` (collective over ``process_group``, default all)."""
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), single_file_per_rank=True),
-             planner=_PieceSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-             process_group=process_group)
+    """Write this rank's part of ``state`` into ``directory`` (collective over ``process_group``, default all).
+
+    A failed write raises ``CheckpointSaveError``, whose first line names ``directory`` and why.
+    """
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), single_file_per_rank=True),
+                 planner=_PieceSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+                 process_group=process_group)
+    except CheckpointException as error:
+        raise CheckpointSaveError(save_failure(directory, error.failures)) from error
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written; the message is one line naming it and the first failing rank's reason."""
+
+
+def save_failure(directory: Path, failures: dict[int, Any]) -> str:
+    """One line from DCP's per-rank failures (rank -> (exception, traceback)): the checkpoint, the first failing
+    rank's exception (an OS error as its reason and file) and how many other ranks failed."""
+    rank = min(failures)
+    failure = failures[rank]
+    error = failure[0] if isinstance(failure, tuple) else failure
+    if isinstance(error, OSError) and error.strerror:
+        reason = f"{error.strerror}" + (f" ({error.filename})" if error.filename else "")
+    else:
+        reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    others = f" (and {len(failures) - 1} more rank(s))" if len(failures) > 1 else ""
+    return f"cannot save the checkpoint {directory}: rank {rank}: {reason.rstrip(': ')}{others}"
 
 
 def load_state(state: dict[str, Any], directory: Path, process_group=None) -> dict[str, Any]:

@@ -9,6 +9,7 @@ inside the commands that need them, so ``inspect-layout`` starts quickly.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -16,14 +17,14 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, List, Optional
 
 import typer
 
 from ppctl.config import ConfigError, PpctlConfig, compose_config, to_yaml
 
 if TYPE_CHECKING:
-    from ppctl.run.launch import RunDirLock
+    from ppctl.run.rundir import RunDirLock
 
 app = typer.Typer(
     add_completion=False,
@@ -43,6 +44,30 @@ def fail(message: str, code: int = 2) -> None:
     """Print one error line on stderr and exit with ``code``."""
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
+
+
+def parsed_or_fail(parse: Callable[[str], int], text: str) -> int:
+    """``parse(text)`` for a Typer ``parser``; its ValueError ends in one line and exit 2 (Typer's own refusal of an
+    option's value is a framed box of several lines)."""
+    try:
+        return parse(text)
+    except ValueError as error:
+        fail(str(error))
+        raise AssertionError("unreachable")
+
+
+def _gpus(text: str) -> int:
+    """``plan --gpus``: a whole number of devices from 1 to ``MAX_DEVICES``."""
+    from ppctl.plan.search import parse_devices
+
+    return parsed_or_fail(parse_devices, text)
+
+
+def _steps(text: str) -> int:
+    """``inspect-schedule --steps``: a whole number of steps, at least 1."""
+    from ppctl.cli.schedule_report import parse_steps
+
+    return parsed_or_fail(parse_steps, text)
 
 
 def os_reason(error: OSError, named: Optional[Path] = None) -> str:
@@ -104,7 +129,7 @@ def inspect_schedule(
                                                   "time between actions; shows measured against simulated."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (docs/schedules.md lists the keys)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the timeline picture (.svg or .html)."),
-    steps: int = typer.Option(1, "--steps", min=1,
+    steps: int = typer.Option(1, "--steps", parser=_steps, metavar="N",
                               help="Consecutive steps to simulate: one stream for pipedream_2bw (the fill shows "
                                    "once), else each step after the last; adds the time and bubble per step after "
                                    "the first."),
@@ -119,24 +144,33 @@ def inspect_schedule(
     config = load_config(overrides, config_dir, config_name, lambda loaded: validate(loaded, layer_split=False))
     try:
         result = simulate_config(config, cost, steps, calibrate)
-        if out is not None:
-            from ppctl.cli.schedule_report import write_schedule_picture
-
-            write_schedule_picture(result, out)
     except ValueError as error:
         fail(str(error))
-    except OSError as error:
-        fail(f"--out {out}: cannot write the picture: {os_reason(error, out)}")
+    if out is not None:
+        _write_picture(result, out)
     if as_json:
         sys.stdout.write(json.dumps(result.to_json(), separators=(",", ":")) + "\n")
     else:
         print_schedule(result, out)
 
 
+def _write_picture(result, out: Path) -> None:
+    """``inspect-schedule --out``: the timeline picture, or one line naming --out and why it cannot be written."""
+    from ppctl.cli.schedule_report import write_schedule_picture
+
+    try:
+        write_schedule_picture(result, out)
+    except ValueError as error:
+        fail(str(error))
+    except OSError as error:
+        fail(f"--out {out}: cannot write the picture: {os_reason(error, out)}")
+
+
 @app.command("plan")
 def plan(
     overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
-    gpus: int = typer.Option(..., "--gpus", min=1, help="Devices to plan for (the product of tp, cp, pp and dp)."),
+    gpus: int = typer.Option(..., "--gpus", parser=_gpus, metavar="N",
+                             help="Devices to plan for (the product of tp, cp, pp and dp), at most 1,048,576."),
     memory_gb: Optional[float] = typer.Option(None, "--memory-gb", min=0.001,
                                               help="GiB per device every rank's predicted memory must fit (default: "
                                                    "the device's)."),
@@ -171,7 +205,7 @@ def plan(
             fail(str(error))
     memory_bytes = (memory_gb or device.memory_gb) * 2 ** 30
     result = search(config, gpus, memory_bytes, top, device)
-    if explain is not None:
+    if explain is not None and result.candidates:  # else the reasons nothing fits, below
         _explain(result, explain, config, device, list(overrides or []))
     elif as_json:
         sys.stdout.write(json.dumps(result.to_json(), separators=(",", ":")) + "\n")
@@ -179,6 +213,9 @@ def plan(
         from ppctl.cli.plan_report import print_plan
 
         print_plan(result, list(overrides or []), gpus, memory_bytes, device.describe())
+    if not result.candidates:
+        fail(f"no layout of --gpus {gpus} fits: each was left out for a reason counted "
+             f"{'in refused' if as_json else 'above'}", code=1)
 
 
 def _explain(result, number: int, config: PpctlConfig, device, user_overrides: list[str]) -> None:
@@ -216,9 +253,13 @@ def _continue_run_dir(config: PpctlConfig) -> None:
     """``trainer.auto_resume``: resume from the run directory's latest complete checkpoint when it holds one; a
     run that already reached ``trainer.max_steps`` there has nothing left to do (exit 0, say so)."""
     from ppctl.checkpoint.files import CheckpointError, latest_checkpoint, read_index
+    from ppctl.run.rundir import path_length_problem
 
     if not config.trainer.auto_resume:
         return
+    problem = path_length_problem(Path(config.trainer.out_dir))  # before its checkpoints are looked for
+    if problem is not None:
+        fail(problem)
     try:
         latest = latest_checkpoint(Path(config.trainer.out_dir))
         step = read_index(latest)["step"] if latest is not None else 0
@@ -240,6 +281,7 @@ def _resolve_resume(config: PpctlConfig) -> None:
     """
     from ppctl.checkpoint.files import (CheckpointError, is_run_dir_checkpoint, read_index, resolve_checkpoint,
                                         resume_problem)
+    from ppctl.data.tokenizer import tokenizer_record
 
     location = config.trainer.resume_from
     try:
@@ -248,7 +290,7 @@ def _resolve_resume(config: PpctlConfig) -> None:
     except CheckpointError as error:
         fail(str(error))
     problem = resume_problem(index, vars(config.model), vars(config.trainer), config.trainer.precision,
-                             config.trainer.max_steps, config.optimizer.gradient_delay)
+                             config.trainer.max_steps, config.optimizer.gradient_delay, tokenizer_record(config.data))
     if problem is not None:
         fail(f"trainer.resume_from={location}: cannot resume from {checkpoint}: {problem}")
     if is_run_dir_checkpoint(location) and not config.trainer.out_dir:
@@ -266,7 +308,7 @@ def submit(
 ) -> None:
     """Validate, write the run directory and its Slurm job script (launcher=slurm), and submit it with sbatch."""
     from ppctl.config import validate
-    from ppctl.run.launch import default_run_dir, reuse_problem
+    from ppctl.run.rundir import default_run_dir, run_dir_problem
     from ppctl.run.slurm import (JOB_SCRIPT, SlurmError, job_script, ppctl_command, record_job, script_problem,
                                  submit_job)
 
@@ -279,11 +321,11 @@ def submit(
     run_dir = Path(config.trainer.out_dir or default_run_dir()).resolve()  # the job may start anywhere
     config.trainer.out_dir = str(run_dir)
     workdir = Path.cwd().resolve()
-    problem = script_problem(run_dir, workdir) or reuse_problem(run_dir, config.trainer.resume_from,
-                                                                config.trainer.overwrite)
+    problem = script_problem(run_dir, workdir) or run_dir_problem(run_dir, "train", config.trainer.resume_from,
+                                                                  config.trainer.overwrite)
     if problem is not None:
         fail(problem)
-    lock = write_run_dir(config, run_dir)
+    lock = write_run_dir(config, run_dir, "train")
     try:
         if _clears_earlier_run(config, "train"):
             _clear_earlier_run(run_dir)
@@ -402,10 +444,13 @@ def _prepare(config: PpctlConfig) -> str | None:
     """
     if config.data.source == "synthetic":
         return None
-    from ppctl.data.prepare import CorpusSpec, DataError, prepare_corpus
+    from ppctl.data.corpus import CorpusSpec, DataError
+    from ppctl.data.prepare import prepare_corpus
 
+    spec = CorpusSpec.of(config.data)
     try:
-        prepared = prepare_corpus(CorpusSpec.of(config.data), progress=sys.stderr.isatty())
+        with interruption_says(f"while tokenising {spec.label}; the cache was left as it was"):
+            prepared = prepare_corpus(spec, progress=sys.stderr.isatty())
         prepared.check_split("train", config.trainer.seq_length)
         if config.trainer.eval_every > 0:
             prepared.check_split("validation", config.trainer.seq_length)
@@ -483,16 +528,17 @@ def _launch(config: PpctlConfig, task: str, dry_run: bool, files: dict[str, str]
 
     A failure exits 1, an interruption 128 + the signal."""
     from ppctl.config import nproc_per_node
-    from ppctl.run.launch import (backend_problem, build_launch_plan, default_run_dir, describe_interruption,
-                                  describe_workers, local_gpus, rendezvous_problem, resolve_backend, reuse_problem,
-                                  run_plan, saved_on_stop)
+    from ppctl.run.launch import (backend_problem, build_launch_plan, describe_interruption, describe_workers,
+                                  local_gpus, resolve_backend, run_plan, saved_on_stop)
+    from ppctl.run.rendezvous import rendezvous_problem
+    from ppctl.run.rundir import default_run_dir, run_dir_problem
 
     run_dir = Path(config.trainer.out_dir) if config.trainer.out_dir else default_run_dir()
     config.trainer.out_dir = str(run_dir)
-    if task == "train":  # before anything starts or changes in the directory, the dry run included
-        problem = reuse_problem(run_dir, config.trainer.resume_from, config.trainer.overwrite)
-        if problem is not None:
-            fail(problem)
+    # before anything starts or changes in the directory, the dry run included
+    problem = run_dir_problem(run_dir, task, config.trainer.resume_from, config.trainer.overwrite)
+    if problem is not None:
+        fail(problem)
     backend = resolve_backend(config.launcher.backend, nproc_per_node(config))
     problem = backend_problem(backend, nproc_per_node(config), local_gpus())
     if problem is not None:
@@ -512,7 +558,7 @@ def _launch(config: PpctlConfig, task: str, dry_run: bool, files: dict[str, str]
     problem = rendezvous_problem(config.launcher)
     if problem is not None:
         fail(problem)
-    lock = write_run_dir(config, run_dir)  # one line and exit 2 when it cannot be made or another run holds it
+    lock = write_run_dir(config, run_dir, task)  # one line and exit 2 when it cannot be made or written, or is busy
     started = time.time()
     try:
         if _clears_earlier_run(config, task):
@@ -546,7 +592,7 @@ def _write_files(run_dir: Path, files: dict[str, str]) -> None:
 def _clears_earlier_run(config: PpctlConfig, task: str) -> bool:
     """Whether this launch deletes an earlier run's checkpoints (``trainer.overwrite=true``; node 0 alone, as the
     nodes of a job share the run directory)."""
-    from ppctl.run.launch import committed_steps
+    from ppctl.run.rundir import committed_steps
 
     return (task == "train" and config.trainer.overwrite and config.launcher.node_rank == 0
             and bool(committed_steps(Path(config.trainer.out_dir))))
@@ -554,7 +600,7 @@ def _clears_earlier_run(config: PpctlConfig, task: str) -> bool:
 
 def _clear_earlier_run(run_dir: Path) -> None:
     """Delete the earlier run's checkpoints and logs and say so; one line and exit 2 when they cannot be deleted."""
-    from ppctl.run.launch import clear_earlier_run
+    from ppctl.run.rundir import clear_earlier_run
 
     try:
         said = clear_earlier_run(run_dir)
@@ -564,19 +610,24 @@ def _clear_earlier_run(run_dir: Path) -> None:
         typer.echo(said, err=True)
 
 
-def write_run_dir(config: PpctlConfig, run_dir: Path) -> RunDirLock:
-    """Create the run directory, lock it, write the resolved ``config.yaml`` and ``layout.json``; return the lock.
+def write_run_dir(config: PpctlConfig, run_dir: Path, task: str) -> RunDirLock:
+    """Create the run directory, check that it can be written, lock it, write which ``task`` runs there, the resolved
+    ``config.yaml`` and ``layout.json``; return the lock.
 
-    The lock comes before the files: a run refused because another one holds the directory
-    changes nothing in it. Each refusal is one line and exit 2.
+    The check and the lock come before the files: a run refused because the directory cannot be written, or
+    because another one holds it, changes nothing in it. Each refusal is one line and exit 2.
     """
-    from ppctl.run.launch import RunDirBusy, RunDirLock
+    from ppctl.run.rundir import TASK_RECORD, RunDirBusy, RunDirLock, writable_problem
     from ppctl.cli.layout_report import layout_report
 
     lock = RunDirLock(run_dir, config.launcher.node_rank)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        problem = writable_problem(run_dir, task == "train" and config.trainer.checkpoints)
+        if problem is not None:
+            fail(problem)
         lock.acquire()
+        (run_dir / TASK_RECORD).write_text(f"{task}\n")
         (run_dir / "config.yaml").write_text(to_yaml(config))
         (run_dir / "layout.json").write_text(json.dumps(layout_report(config), indent=1))
     except RunDirBusy as error:
@@ -639,44 +690,75 @@ class GuardedStdout:
 BEFORE_START_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _handlers_pid: int | None = None  # the process that installed ``interrupted_before_start``
 _fork_hook_registered = False  # ``os.register_at_fork`` cannot undo a hook: it is registered once per process
+_interrupted_while: str | None = None  # what the line of ``interrupted_before_start`` says ppctl was doing
+_parent_death = None  # the ``ParentDeathSignal`` a process forked before the launch arms, built in ppctl's own
 
 
 def install_before_start_handlers() -> None:
     """Make SIGINT and SIGTERM end ``ppctl`` with one line until the launch installs its own handlers.
 
     A process forked meanwhile (the tokenising processes of ``datasets``, which their pool ends
-    with SIGTERM) gets the default action back: a Python handler there would print a false
-    "interrupted" line, and can miss the signal altogether (one that comes just before the
-    child blocks on a lock runs no Python code), leaving ``ppctl`` waiting for it for ever.
+    with SIGTERM) gets the default action back, in a process group of its own (``_detach_forked_child``).
     """
-    global _handlers_pid, _fork_hook_registered
+    from ppctl.run.interrupt import ParentDeathSignal
+
+    global _handlers_pid, _fork_hook_registered, _parent_death
     if not _fork_hook_registered:
-        os.register_at_fork(after_in_child=_default_signals_in_child)
+        os.register_at_fork(after_in_child=_detach_forked_child)
         _fork_hook_registered = True
-    _handlers_pid = os.getpid()
+    _handlers_pid, _parent_death = os.getpid(), ParentDeathSignal(signal.SIGTERM)
     for signum in BEFORE_START_SIGNALS:
         signal.signal(signum, interrupted_before_start)
 
 
-def _default_signals_in_child() -> None:
-    """In a forked child: the default action for each signal that still runs ``interrupted_before_start``."""
+def _detach_forked_child() -> None:
+    """In a process forked before the launch: the default action for each signal that still runs
+    ``interrupted_before_start``, a process group of its own, and SIGTERM when ppctl ends.
+
+    A Python handler there would print a false "interrupted" line, and can miss the signal
+    altogether (one that comes just before the child blocks on a lock runs no Python code). In
+    ppctl's process group, a terminal's Ctrl-C (or ``kill -- -PGID``) would kill a pool process
+    waiting for work while it holds the pool's lock, and ppctl, ending the pool, would wait for that
+    lock for ever; outside it, the signal reaches ppctl alone, which ends the pool with SIGTERM. The
+    parent-death signal keeps what the terminal's hang-up no longer reaches from outliving ppctl.
+    """
+    forked_before_start = False
     for signum in BEFORE_START_SIGNALS:
         if signal.getsignal(signum) is interrupted_before_start:
             signal.signal(signum, signal.SIG_DFL)
+            forked_before_start = True
+    if not forked_before_start:
+        return
+    os.setpgid(0, 0)
+    if _parent_death is not None and not _parent_death.arm(_handlers_pid):
+        os.kill(os.getpid(), signal.SIGTERM)  # ppctl ended before the signal was armed
 
 
 def interrupted_before_start(signum: int, _frame) -> None:
     """SIGINT/SIGTERM while composing, validating or preparing data: one line, exit 128 + the signal.
 
     Only in the process that installed it: in a child that still runs it (a signal that came
-    between its fork and ``_default_signals_in_child``), the signal takes its default action.
+    between its fork and ``_detach_forked_child``), the signal takes its default action.
     """
     if _handlers_pid is not None and os.getpid() != _handlers_pid:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return
-    typer.echo(f"error: interrupted by {signal.Signals(signum).name} before any worker started", err=True)
+    doing = _interrupted_while or "before any worker started"
+    typer.echo(f"error: interrupted by {signal.Signals(signum).name} {doing}", err=True)
     raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def interruption_says(doing: str) -> Iterator[None]:
+    """Within the block, the line of ``interrupted_before_start`` says ``doing`` (``while tokenising ...``) instead
+    of ``before any worker started``; the block's own clean-up runs as its ``SystemExit`` unwinds it."""
+    global _interrupted_while
+    outer, _interrupted_while = _interrupted_while, doing
+    try:
+        yield
+    finally:
+        _interrupted_while = outer
 
 
 if __name__ == "__main__":

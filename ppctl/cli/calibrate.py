@@ -13,16 +13,21 @@ The runtime's time between actions (posting sends and receives, bookkeeping) is 
 to every action, so the simulated makespan is the one the runtime can reach. The costs
 are per microbatch through one rank's layers of one model copy (the simulator's unit),
 so a run of one schedule calibrates another on the same model and layout.
+
+Files that are not what such a run writes (another shape, a key missing, a measured figure that
+is not a finite number from 0 to ``MAX_COST``, a config gone) are refused with one line naming
+``--calibrate`` and the file.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ppctl.config import configured_schedule, load_config_file
-from ppctl.pipeline.simulate import Costs
+from ppctl.pipeline.simulate import MAX_COST, Costs
 from ppctl.pipeline.trace import (costs_from_measurement, measured_makespan_and_bubble, overhead_per_action,
                                   rows_from_chrome_trace)
 
@@ -96,27 +101,133 @@ def _read_json(path: Path):
         raise ValueError(f"--calibrate: cannot read {path}: {error}") from None
 
 
+# What a ``bench.json`` entry must hold (``ppctl.bench.run``), said when one lacks it
+BENCH_ENTRY = ("ppctl bench writes schedule, pp, fitted_costs_ms {F, B, W, comm}, overhead_per_action_ms, "
+               "makespan_measured_s and bubble_measured")
+_ABSENT = object()
+
+
 def _from_bench(run_dir: Path, schedule_name: str) -> Calibration:
-    """Costs of one schedule's entry of ``bench.json``, the runtime's time between actions charged to each."""
-    entries = [entry for entry in _read_json(run_dir / "bench.json") if entry]
-    configs = _read_json(run_dir / "bench_request.json")["configs"]
-    if not entries:
-        raise ValueError(f"--calibrate {run_dir}: bench.json holds no schedule")
-    index = next((i for i, entry in enumerate(entries) if entry["schedule"] == schedule_name), 0)
-    entry = entries[index]
-    chunks = configured_schedule(load_config_file(run_dir / configs[index])).chunks_per_copy
-    fitted, overhead = entry["fitted_costs_ms"], entry["overhead_per_action_ms"]
-    costs = Costs(F=_charged(fitted["F"], overhead, chunks), B=_charged(fitted["B"], overhead, chunks),
-                  W=_charged(fitted["W"], overhead, chunks) if fitted["W"] else 0.0, comm=fitted["comm"])
-    calibration = Calibration(str(run_dir / "bench.json"), costs, overhead, entry["schedule"], entry["pp"],
-                              entry["makespan_measured_s"] * 1e3, entry["bubble_measured"], comm_measured=True,
-                              config_file=str(run_dir / configs[index]))
-    return replace(calibration, **_beyond_pipeline(entry))
+    """Costs of one schedule's entry of ``bench.json``, the runtime's time between actions charged to each;
+    ValueError (one line naming the file) where the file is not ``ppctl bench``'s or a figure is not measured."""
+    path = run_dir / "bench.json"
+    entries = _bench_entries(path)
+    index, entry = next(((i, entry) for i, entry in entries if entry.get("schedule") == schedule_name), entries[0])
+    where = f"--calibrate {path}: entry {index}"
+    config_file = _bench_config_file(run_dir, index)
+    chunks = _measured_schedule(config_file).chunks_per_copy
+    fitted = _bench_field(entry, "fitted_costs_ms", dict, where)
+    F, B, W, comm = (_measured(fitted, key, where, "fitted_costs_ms.") for key in ("F", "B", "W", "comm"))
+    overhead = _measured(entry, "overhead_per_action_ms", where)
+    costs = Costs(F=_charged(F, overhead, chunks), B=_charged(B, overhead, chunks),
+                  W=_charged(W, overhead, chunks) if W else 0.0, comm=comm)
+    pp = _bench_field(entry, "pp", int, where)
+    calibration = Calibration(str(path), costs, overhead, _bench_field(entry, "schedule", str, where), pp,
+                              _measured(entry, "makespan_measured_s", where) * 1e3,
+                              _measured(entry, "bubble_measured", where), comm_measured=True,
+                              config_file=str(config_file))
+    return replace(calibration, **_beyond_pipeline(entry, where))
 
 
-def _beyond_pipeline(entry: dict) -> dict:
+def _bench_entries(path: Path) -> list[tuple[int, dict]]:
+    """(index, entry) of each schedule's entry of ``bench.json``: a list of objects, not empty."""
+    entries = _read_json(path)
+    if not isinstance(entries, list):
+        raise ValueError(f"--calibrate {path}: holds a JSON {type(entries).__name__}, not ppctl bench's list of one "
+                         "entry per schedule")
+    for index, entry in enumerate(entries):
+        if entry and not isinstance(entry, dict):
+            raise ValueError(f"--calibrate {path}: entry {index} is a JSON {type(entry).__name__}, not an object; "
+                             f"{BENCH_ENTRY}")
+    kept = [(index, entry) for index, entry in enumerate(entries) if entry]
+    if not kept:
+        raise ValueError(f"--calibrate {path}: holds no schedule")
+    return kept
+
+
+def _bench_config_file(run_dir: Path, index: int) -> Path:
+    """The resolved config of ``bench.json``'s entry ``index`` (``bench_request.json`` lists them, in ``bench/``)."""
+    request_path = run_dir / "bench_request.json"
+    request = _read_json(request_path)
+    configs = request.get("configs") if isinstance(request, dict) else None
+    if not isinstance(configs, list) or index >= len(configs) or not isinstance(configs[index], str):
+        raise ValueError(f"--calibrate {request_path}: its configs list no config file for bench.json's entry "
+                         f"{index} (ppctl bench lists one per schedule, bench/<index>_<schedule>.yaml)")
+    config_file = run_dir / configs[index]
+    if not config_file.is_file():
+        raise ValueError(f"--calibrate {config_file}: missing; ppctl bench writes each schedule's resolved config "
+                         f"there, and the measured costs are read against it (was {config_file.parent} moved or "
+                         "deleted?)")
+    return config_file
+
+
+def _measured_config(path: Path):
+    """The resolved config of a measured run at ``path``; ValueError (one line) when it cannot be read as one."""
+    from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
+
+    try:
+        return load_config_file(path)
+    except (OSError, ValueError, YAMLError, OmegaConfBaseException) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"--calibrate {path}: not a resolved ppctl config: {reason}") from None
+
+
+def _measured_schedule(path: Path):
+    """The schedule the measured run of the config at ``path`` ran; ValueError (one line) naming the file."""
+    config = _measured_config(path)
+    try:
+        return configured_schedule(config)
+    except ValueError as error:
+        raise ValueError(f"--calibrate {path}: its schedule cannot be built: {error}") from None
+
+
+def _bench_field(entry: dict, key: str, kind: type, where: str):
+    """``entry[key]``, which must be a ``kind`` (a positive one for an int); else ValueError naming it."""
+    value = entry.get(key, _ABSENT)
+    if value is _ABSENT:
+        raise ValueError(f"{where}: no {key}; {BENCH_ENTRY}")
+    if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 1):
+        raise ValueError(f"{where}: {key} is {value!r}, not what ppctl bench writes there; {BENCH_ENTRY}")
+    return value
+
+
+def _measured(values: dict, key: str, where: str, prefix: str = "") -> float:
+    """``values[key]`` as a measured figure: a finite number from 0 to ``MAX_COST``; else ValueError naming it."""
+    value = values.get(key, _ABSENT)
+    if value is _ABSENT:
+        raise ValueError(f"{where}: no {prefix}{key}; {BENCH_ENTRY}")
+    if not _is_measured(value):
+        raise ValueError(f"{where}: {prefix}{key} is {value!r}, where a measured figure is a finite number from 0 to "
+                         f"{MAX_COST:.0e}; bench the run again")
+    return float(value)
+
+
+def _is_measured(value) -> bool:
+    """Whether ``value`` can be a measured figure: a number (not a bool), finite, from 0 to ``MAX_COST``."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= MAX_COST
+
+
+def _beyond_pipeline(entry: dict, where: str) -> dict:
     """The update and collective figures of a ``bench.json`` entry, and the cores its workers shared where they
-    outnumbered them (none from one written before they were)."""
+    outnumbered them (none from one written before they were); ValueError naming the entry where they are not
+    ``ppctl bench``'s numbers."""
+    try:
+        figures = _pipeline_extras(entry)
+    except (TypeError, ValueError, AttributeError, KeyError, ZeroDivisionError) as error:
+        raise ValueError(f"{where}: its update and collective figures (update_s, update_parameters, all_reduce_s, "
+                         f"world_size, collective_wait_s, cores, on_core_share) are not ppctl bench's: "
+                         f"{type(error).__name__}: {error}") from None
+    for name, value in figures.items():
+        # an infinite bus bandwidth is measured: the larger all-reduce was not slower
+        if value is not None and not (_is_measured(value) or (name == "bus_bandwidth" and value == math.inf)):
+            raise ValueError(f"{where}: its figures give {name} = {value!r}, where a measured figure is a finite "
+                             "number, at least 0; bench the run again")
+    return figures
+
+
+def _pipeline_extras(entry: dict) -> dict:
+    """``_beyond_pipeline``'s figures, unchecked."""
     figures = {}
     if entry.get("update_parameters"):
         figures["update_s_per_parameter"] = entry["update_s"] / entry["update_parameters"]
@@ -146,18 +257,32 @@ def _charged(cost: float, overhead_ms: float, chunks: int) -> float:
 
 
 def _from_trace(run_dir: Path) -> Calibration:
-    """Costs of the last traced step of a training run."""
-    try:
-        step, rows = rows_from_chrome_trace(_read_json(run_dir / "trace.json"))
-    except ValueError as error:
-        raise ValueError(f"--calibrate {run_dir / 'trace.json'}: {error}") from None
+    """Costs of the last traced step of a training run; ValueError (one line naming the file) where ``trace.json``
+    is not a trace of ppctl's or its times make no costs."""
+    path = run_dir / "trace.json"
+    trace = _read_json(path)
     if not (run_dir / "config.yaml").is_file():
         raise ValueError(f"--calibrate {run_dir}: no config.yaml, so not a ppctl run directory")
-    schedule = configured_schedule(load_config_file(run_dir / "config.yaml"))
-    costs = costs_from_measurement(rows, schedule.chunks_per_copy, include_overhead=True)
-    makespan, bubble = measured_makespan_and_bubble(rows)
-    return Calibration(f"{run_dir / 'trace.json'} (step {step})", costs, overhead_per_action(rows), schedule.name,
-                       schedule.pp, makespan, bubble, comm_measured=False, config_file=str(run_dir / "config.yaml"))
+    schedule = _measured_schedule(run_dir / "config.yaml")
+    try:
+        step, rows = rows_from_chrome_trace(trace)
+        costs = costs_from_measurement(rows, schedule.chunks_per_copy, include_overhead=True)
+        makespan, bubble = measured_makespan_and_bubble(rows)
+        overhead = overhead_per_action(rows)
+    except ValueError as error:
+        raise ValueError(f"--calibrate {path}: {error}") from None
+    except (AttributeError, KeyError, TypeError, IndexError) as error:
+        raise ValueError(f"--calibrate {path}: not a trace of ppctl's (trainer.trace=true writes Chrome trace events "
+                         f"with ts, dur, cat, tid and args step, stage, microbatch): {type(error).__name__}: "
+                         f"{error}") from None
+    figures = {"F": costs.F, "B": costs.B, "W": costs.W, "makespan": makespan, "bubble ratio": bubble,
+               "time between actions": overhead}
+    for name, value in figures.items():
+        if not _is_measured(value):
+            raise ValueError(f"--calibrate {path}: step {step} gives {name} = {value!r}, where a measured figure is "
+                             f"a finite number from 0 to {MAX_COST:.0e} (an edited trace?)")
+    return Calibration(f"{path} (step {step})", costs, overhead, schedule.name, schedule.pp, makespan, bubble,
+                       comm_measured=False, config_file=str(run_dir / "config.yaml"))
 
 
 def calibration_lines(calibration: Calibration, simulated_makespan: float, schedule: str, pp: int) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from dataclasses import dataclass
 
@@ -13,14 +14,19 @@ from ppctl.cli.calibrate import Calibration, calibration_lines, calibration_of
 from ppctl.config import ConfigError, PpctlConfig, configured_schedule
 from ppctl.parallel.layout import LayoutError
 from ppctl.pipeline.render import render_plain, render_terminal, simulation_lines, write_timeline
+from ppctl.pipeline.schedules import Schedule
 from ppctl.pipeline.simulate import SimResult, parse_cost_values, parse_costs, simulate_steps
 from ppctl.plan.memory import config_activation_timelines
 
 DEFAULT_COSTS = "F=1,B=1,W=1,comm=0"
+# The most actions ``--steps`` may ask to simulate and draw (all ranks, all steps): about 20 s and 0.8 GB for the
+# plain grid or the picture on one core (the time grows linearly with the actions)
+MAX_TIMELINE_ACTIONS = 1_000_000
 SPARK_COLUMNS = 40
 SPARK_LEVELS = "▁▂▃▄▅▆▇█"  # a column holding no activations is blank
 PLAIN_SPARK_LEVELS = "_.-=+*#@"  # the same, where the timeline is a plain grid
 
+T = TypeVar("T")
 ActivationPoints = list[tuple[float, int]]  # (time, bytes held from then on): plan.memory.activation_bytes_over_time
 
 
@@ -68,17 +74,51 @@ def simulate_config(config: PpctlConfig, cost_text: str | None, steps: int = 1,
     in the run directory ``calibrate`` with the costs ``cost_text`` names in their place; with each rank's
     activation bytes over the replayed time where the model's layers split into the schedule's stages."""
     schedule = configured_schedule(config)
+    problem = steps_problem(schedule, steps)
+    if problem is not None:
+        raise ValueError(problem)
     calibration = None
     if calibrate is None:
-        result = simulate_steps(schedule, steps, parse_costs(cost_text or DEFAULT_COSTS))
+        result = simulate_steps(schedule, steps, _cost_option(parse_costs, cost_text or DEFAULT_COSTS))
     else:
-        calibration = calibration_of(calibrate, schedule.name).with_overrides(parse_cost_values(cost_text or ""))
+        given = _cost_option(parse_cost_values, cost_text or "")
+        calibration = calibration_of(calibrate, schedule.name).with_overrides(given)
         result = simulate_steps(schedule, steps, calibration.costs)
     try:
         activations = config_activation_timelines(config, result, schedule)
     except (ConfigError, LayoutError) as error:  # inspect-schedule draws schedules whatever the layer split
         return ScheduleReport(result, calibration, no_activations=str(error))
     return ScheduleReport(result, calibration, activations)
+
+
+def parse_steps(text: str) -> int:
+    """``--steps``'s value: a whole number of steps, at least 1; ValueError (one line) naming the rule."""
+    try:
+        steps = int(text)
+    except ValueError:
+        raise ValueError(f"--steps {text}: not a whole number of steps; give --steps 1 or more") from None
+    if steps < 1:
+        raise ValueError(f"--steps {text}: simulates at least 1 step; give --steps 1 or more")
+    return steps
+
+
+def steps_problem(schedule: Schedule, steps: int) -> str | None:
+    """Why ``steps`` steps of ``schedule`` are too many to simulate and draw (``MAX_TIMELINE_ACTIONS``), or None."""
+    per_step = sum(map(len, schedule.actions))
+    if steps * per_step <= MAX_TIMELINE_ACTIONS:
+        return None
+    return (f"--steps {steps}: {steps:,} steps of {schedule.name} at pp={schedule.pp} are {steps * per_step:,} "
+            f"actions to simulate and draw, more than {MAX_TIMELINE_ACTIONS:,}; give --steps "
+            f"{max(MAX_TIMELINE_ACTIONS // per_step, 1):,} or fewer (the time and bubble per step settle after the "
+            "first few)")
+
+
+def _cost_option(parse: Callable[[str], T], text: str) -> T:
+    """``parse(text)`` (``parse_costs`` or ``parse_cost_values``), its refusal naming ``--cost``."""
+    try:
+        return parse(text)
+    except ValueError as error:
+        raise ValueError(f"--cost {text}: {error}") from None
 
 
 def peak_bytes(points: ActivationPoints) -> int:

@@ -487,7 +487,8 @@ def _check_data(config: PpctlConfig) -> None:
     require(data.validation_fraction > 0 or trainer.eval_every == 0,
             f"data.validation_fraction={data.validation_fraction} leaves no validation split but "
             f"trainer.eval_every={trainer.eval_every}; set trainer.eval_every=0 or raise data.validation_fraction")
-    from ppctl.data.prepare import CorpusSpec, token_dtype_for
+    from ppctl.data.cache import token_dtype_for
+    from ppctl.data.corpus import CorpusSpec
 
     vocab_size = tokenizer_vocab_size(data)
     try:

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ppctl.data.prepare import SPLITS, CorpusSpec, PreparedCorpus, prepare_corpus
+from ppctl.data.cache import SPLITS, PreparedCorpus
+from ppctl.data.corpus import CorpusSpec
+from ppctl.data.prepare import prepare_corpus
 from ppctl.data.tokenizer import build_tokenizer
 from ppctl.parallel.layout import LayoutError, context_parallel_slices
 

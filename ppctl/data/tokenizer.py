@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,16 @@ class Tokenizer:
         """What the cache key and index record of this tokenizer."""
         return {"name": self.name}
 
+    @functools.cached_property
+    def vocabulary_sha256(self) -> str:
+        """SHA-256 of what each id stands for, the end of a document included: tokenizers with the same digest
+        give each embedding row the same meaning."""
+        return _sha256_of({"tokens": self.vocabulary_tokens(), "eod_id": self.eod_id})
+
+    def vocabulary_tokens(self) -> list:
+        """Every (token, id) of the vocabulary, in a fixed order."""
+        raise NotImplementedError
+
     def encode(self, text: str) -> list[int]:
         """Return the token ids of ``text`` (no end-of-document token added)."""
         return self.encode_array(text).tolist()
@@ -60,6 +71,10 @@ class ByteTokenizer(Tokenizer):
     name = "byte"
     vocab_size = 257
     eod_id = 256
+
+    def vocabulary_tokens(self) -> list:
+        """The 256 byte values, then the end of a document."""
+        return [[f"byte {value}", value] for value in range(256)] + [["end of document", self.eod_id]]
 
     def decode(self, token_ids: list[int]) -> str:
         """Return the text of the byte ids; EOD is dropped, invalid UTF-8 becomes U+FFFD."""
@@ -104,6 +119,11 @@ class TokenizerFile(Tokenizer):
         """The file's name, absolute path and SHA-256 of its content."""
         return {"name": self.name, "path": str(self.path), "sha256": self.sha256}
 
+    def vocabulary_tokens(self) -> list:
+        """The file's vocabulary, added tokens included, in token order."""
+        vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        return sorted([token, token_id] for token, token_id in vocab.items())
+
     def decode(self, token_ids: list[int]) -> str:
         """Return the text of ``token_ids`` with the end-of-document tokens dropped."""
         return self._tokenizer.decode([int(token) for token in token_ids if int(token) != self.eod_id],
@@ -127,6 +147,20 @@ def build_tokenizer(name: str) -> Tokenizer:
                          f"tokenizers JSON file (no such file)")
     stat = path.stat()
     return _tokenizer_file(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+def tokenizer_record(data) -> dict | None:
+    """What a checkpoint records of the tokenizer that ``data`` (a ``DataConfig``) trains with: its identity, its
+    number of ids and its ``vocabulary_sha256``; None for synthetic data, whose ids stand for no token."""
+    if data.source == "synthetic":
+        return None
+    tokenizer = build_tokenizer(data.tokenizer)
+    return {**tokenizer.identity, "vocab_size": tokenizer.vocab_size, "vocab_sha256": tokenizer.vocabulary_sha256}
+
+
+def _sha256_of(content) -> str:
+    """SHA-256 of ``content`` as canonical JSON."""
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 @functools.lru_cache(maxsize=4)

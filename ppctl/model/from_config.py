@@ -10,7 +10,7 @@ import torch
 
 from ppctl.config import PpctlConfig, padded_vocab_size
 from ppctl.data.dataset import WindowDataset, build_dataset
-from ppctl.data.prepare import CorpusSpec
+from ppctl.data.corpus import CorpusSpec
 from ppctl.model.gpt import GPTConfig
 from ppctl.model.recompute import Recompute
 

@@ -314,10 +314,11 @@ def _start_keys(timeline: RankTimeline) -> list[tuple[float, int]]:
 def _plain_row(timeline: RankTimeline, keys: list[tuple[float, int]], columns: list[tuple[float, int]]) -> list[str]:
     cells = dict.fromkeys(columns, PLAIN_IDLE)
     for action in timeline.actions:
-        for column in columns[bisect.bisect_right(columns, (round(action.start, 9), math.inf)):]:
-            if column[0] >= round(action.end, 9):
-                break
-            cells[column] = PLAIN_GOES_ON
+        # walked by index: a slice of the columns after each action's start copied the rest of them (quadratic)
+        index, end = bisect.bisect_right(columns, (round(action.start, 9), math.inf)), round(action.end, 9)
+        while index < len(columns) and columns[index][0] < end:
+            cells[columns[index]] = PLAIN_GOES_ON
+            index += 1
     chunks = chunk_indices(timeline)
     paired = {id(forward) for forward, _ in overlapped_pairs(timeline)}
     for key, action in zip(keys, timeline.actions):

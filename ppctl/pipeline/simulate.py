@@ -25,7 +25,7 @@ from .schedules import stream_of, streams_steps
 from .shared_cores import shared_finish_times
 from .schedules.base import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, Action, FORWARD, Schedule, ScheduleError
 
-__all__ = ["Costs", "RankTimeline", "Replay", "SimResult", "TimedAction", "makespan_floor", "parse_costs",
+__all__ = ["MAX_COST", "Costs", "RankTimeline", "Replay", "SimResult", "TimedAction", "makespan_floor", "parse_costs",
            "peak_activations", "replay", "simulate", "simulate_makespan", "simulate_shared_makespan", "simulate_steps"]
 
 
@@ -34,20 +34,26 @@ def parse_costs(text: str) -> Costs:
     return Costs(**parse_cost_values(text))
 
 
+# The largest time a cost may be given: the sums of a timeline's costs (a million actions) stay finite
+MAX_COST = 1e12
+
+
 def parse_cost_values(text: str) -> dict[str, float]:
-    """The costs ``text`` names (``"F=1,comm=0.1"`` -> ``{"F": 1.0, "comm": 0.1}``); ValueError if malformed."""
+    """The costs ``text`` names (``"F=1,comm=0.1"`` -> ``{"F": 1.0, "comm": 0.1}``); ValueError if malformed, or
+    if a cost is not a finite number from 0 to ``MAX_COST``."""
     values: dict[str, float] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or key not in Costs.__dataclass_fields__:
-            raise ValueError(f"cost {item!r} in {text!r} must be KEY=NUMBER with KEY one of F, B, W, FB, comm")
+            raise ValueError(f"{item!r} is not KEY=NUMBER with KEY one of F, B, W, FB, comm")
         try:
             values[key] = float(value)
         except ValueError:
-            raise ValueError(f"cost {key}={value.strip()!r} in {text!r} is not a number") from None
-        if values[key] < 0:
-            raise ValueError(f"cost {key}={values[key]} in {text!r} must not be negative")
+            raise ValueError(f"{key}={value.strip()!r} is not a number") from None
+        if not 0 <= values[key] <= MAX_COST:  # NaN fails it too
+            raise ValueError(f"{key}={value.strip()} is not a finite number from 0 to {MAX_COST:.0e} (a time; "
+                             "the sums of a timeline's times must stay finite)")
     return values
 
 
@@ -189,9 +195,10 @@ def simulate_steps(schedule: Schedule, steps: int, costs: Costs = Costs()) -> Si
     if steps == 1:
         return one
     shift = [(step * schedule.num_microbatches, step * one.makespan) for step in range(steps)]
-    ranks = [RankTimeline(timeline.rank, [dataclasses.replace(action, microbatch=action.microbatch + microbatches,
-                                                               start=action.start + time, end=action.end + time)
-                                           for microbatches, time in shift for action in timeline.actions],
+    # made directly: ``dataclasses.replace`` took most of the time of a long --steps
+    ranks = [RankTimeline(timeline.rank, [TimedAction(action.kind, action.stage, action.microbatch + microbatches,
+                                                      action.start + time, action.end + time, action.pair)
+                                          for microbatches, time in shift for action in timeline.actions],
                           timeline.peak_activations)
              for timeline in one.ranks]
     return dataclasses.replace(one, ranks=ranks, makespan=one.makespan * steps, steps=steps)

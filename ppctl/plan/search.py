@@ -25,6 +25,7 @@ the device's figures with those a measured run achieved (``calibrated_device``).
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -174,31 +175,73 @@ class Plan:
 
 # --- the search space -------------------------------------------------------------------------
 
+# The most devices ``ppctl plan`` searches for: a stated bound, at which the search takes about a second
+MAX_DEVICES = 2 ** 20
+
+
+def parse_devices(text: str) -> int:
+    """``--gpus``'s value as a count of devices from 1 to ``MAX_DEVICES``; ValueError (one line) naming the rule."""
+    right = f"give --gpus a whole number from 1 to {MAX_DEVICES:,} (2**20)"
+    try:
+        devices = int(text)
+    except ValueError:
+        raise ValueError(f"--gpus {text}: not a whole number of devices; {right}") from None
+    if devices < 1:
+        raise ValueError(f"--gpus {text}: a plan needs at least 1 device; {right}")
+    if devices > MAX_DEVICES:
+        raise ValueError(f"--gpus {text}: more devices than ppctl plan searches; {right}")
+    return devices
+
+
 def candidates(config: PpctlConfig, devices: int) -> list[list[Candidate]]:
     """Every layout whose sizes multiply to ``devices``, each as its variants in the order the search tries them:
     the memory savers that cost no time first (the distributed optimizer where there are replicas), then
     selective and full recomputation."""
-    found = []
-    model, trainer = config.model, config.trainer
+    return search_space(config, devices)[0]
+
+
+def search_space(config: PpctlConfig, devices: int) -> tuple[list[list[Candidate]], Counter]:
+    """``candidates``, and the variants of the layouts of ``devices`` left out before validation (a tp that does
+    not divide the heads, a dp that does not divide the batch, stages that outnumber the layers), counted by
+    reason: so a search that finds nothing says why of every layout."""
+    found, left_out = [], Counter()
     for tp, cp in itertools.product(POWERS_OF_TWO, repeat=2):
-        if devices % (tp * cp) or model.num_heads % tp:
+        if devices % (tp * cp):
             continue
         for pp, (schedule, vpp), micro in itertools.product(_divisors(devices // (tp * cp)), SCHEDULES,
                                                             MICRO_BATCH_SIZES):
             dp = devices // (tp * cp * pp)
             vpp = vpp if pp > 1 else 1
-            if (pp == 1 and schedule != "1f1b") or trainer.global_batch_size % (micro * dp) or \
-                    pp * vpp > model.num_layers:  # a stage without a layer only adds a hop
+            if pp == 1 and schedule != "1f1b":  # at pp=1 every schedule is 1f1b's
                 continue
-            balance = "even" if model.num_layers % (pp * vpp) == 0 else "auto"
             sharded = (True, False) if dp * cp > 1 else (False,)
+            reason = _left_out_because(config, tp, pp * vpp, micro * dp)
+            if reason is not None:
+                left_out[reason] += len(RECOMPUTE) * len(sharded)
+                continue
+            balance = "even" if config.model.num_layers % (pp * vpp) == 0 else "auto"
             found.append([Candidate(tp, cp, pp, vpp, dp, schedule, micro, recompute, distributed, balance)
                           for recompute, distributed in itertools.product(RECOMPUTE, sharded)])
-    return found
+    return found, left_out
+
+
+def _left_out_because(config: PpctlConfig, tp: int, stages: int, replica_sequences: int) -> str | None:
+    """Why a layout is left out before validation (its tp, its pp * vpp stages, and the sequences one microbatch
+    takes over its dp replicas), or None."""
+    model, trainer = config.model, config.trainer
+    if model.num_heads % tp:
+        return f"tp does not divide model.num_heads={model.num_heads}"
+    if trainer.global_batch_size % replica_sequences:
+        return f"dp x the micro-batch size does not divide trainer.global_batch_size={trainer.global_batch_size}"
+    if stages > model.num_layers:  # a stage without a layer only adds a hop
+        return f"pp x vpp outnumbers model.num_layers={model.num_layers} (a stage would hold no layer)"
+    return None
 
 
 def _divisors(number: int) -> list[int]:
-    return [divisor for divisor in range(1, number + 1) if number % divisor == 0]
+    """The divisors of ``number``, ascending, found up to its square root."""
+    small = [divisor for divisor in range(1, math.isqrt(number) + 1) if number % divisor == 0]
+    return small + [number // divisor for divisor in reversed(small) if divisor * divisor != number]
 
 
 # --- the cost model -----------------------------------------------------------------------------
@@ -509,9 +552,9 @@ def _search(config: PpctlConfig, devices: int, memory_bytes: float, top: int, de
             disproved: dict[tuple, str]) -> Plan:
     """The pruned search, with the schedules in ``disproved`` (``_schedule_key`` -> the checker's refusal)
     refused where their candidate would enter the list, and no other schedule proved."""
-    refused: Counter = Counter()
+    layouts, refused = search_space(config, devices)
     bounded = sorted(((compute_bound_s(variants[0].apply(config), device), index, variants)
-                      for index, variants in enumerate(candidates(config, devices))), key=lambda entry: entry[:2])
+                      for index, variants in enumerate(layouts)), key=lambda entry: entry[:2])
     best: list[Prediction] = []
     for position, (bound, _, variants) in enumerate(bounded):
         if len(best) >= top and bound >= best[-1].step_time_s:
@@ -660,6 +703,7 @@ def explain_candidate(config: PpctlConfig, candidate: Candidate, device: Device)
                                                         comm=costs.comm * 1e3))
 
 
-__all__ = ["DEVICES", "Candidate", "Device", "Plan", "Prediction", "StepCosts", "candidates", "compute_bound_s", "predict",
-           "calibrated_device", "explain_candidate", "forward_flops_per_microbatch", "plan", "schedule_bound_s",
-           "simulated_step", "step_costs", "step_lower_bound_s"]
+__all__ = ["DEVICES", "MAX_DEVICES", "Candidate", "Device", "Plan", "Prediction", "StepCosts", "candidates",
+           "compute_bound_s", "calibrated_device", "explain_candidate", "forward_flops_per_microbatch",
+           "parse_devices", "plan", "predict", "schedule_bound_s", "search_space", "simulated_step", "step_costs",
+           "step_lower_bound_s"]

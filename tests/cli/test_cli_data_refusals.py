@@ -115,3 +115,57 @@ def test_a_cache_edited_to_hold_an_id_outside_the_vocabulary_is_refused_before_a
                            f"(257 ids, 0-256); it changed after it was built: delete it and {token_file.stem}.json "
                            "to rebuild them")
     assert time.monotonic() - started < 60 and not run_dir.exists()  # refused before the run directory and workers
+
+
+def word_tokenizer(path, words: list[str]):
+    """A ``tokenizers`` file whose vocabulary is ``[UNK]`` then ``words``, one id each; returns its path."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{word: number + 1 for number, word in enumerate(words)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path))
+    return path
+
+
+def saved_run(run_dir, overrides: list[str], with_record: bool = True):
+    """A run directory with one committed checkpoint whose index is what a run of ``overrides`` saves (the files
+    the ranks would write stand in as bytes); ``with_record=False``: as saved before ppctl recorded the tokenizer."""
+    from types import SimpleNamespace
+
+    from ppctl.checkpoint.files import commit, temporary_dir
+    from ppctl.checkpoint.state import checkpoint_index
+    from ppctl.config import compose_config
+
+    config = compose_config(overrides)
+    layout = SimpleNamespace(world_size=1, tp=1, pp=1, vpp=1, dp=1, cp=1)
+    index = checkpoint_index(SimpleNamespace(config=config, context=SimpleNamespace(layout=layout)), 3, "end", 3)
+    if not with_record:
+        del index["data"]["tokenizer"]
+    partial = temporary_dir(run_dir, 3)
+    partial.mkdir(parents=True)
+    (partial / ".metadata").write_bytes(b"metadata")
+    return commit(run_dir, 3, index, keep_last=2)
+
+
+@pytest.mark.timeout(180)
+def test_a_resume_with_another_tokenizer_of_as_many_ids_is_refused(ppctl, tmp_path):
+    # Each file holds 9 ids and the end of a document is a 10th: model.vocab_size, the model's shape, is the same.
+    trained = word_tokenizer(tmp_path / "trained.json", "the cat sat on a mat and slept".split())
+    other = word_tokenizer(tmp_path / "other.json", "one two six ten red big old new".split())
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on a mat and slept\n" * 40)
+    common = ["data=text", f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "trainer.eval_every=0",
+              "trainer.seq_length=8", "trainer.max_steps=5", "launcher.backend=gloo"]
+    run_dir = tmp_path / "run"
+    checkpoint = saved_run(run_dir, [*common, f"data.tokenizer={trained}"])
+    refused = ppctl("train", *common, f"data.tokenizer={other}", f"trainer.resume_from={run_dir}", "--dry-run")
+    assert_refused(refused, f"error: trainer.resume_from={run_dir}: cannot resume from {checkpoint}: it was trained "
+                            f"with tokenizer {trained}; this run's data.tokenizer is {other} (same vocabulary size, "
+                            "different tokens): each embedding row would stand for another token; resume with the "
+                            "tokenizer it was trained with, or start a new run without trainer.resume_from")
+    same = ppctl("train", *common, f"data.tokenizer={trained}", f"trainer.resume_from={run_dir}", "--dry-run")
+    assert same.returncode == 0, same.stderr
+    before_the_record = saved_run(tmp_path / "old_run", [*common, f"data.tokenizer={trained}"], with_record=False)
+    old = ppctl("train", *common, f"data.tokenizer={other}", f"trainer.resume_from={before_the_record}", "--dry-run")
+    assert (old.returncode, old.stderr) == (0, ""), old.stderr

@@ -14,7 +14,7 @@ def test_masked_case_really_has_zero_weight_labels():
     """Every trained global batch of the masked case holds end-of-document labels, unevenly over microbatches."""
     from ppctl.config import compose_config
     from ppctl.data.dataset import build_dataset, global_loss_tokens, step_microbatches
-    from ppctl.data.prepare import CorpusSpec
+    from ppctl.data.corpus import CorpusSpec
 
     trainer = compose_config(BASE + MASKED).trainer
     dataset = build_dataset(CorpusSpec("synthetic"), trainer.seq_length, vocab_size=16, seed=trainer.seed,

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from ppctl.checkpoint.files import latest_checkpoint, read_index
-from ppctl.run.launch import LaunchPlan, descendants, read_parent_table, run_plan
+from ppctl.run.launch import LaunchPlan, run_plan
+from ppctl.run.proctree import descendants, read_parent_table
 from tests.cli.conftest import REPO
 
 pytestmark = pytest.mark.skipif(read_parent_table() is None, reason="needs Linux /proc")
@@ -172,7 +173,7 @@ def test_a_log_that_cannot_be_written_stops_the_job_in_one_line(tmp_path, monkey
     nothing of the job is left, and the result is one line naming the log's file system and what is saved."""
     import errno
 
-    from ppctl.run import launch
+    from ppctl.run import failures, supervise
 
     def full_disk(log_file, chunk):  # the disk fills once both workers run
         deadline = time.monotonic() + 10
@@ -180,13 +181,13 @@ def test_a_log_that_cannot_be_written_stops_the_job_in_one_line(tmp_path, monkey
             time.sleep(0.02)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(launch, "_append_log", full_disk)
+    monkeypatch.setattr(supervise, "_append_log", full_disk)
     started = time.monotonic()
     result, pids, _ = run_stand_in(tmp_path, "stops", [])
     assert result.interrupted is None and result.exit_code == 1 and result.killed is None
     assert len(pids) == 2 and all((tmp_path / f"worker{rank}.stopped").exists() for rank in range(2))
     assert result.failure == (f"cannot write {tmp_path / 'launcher.log'}: No space left on device (the file system "
-                              f"mounted at {launch.mount_point(tmp_path)}); the workers were stopped; no checkpoint "
+                              f"mounted at {failures.mount_point(tmp_path)}); the workers were stopped; no checkpoint "
                               f"of this run was saved")
     assert time.monotonic() - started < 10 and leftovers(pids, tmp_path, within=2) == []
 

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from ppctl.checkpoint.files import checkpoints_dir, commit, temporary_dir
 from ppctl.cli.app import app
-from ppctl.run.launch import RunDirLock
+from ppctl.run.rundir import RunDirLock
 
 TINY = ["data=synthetic", "parallel.pp=2", "trainer.max_steps=2", "trainer.tensorboard=false",
         "trainer.eval_every=0", "launcher.backend=gloo"]  # gloo: ppctl need not import torch to choose

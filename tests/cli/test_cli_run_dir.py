@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from ppctl.checkpoint.files import read_index, latest_checkpoint
 from ppctl.cli.app import app
-from ppctl.run.launch import committed_steps
+from ppctl.run.rundir import committed_steps
 from tests.cli.conftest import REPO, run_ppctl
 from tests.cli.runs import assert_same_series, series
 

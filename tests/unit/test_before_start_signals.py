@@ -66,3 +66,55 @@ def test_in_ppctl_itself_the_handler_still_says_it_in_one_line(before_start_hand
         app.interrupted_before_start(signal.SIGTERM, None)
     assert ended.value.code == 143
     assert capsys.readouterr().err == "error: interrupted by SIGTERM before any worker started\n"
+
+
+def wait_for(condition, timeout_s: float = 10) -> bool:
+    """Whether ``condition()`` came true within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.timeout(30)
+def test_a_forked_child_leaves_ppctls_process_group(before_start_handlers):
+    # A terminal's Ctrl-C reaches the whole foreground group: a pool process it killed while waiting for work
+    # would keep the pool's lock, and ppctl, ending the pool, would wait for that lock for ever.
+    child = multiprocessing.get_context("fork").Process(target=sleep_until_ended)
+    child.start()
+    try:
+        assert wait_for(lambda: os.getpgid(child.pid) == child.pid) and os.getpgid(0) != child.pid
+    finally:
+        child.terminate()
+        child.join(10)
+
+
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (gone, or a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="the parent-death signal is Linux's")
+def test_a_forked_child_ends_with_ppctl(before_start_handlers):
+    # Out of ppctl's process group, the hang-up of a closed terminal no longer reaches it: it must not outlive ppctl.
+    reader, writer = os.pipe()
+    stand_in = os.fork()
+    if stand_in == 0:  # ppctl, with a tokenising child of its own, then killed
+        try:
+            app.install_before_start_handlers()
+            child = multiprocessing.get_context("fork").Process(target=sleep_until_ended)
+            child.start()
+            os.write(writer, str(child.pid).encode())
+        finally:
+            os._exit(0)
+    os.close(writer)
+    child_pid = int(os.read(reader, 32).decode())
+    os.waitpid(stand_in, 0)
+    assert wait_for(lambda: gone(child_pid))

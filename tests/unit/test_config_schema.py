@@ -8,7 +8,7 @@ import pytest
 
 from ppctl.config import DataConfig, PpctlConfig, ScheduleConfig, compose_config, fill_unset
 from ppctl.config.schema import BACKENDS, DATA_SOURCES, POSITION_EMBEDDINGS, PRECISIONS, SYNTHETIC_VOCAB_SIZE
-from ppctl.data.prepare import TOKEN_DTYPES
+from ppctl.data.cache import TOKEN_DTYPES
 from ppctl.data.tokenizer import build_tokenizer
 from ppctl.optim.lr import DECAY_STYLES
 from ppctl.parallel.layout import CP_COMM_MODES

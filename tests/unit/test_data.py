@@ -10,12 +10,14 @@ import torch
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from ppctl.data import prepare as prepare_module  # noqa: E402
+from ppctl.data.cache import read_index  # noqa: E402
+from ppctl.data.corpus import CorpusSpec, stdlib_source_files  # noqa: E402
 from ppctl.data.dataset import (  # noqa: E402
     SyntheticDataset, TokenWindowDataset, build_dataset, global_batch_sample_ids, global_loss_tokens,
     slice_for_context_parallel, step_microbatches,
 )
 from ppctl.data.iterator import ALL_FIELDS, PipelineDataIterator  # noqa: E402
-from ppctl.data.prepare import CorpusSpec, prepare_corpus, read_index, stdlib_source_files  # noqa: E402
+from ppctl.data.prepare import prepare_corpus  # noqa: E402
 from ppctl.data.tokenizer import build_tokenizer  # noqa: E402
 
 TINY_SHAKESPEARE = Path("/work/shared/data/tinyshakespeare.txt")

@@ -7,11 +7,12 @@ import time
 
 import pytest
 
-from ppctl.run import launch
+from ppctl.run import supervise
 from ppctl.config import compose_config
-from ppctl.run.launch import (LaunchPlan, LaunchResult, SignalInbox, WorkerExit, build_launch_plan, children,
-                          descendants, describe_failure, describe_interruption, first_failure, is_consequence,
-                          parent_of_stat, read_parent_table, torchrun_failures)
+from ppctl.run.failures import WorkerExit, describe_failure, first_failure, is_consequence, torchrun_failures
+from ppctl.run.launch import LaunchResult, build_launch_plan, describe_interruption
+from ppctl.run.proctree import children, descendants, parent_of_stat, read_parent_table
+from ppctl.run.supervise import SignalInbox
 
 # torchrun's report after rank 1 was SIGKILLed and rank 0, its peer, was stopped (torch 2.13, abridged).
 TORCHRUN_REPORT = """\
@@ -169,35 +170,37 @@ def test_launch_plan_carries_the_shutdown_timeout(tmp_path):
 def signalling(monkeypatch):
     """Replace the launcher's signalling with a record of what it would have done."""
     calls = []
-    monkeypatch.setattr(launch, "terminate_workers",
+    monkeypatch.setattr(supervise, "terminate_workers",
                         lambda pid, already, signum: calls.append(("terminate", pid, signum)) or {pid + 1})
-    monkeypatch.setattr(launch, "kill_job", lambda pid: calls.append(("kill", pid)))
+    monkeypatch.setattr(supervise, "kill_job", lambda pid: calls.append(("kill", pid)))
     return calls
 
 
-PLAN = LaunchPlan(command=[], env={}, run_dir=None, shutdown_timeout_s=30, stop_notice="the workers finish")
+def stopping() -> supervise.Stopping:
+    """A stop not yet begun, of a plan that gives the workers 30 s."""
+    return supervise.Stopping(shutdown_timeout_s=30, notice="the workers finish")
 
 
 def test_first_signal_stops_workers_second_kills(signalling, capsys):
-    stop = launch._Stopping()
-    launch._on_signals(stop, [], 100, PLAN)
+    stop = stopping()
+    supervise._on_signals(stop, [], 100)
     assert signalling == [] and stop.signum is None
-    launch._on_signals(stop, [signal.SIGINT], 100, PLAN)
+    supervise._on_signals(stop, [signal.SIGINT], 100)
     # the user's signal itself goes to the workers: a checkpoint then says "interrupted by SIGINT"
     assert stop.signum == signal.SIGINT and signalling == [("terminate", 100, signal.SIGINT)] and stop.signalled == {101}
     assert capsys.readouterr().err == ("stopping (SIGINT): the workers finish; waiting up to 30 s "
                                        "(Ctrl-C again to kill them now)\n")
-    launch._on_signals(stop, [signal.SIGTERM], 100, PLAN)
+    supervise._on_signals(stop, [signal.SIGTERM], 100)
     assert signalling[-1] == ("kill", 100) and stop.killed == "on a second signal (SIGTERM)"
-    launch._on_signals(stop, [signal.SIGTERM], 100, PLAN)  # once killed, nothing more
+    supervise._on_signals(stop, [signal.SIGTERM], 100)  # once killed, nothing more
     assert len(signalling) == 2 and stop.signum == signal.SIGINT
 
 
 def test_shutdown_timeout_kills(signalling, capsys):
-    stop = launch._Stopping()
-    launch._on_signals(stop, [signal.SIGTERM], 100, PLAN)
+    stop = stopping()
+    supervise._on_signals(stop, [signal.SIGTERM], 100)
     stop.deadline = time.monotonic() - 1  # 30 s later
-    launch._on_signals(stop, [], 100, PLAN)
+    supervise._on_signals(stop, [], 100)
     assert signalling[-1] == ("kill", 100) and "launcher.shutdown_timeout_s" in stop.killed
     assert capsys.readouterr().err.splitlines()[-1] == \
         "the workers are still running 30 s after the stop (launcher.shutdown_timeout_s): killing them"

@@ -15,11 +15,13 @@ import time
 
 import pytest
 
-from ppctl.run import launch
+from ppctl.run import rendezvous, rundir, supervise
 from ppctl.checkpoint.files import commit, temporary_dir
 from ppctl.config import ConfigError, LauncherConfig, compose_config, parse_endpoint
-from ppctl.run.launch import (LaunchResult, RunDirBusy, RunDirLock, build_launch_plan, describe_log_failure, mount_point,
-                          rendezvous_problem)
+from ppctl.run.failures import describe_log_failure, mount_point
+from ppctl.run.launch import LaunchResult, build_launch_plan
+from ppctl.run.rendezvous import rendezvous_problem
+from ppctl.run.rundir import RunDirBusy, RunDirLock
 
 
 def dead_pid() -> int:
@@ -54,10 +56,10 @@ def test_a_stale_lock_file_is_taken_over(tmp_path):
 def test_without_flock_the_recorded_pid_decides(tmp_path, monkeypatch):
     """A file system without flock: a live recorded pid keeps the directory, a dead one is taken over."""
     def no_flock(fd, operation):
-        if operation & launch.fcntl.LOCK_EX:
+        if operation & rundir.fcntl.LOCK_EX:
             raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(launch.fcntl, "flock", no_flock)
+    monkeypatch.setattr(rundir.fcntl, "flock", no_flock)
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         (tmp_path / "ppctl.lock").write_text(f"{live.pid} {socket.gethostname()}\n")
@@ -150,6 +152,31 @@ def test_an_endpoint_that_accepts_but_is_no_rendezvous_fails_within_the_timeout(
     assert time.monotonic() - started < 1 + 1
 
 
+def test_an_endpoint_whose_host_does_not_resolve_is_refused_at_once(monkeypatch):
+    def no_such_host(host, *args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(rendezvous.socket, "getaddrinfo", no_such_host)
+    for nnodes in (2, 1):  # one node may join a store elsewhere: its host must resolve as well
+        problem = rendezvous_problem(LauncherConfig(nnodes=nnodes, rdzv_endpoint="node0.invalid:29400"))
+        assert problem == ("launcher.rdzv_endpoint=node0.invalid:29400: host node0.invalid does not resolve (Name or "
+                           "service not known); set the name or address of the node that hosts the rendezvous, one "
+                           "that every node can resolve")
+
+
+@pytest.mark.timeout(30)
+def test_a_resolver_that_does_not_answer_is_given_up_after_a_short_bound(monkeypatch):
+    answer = threading.Event()
+    monkeypatch.setattr(rendezvous, "RESOLVE_S", 0.2)
+    monkeypatch.setattr(rendezvous.socket, "getaddrinfo", lambda *args, **kwargs: answer.wait(20))
+    started = time.monotonic()
+    problem = rendezvous_problem(LauncherConfig(nnodes=2, rdzv_endpoint="node0:29400"))
+    answer.set()
+    assert problem.startswith("launcher.rdzv_endpoint=node0:29400: host node0 does not resolve (no answer from the "
+                              "resolver within 0.2 s); ")
+    assert time.monotonic() - started < 2
+
+
 @pytest.mark.timeout(120)
 def test_a_real_rendezvous_store_passes():
     from torch.distributed import TCPStore
@@ -180,13 +207,12 @@ def test_a_failure_exits_1_even_when_the_workers_stopped_cleanly():
 
 
 def test_a_log_write_error_begins_the_stop(tmp_path):
-    stop = launch._Stopping()
-    plan = launch.LaunchPlan(command=[], env={}, run_dir=tmp_path, shutdown_timeout_s=30)
+    stop = supervise.Stopping(shutdown_timeout_s=30)
     with open(tmp_path / "log", "wb", buffering=0) as log_file:
-        launch._copy_to_log(log_file, b"fine\n", stop, plan)
+        supervise._copy_to_log(log_file, b"fine\n", stop)
         assert not stop.begun and (tmp_path / "log").read_bytes() == b"fine\n"
     with open(tmp_path / "log", "rb", buffering=0) as read_only:  # writing to it fails like a full disk would
-        launch._copy_to_log(read_only, b"lost\n", stop, plan)
+        supervise._copy_to_log(read_only, b"lost\n", stop)
     assert stop.begun and stop.signum is None and isinstance(stop.log_error, OSError)
 
 

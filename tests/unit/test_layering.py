@@ -33,7 +33,8 @@ LEVELS = {
     # 3 and 4, a config built into a model, its pipeline stages, the single-process reference, checkpoints.
     "ppctl.plan": 3,
     "ppctl.model.from_config": 3, "ppctl.model.gpt_stages": 4, "ppctl.run.reference": 4, "ppctl.checkpoint.state": 4,
-    # 5 and 6, the launch path (run/): the training loop and what it logs, the worker, the launcher.
+    # 5 and 6, the launch path (run/): the training loop and what it logs, the launcher's parts (supervise,
+    # proctree, rundir, rendezvous, failures), then the worker and the launcher on them.
     "ppctl.run": 5, "ppctl.run.worker": 6, "ppctl.run.launch": 6,
     # 5, ``ppctl bench``'s workers: the trainer against torch.distributed.pipelining or a plain loop.
     "ppctl.bench": 5,

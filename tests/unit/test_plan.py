@@ -12,7 +12,7 @@ from ppctl.pipeline.simulate import Costs
 from ppctl.plan import search
 from ppctl.plan.memory import config_memory
 from ppctl.plan.search import (DEVICES, NOT_EXAMINED, calibrated_device, candidates, compute_bound_s, plan, predict,
-                               schedule_bound_s)
+                               schedule_bound_s, search_space)
 
 BASE = ["model=gpt_small", "data=synthetic", "trainer.global_batch_size=32", "trainer.seq_length=256",
         "model.num_layers=8"]
@@ -46,7 +46,8 @@ def test_pruned_search_finds_what_the_exhaustive_one_finds(base, devices, memory
     expected = exhaustive(base, devices, memory_gb * GIB, H100)[:5]
     assert [p.step_time_s for p in found.candidates] == pytest.approx([p.step_time_s for p in expected])
     assert [p.candidate.layout_key for p in found.candidates] == [p.candidate.layout_key for p in expected]
-    assert sum(found.refused.values()) + len(found.candidates) <= sum(map(len, candidates(base, devices)))
+    layouts, left_out = search_space(base, devices)  # refused counts those left out before validation too
+    assert sum(found.refused.values()) + len(found.candidates) <= sum(map(len, layouts)) + sum(left_out.values())
 
 
 @pytest.mark.parametrize("devices,memory_gb", [(8, 80), (8, 1.0), (32, 40)])

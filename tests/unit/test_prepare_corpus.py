@@ -12,12 +12,14 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 from ppctl.config import (  # noqa: E402
     ConfigError, DataConfig, ModelConfig, PpctlConfig, compose_config, fill_unset, to_yaml, validate,
 )
+from ppctl.data import cache as cache_module  # noqa: E402
 from ppctl.data import prepare as prepare_module  # noqa: E402
+from ppctl.data import utf8 as utf8_module  # noqa: E402
+from ppctl.data.cache import read_index, split_bounds, token_dtype_for  # noqa: E402
+from ppctl.data.corpus import CorpusSpec, DataError, looks_like_hub_name, resolve_corpus  # noqa: E402
 from ppctl.data.dataset import SYNTHETIC_VALIDATION_SAMPLES, build_dataset  # noqa: E402
-from ppctl.data.prepare import (  # noqa: E402
-    CorpusSpec, DataError, TokenizeBatch, looks_like_hub_name, prepare_corpus, read_index, resolve_corpus,
-    split_bounds, token_dtype_for,
-)
+from ppctl.data.prepare import prepare_corpus  # noqa: E402
+from ppctl.data.tokenise import TokenizeBatch  # noqa: E402
 from ppctl.data.tokenizer import build_tokenizer  # noqa: E402
 
 DOCUMENTS = ["first document", "the second one, héllo ✓", "third"]
@@ -241,14 +243,14 @@ def test_empty_documents_are_skipped_and_an_empty_corpus_refused(tmp_path):
 # --- text that is not UTF-8, rows without text -------------------------------------------------------
 
 def test_first_invalid_utf8_names_line_offset_and_byte_across_blocks(tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare_module, "SCAN_BLOCK_BYTES", 4)  # "✓" (3 bytes) straddles two blocks
+    monkeypatch.setattr(utf8_module, "SCAN_BLOCK_BYTES", 4)  # "✓" (3 bytes) straddles two blocks
     path = tmp_path / "scan.txt"
     path.write_bytes("ab\n✓\n".encode() + b"c\xe9d\n")
-    assert prepare_module.first_invalid_utf8(path) == (3, 8, 0xe9)
+    assert utf8_module.first_invalid_utf8(path) == (3, 8, 0xe9)
     path.write_bytes("ab\n✓\nok\n".encode())
-    assert prepare_module.first_invalid_utf8(path) is None
+    assert utf8_module.first_invalid_utf8(path) is None
     path.write_bytes(b"ok\n\xe2\x9c")  # a character cut by the end of the file
-    assert prepare_module.first_invalid_utf8(path) == (2, 3, 0xe2)
+    assert utf8_module.first_invalid_utf8(path) == (2, 3, 0xe2)
 
 
 @pytest.mark.parametrize("name, content, line, offset", [
@@ -343,8 +345,8 @@ def test_a_reused_token_file_is_not_read_while_it_is_as_built(tmp_path, monkeypa
     path = write_corpus(tmp_path / "data", "jsonl")
     token_file = prepare(path, tmp_path / "cache").token_file
     reads = []
-    real_read = prepare_module._read_max_token_id
-    monkeypatch.setattr(prepare_module, "_read_max_token_id", lambda *args: reads.append(1) or real_read(*args))
+    real_read = cache_module.read_max_token_id
+    monkeypatch.setattr(cache_module, "read_max_token_id", lambda *args: reads.append(1) or real_read(*args))
     prepare(path, tmp_path / "cache")
     prepare(path, tmp_path / "cache", validation_fraction=0.5)  # rewrites the index, not the tokens
     assert reads == []
@@ -473,15 +475,53 @@ def test_cache_is_reused_and_rebuilt_when_an_input_changes(tmp_path, monkeypatch
 
 def test_file_digests_are_remembered_only_for_settled_files(tmp_path, monkeypatch):
     path = write_corpus(tmp_path / "data", "jsonl")
-    digests = prepare_module.FileDigests(tmp_path / "memo.json")
+    digests = cache_module.FileDigests(tmp_path / "memo.json")
     fresh = digests.digest(path)
     assert not digests.entries  # just written: its mtime cannot be trusted yet
     os.utime(path, (1_000_000_000, 1_000_000_000))
     assert digests.digest(path) == fresh and digests.entries
     digests.save()
-    remembered = prepare_module.FileDigests(tmp_path / "memo.json")
-    monkeypatch.setattr(prepare_module, "file_sha256", None)  # a remembered file is not read again
+    remembered = cache_module.FileDigests(tmp_path / "memo.json")
+    monkeypatch.setattr(cache_module, "file_sha256", None)  # a remembered file is not read again
     assert remembered.digest(path) == fresh
+
+
+def test_an_entry_interrupted_before_its_commit_leaves_the_cache_as_it_was(tmp_path, monkeypatch):
+    path = write_corpus(tmp_path / "data", "jsonl")
+    real_record = prepare_module.token_file_record
+
+    def interrupted(*args):  # the tokens are written; the signal comes before the entry is put in place
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_module, "token_file_record", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(path, tmp_path / "cache")
+    assert set(os.listdir(tmp_path / "cache")) <= {"file-digests.json"}  # no token file, index or scratch
+    monkeypatch.setattr(prepare_module, "token_file_record", real_record)
+    assert tokens_of(prepare(path, tmp_path / "cache")) == byte_stream(DOCUMENTS)
+
+
+def test_an_interruption_the_tokenising_pool_covers_with_its_own_error_is_raised_as_itself(tmp_path):
+    import datasets
+
+    from ppctl.data import tokenise as tokenise_module
+
+    class PoolCleanUpFails:
+        """``Dataset.map`` whose pool, cleaning up after the signal's ``SystemExit``, raises its own error."""
+
+        column_names, num_rows = ["text"], 10
+
+        def map(self, *args, **kwargs):
+            try:
+                raise SystemExit(130)
+            finally:
+                raise TimeoutError  # multiprocess's, from the pool's last look at its results
+
+    corpus = resolve_corpus(str(write_corpus(tmp_path / "data", "jsonl")))
+    with pytest.raises(SystemExit) as ended:
+        tokenise_module._tokenize(datasets, PoolCleanUpFails(), corpus, "text", build_tokenizer("byte"), "uint16", 2,
+                                  str(tmp_path))
+    assert ended.value.code == 130 and ended.value.__suppress_context__
 
 
 def test_cache_writes_are_atomic(tmp_path):
