@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ppctl.model.gpt import GPTChunk, GPTConfig  # noqa: E402
+from ppctl.model.gpt.model import GPTChunk, GPTConfig  # noqa: E402
 from ppctl.parallel.tensor_parallel import TPGroup  # noqa: E402
 from ppctl.pipeline.stage import PipelineStage, StageIO, TensorSpec  # noqa: E402
 

@@ -23,8 +23,7 @@ import torch
 from torch import nn
 
 from ppctl.config import PpctlConfig
-from ppctl.model.gpt import GPTChunk
-from ppctl.model.gpt_stages import MaskedTokenLoss, chunk_fields
+from ppctl.model.stages import MaskedTokenLoss, chunk_fields
 from ppctl.optim.grads import build_optimizer, clip_gradients, global_grad_norm
 from ppctl.optim.lr import learning_rate, lr_schedule_of, set_learning_rate
 from ppctl.parallel.groups import ParallelContext
@@ -49,10 +48,10 @@ class PpctlSide:
 
 
 class _ChunkBody(nn.Module):
-    """A GPT chunk as a pipeline stage module: tokens or hidden states in, hidden states or logits out (the loss
+    """A model chunk as a pipeline stage module: tokens or hidden states in, hidden states or logits out (the loss
     is the schedule's loss function, as torch.distributed.pipelining expects)."""
 
-    def __init__(self, chunk: GPTChunk):
+    def __init__(self, chunk: nn.Module):
         super().__init__()
         self.chunk = chunk
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ppctl.model.init import COLUMNS, QKV_ROWS, REPLICATED, ROWS, parameter_rule
+from ppctl.model.rules import COLUMNS, QKV_ROWS, REPLICATED, ROWS, ParameterRule
 
 
 @dataclass(frozen=True)
@@ -72,10 +72,9 @@ class CheckpointView:
     block_offset: int
 
 
-def checkpoint_view(name: str, local_shape: tuple[int, ...], tp_size: int, tp_rank: int,
+def checkpoint_view(rule: ParameterRule, local_shape: tuple[int, ...], tp_size: int, tp_rank: int,
                     vocab_size: int) -> CheckpointView:
-    """The checkpoint view of TP rank ``tp_rank``'s shard of parameter ``name`` (shape ``local_shape``)."""
-    rule = parameter_rule(name)
+    """The checkpoint view of TP rank ``tp_rank``'s shard (shape ``local_shape``) of a parameter of ``rule``."""
     view = tuple(local_shape)
     if rule.split == QKV_ROWS:
         view = (3, local_shape[0] // 3, *local_shape[1:])
@@ -137,13 +136,13 @@ def global_pieces(view: CheckpointView, flat: torch.Tensor, flat_start: int) -> 
     return pieces
 
 
-def parameter_pieces(name: str, tensor: torch.Tensor, tp_size: int, tp_rank: int, vocab_size: int,
+def parameter_pieces(rule: ParameterRule, tensor: torch.Tensor, tp_size: int, tp_rank: int, vocab_size: int,
                      flat_start: int = 0, local_shape: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], list[Piece]]:
-    """``(global shape, pieces)`` of a TP shard of parameter ``name``, or of a flat range of it.
+    """``(global shape, pieces)`` of a TP shard of a parameter of ``rule``, or of a flat range of it.
 
     ``tensor`` is the whole shard (``local_shape`` None), or a 1-D range of its flattened
     elements starting at ``flat_start`` (``local_shape`` is then the shard's shape).
     """
     shape = tuple(tensor.shape) if local_shape is None else tuple(local_shape)
-    view = checkpoint_view(name, shape, tp_size, tp_rank, vocab_size)
+    view = checkpoint_view(rule, shape, tp_size, tp_rank, vocab_size)
     return view.global_shape, global_pieces(view, tensor.view(-1), flat_start)

@@ -40,13 +40,14 @@ from ppctl.checkpoint.files import DATA_KEYS, MODEL_KEYS, commit, read_index, te
 from ppctl.checkpoint.pieces import parameter_pieces
 from ppctl.checkpoint.store import add_pieces, load_state, save_state
 from ppctl.data.tokenizer import tokenizer_record
+from ppctl.model.from_config import parameter_rules
 
 OBJECTS = ("optimizer/steps", "trainer", "loss_scaler", "data", "rng")
 
 
-def checkpoint_name(name: str, tie_embeddings: bool) -> str:
-    """The global name a parameter is saved under (a tied output layer is the word embedding)."""
-    return "embedding.word.weight" if tie_embeddings and name == "output_layer.weight" else name
+def checkpoint_name(name: str, rule) -> str:
+    """The global name a parameter is saved under (a tied output layer: the word embedding it copies)."""
+    return rule.tied_to or name
 
 
 @dataclass
@@ -105,20 +106,22 @@ def checkpoint_state(trainer, states: dict[str, Any], loading: bool) -> dict[str
     then the objects. ``loading``: every copy of a rectangle is a destination; saving keeps each once."""
     config, context = trainer.config, trainer.context
     tp_size, tp_rank, vocab = context.layout.tp, context.coords["tp"], config.model.vocab_size
-    tie = config.model.tie_embeddings
+    rule_for = parameter_rules(config)
     state: dict[str, Any] = {}
     weights = [("model", chunk_state) for chunk_state in states["model"]]
     if states["previous"] is not None:  # optimizer.gradient_delay=1: the previous version too
         weights.append(("previous", states["previous"]["previous"]))
     for prefix, named in weights:
         for name, tensor in named.items():
-            shape, pieces = parameter_pieces(name, tensor, tp_size, tp_rank, vocab)
-            add_pieces(state, f"{prefix}/{checkpoint_name(name, tie)}", shape, pieces, unique=not loading)
+            rule = rule_for(name)
+            shape, pieces = parameter_pieces(rule, tensor, tp_size, tp_rank, vocab)
+            add_pieces(state, f"{prefix}/{checkpoint_name(name, rule)}", shape, pieces, unique=not loading)
     for held in states["optimizer"]["tensors"]:
         for kind, tensor in held.tensors.items():
-            shape, pieces = parameter_pieces(held.name, tensor.detach(), tp_size, tp_rank, vocab,
+            rule = rule_for(held.name)
+            shape, pieces = parameter_pieces(rule, tensor.detach(), tp_size, tp_rank, vocab,
                                              flat_start=held.flat_start, local_shape=held.shape)
-            add_pieces(state, f"optimizer/{checkpoint_name(held.name, tie)}/{kind}", shape, pieces,
+            add_pieces(state, f"optimizer/{checkpoint_name(held.name, rule)}/{kind}", shape, pieces,
                        unique=not loading)
     state["optimizer/steps"] = states["optimizer"]["steps"]
     for name in OBJECTS[1:]:

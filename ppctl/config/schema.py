@@ -50,6 +50,7 @@ class ModelConfig:
     """GPT shape. ``vocab_size`` follows the tokenizer unless set; it is padded for TP (see ``padded_vocab_size``)."""
 
     name: str = setting("gpt_tiny", "a label for logs")
+    family: str = setting("gpt", "the model family: a folder under `ppctl/model/` (`gpt`; see docs/models.md)")
     num_layers: int = setting(4, "transformer layers")
     hidden_size: int = setting(64, "width of the residual stream; divisible by `num_heads`")
     num_heads: int = setting(4, "attention heads; divisible by `parallel.tp`")

@@ -17,6 +17,7 @@ from ppctl.config.derived import (configured_schedule, layout_of, nproc_per_node
                                   tokenizer_vocab_size)
 from ppctl.config.schema import (BACKENDS, BALANCE_MODES, DATA_SOURCES, LAUNCHERS, POSITION_EMBEDDINGS, PRECISIONS,
                                  RECOMPUTE_METHODS, RECOMPUTE_MODES, ConfigError, PpctlConfig, require)
+from ppctl.model.family import model_family
 from ppctl.optim.lr import DECAY_STYLES
 from ppctl.parallel.layout import CP_COMM_MODES, LayoutError, ParallelLayout, split_layers
 
@@ -220,6 +221,11 @@ def _check_positive(config: PpctlConfig) -> None:
 
 def _check_model(config: PpctlConfig) -> None:
     model, parallel = config.model, config.parallel
+    try:
+        family = model_family(model.family)
+    except KeyError as error:
+        raise ConfigError(error.args[0]) from None
+    family.check(config)
     require(
         model.hidden_size % model.num_heads == 0,
         f"model.hidden_size={model.hidden_size} must be divisible by model.num_heads={model.num_heads}",

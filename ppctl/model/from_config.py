@@ -1,4 +1,4 @@
-"""What a config describes, built: the GPT shape, the parameter dtype and the dataset.
+"""What a config describes, built: the model family and shape, its chunks, the parameter dtype and the dataset.
 
 Below the training loop and the single-process reference, which both build their
 model and data from here, so neither depends on the other.
@@ -8,25 +8,39 @@ from __future__ import annotations
 
 import torch
 
-from ppctl.config import PpctlConfig, padded_vocab_size
+from ppctl.config import PpctlConfig
 from ppctl.data.dataset import WindowDataset, build_dataset
 from ppctl.data.corpus import CorpusSpec
-from ppctl.model.gpt import GPTConfig
+from ppctl.model.family import ModelFamily, model_family
 from ppctl.model.recompute import Recompute
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def gpt_config(config: PpctlConfig) -> GPTConfig:
-    """The model shape: the tokenizer's vocabulary, with the embedding rows padded for TP."""
-    model = config.model
-    return GPTConfig(
-        num_layers=model.num_layers, hidden_size=model.hidden_size, num_heads=model.num_heads,
-        ffn_hidden_size=model.ffn_hidden_size, vocab_size=model.vocab_size,
-        padded_vocab_size=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, config.parallel.tp),
-        max_seq_length=model.max_seq_length, position_embedding=model.position_embedding,
-        tie_embeddings=model.tie_embeddings, norm_epsilon=model.norm_epsilon, init_std=model.init_std,
-    )
+def family_of(config: PpctlConfig) -> ModelFamily:
+    """The model family ``model.family`` names."""
+    return model_family(config.model.family)
+
+
+def model_shape(config: PpctlConfig):
+    """The family's model shape: the tokenizer's vocabulary, with the embedding rows padded for TP."""
+    return family_of(config).shape_of(config)
+
+
+def build_chunk(config: PpctlConfig, layer_ids, pre_process: bool, post_process: bool, tp, cp=None,
+                recompute: Recompute | None = None):
+    """One stage chunk of the configured model on this TP (and CP) rank, initialised from ``trainer.seed``;
+    ``recompute``: what it recomputes (default: as configured)."""
+    family = family_of(config)
+    return family.chunk_class()(family.shape_of(config), layer_ids, pre_process, post_process, tp,
+                                config.trainer.seed, parameter_dtype(config), cp,
+                                recompute_of(config) if recompute is None else recompute)
+
+
+def parameter_rules(config: PpctlConfig):
+    """The rule of each global parameter name of the configured model (for what holds names only)."""
+    family = family_of(config)
+    return family.rule_of_name(family.shape_of(config))
 
 
 def recompute_of(config: PpctlConfig) -> Recompute:

@@ -44,9 +44,9 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from ppctl.model.init import is_tp_replicated
+from ppctl.model.rules import rule_of
 from ppctl.optim.grads import (AdamWStateful, StateTensors, adam_state, adamw, all_reduce_coalesced,
-                              optimizer_state_bytes, sum_of_squares)
+                              optimizer_state_bytes, sum_of_squares, tied_output_copy)
 from ppctl.parallel.tensor_parallel import all_gather_single, reduce_scatter_single
 
 
@@ -124,7 +124,7 @@ def ordered_parameters(chunks: Mapping[int, torch.nn.Module]) -> list[tuple[str,
         for name, param in reversed(list(chunk.named_parameters())):
             if id(param) not in seen:
                 seen.add(id(param))
-                ordered.append((name, param, chunk.tp.sequence_parallel and is_tp_replicated(name)))
+                ordered.append((name, param, chunk.tp.sequence_parallel and rule_of(param).tp_replicated))
     return ordered
 
 
@@ -182,6 +182,7 @@ class BucketedOptimizer(AdamWStateful):
         self.second_copy = {id(param) for stage, chunk in chunks.items() if copy_of(stage)
                             for param in chunk.parameters()}
         self.tied = tied_copies(chunks, context)
+        self.tied_outputs = [copy for copy in map(tied_output_copy, chunks.values()) if any(copy is t for t in self.tied)]
         self._build_buffers(ordered_parameters(chunks))
         self.pieces = self._shard_pieces()
         self.optimizer = self._build_adamw(decays or (lambda name, param: param.dim() >= 2))
@@ -333,12 +334,12 @@ class BucketedOptimizer(AdamWStateful):
             dist.all_reduce(squares, group=self.context.groups["tp_pp"])  # every dp_cp replica holds it all
 
     def _counted(self, slot: Slot) -> bool:
-        if is_tp_replicated(slot.name) and self.context.coords["tp"] != 0:
+        if rule_of(slot.param).tp_replicated and self.context.coords["tp"] != 0:
             return False
         if not self.sharded and id(slot.param) in self.second_copy:
             return False  # sharded, the replica group's shards cover each element of both copies once
         # The tied output weight on the last stage is a copy of the first stage's word embedding.
-        return not (slot.name == "output_layer.weight" and any(slot.param is copy for copy in self.tied))
+        return not any(slot.param is copy for copy in self.tied_outputs)
 
     def scale_gradients(self, factor: float) -> None:
         """Multiply the shard gradients by ``factor`` (clipping, fp16 unscaling)."""

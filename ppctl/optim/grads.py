@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ppctl.model.init import is_tp_replicated
+from ppctl.model.rules import rule_of
 
 
 # AdamW's decoupled decay shrinks every row of a table each step, also the rows of tokens
 # (or positions) a batch never touched, so the embeddings and the output layer (which may be
-# the word embedding itself) are left out unless ``optimizer.decay_embeddings`` asks for it.
-EMBEDDING_PARAMETERS = ("embedding.word.weight", "embedding.position.weight", "output_layer.weight")
+# the word embedding itself) are left out unless ``optimizer.decay_embeddings`` asks for it
+# (their rules say ``embedding``).
 
 
 def decays(name: str, param: torch.Tensor, settings) -> bool:
@@ -40,7 +40,7 @@ def decays(name: str, param: torch.Tensor, settings) -> bool:
     """
     if param.dim() < 2:
         return False
-    return settings.decay_embeddings or name not in EMBEDDING_PARAMETERS
+    return settings.decay_embeddings or not rule_of(param).embedding
 
 
 def build_optimizer(chunks: Iterable[torch.nn.Module], settings) -> torch.optim.Optimizer:
@@ -180,7 +180,7 @@ def reduce_sequence_parallel_gradients(chunks: Mapping[int, torch.nn.Module], co
     gradient is a partial sum (Megatron-LM all-reduces its layer-norm gradients the same way).
     """
     grads = [param.grad for chunk in chunks.values() if chunk.tp.sequence_parallel
-             for name, param in chunk.named_parameters() if is_tp_replicated(name) and param.grad is not None]
+             for param in chunk.parameters() if rule_of(param).tp_replicated and param.grad is not None]
     if grads:
         all_reduce_coalesced(grads, context.groups["tp"])
 
@@ -206,6 +206,11 @@ def reduce_tied_embeddings(chunks: Mapping[int, torch.nn.Module], context) -> No
             grad.copy_(grads[0])
 
 
+def tied_output_copy(chunk: torch.nn.Module) -> torch.nn.Parameter | None:
+    """The output layer's copy of a tied word embedding, on a chunk without the embedding itself; else None."""
+    return None if chunk.pre_process else chunk.embedding_weight_for_tying()
+
+
 def counted_once(chunks: Mapping[int, torch.nn.Module], context) -> list[torch.Tensor]:
     """The gradients this rank contributes to the global norm (each parameter counted once).
 
@@ -216,12 +221,12 @@ def counted_once(chunks: Mapping[int, torch.nn.Module], context) -> list[torch.T
     for stage, chunk in chunks.items():
         if context.layout.placement.copy_of(stage):
             continue
-        for name, param in chunk.named_parameters():
+        for param in chunk.parameters():
             if param.grad is None:
                 continue
-            if tp_rank != 0 and is_tp_replicated(name):
+            if tp_rank != 0 and rule_of(param).tp_replicated:
                 continue
-            if name == "output_layer.weight" and chunk.embedding_weight_for_tying() is param:
+            if param is tied_output_copy(chunk):
                 continue  # the tied copy of the word embedding: counted on the first stage
             grads.append(param.grad)
     return grads

@@ -1,6 +1,6 @@
 """The single-process reference: a plain PyTorch loop on the same model, data and optimizer.
 
-No pipeline, no runtime, no process group: one ``GPTChunk`` holding every layer takes
+No pipeline, no runtime, no process group: one model chunk holding every layer takes
 the whole global batch in one forward, the mean token loss is back-propagated, the
 gradient clipped with ``torch.nn.utils.clip_grad_norm_`` and AdamW steps at the learning
 rate of the configured schedule, with the same weight-decay groups as the workers (and, with
@@ -18,8 +18,8 @@ import torch
 
 from ppctl.config import PpctlConfig
 from ppctl.data.dataset import build_microbatch, global_batch_sample_ids
-from ppctl.model.from_config import dataset_of, gpt_config, parameter_dtype
-from ppctl.model.gpt import GPTChunk
+from ppctl.model.from_config import build_chunk, dataset_of
+from ppctl.model.recompute import Recompute
 from ppctl.optim.delay import DelayedWeights
 from ppctl.optim.grads import build_optimizer
 from ppctl.optim.lr import learning_rate, lr_schedule_of, set_learning_rate
@@ -36,15 +36,14 @@ class ReferenceRun:
     parameters: dict[str, torch.Tensor]
 
 
-def reference_model(config: PpctlConfig) -> GPTChunk:
-    """The whole GPT of ``config`` as one chunk (one process: nothing of a parallel layout, and no recomputation:
+def reference_model(config: PpctlConfig) -> torch.nn.Module:
+    """The whole model of ``config`` as one chunk (one process: nothing of a parallel layout, and no recomputation:
     a run that recomputes must compute the same)."""
     layers = range(config.model.num_layers)
-    return GPTChunk(gpt_config(config), layers, True, True, TPGroup.single(), config.trainer.seed,
-                    parameter_dtype(config))
+    return build_chunk(config, layers, True, True, TPGroup.single(), recompute=Recompute())
 
 
-def reference_step(model: GPTChunk, optimizer, batch, clip_grad: float,
+def reference_step(model: torch.nn.Module, optimizer, batch, clip_grad: float,
                    gradients: dict[str, torch.Tensor] | None = None,
                    delayed: DelayedWeights | None = None) -> tuple[float, float]:
     """One full-batch step; returns (mean token loss, grad norm before clipping).

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from ppctl.model.gpt_stages import MaskedTokenLoss
+from ppctl.model.stages import MaskedTokenLoss
 from ppctl.optim.delay import WeightVersions
 from ppctl.optim.lr import learning_rate, set_learning_rate
 from ppctl.pipeline.check import check_schedule

@@ -20,9 +20,8 @@ import torch.distributed as dist
 
 from ppctl.config import PpctlConfig, configured_schedule, pipeline_layout_of
 from ppctl.data.iterator import PipelineDataIterator
-from ppctl.model.from_config import dataset_of, gpt_config, parameter_dtype, recompute_of
-from ppctl.model.gpt import GPTChunk
-from ppctl.model.gpt_stages import MaskedTokenLoss, build_stages
+from ppctl.model.from_config import build_chunk, dataset_of, model_shape
+from ppctl.model.stages import MaskedTokenLoss, build_stages
 from ppctl.optim.delay import DelayedWeights, WeightVersions
 from ppctl.optim.grads import clip_coefficient
 from ppctl.optim.loss_scale import DynamicLossScaler
@@ -116,17 +115,15 @@ def cp_group_of(context: ParallelContext, comm: str) -> CPGroup:
                    tuple(context.group_ranks["cp"]), comm)
 
 
-def build_chunks(config: PpctlConfig, context: ParallelContext) -> dict[int, GPTChunk]:
+def build_chunks(config: PpctlConfig, context: ParallelContext) -> dict[int, torch.nn.Module]:
     """This rank's model chunks, keyed by global stage, from the layout's layer map (its placement)."""
-    dtype = parameter_dtype(config)
     tp = tp_group_of(context, config.parallel.sequence_parallel)
     cp = cp_group_of(context, config.parallel.cp_comm)
     chunks = {}
     for (pp_rank, _chunk), stage in context.layout.layer_map(config.model.num_layers,
                                                              pipeline_layout_of(config)).items():
         if pp_rank == context.pp_rank:
-            chunk = GPTChunk(gpt_config(config), stage.layers, stage.pre_process, stage.post_process,
-                             tp, config.trainer.seed, dtype, cp, recompute_of(config))
+            chunk = build_chunk(config, stage.layers, stage.pre_process, stage.post_process, tp, cp)
             chunks[stage.stage] = chunk.to(context.device)
     # Model-stage order: DualPipe's mirror ranks then list the same parameters in the same order.
     return dict(sorted(chunks.items(), key=lambda item: context.layout.placement.model_stage(item[0])))
@@ -181,7 +178,7 @@ class Trainer:
         self.schedule = schedule
         self.chunks = build_chunks(config, context)
         self.stages = build_stages(self.chunks, config, schedule.splits_backward)
-        self.padded_vocab_size = gpt_config(config).padded_vocab_size
+        self.padded_vocab_size = model_shape(config).padded_vocab_size
         self.fields = tuple(sorted({name for stage in self.stages.values() for name in stage.io.fields}))
         self.data = build_data(config, context, self.fields)
         self._validation_data: PipelineDataIterator | None = None

@@ -13,7 +13,7 @@ from unittest import mock
 
 def _drop_first_microbatch_gradient():
     """The first microbatch of each step on each loss rank reports its loss but sends no gradient back."""
-    from ppctl.model.gpt_stages import MaskedTokenLoss
+    from ppctl.model.stages import MaskedTokenLoss
 
     original = MaskedTokenLoss.__call__
     seen: set[int] = set()  # one loss function per step: the first call of each drops its gradient
@@ -30,7 +30,7 @@ def _drop_first_microbatch_gradient():
 
 def _loss_scaled_twice():
     """The back-propagated loss divided by the global token count twice (the reported loss unchanged)."""
-    from ppctl.model.gpt_stages import MaskedTokenLoss
+    from ppctl.model.stages import MaskedTokenLoss
 
     original = MaskedTokenLoss.__call__
 

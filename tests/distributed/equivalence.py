@@ -142,21 +142,21 @@ def _train_one(config, context, schedule) -> dict:
             "traced": traced}
 
 
-def expected_shard(name: str, dense: torch.Tensor, shard: torch.Tensor, tp_size: int, tp_rank: int,
+def expected_shard(name: str, rule, dense: torch.Tensor, shard: torch.Tensor, tp_size: int, tp_rank: int,
                    vocab_size: int) -> torch.Tensor:
     """The TP shard of a single-process tensor, vocabulary padding rebuilt as zeros for the parallel run.
 
     The single process pads its vocabulary for tp=1 and the parallel run for its own tp;
     padded rows never enter the math, so they must hold exactly zero in both.
     """
-    from ppctl.model.init import dense_to_tp_shard, parameter_rule
+    from ppctl.model.rules import dense_to_tp_shard
     from ppctl.parallel.tensor_parallel import TPGroup
 
-    if parameter_rule(name).vocab_rows:
+    if rule.vocab_rows:
         assert not dense[vocab_size:].any(), f"{name}: the single process's padded rows are not zero"
         real = dense[:vocab_size]
         dense = torch.cat([real, real.new_zeros((shard.shape[0] * tp_size - vocab_size, *real.shape[1:]))])
-    return dense_to_tp_shard(name, dense, TPGroup(None, tp_size, tp_rank))
+    return dense_to_tp_shard(rule, dense, TPGroup(None, tp_size, tp_rank))
 
 
 @dataclass(frozen=True)
@@ -198,10 +198,14 @@ def single_process_reference(overrides: list[str], steps: int = STEPS) -> Refere
     return _REFERENCES[key]
 
 
-def _dense_and_expected(run: dict, name: str, shard: torch.Tensor, tensors: dict, vocab_size: int):
+def _dense_and_expected(run: dict, name: str, shard: torch.Tensor, tensors: dict, reference: "Reference"):
+    from ppctl.model.from_config import parameter_rules
+
+    rule = parameter_rules(reference.config)(name)
     # A tied output layer on the last stage is a copy of the single process's word embedding.
-    dense_name = "embedding.word.weight" if name not in tensors else name
-    return dense_name, expected_shard(name, tensors[dense_name], shard, run["tp"], run["tp_rank"], vocab_size)
+    dense_name = rule.tied_to if name not in tensors else name
+    return dense_name, expected_shard(name, rule, tensors[dense_name], shard, run["tp"], run["tp_rank"],
+                                      reference.vocab_size)
 
 
 def compare_gradients(label: str, overrides, per_rank, index, reference: Reference) -> None:
@@ -210,8 +214,7 @@ def compare_gradients(label: str, overrides, per_rank, index, reference: Referen
     for result in per_rank:
         run = result[index]
         for name, shard in run["gradients"].items():
-            dense_name, expected = _dense_and_expected(run, name, shard, reference.run.first_gradients,
-                                                       reference.vocab_size)
+            dense_name, expected = _dense_and_expected(run, name, shard, reference.run.first_gradients, reference)
             difference = reference.tolerance.tensor_difference(shard, expected)
             assert difference <= reference.tolerance.relative, (
                 f"{overrides}: {label} of {name} differs by {difference:.2e}")
@@ -225,8 +228,7 @@ def compare_parameters(label: str, overrides, per_rank, index, key: str, referen
     for result in per_rank:
         run = result[index]
         for name, shard in run[key].items():
-            dense_name, expected = _dense_and_expected(run, name, shard, reference.run.parameters,
-                                                       reference.vocab_size)
+            dense_name, expected = _dense_and_expected(run, name, shard, reference.run.parameters, reference)
             difference = (shard.double() - expected.double()).abs().max().item()
             bound = reference.parameter_bound(dense_name, steps)
             assert difference <= bound, f"{overrides}: {label} of {name} differs by {difference:.2e} > {bound:.2e}"

@@ -80,7 +80,7 @@ BROKEN_CASES = [
     (_fail_on_rank_one, RuntimeError, "(?s)worker rank 1 failed:.*injected failure on rank 1"),
     (_die_on_rank_zero, RuntimeError, "worker rank 0 died with exit code 3"),
     (_hang, TimeoutError, "workers did not finish within 1s"),
-    (_leak_a_patch, RuntimeError, "left state behind: ppctl attribute replaced: ppctl.model.gpt_stages.MaskedTokenLoss.__call__"),
+    (_leak_a_patch, RuntimeError, "left state behind: ppctl attribute replaced: ppctl.model.stages.MaskedTokenLoss.__call__"),
     (_leak_a_setting, RuntimeError, "left state behind: torch setting default_dtype changed"),
 ]
 

@@ -71,7 +71,7 @@ def test_recompute_keeps_fewer_tensors_for_the_backward():
     recompute, selective drops the attention core's tensors; the gradients are bitwise those without."""
     from torch.autograd.graph import saved_tensors_hooks
 
-    from ppctl.model.gpt import GPTChunk, GPTConfig
+    from ppctl.model.gpt.model import GPTChunk, GPTConfig
     from ppctl.model.recompute import Recompute
     from ppctl.parallel.tensor_parallel import TPGroup
 

@@ -136,8 +136,8 @@ def _cross_entropy_checks(tp, dtype, generator) -> dict:
 
 def _gpt_checks(tp, dtype, case: dict) -> dict:
     """A GPT model on this TP layout against the same model built with tp=1 in this process."""
-    from ppctl.model.gpt import GPTChunk, GPTConfig
-    from ppctl.model.init import dense_to_tp_shard
+    from ppctl.model.gpt.model import GPTChunk, GPTConfig
+    from ppctl.model.rules import dense_to_tp_shard, rule_of
     from ppctl.parallel.tensor_parallel import TPGroup
 
     config = GPTConfig(num_layers=2, hidden_size=32, num_heads=4, ffn_hidden_size=64, vocab_size=64,
@@ -161,9 +161,10 @@ def _gpt_checks(tp, dtype, case: dict) -> dict:
     for index, (dense_chunk, tp_chunk) in enumerate(zip(dense_chunks, tp_chunks)):
         dense_params = dict(dense_chunk.named_parameters())
         for name, param in tp_chunk.named_parameters():
-            expected = dense_to_tp_shard(name, dense_params[name].grad, tp)
+            expected = dense_to_tp_shard(rule_of(param), dense_params[name].grad, tp)
             results[f"chunk{index}/{name}/grad"] = _difference(param.grad, expected)
-            results[f"chunk{index}/{name}/value"] = _difference(param, dense_to_tp_shard(name, dense_params[name], tp))
+            results[f"chunk{index}/{name}/value"] = _difference(param, dense_to_tp_shard(rule_of(param), dense_params[name],
+                                                                                           tp))
     return results
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from ppctl.model.gpt import GPTChunk, GPTConfig
+from ppctl.model.gpt.model import GPTChunk, GPTConfig
 from ppctl.autograd.weight_grad import (
     ComputedWeightGrads,
     WeightGradStore,

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from ppctl.checkpoint.pieces import checkpoint_view, flat_rectangles, parameter_pieces
-from ppctl.model.init import dense_to_tp_shard, is_tp_replicated
+from ppctl.model.gpt.rules import gpt_rule
+from ppctl.model.rules import dense_to_tp_shard
 from ppctl.parallel.tensor_parallel import TPGroup
 
 SHAPES = [(7,), (3, 5), (2, 3, 4), (4, 1, 3)]
@@ -39,12 +40,12 @@ def test_flat_range_outside_the_tensor_is_refused():
 
 
 def test_qkv_view_gives_each_rank_one_block_of_heads():
-    view = checkpoint_view("layers.0.attention.qkv.weight", (12, 8), tp_size=2, tp_rank=1, vocab_size=257)
+    view = checkpoint_view(gpt_rule("layers.0.attention.qkv.weight"), (12, 8), tp_size=2, tp_rank=1, vocab_size=257)
     assert (view.view_shape, view.global_shape, view.split_dim, view.block_offset) == ((3, 4, 8), (3, 8, 8), 1, 4)
 
 
 def test_vocabulary_rows_are_unpadded():
-    view = checkpoint_view("embedding.word.weight", (192, 8), tp_size=2, tp_rank=1, vocab_size=257)
+    view = checkpoint_view(gpt_rule("embedding.word.weight"), (192, 8), tp_size=2, tp_rank=1, vocab_size=257)
     assert view.global_shape == (257, 8) and view.block_offset == 192
 
 
@@ -77,25 +78,25 @@ def test_tp_shards_and_their_flat_ranges_tile_the_dense_tensor_once(name, tp, cu
     rebuilt, count = torch.zeros_like(expected), torch.zeros(expected.shape, dtype=torch.int64)
     shape = None
     for rank in range(tp):
-        shard = dense_to_tp_shard(name, dense, TPGroup(None, tp, rank)).contiguous()
+        shard = dense_to_tp_shard(gpt_rule(name), dense, TPGroup(None, tp, rank)).contiguous()
         if cut is None:  # the whole shard (model parameters, plain optimizer state)
-            shape, pieces = parameter_pieces(name, shard, tp, rank, VOCAB)
+            shape, pieces = parameter_pieces(gpt_rule(name), shard, tp, rank, VOCAB)
             _place(rebuilt, count, pieces)
             continue
         flat = shard.reshape(-1)  # distributed optimizer: ranges of the flattened shard
         for start in range(0, flat.numel(), cut):
-            shape, pieces = parameter_pieces(name, flat[start:start + cut], tp, rank, VOCAB, flat_start=start,
+            shape, pieces = parameter_pieces(gpt_rule(name), flat[start:start + cut], tp, rank, VOCAB, flat_start=start,
                                              local_shape=tuple(shard.shape))
             _place(rebuilt, count, pieces)
     assert shape == tuple(expected.shape)
     # Every TP rank holds a replicated parameter whole: the same rectangles, which DCP keeps once.
-    copies = tp if is_tp_replicated(name) else 1
+    copies = tp if gpt_rule(name).tp_replicated else 1
     assert torch.equal(count, torch.full_like(count, copies)), "a rectangle is missing or doubled"
     assert torch.equal(rebuilt, expected)
 
 
 def test_pieces_are_views_so_loading_writes_through():
     shard = torch.zeros(4, 8)
-    _shape, pieces = parameter_pieces("layers.0.mlp.fc_in.weight", shard, 2, 0, VOCAB)
+    _shape, pieces = parameter_pieces(gpt_rule("layers.0.mlp.fc_in.weight"), shard, 2, 0, VOCAB)
     pieces[0].tensor.fill_(3.0)
     assert shard.eq(3.0).all()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from ppctl.model.gpt import GPTChunk, GPTConfig
+from ppctl.model.gpt.model import GPTChunk, GPTConfig
 from ppctl.parallel.tensor_parallel import TPGroup
 from tests.harness.gpt_oracle import OracleConfig, OracleGPT
 

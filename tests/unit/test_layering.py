@@ -14,7 +14,7 @@ PURE = ("ppctl.parallel.layout", "ppctl.parallel.placement", "ppctl.pipeline.sch
         "ppctl.pipeline.replay", "ppctl.pipeline.simulate", "ppctl.pipeline.check",
         "ppctl.optim.lr", "ppctl.optim.loss_scale", "ppctl.config", "ppctl.checkpoint.files",
         "ppctl.run.interrupt", "ppctl.fileio", "ppctl.bench.rules", "ppctl.model.flops", "ppctl.model.recompute",
-        "ppctl.plan")
+        "ppctl.model.family", "ppctl.plan")
 # The folders are the layers. Each module's level is that of its longest listed prefix (a package covers
 # its modules, a module listed alone overrides its package); a module imports only from its level or below.
 LEVELS = {
@@ -32,7 +32,7 @@ LEVELS = {
     "ppctl.checkpoint": 2,
     # 3 and 4, a config built into a model, its pipeline stages, the single-process reference, checkpoints.
     "ppctl.plan": 3,
-    "ppctl.model.from_config": 3, "ppctl.model.gpt_stages": 4, "ppctl.run.reference": 4, "ppctl.checkpoint.state": 4,
+    "ppctl.model.from_config": 3, "ppctl.model.stages": 4, "ppctl.run.reference": 4, "ppctl.checkpoint.state": 4,
     # 5 and 6, the launch path (run/): the training loop and what it logs, the launcher's parts (supervise,
     # proctree, rundir, rendezvous, failures), then the worker and the launcher on them.
     "ppctl.run": 5, "ppctl.run.worker": 6, "ppctl.run.launch": 6,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from ppctl.model.gpt import GPTChunk, GPTConfig
+from ppctl.model.gpt.model import GPTChunk, GPTConfig
 from ppctl.model.recompute import Recompute
 from ppctl.parallel.tensor_parallel import TPGroup
 from ppctl.plan.memory import (Chunk, ModelShape, Parallelism, Tokens, chunk_activation_bytes, chunk_parameters,

@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ppctl.model import init as param_init
-from ppctl.model.gpt import GPTChunk, GPTConfig
+from ppctl.model.gpt.rules import gpt_rule
+from ppctl.model.rules import dense_to_tp_shard, rule_of
+from ppctl.model.gpt.model import GPTChunk, GPTConfig
 from ppctl.model.layers import apply_rotary, rotary_cos_sin
 from ppctl.parallel.tensor_parallel import TPGroup, vocab_parallel_cross_entropy
 
@@ -102,7 +103,7 @@ def test_build_twice_is_identical_and_seeds_differ():
     for (name, param), (_, again), (_, other) in zip(first.named_parameters(), second.named_parameters(),
                                                      other_seed.named_parameters()):
         assert torch.equal(param, again), name
-        if param_init.parameter_rule(name).init.endswith("normal"):
+        if gpt_rule(name).init.endswith("normal"):
             assert not torch.equal(param, other), name
 
 
@@ -137,7 +138,7 @@ def test_tp_shards_are_slices_of_the_dense_model(tp_size):
         shards.update(GPTChunk(config, [1, 2], False, True, tp, SEED).named_parameters())
         assert sorted(shards) == sorted(dense)
         for name, shard in shards.items():
-            torch.testing.assert_close(shard, param_init.dense_to_tp_shard(name, dense[name], tp), rtol=0, atol=0)
+            torch.testing.assert_close(shard, dense_to_tp_shard(rule_of(shard), dense[name], tp), rtol=0, atol=0)
         # The fused QKV follows heads: rank r's query rows are rows of heads [r*h, (r+1)*h) of the dense query.
         query_rows = hidden // tp_size
         local_query = shards["layers.1.attention.qkv.weight"][:query_rows]
@@ -230,13 +231,13 @@ def test_bad_config_and_layout_are_refused():
 
 
 def test_replicated_parameters():
-    assert param_init.is_tp_replicated("layers.7.attn_norm.weight")
-    assert param_init.is_tp_replicated("embedding.position.weight")
-    assert param_init.is_tp_replicated("layers.0.mlp.fc_out.bias")
-    assert not param_init.is_tp_replicated("layers.0.mlp.fc_out.weight")
-    assert not param_init.is_tp_replicated("output_layer.weight")
+    assert gpt_rule("layers.7.attn_norm.weight").tp_replicated
+    assert gpt_rule("embedding.position.weight").tp_replicated
+    assert gpt_rule("layers.0.mlp.fc_out.bias").tp_replicated
+    assert not gpt_rule("layers.0.mlp.fc_out.weight").tp_replicated
+    assert not gpt_rule("output_layer.weight").tp_replicated
     with pytest.raises(KeyError, match="unknown GPT parameter"):
-        param_init.parameter_rule("layers.0.attention.dense.weight")
+        gpt_rule("layers.0.attention.dense.weight")
 
 
 @pytest.mark.parametrize("tie_embeddings", [False, True])

@@ -17,9 +17,10 @@ from torch import nn
 
 from ppctl.autograd.checkpoint import recomputed
 from ppctl.autograd.weight_grad import DefersWeightGrads
-from ppctl.model import init as param_init
+from ppctl.model.gpt.rules import gpt_rule
 from ppctl.model.layers import Embedding, LayerNorm, TransformerLayer, rotary_cos_sin
 from ppctl.model.recompute import Recompute
+from ppctl.model.rules import attach_rules, initialise
 from ppctl.parallel.context_parallel import CPGroup
 from ppctl.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -102,7 +103,7 @@ class GPTChunk(DefersWeightGrads, nn.Module):
     ``layer_ids`` are the global ids of the transformer layers it runs, in order;
     ``pre_process`` adds the embedding, ``post_process`` the final norm, output layer
     and loss. Parameters are initialised from ``seed`` independently of the layout
-    (see ``ppctl.model.init``). ``cp``: the context-parallel group attention reaches
+    (see ``ppctl.model.rules``). ``cp``: the context-parallel group attention reaches
     the rest of the sequence through (one rank by default). Its norms and linear layers
     (the output layer too, tied or not) can defer their weight gradients to a pipeline
     W: a stage hands them its store (``ppctl.autograd.weight_grad.attach_weight_grad_store``).
@@ -134,15 +135,12 @@ class GPTChunk(DefersWeightGrads, nn.Module):
             if not self.shares_output_weight:
                 self.output_layer = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size, tp,
                                                          bias=False, dtype=dtype)
+        attach_rules(self, lambda name: gpt_rule(name, config.tie_embeddings))
         self.reset_parameters(seed)
 
-    @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
         """Fill every parameter with this TP rank's slice of its layout-independent dense value."""
-        for name, param in self.named_parameters():
-            shape = param_init.dense_shape(name, param.shape, self.tp)
-            dense = param_init.dense_parameter(name, shape, seed, self.config)
-            param.copy_(param_init.dense_to_tp_shard(name, dense, self.tp))
+        initialise(self, seed, self.config, self.tp)
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -195,8 +193,13 @@ class GPTChunk(DefersWeightGrads, nn.Module):
             return self.output_layer.weight
         return None
 
+    @property
+    def layers_read_positions(self) -> bool:
+        """Whether its layers read the tokens' positions (rotary), beyond the embedding."""
+        return self.config.position_embedding == "rope" and bool(self.layer_ids)
+
     def _reads_positions(self) -> bool:
-        return self.pre_process or (self.config.position_embedding == "rope" and bool(self.layer_ids))
+        return self.pre_process or self.layers_read_positions
 
     def _whole_sequence_positions(self, inputs: torch.Tensor) -> torch.Tensor:
         """``0..seq-1`` for each sequence: right only when the chunk sees whole sequences."""

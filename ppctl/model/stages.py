@@ -1,14 +1,14 @@
-"""GPT chunks as pipeline stages: the data contract, the loss and each stage's I/O spec.
+"""Model chunks as pipeline stages: the data contract, the loss and each stage's I/O spec.
 
 This is the training side of the stage boundary (``ppctl.pipeline.stage``): the runtime
 calls stages, and the stages call back into what is defined here:
 
-- ``gpt_forward``: the first stage embeds the microbatch's tokens, every stage passes
+- ``chunk_forward``: the first stage embeds the microbatch's tokens, every stage passes
   position ids to its layers, the last stage computes per-token losses from the labels;
 - ``MaskedTokenLoss``: the masked sum of per-token losses divided by the loss-token
   count of the whole global batch, so the accumulated gradient equals the full-batch
   mean-token-loss gradient for any mask and any layout;
-- ``gpt_stage_io``: message shapes and dtypes, and the microbatch fields each stage reads.
+- ``stage_io``: message shapes and dtypes, and the microbatch fields each stage reads.
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from ppctl.config import PpctlConfig, message_seq_length
 from ppctl.model.from_config import parameter_dtype
-from ppctl.model.gpt import GPTChunk
 from ppctl.pipeline.stage import PipelineStage, StageIO, TensorSpec
 
 
-def gpt_forward(chunk: GPTChunk, stage_input: torch.Tensor | None, microbatch) -> torch.Tensor:
-    """Run one GPT chunk on one microbatch (tokens on the first stage, labels on the last)."""
+def chunk_forward(chunk: nn.Module, stage_input: torch.Tensor | None, microbatch) -> torch.Tensor:
+    """Run one model chunk on one microbatch (tokens on the first stage, labels on the last)."""
     inputs = microbatch.tokens if chunk.pre_process else stage_input
     labels = microbatch.labels if chunk.post_process else None
     return chunk(inputs, position_ids=microbatch.position_ids, labels=labels)
@@ -49,19 +49,19 @@ class MaskedTokenLoss:
         return masked_sum * self.scale / self.normalizer, masked_sum  # x * 1.0 is exact: unscaled runs unchanged
 
 
-def chunk_fields(chunk: GPTChunk) -> tuple[str, ...]:
+def chunk_fields(chunk: nn.Module) -> tuple[str, ...]:
     """The microbatch fields a chunk reads: tokens and positions first, positions for rotary, labels and mask last."""
     fields = []
     if chunk.pre_process:
         fields += ["tokens", "position_ids"]
-    elif chunk.config.position_embedding == "rope" and chunk.layer_ids:
+    elif chunk.layers_read_positions:
         fields.append("position_ids")
     if chunk.post_process:
         fields += ["labels", "loss_mask"]
     return tuple(fields)
 
 
-def gpt_stage_io(chunk: GPTChunk, config: PpctlConfig) -> StageIO:
+def stage_io(chunk: nn.Module, config: PpctlConfig) -> StageIO:
     """The chunk's messages (``[micro_batch, message_seq_length, hidden]`` in the parameter dtype) and fields."""
     activation = TensorSpec((config.trainer.micro_batch_size, message_seq_length(config), config.model.hidden_size),
                             parameter_dtype(config))
@@ -70,9 +70,9 @@ def gpt_stage_io(chunk: GPTChunk, config: PpctlConfig) -> StageIO:
                    fields=chunk_fields(chunk))
 
 
-def build_stages(chunks: dict[int, GPTChunk], config: PpctlConfig,
+def build_stages(chunks: dict[int, nn.Module], config: PpctlConfig,
                  split_backward: bool = False) -> dict[int, PipelineStage]:
     """Global stage -> ``PipelineStage`` for this rank's chunks (``split_backward``: the schedule has B and W)."""
-    return {index: PipelineStage(index, chunk, gpt_stage_io(chunk, config), gpt_forward, chunk.post_process,
+    return {index: PipelineStage(index, chunk, stage_io(chunk, config), chunk_forward, chunk.post_process,
                                  split_backward)
             for index, chunk in chunks.items()}

@@ -1,0 +1,51 @@
+"""A model family as a plug-in: one folder under ``ppctl/model/`` whose ``__init__`` exports ``FAMILY``.
+
+``model.family`` names the folder; the rest of ppctl reads a family only through its ``ModelFamily``:
+the shape a config describes, the stage chunk built from it, and each parameter's TP split and
+initialisation. A family's ``__init__`` imports no torch (config validation and the planner read it),
+its chunk is imported when one is built. Adding a family is a folder plus its tests and presets
+(``conf/model/``): nothing else names it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+FAMILIES_PACKAGE = "ppctl.model"
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """What ppctl reads of a model family.
+
+    ``shape_of(config)``: the family's frozen model shape for a ``PpctlConfig`` (vocabulary padded for its tp);
+    ``chunk_class()``: the stage chunk class, built as ``cls(shape, layer_ids, pre_process, post_process, tp,
+    seed, dtype, cp, recompute)``; ``rule_of_name(shape)``: a function from a global parameter name to its
+    ``ParameterRule`` (for what holds names only: checkpoints); ``check(config)``: the family's own config rules,
+    raising ``ConfigError`` in one line.
+    """
+
+    name: str
+    shape_of: Callable[[Any], Any]
+    chunk_class: Callable[[], type]
+    rule_of_name: Callable[[Any], Callable[[str], Any]]
+    check: Callable[[Any], None] = lambda config: None
+
+
+def family_names() -> tuple[str, ...]:
+    """The families installed: the folders under ``ppctl/model/`` that export ``FAMILY``."""
+    folder = Path(__file__).resolve().parent
+    return tuple(sorted(info.name for info in pkgutil.iter_modules([str(folder)])
+                        if info.ispkg and hasattr(importlib.import_module(f"{FAMILIES_PACKAGE}.{info.name}"),
+                                                  "FAMILY")))
+
+
+def model_family(name: str) -> ModelFamily:
+    """The family named ``name`` (``model.family``); ``KeyError`` naming the installed ones otherwise."""
+    if name not in family_names():
+        raise KeyError(f"model.family={name!r} must be one of {', '.join(family_names())}")
+    return importlib.import_module(f"{FAMILIES_PACKAGE}.{name}").FAMILY

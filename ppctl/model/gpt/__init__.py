@@ -1,0 +1,39 @@
+"""The GPT family: a GPT-2-shaped transformer (LayerNorm, GELU MLP, fused QKV, learned or rotary positions).
+
+``FAMILY`` is what the rest of ppctl reads (``ppctl.model.family``); the chunk (``model.py``) and the
+parameter rules (``rules.py``) are imported when a model is built, so that this module needs no torch.
+"""
+
+from __future__ import annotations
+
+from ppctl.model.family import ModelFamily
+
+
+def _shape_of(config):
+    """The ``GPTConfig`` a ``PpctlConfig`` describes: the tokenizer's vocabulary, its rows padded for TP."""
+    from ppctl.config import padded_vocab_size
+    from ppctl.model.gpt.model import GPTConfig
+
+    model = config.model
+    return GPTConfig(
+        num_layers=model.num_layers, hidden_size=model.hidden_size, num_heads=model.num_heads,
+        ffn_hidden_size=model.ffn_hidden_size, vocab_size=model.vocab_size,
+        padded_vocab_size=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, config.parallel.tp),
+        max_seq_length=model.max_seq_length, position_embedding=model.position_embedding,
+        tie_embeddings=model.tie_embeddings, norm_epsilon=model.norm_epsilon, init_std=model.init_std,
+    )
+
+
+def _chunk_class():
+    from ppctl.model.gpt.model import GPTChunk
+
+    return GPTChunk
+
+
+def _rule_of_name(shape):
+    from ppctl.model.gpt.rules import gpt_rule
+
+    return lambda name: gpt_rule(name, shape.tie_embeddings)
+
+
+FAMILY = ModelFamily(name="gpt", shape_of=_shape_of, chunk_class=_chunk_class, rule_of_name=_rule_of_name)

@@ -1,0 +1,47 @@
+"""The GPT family's parameters: each role's TP split and initialisation.
+
+A role is a parameter's global name without its ``layers.<id>.`` prefix. The fused QKV weight
+is generated as three separately named tensors (``query``, ``key``, ``value``) and split by heads,
+so TP ranks own whole heads of each; a tied output layer starts equal to the word embedding.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from types import MappingProxyType
+
+from ppctl.model.rules import COLUMNS, QKV_ROWS, REPLICATED, ROWS, ParameterRule
+
+_LAYER_PREFIX = re.compile(r"^layers\.\d+\.")
+
+PARAMETER_RULES = MappingProxyType({
+    "embedding.word.weight": ParameterRule(ROWS, "normal", vocab_rows=True, embedding=True),
+    "embedding.position.weight": ParameterRule(REPLICATED, "normal", embedding=True),
+    "attn_norm.weight": ParameterRule(REPLICATED, "ones"),
+    "attn_norm.bias": ParameterRule(REPLICATED, "zeros"),
+    "attention.qkv.weight": ParameterRule(QKV_ROWS, "qkv_normal"),
+    "attention.proj.weight": ParameterRule(COLUMNS, "scaled_normal"),
+    "attention.proj.bias": ParameterRule(REPLICATED, "zeros"),
+    "mlp_norm.weight": ParameterRule(REPLICATED, "ones"),
+    "mlp_norm.bias": ParameterRule(REPLICATED, "zeros"),
+    "mlp.fc_in.weight": ParameterRule(ROWS, "normal"),
+    "mlp.fc_in.bias": ParameterRule(ROWS, "zeros"),
+    "mlp.fc_out.weight": ParameterRule(COLUMNS, "scaled_normal"),
+    "mlp.fc_out.bias": ParameterRule(REPLICATED, "zeros"),
+    "final_norm.weight": ParameterRule(REPLICATED, "ones"),
+    "final_norm.bias": ParameterRule(REPLICATED, "zeros"),
+    "output_layer.weight": ParameterRule(ROWS, "normal", vocab_rows=True, embedding=True),
+})
+TIED_OUTPUT = "output_layer.weight"
+
+
+def gpt_rule(name: str, tie_embeddings: bool = False) -> ParameterRule:
+    """The rule of a global GPT parameter name (``layers.<id>.`` prefixes are ignored)."""
+    role = _LAYER_PREFIX.sub("", name)
+    if role not in PARAMETER_RULES:
+        raise KeyError(f"unknown GPT parameter name {name!r}; known roles: {sorted(PARAMETER_RULES)}")
+    rule = PARAMETER_RULES[role]
+    if role == TIED_OUTPUT and tie_embeddings:
+        rule = replace(rule, tied_to="embedding.word.weight")  # a tied output layer starts equal to the embedding
+    return rule
