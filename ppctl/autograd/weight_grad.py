@@ -150,6 +150,48 @@ class LayerNormOp(SplitOp):
         return tuple(self._backward(grad_output, saved, weights, [False, *wanted])[1:])
 
 
+def _rms_unit(inputs: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``inputs / rms(inputs)`` and ``1 / rms``, in float32 or wider (Llama's norm upcasts half precision)."""
+    upcast = inputs.to(torch.promote_types(inputs.dtype, torch.float32))
+    rstd = torch.rsqrt(upcast.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return upcast * rstd, rstd
+
+
+@dataclass(frozen=True)
+class RMSNormOp(SplitOp):
+    """RMS norm over the last dim with an elementwise scale, as Llama computes it.
+
+    ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``, the normalisation in float32 or
+    wider. Like ``LayerNormOp``, a B computes the scale gradient itself (one reduction;
+    W accumulates it) rather than stash the norm's input and dY for W.
+    """
+
+    defers = False
+
+    eps: float
+
+    def forward(self, inputs, weights):
+        """Return the normalised, scaled inputs; keeps the inputs and 1/rms (in the compute dtype)."""
+        unit, rstd = _rms_unit(inputs, self.eps)
+        return weights[0] * unit.to(inputs.dtype), (inputs, rstd)
+
+    def input_grad(self, grad_output, saved, weights):
+        """dX = rstd * (dU - U * mean(dU * U)), U the unit-RMS input and dU its gradient (compute dtype)."""
+        inputs, rstd = saved
+        unit = inputs.to(rstd.dtype) * rstd
+        grad_unit = (grad_output * weights[0]).to(rstd.dtype)
+        grad_input = rstd * (grad_unit - unit * (grad_unit * unit).mean(dim=-1, keepdim=True))
+        return grad_input.to(inputs.dtype)
+
+    def weight_grads(self, grad_output, saved, weights, wanted):
+        """dW = dY * U summed over tokens, U the unit-RMS input cast back to the input dtype."""
+        if not wanted[0]:
+            return (None,)
+        inputs, rstd = saved
+        unit = (inputs.to(rstd.dtype) * rstd).to(inputs.dtype)
+        return (_flatten_tokens(grad_output * unit).sum(dim=0).to(weights[0].dtype),)
+
+
 # ---------------------------------------------------------------------------
 # The autograd Function and what a B leaves for its W
 # ---------------------------------------------------------------------------
@@ -253,6 +295,15 @@ def layer_norm(inputs: torch.Tensor, normalized_shape: Sequence[int], weight: to
     if store is None:
         return F.layer_norm(inputs, normalized_shape, weight, bias, eps)
     return split_op(LayerNormOp(tuple(normalized_shape), eps), inputs, (weight, bias), store)
+
+
+def rms_norm(inputs: torch.Tensor, weight: torch.Tensor, eps: float,
+             store: "WeightGradStore | None") -> torch.Tensor:
+    """Llama's RMS norm over the last dim; with a store, run as a split op (its B computes the scale gradient)."""
+    if store is None:
+        unit, _ = _rms_unit(inputs, eps)
+        return weight * unit.to(inputs.dtype)
+    return split_op(RMSNormOp(eps), inputs, (weight,), store)
 
 
 # ---------------------------------------------------------------------------

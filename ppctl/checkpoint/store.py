@@ -16,6 +16,7 @@ requested rectangle from whichever saved rectangles overlap it, which is the res
 from __future__ import annotations
 
 import io
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,12 +180,15 @@ def save_failure(directory: Path, failures: dict[int, Any]) -> str:
     return f"cannot save the checkpoint {directory}: rank {rank}: {reason.rstrip(': ')}{others}"
 
 
-def load_state(state: dict[str, Any], directory: Path, process_group=None) -> dict[str, Any]:
+def load_state(state: dict[str, Any], directory: Path, process_group=None, alone: bool = False) -> dict[str, Any]:
     """Fill every rectangle of ``state`` from the checkpoint in ``directory``; return its objects by name.
 
-    An object entry's value in ``state`` only names what to read.
+    An object entry's value in ``state`` only names what to read. ``alone``: this process reads by itself, with
+    no collective (``ppctl export``), whether or not a process group is up.
     """
     planner = _PieceLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), planner=planner,
-             process_group=process_group)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), planner=planner,
+                 process_group=process_group, no_dist=alone)
     return planner.objects

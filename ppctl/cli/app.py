@@ -246,7 +246,14 @@ def train(
     _continue_run_dir(config)
     if config.trainer.resume_from:
         _resolve_resume(config)
+    _pin_init_from(config)
     _launch(config, "train", dry_run)
+
+
+def _pin_init_from(config: PpctlConfig) -> None:
+    """``model.init_from`` as an absolute path (checked by ``validate``): the workers read it wherever they start."""
+    if config.model.init_from:
+        config.model.init_from = str(Path(config.model.init_from).expanduser().resolve())
 
 
 def _continue_run_dir(config: PpctlConfig) -> None:
@@ -318,6 +325,7 @@ def submit(
              "ppctl train runs it here")
     if config.trainer.resume_from:
         _resolve_resume(config)
+    _pin_init_from(config)
     run_dir = Path(config.trainer.out_dir or default_run_dir()).resolve()  # the job may start anywhere
     config.trainer.out_dir = str(run_dir)
     workdir = Path.cwd().resolve()
@@ -395,6 +403,63 @@ def checkpoints(run_dir: Path = typer.Argument(..., help="A run directory (train
         fail(str(error))
     for info in found:
         typer.echo(describe_checkpoint(info, info.path == latest))
+
+
+@app.command("export")
+def export(
+    run_dir: Path = typer.Argument(..., help="A run directory (trainer.out_dir of a run), or one of its checkpoints."),
+    out_dir: Path = typer.Argument(..., help="The Hugging Face model folder to write: new, or an empty folder."),
+    step: Optional[int] = typer.Option(None, "--step", help="Export the checkpoint of this step (default: latest)."),
+    max_shard_bytes: int = typer.Option(2 * 2**30, "--max-shard-bytes",
+                                        help="Split the weights into shards of at most this many bytes."),
+) -> None:
+    """Write a run's checkpoint as a Hugging Face model folder (config.json, safetensors weights, tokenizer)."""
+    from ppctl.checkpoint.hf_export import ExportError, export_run
+
+    if max_shard_bytes < 1:
+        fail(f"--max-shard-bytes={max_shard_bytes} must be at least 1")
+    try:
+        notes = export_run(run_dir, out_dir, step, max_shard_bytes)
+    except ExportError as error:
+        fail(str(error))
+    for note in notes:
+        typer.echo(note, err=True)
+    typer.echo(f"wrote {out_dir}")
+
+
+@app.command("generate")
+def generate(
+    source: Path = typer.Argument(..., help="A run directory (its latest checkpoint), one of its checkpoints, or a "
+                                            "Hugging Face model folder."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="The text to continue."),
+    max_new_tokens: int = typer.Option(100, "--max-new-tokens",
+                                       help="Generate at most this many tokens (fewer at the end-of-text token)."),
+    temperature: float = typer.Option(1.0, "--temperature", help="Divide the logits by this before sampling; 0: "
+                                                                 "greedy (the most likely token)."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the K most likely tokens only; 0: all."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Sample among the most likely tokens whose probabilities reach "
+                                                     "P, in (0, 1]; 1: all."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the sampling generator: the same seed, the same text."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end instead of the text as it "
+                                                       "comes."),
+) -> None:
+    """Continue a prompt with a run's model or a Hugging Face model, in this process (KV cache, one token a step)."""
+    from ppctl.cli.generate_report import generate_and_print
+    from ppctl.generate.sampling import Sampling
+    from ppctl.generate.source import GenerateError
+
+    sampling = Sampling(temperature, top_k, top_p)
+    if prompt is None:
+        fail("--prompt TEXT is required: the text to continue")
+    if max_new_tokens < 1:
+        fail(f"--max-new-tokens={max_new_tokens} must be at least 1")
+    if sampling.problem() is not None:
+        fail(sampling.problem())
+    try:
+        with interruption_says("while generating"):
+            generate_and_print(source, prompt, max_new_tokens, sampling, seed, as_json)
+    except GenerateError as error:
+        fail(str(error))
 
 
 def _existing_run_dir(path: Path) -> Path:

@@ -50,7 +50,9 @@ class ModelConfig:
     """GPT shape. ``vocab_size`` follows the tokenizer unless set; it is padded for TP (see ``padded_vocab_size``)."""
 
     name: str = setting("gpt_tiny", "a label for logs")
-    family: str = setting("gpt", "the model family: a folder under `ppctl/model/` (`gpt`; see docs/models.md)")
+    family: str = setting(
+        "gpt", "the model family: a folder under `ppctl/model/` (`gpt`: GPT-2-shaped; `llama`: RMSNorm, SwiGLU, "
+        "grouped-query attention, rotary; see docs/models.md)")
     num_layers: int = setting(4, "transformer layers")
     hidden_size: int = setting(64, "width of the residual stream; divisible by `num_heads`")
     num_heads: int = setting(4, "attention heads; divisible by `parallel.tp`")
@@ -61,6 +63,18 @@ class ModelConfig:
         "the tokenizer's. The embedding rows are padded to a multiple of `make_vocab_size_divisible_by * tp` "
         "(shown by `inspect-layout`), padded rows never enter the math")
     max_seq_length: int = setting(256, "longest sequence (learned position table size)")
+    num_kv_heads: Optional[int] = setting(
+        None, "`llama`: key/value heads of grouped-query attention (a multiple of `parallel.tp`, dividing "
+        "`num_heads`); unset: `num_heads`")
+    head_dim: Optional[int] = setting(None, "`llama`: width of one head; unset: `hidden_size / num_heads`")
+    rope_theta: float = setting(10000.0, "base of the rotary frequencies (`position_embedding=rope`, and `llama`)")
+    rope_scaling_factor: Optional[float] = setting(
+        None, "`llama`: Llama 3's rotary frequency scaling factor; unset: no scaling")
+    rope_low_freq_factor: float = setting(1.0, "`llama`, with `rope_scaling_factor`: Llama 3's low_freq_factor")
+    rope_high_freq_factor: float = setting(4.0, "`llama`, with `rope_scaling_factor`: Llama 3's high_freq_factor")
+    rope_original_max_position: int = setting(
+        8192, "`llama`, with `rope_scaling_factor`: Llama 3's original_max_position_embeddings")
+    qkv_bias: bool = setting(False, "`llama`: biases on the query, key and value projections (as Qwen2)")
     position_embedding: str = setting("learned", "`learned` or `rope` (rotary)")
     tie_embeddings: bool = setting(
         False, "output layer shares the word embedding (across stages: gradients all-reduced over the "
@@ -68,6 +82,10 @@ class ModelConfig:
     norm_epsilon: float = setting(1e-5, "LayerNorm epsilon")
     init_std: float = setting(
         0.02, "std of the normal initialisation (layout independent: seeded by (seed, parameter name))")
+    init_from: Optional[str] = setting(
+        None, "a Hugging Face model folder (`config.json`, safetensors) to start from instead of `init_std`, at any "
+        "layout: its architecture and shape must be this model's (checked before any worker starts; see "
+        "docs/models.md); a run that resumes (`trainer.resume_from`) reads its checkpoint and ignores it")
     make_vocab_size_divisible_by: int = setting(64, "vocabulary padding unit (times tp)")
     recompute: str = setting(
         "none", "activation recomputation: `none`, `full` (groups of whole layers keep only their input and run "

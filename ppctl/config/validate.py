@@ -18,6 +18,7 @@ from ppctl.config.derived import (configured_schedule, layout_of, nproc_per_node
 from ppctl.config.schema import (BACKENDS, BALANCE_MODES, DATA_SOURCES, LAUNCHERS, POSITION_EMBEDDINGS, PRECISIONS,
                                  RECOMPUTE_METHODS, RECOMPUTE_MODES, ConfigError, PpctlConfig, require)
 from ppctl.model.family import model_family
+from ppctl.model.hf_format import init_from_problem
 from ppctl.optim.lr import DECAY_STYLES
 from ppctl.parallel.layout import CP_COMM_MODES, LayoutError, ParallelLayout, split_layers
 
@@ -227,10 +228,6 @@ def _check_model(config: PpctlConfig) -> None:
         raise ConfigError(error.args[0]) from None
     family.check(config)
     require(
-        model.hidden_size % model.num_heads == 0,
-        f"model.hidden_size={model.hidden_size} must be divisible by model.num_heads={model.num_heads}",
-    )
-    require(
         model.num_heads % parallel.tp == 0,
         f"model.num_heads={model.num_heads} must be divisible by parallel.tp={parallel.tp}",
     )
@@ -242,8 +239,6 @@ def _check_model(config: PpctlConfig) -> None:
         model.position_embedding in POSITION_EMBEDDINGS,
         f"model.position_embedding={model.position_embedding!r} must be one of {', '.join(POSITION_EMBEDDINGS)}",
     )
-    if model.position_embedding == "rope":
-        require((model.hidden_size // model.num_heads) % 2 == 0, "model.position_embedding=rope needs an even head dim")
     _check_recompute(config)
     _check_context_parallel_attention(config)
 
@@ -362,6 +357,7 @@ def _check_misc(config: PpctlConfig, data: bool = True) -> None:
     )
     if data:
         _check_data(config)
+        _check_init_from(config)
     require(config.optimizer.gradient_delay in (0, 1),
             f"optimizer.gradient_delay={config.optimizer.gradient_delay} must be 0 (the usual update) or 1 "
             f"(PipeDream-2BW's, one step late)")
@@ -391,6 +387,14 @@ def _check_misc(config: PpctlConfig, data: bool = True) -> None:
         0 <= config.launcher.node_rank < config.launcher.nnodes,
         f"launcher.node_rank={config.launcher.node_rank} must be in 0..launcher.nnodes-1",
     )
+
+
+def _check_init_from(config: PpctlConfig) -> None:
+    """``model.init_from``: a Hugging Face folder of this model's architecture and shape, with every tensor it needs
+    (a run that resumes reads its checkpoint and ignores it)."""
+    if config.model.init_from and not config.trainer.resume_from:
+        problem = init_from_problem(config.model, model_family(config.model.family))
+        require(problem is None, problem or "")
 
 
 FAULT_PATTERN = re.compile(r"(\d+):(raise|kill)(?:@(\d+))?")

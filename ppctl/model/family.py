@@ -19,6 +19,22 @@ FAMILIES_PACKAGE = "ppctl.model"
 
 
 @dataclass(frozen=True)
+class Architecture:
+    """What the memory model, the FLOP count and the planner read of a family's layers (pure data).
+
+    ``norm_has_bias``: LayerNorm (scale and shift) rather than RMSNorm (scale only, its unit-RMS input kept by
+    PyTorch's ops for the backward); ``gated_mlp``: SwiGLU's gate and up projections; ``linear_biases``: biases on
+    the attention output and the MLP (GPT); ``fused_qkv``: one query-key-value weight, whose output stays whole
+    while attention reads its values, rather than q, k and v apart (keys and values repeated to the query heads).
+    """
+
+    norm_has_bias: bool = True
+    gated_mlp: bool = False
+    linear_biases: bool = True
+    fused_qkv: bool = True
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     """What ppctl reads of a model family.
 
@@ -26,7 +42,9 @@ class ModelFamily:
     ``chunk_class()``: the stage chunk class, built as ``cls(shape, layer_ids, pre_process, post_process, tp,
     seed, dtype, cp, recompute)``; ``rule_of_name(shape)``: a function from a global parameter name to its
     ``ParameterRule`` (for what holds names only: checkpoints); ``check(config)``: the family's own config rules,
-    raising ``ConfigError`` in one line.
+    raising ``ConfigError`` in one line; ``hf()``: the family's Hugging Face format (its folder's ``hf.py``, imported
+    when called; see ``ppctl.model.hf_format``), None for a family that reads and writes no HF checkpoints;
+    ``architecture``: what the memory model and the FLOP count read of its layers.
     """
 
     name: str
@@ -34,6 +52,8 @@ class ModelFamily:
     chunk_class: Callable[[], type]
     rule_of_name: Callable[[Any], Callable[[str], Any]]
     check: Callable[[Any], None] = lambda config: None
+    hf: Callable[[], Any] | None = None
+    architecture: Architecture = Architecture()
 
 
 def family_names() -> tuple[str, ...]:

@@ -7,7 +7,9 @@ sequence of ``s`` tokens, with ``l`` layers of width ``h`` and MLP width ``f``:
 
 - each layer: the query, key, value and output projections ``2 * 4h^2``, the MLP
   ``2 * 2hf``, and attention's two products with the keys and the values ``2 * 2sh``
-  (the full ``s x s`` score matrix, as Megatron-LM counts it);
+  (the full ``s x s`` score matrix, as Megatron-LM counts it); with grouped-query attention
+  of query width ``a`` and key/value width ``k`` the projections are ``2 * (h(a + 2k) + ah)``
+  and attention ``2 * 2sa``, with a gated MLP (SwiGLU) ``2 * 3hf``;
 - the output layer ``2hV`` (``V`` the padded vocabulary); embeddings are lookups.
 
 Training is three times the forward. The peak figures are the vendors' dense (no
@@ -21,16 +23,22 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e1
 
 
 def forward_flops_per_token(num_layers: int, hidden_size: int, ffn_hidden_size: int, seq_length: int,
-                            vocab_size: int) -> float:
-    """FLOPs of one token's forward pass through the whole model (see the module docstring)."""
-    per_layer = 2 * 4 * hidden_size ** 2 + 2 * 2 * hidden_size * ffn_hidden_size + 2 * 2 * seq_length * hidden_size
+                            vocab_size: int, attention_width: int | None = None, kv_width: int | None = None,
+                            gated_mlp: bool = False) -> float:
+    """FLOPs of one token's forward pass through the whole model (see the module docstring); ``attention_width``
+    (heads x head width) and ``kv_width`` (key/value heads x head width) default to ``hidden_size``."""
+    h, a = hidden_size, attention_width or hidden_size
+    k = kv_width or a
+    projections = 2 * (h * (a + 2 * k) + a * h)
+    mlp = 2 * (3 if gated_mlp else 2) * h * ffn_hidden_size
+    per_layer = projections + mlp + 2 * 2 * seq_length * a
     return num_layers * per_layer + 2 * hidden_size * vocab_size
 
 
 def training_flops_per_token(num_layers: int, hidden_size: int, ffn_hidden_size: int, seq_length: int,
-                             vocab_size: int) -> float:
-    """FLOPs of one token's forward and backward (three forwards' worth)."""
-    return 3 * forward_flops_per_token(num_layers, hidden_size, ffn_hidden_size, seq_length, vocab_size)
+                             vocab_size: int, **widths) -> float:
+    """FLOPs of one token's forward and backward (three forwards' worth); ``widths`` as ``forward_flops_per_token``."""
+    return 3 * forward_flops_per_token(num_layers, hidden_size, ffn_hidden_size, seq_length, vocab_size, **widths)
 
 
 def peak_flops(device_name: str) -> float | None:

@@ -12,6 +12,8 @@ from ppctl.config import PpctlConfig
 from ppctl.data.dataset import WindowDataset, build_dataset
 from ppctl.data.corpus import CorpusSpec
 from ppctl.model.family import ModelFamily, model_family
+from ppctl.model.hf_format import hf_format_of
+from ppctl.model.hf_weights import load_hf_weights
 from ppctl.model.recompute import Recompute
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -29,12 +31,16 @@ def model_shape(config: PpctlConfig):
 
 def build_chunk(config: PpctlConfig, layer_ids, pre_process: bool, post_process: bool, tp, cp=None,
                 recompute: Recompute | None = None):
-    """One stage chunk of the configured model on this TP (and CP) rank, initialised from ``trainer.seed``;
-    ``recompute``: what it recomputes (default: as configured)."""
+    """One stage chunk of the configured model on this TP (and CP) rank, initialised from ``trainer.seed``, or
+    from the Hugging Face folder ``model.init_from`` (this rank's slices only; not in a run that resumes, which
+    reads its checkpoint instead); ``recompute``: what it recomputes (default: as configured)."""
     family = family_of(config)
-    return family.chunk_class()(family.shape_of(config), layer_ids, pre_process, post_process, tp,
-                                config.trainer.seed, parameter_dtype(config), cp,
-                                recompute_of(config) if recompute is None else recompute)
+    shape = family.shape_of(config)
+    chunk = family.chunk_class()(shape, layer_ids, pre_process, post_process, tp, config.trainer.seed,
+                                 parameter_dtype(config), cp, recompute_of(config) if recompute is None else recompute)
+    if config.model.init_from and not config.trainer.resume_from:
+        load_hf_weights(chunk, config.model.init_from, hf_format_of(family), shape, tp)
+    return chunk
 
 
 def parameter_rules(config: PpctlConfig):

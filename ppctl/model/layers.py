@@ -17,6 +17,7 @@ from torch import nn
 
 from ppctl.autograd.checkpoint import recomputed
 from ppctl.autograd.weight_grad import DefersWeightGrads, layer_norm
+from ppctl.model.kv_cache import LayerCache, cached_attention
 from ppctl.parallel.context_parallel import CPGroup, context_parallel_attention
 from ppctl.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -96,15 +97,20 @@ class CausalSelfAttention(nn.Module):
         self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, tp, bias=False, dtype=dtype)
         self.proj = RowParallelLinear(hidden_size, hidden_size, tp, bias=True, dtype=dtype)
 
-    def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """Attend causally over ``hidden [batch, seq, hidden]``; ``rotary`` is ``(cos, sin)`` or None."""
+    def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        """Attend causally over ``hidden [batch, seq, hidden]``; ``rotary`` is ``(cos, sin)`` or None. ``cache``
+        (one process, decoding): ``hidden`` holds the new positions, which also attend to the cached ones and
+        join them (``ppctl.model.kv_cache``)."""
         qkv = self.qkv(hidden)  # the whole (CP-local) sequence, also under SP
         batch, seq = qkv.shape[:2]
         qkv = qkv.view(batch, seq, 3, self.local_heads, self.head_dim)
         query, key, value = (part.transpose(1, 2) for part in qkv.unbind(dim=2))  # [batch, heads, seq, head_dim]
         if rotary is not None:
             query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
-        if self.recompute_core:
+        if cache is not None:
+            attended = cached_attention(query, key, value, cache)
+        elif self.recompute_core:
             attended = recomputed(context_parallel_attention, query, key, value, self.cp)
         else:
             attended = context_parallel_attention(query, key, value, self.cp)
@@ -136,7 +142,8 @@ class TransformerLayer(nn.Module):
         self.mlp_norm = LayerNorm(hidden_size, eps=norm_epsilon, dtype=dtype)
         self.mlp = MLP(hidden_size, ffn_hidden_size, tp, dtype)
 
-    def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Return the layer output ``[batch, seq, hidden]``."""
-        hidden = hidden + self.attention(self.attn_norm(hidden), rotary)
+    def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        """Return the layer output ``[batch, seq, hidden]``; ``cache``: its attention's, when decoding."""
+        hidden = hidden + self.attention(self.attn_norm(hidden), rotary, cache)
         return hidden + self.mlp(self.mlp_norm(hidden))

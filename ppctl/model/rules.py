@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -48,6 +49,20 @@ class ParameterRule:
     def tp_replicated(self) -> bool:
         """Every TP rank holds the whole parameter: count it once in a global norm, reduce it over TP under SP."""
         return self.split == REPLICATED
+
+
+_LAYER_PREFIX = re.compile(r"^layers\.\d+\.")
+TIED_OUTPUT, WORD_EMBEDDING = "output_layer.weight", "embedding.word.weight"
+
+
+def rule_by_role(rules, family: str, name: str, tie_embeddings: bool) -> ParameterRule:
+    """The rule ``rules`` (role -> rule) gives a global parameter ``name`` of ``family`` (its ``layers.<id>.``
+    prefix ignored); a tied output layer is a copy of the word embedding. ``KeyError`` for an unknown role."""
+    role = _LAYER_PREFIX.sub("", name)
+    if role not in rules:
+        raise KeyError(f"unknown {family} parameter name {name!r}; known roles: {sorted(rules)}")
+    rule = rules[role]
+    return replace(rule, tied_to=WORD_EMBEDDING) if role == TIED_OUTPUT and tie_embeddings else rule
 
 
 def attach_rules(module: torch.nn.Module, rule_for) -> None:

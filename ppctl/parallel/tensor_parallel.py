@@ -237,9 +237,15 @@ class ColumnParallelLinear(DefersWeightGrads, torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.zeros(local_out, in_features, dtype=dtype))
         self.bias = torch.nn.Parameter(torch.zeros(local_out, dtype=dtype)) if bias else None
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Return this rank's slice of the output features (all of them if ``gather_output``)."""
-        outputs = column_parallel_linear(inputs, self.weight, self.bias, self.tp, self.weight_grad_store)
+    def forward(self, inputs: torch.Tensor, entered: bool = False) -> torch.Tensor:
+        """Return this rank's slice of the output features (all of them if ``gather_output``).
+
+        ``entered``: ``inputs`` is already in the TP region (``enter_tp_region``), entered once for several
+        projections that read it (one collective, as with a fused weight)."""
+        if entered:
+            outputs = linear(inputs, self.weight, self.bias, self.weight_grad_store)
+        else:
+            outputs = column_parallel_linear(inputs, self.weight, self.bias, self.tp, self.weight_grad_store)
         return gather_from_tp_region(outputs, self.tp) if self.gather_output else outputs
 
 

@@ -49,9 +49,11 @@ class PartCosts:
     loss: int
 
 
-def part_costs(hidden_size: int, ffn_hidden_size: int, seq_length: int, padded_vocab_size: int) -> PartCosts:
+def part_costs(hidden_size: int, ffn_hidden_size: int, seq_length: int, padded_vocab_size: int,
+               attention_width: int | None = None, kv_width: int | None = None, gated_mlp: bool = False) -> PartCosts:
     """The costs of a transformer layer, the embedding and the output layer with the loss (module docstring)."""
-    layer = forward_flops_per_token(1, hidden_size, ffn_hidden_size, seq_length, 0)
+    layer = forward_flops_per_token(1, hidden_size, ffn_hidden_size, seq_length, 0, attention_width, kv_width,
+                                    gated_mlp)
     output = forward_flops_per_token(0, hidden_size, ffn_hidden_size, seq_length, padded_vocab_size)
     return PartCosts(layer=int(layer), embedding=hidden_size,
                      loss=int(output) + SOFTMAX_FLOPS_PER_CLASS * padded_vocab_size)
@@ -180,7 +182,8 @@ def config_part_costs(config) -> PartCosts:
     from ppctl.plan.memory import model_shape
 
     shape = model_shape(config)
-    return part_costs(shape.hidden, shape.ffn, config.trainer.seq_length, shape.padded_vocab)
+    return part_costs(shape.hidden, shape.ffn, config.trainer.seq_length, shape.padded_vocab, shape.attention_width,
+                      shape.kv_width, shape.gated_mlp)
 
 
 def balanced_layout(config) -> str:

@@ -3,8 +3,9 @@
 Per rank, for its model chunks (``ppctl.parallel.layout.layer_map``) on one TP rank:
 
 - ``parameters``: the chunks' parameters in the model's dtype (``chunk_parameters``, the
-  same count as ``ppctl.model.gpt.GPTChunk`` builds: TP shards, vocabulary padding, a tied
-  output layer that shares the embedding's weight on one chunk).
+  same count as the family's chunk builds: TP shards, vocabulary padding, a tied output layer
+  that shares the embedding's weight on one chunk; the family's ``Architecture`` says which
+  norms, biases and projections its layers have).
 - ``gradients``: the plain optimizer accumulates into ``param.grad`` (the model's dtype);
   the bucketed one (distributed optimizer, half precision, PipeDream-2BW) into one fp32
   buffer of every parameter (fp64 for fp64 models), a parameter's ``.grad`` freed after
@@ -74,7 +75,9 @@ class MemoryParts:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the memory of a GPT depends on (``model.*`` with the vocabulary padded for TP)."""
+    """What the memory of a model depends on (``model.*`` with the vocabulary padded for TP, and its family's
+    ``Architecture``: norms with a shift, a gated MLP, linear biases, a fused QKV). ``kv_heads`` and ``head_dim``
+    default to ``heads`` and ``hidden / heads``."""
 
     hidden: int
     heads: int
@@ -84,6 +87,28 @@ class ModelShape:
     learned_positions: bool = True
     rotary: bool = False
     tie_embeddings: bool = False
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    norm_has_bias: bool = True
+    gated_mlp: bool = False
+    linear_biases: bool = True
+    fused_qkv: bool = True
+    qkv_bias: bool = False
+
+    @property
+    def attention_width(self) -> int:
+        """The query heads' width: heads x head width (``hidden`` without ``head_dim``)."""
+        return self.heads * (self.head_dim or self.hidden // self.heads)
+
+    @property
+    def kv_width(self) -> int:
+        """The key (or value) heads' width."""
+        return (self.kv_heads or self.heads) * (self.head_dim or self.hidden // self.heads)
+
+    @property
+    def norm_parameters(self) -> int:
+        """One norm's parameters: scale and shift (LayerNorm) or scale alone (RMSNorm)."""
+        return (2 if self.norm_has_bias else 1) * self.hidden
 
 
 @dataclass(frozen=True)
@@ -115,12 +140,13 @@ class Chunk:
 # --- parameters, gradients, optimizer state ------------------------------------------------
 
 def layer_parameters(shape: ModelShape, tp: int) -> int:
-    """One transformer layer's parameters on one TP rank: two norms (scale and shift), the query-key-value and
-    output projections (no QKV bias), the MLP's two matrices and the column-parallel bias split; the row-parallel
-    biases whole."""
-    h, f = shape.hidden, shape.ffn
-    split = 3 * h * h + h * h + h * f + f + f * h
-    return 2 * 2 * h + split // tp + 2 * h
+    """One transformer layer's parameters on one TP rank: two norms and the row-parallel biases whole; the
+    query, key, value and output projections, the MLP's matrices (two, or three gated) and the column-parallel
+    biases split."""
+    h, f, a, k = shape.hidden, shape.ffn, shape.attention_width, shape.kv_width
+    split = h * (a + 2 * k) + a * h + (3 if shape.gated_mlp else 2) * h * f
+    split += (a + 2 * k if shape.qkv_bias else 0) + (f if shape.linear_biases else 0)
+    return 2 * shape.norm_parameters + split // tp + (2 * h if shape.linear_biases else 0)
 
 
 def chunk_parameters(shape: ModelShape, chunk: Chunk, tp: int) -> int:
@@ -130,7 +156,7 @@ def chunk_parameters(shape: ModelShape, chunk: Chunk, tp: int) -> int:
         count += shape.padded_vocab * shape.hidden // tp
         count += shape.max_seq_length * shape.hidden if shape.learned_positions else 0
     if chunk.post_process:
-        count += 2 * shape.hidden
+        count += shape.norm_parameters
         shares_embedding = shape.tie_embeddings and chunk.pre_process
         count += 0 if shares_embedding else shape.padded_vocab * shape.hidden // tp
     return count
@@ -157,33 +183,47 @@ class Tokens:
 
 
 def layer_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallelism,
-                           attention_core: bool = True) -> int:
+                           attention_core: bool = True, in_backward: bool = False) -> int:
     """What one transformer layer keeps for its backward, per microbatch, on one TP rank.
 
     In units of b*s*h (b sequences of s tokens, hidden h) in the model's dtype: the layer's
-    input and the two norms' outputs (each saved by the next op), the query-key-value
-    output (3, TP-split), attention's output (TP-split; the output projection reads it in
-    place), the residual between the blocks; the MLP's input and GELU output (b*s*f each,
-    TP-split); the norms' statistics (4 b*s); attention's log-sum-exp (float32, per head).
-    With sequence parallelism the norms see s/tp tokens, but the two column-parallel
-    layers keep their gathered (whole-sequence) inputs. All-gather context parallelism
-    keeps the gathered keys and values of the whole sequence.
+    input and the two norms' outputs (each saved by the next op), the residual between the
+    blocks; with a fused QKV its output (query, key and value widths, TP-split: it stays whole
+    while attention reads the values in it) and, with rotary positions, the rotated queries and
+    keys; with q, k and v apart the queries and the keys and values repeated to the query heads;
+    attention's output (TP-split; the output projection reads it in place); the MLP's
+    activations (b*s*f each, TP-split: the up projection's output and GELU's, or SwiGLU's gate,
+    up, SiLU and product); the norms' statistics (LayerNorm: mean and 1/std in the model's
+    dtype; RMSNorm: 1/rms in float32 or wider, and each norm's unit-RMS input);
+    attention's log-sum-exp (float32, per head). With sequence parallelism the norms see s/tp
+    tokens, but the column-parallel layers keep their gathered (whole-sequence) inputs.
+    All-gather context parallelism keeps the gathered keys and values of the whole sequence.
+    ``in_backward``: the gradients of these tensors while the layer's backward runs, where a gated MLP's four
+    activations have about two gradients alive at once (the product's, then an operand's; measured: counting
+    three over-predicts a rank holding one microbatch by 8%, two by 4%).
     """
     b, s, h, f, t = tokens.batch, tokens.seq, shape.hidden, shape.ffn, parallel.tp
-    e = DTYPE_BYTES[parallel.precision]
+    a, k = shape.attention_width, shape.kv_width
+    e, wide = DTYPE_BYTES[parallel.precision], float_bytes(parallel.precision)
     bsh = b * s * h
+    norm_tokens = b * s / t if parallel.sequence_parallel else b * s
+    units = 0 if shape.norm_has_bias else 2 * norm_tokens * h  # RMSNorm's unit-RMS inputs
     if parallel.sequence_parallel:
         whole = 2 * bsh / t + 2 * bsh  # layer input, residual (s/tp tokens); gathered norm outputs
-        statistics = 4 * b * s / t
     else:
         whole = 4 * bsh
-        statistics = 4 * b * s
-    split = 4 * bsh / t + 2 * b * s * f / t  # qkv, attention output, MLP input and GELU output
-    if shape.rotary:
-        split += 2 * bsh / t  # rotated queries and keys
-    gathered = 2 * bsh * (parallel.cp - 1) / t if parallel.cp > 1 and parallel.cp_comm == "allgather" else 0
-    log_sum_exp = float_bytes(parallel.precision) * b * s * shape.heads / t if attention_core else 0
-    return round(e * (whole + split + statistics + gathered) + log_sum_exp)
+    statistics = e * 4 * norm_tokens if shape.norm_has_bias else wide * 2 * norm_tokens
+    if shape.fused_qkv:
+        attention = b * s * (a + 2 * k) / t + b * s * a / t + (b * s * (a + k) / t if shape.rotary else 0)
+        gathered_width = k
+    else:
+        attention = 4 * b * s * a / t  # queries, repeated keys and values, output
+        gathered_width = a
+    mlp = ((2 if in_backward else 4) if shape.gated_mlp else 2) * b * s * f / t
+    cp_gathers = parallel.cp > 1 and parallel.cp_comm == "allgather"
+    gathered = 2 * b * s * gathered_width * (parallel.cp - 1) / t if cp_gathers else 0
+    log_sum_exp = wide * b * s * shape.heads / t if attention_core else 0
+    return round(e * (whole + units + attention + mlp + gathered) + statistics + log_sum_exp)
 
 
 def layer_input_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallelism) -> int:
@@ -200,10 +240,14 @@ def ends_activation_bytes(shape: ModelShape, chunk: Chunk, tokens: Tokens, paral
     if chunk.pre_process:
         total += (2 if shape.learned_positions else 1) * INDEX_BYTES * b * s
     if shape.rotary and chunk.layers:
-        total += 2 * e * b * s * (shape.hidden // shape.heads)  # the rotary cos and sin tables, shared by the layers
+        total += 2 * e * b * s * (shape.attention_width // shape.heads)  # the rotary cos and sin, shared by the layers
     if chunk.post_process:
         logits = float_bytes(parallel.precision) * b * s * shape.padded_vocab // t
-        total += e * (2 * b * s * shape.hidden + 2 * b * s) + logits
+        if shape.norm_has_bias:  # the final norm's input, output and statistics
+            total += e * (2 * b * s * shape.hidden + 2 * b * s)
+        else:
+            total += e * 3 * b * s * shape.hidden + float_bytes(parallel.precision) * b * s
+        total += logits
         total += INDEX_BYTES * b * s + b * s
     return total
 
@@ -233,7 +277,10 @@ def stash_bytes(shape: ModelShape, chunk: Chunk, tokens: Tokens, parallel: Paral
     if chunk.pre_process:
         return chunk_activation_bytes(shape, chunk, tokens, parallel)[0]
     b, s, h, f, t = tokens.batch, tokens.seq, shape.hidden, shape.ffn, parallel.tp
-    per_layer = DTYPE_BYTES[parallel.precision] * (b * s * h * (4 + 4 / t) + 2 * b * s * f / t)
+    a, k = shape.attention_width, shape.kv_width
+    # The linears' inputs (q, k and v read one; so do gate and up) and output gradients.
+    per_layer = DTYPE_BYTES[parallel.precision] * b * s * (4 * h + (2 * a + 2 * k) / t
+                                                           + (3 if shape.gated_mlp else 2) * f / t)
     e = DTYPE_BYTES[parallel.precision]
     logits = e * b * s * (shape.hidden + shape.padded_vocab / t) if chunk.post_process else 0
     return round(chunk.layers * per_layer + logits)
@@ -332,7 +379,8 @@ def activation_bytes_over_time(actions: Iterable, kept: dict[int, int],
 def backward_workspace_bytes(shape: ModelShape, chunks: Sequence[Chunk], tokens: Tokens, parallel: Parallelism) -> int:
     """The gradients of one microbatch's tensors while its backward runs: the largest layer's, or the logits'."""
     b, s, t = tokens.batch, tokens.seq, parallel.tp
-    layer = layer_activation_bytes(shape, tokens, parallel) if any(chunk.layers for chunk in chunks) else 0
+    layer = layer_activation_bytes(shape, tokens, parallel, in_backward=True) if any(
+        chunk.layers for chunk in chunks) else 0
     logits = 2 * float_bytes(parallel.precision) * b * s * shape.padded_vocab // t if any(
         chunk.post_process for chunk in chunks) else 0
     return max(layer, logits)
@@ -377,15 +425,21 @@ def rank_memory(shape: ModelShape, chunks: Sequence[Chunk], in_flight: Iterable[
 # --- from a config ----------------------------------------------------------------------------
 
 def model_shape(config) -> ModelShape:
-    """The ``ModelShape`` of a ``PpctlConfig`` (its vocabulary padded for its tp)."""
+    """The ``ModelShape`` of a ``PpctlConfig`` (its vocabulary padded for its tp, its family's architecture)."""
     from ppctl.config import padded_vocab_size
+    from ppctl.model.family import model_family
 
     model = config.model
+    architecture = model_family(model.family).architecture
     return ModelShape(hidden=model.hidden_size, heads=model.num_heads, ffn=model.ffn_hidden_size,
                       padded_vocab=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by,
                                                      config.parallel.tp),
                       max_seq_length=model.max_seq_length, learned_positions=model.position_embedding == "learned",
-                      rotary=model.position_embedding == "rope", tie_embeddings=model.tie_embeddings)
+                      rotary=model.position_embedding == "rope", tie_embeddings=model.tie_embeddings,
+                      kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                      norm_has_bias=architecture.norm_has_bias, gated_mlp=architecture.gated_mlp,
+                      linear_biases=architecture.linear_biases, fused_qkv=architecture.fused_qkv,
+                      qkv_bias=model.qkv_bias)
 
 
 @dataclass(frozen=True)

@@ -309,7 +309,9 @@ def message_s(config: PpctlConfig, device: Device) -> float:
 def forward_flops_per_microbatch(config: PpctlConfig) -> float:
     """FLOPs of one microbatch's forward through the busiest rank's layers (of one model copy) on one device."""
     model, parallel = config.model, config.parallel
-    layer = forward_flops_per_token(1, model.hidden_size, model.ffn_hidden_size, config.trainer.seq_length, 0)
+    shape = model_shape(config)
+    layer = forward_flops_per_token(1, model.hidden_size, model.ffn_hidden_size, config.trainer.seq_length, 0,
+                                    shape.attention_width, shape.kv_width, shape.gated_mlp)
     layers = max(_rank_layers(config)) / layout_of(config).placement.copies
     output = 2 * model.hidden_size * model_shape(config).padded_vocab
     return _microbatch_tokens(config) * (layers * layer + output) / parallel.tp
@@ -371,8 +373,10 @@ def compute_bound_s(config: PpctlConfig, device: Device) -> float:
 def _mean_forward_s(config: PpctlConfig, device: Device) -> float:
     """One microbatch's forward through the whole model, shared by tp * pp devices: the least a rank's can take."""
     model, parallel = config.model, config.parallel
+    shape = model_shape(config)
     forward = forward_flops_per_token(model.num_layers, model.hidden_size, model.ffn_hidden_size,
-                                      config.trainer.seq_length, model_shape(config).padded_vocab)
+                                      config.trainer.seq_length, shape.padded_vocab, shape.attention_width,
+                                      shape.kv_width, shape.gated_mlp)
     return _microbatch_tokens(config) * forward / (parallel.tp * parallel.pp) / device.flops
 
 

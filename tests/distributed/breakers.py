@@ -62,13 +62,13 @@ def _dp_gradient_not_reduced():
 
 def _vocab_padding_in_softmax():
     """The TP padding rows of the vocabulary enter the softmax (as they once did)."""
-    from ppctl.model import gpt
+    from ppctl.model import chunk
     from ppctl.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
     def padded_softmax(logits_shard, targets, tp, vocab_size=None):
         return vocab_parallel_cross_entropy(logits_shard, targets, tp, None)
 
-    return mock.patch.object(gpt, "vocab_parallel_cross_entropy", padded_softmax)
+    return mock.patch.object(chunk, "vocab_parallel_cross_entropy", padded_softmax)
 
 
 def _parameter_not_stepped():

@@ -16,7 +16,7 @@ import functools
 import pytest
 
 from tests.harness.pool import run_workers
-from tests.distributed.equivalence import (BASE, FP64, compare_parameters, compare_scalars, composed_runs,
+from tests.distributed.equivalence import (BASE, FP64, LLAMA, compare_parameters, compare_scalars, composed_runs,
                                           single_process_reference)
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
@@ -39,6 +39,8 @@ PAIRS_4 = [
     (["parallel.pp=2", "parallel.dp=2", "schedule=hanayo", *TIED], ["parallel.pp=4", "schedule=pipedream_flush", *TIED]),
     (["parallel.pp=2", "parallel.dp=2", "schedule=pipedream_2bw", *DELAYED, *DIST],
      ["parallel.pp=4", "schedule=1f1b", *DELAYED]),
+    # Llama: separate q/k/v and gate/up weights, RMSNorm scales, resharded over tp and the optimizer's shards.
+    (["parallel.tp=2", "parallel.pp=2", *LLAMA], ["parallel.pp=2", "parallel.dp=2", "schedule=zbv", *DIST, *LLAMA]),
 ]
 # Saved by 2 workers, loaded by 4 into DualPipe's two parameter copies (each copy reads the same tensors).
 ACROSS_WORLDS = (["parallel.pp=2", "schedule=gpipe"], ["parallel.pp=2", "parallel.dp=2", "schedule=dualpipe", *DIST])

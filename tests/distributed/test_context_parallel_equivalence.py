@@ -9,7 +9,7 @@ seq/cp tokens, and seq/(cp*tp) with sequence parallelism.
 
 import pytest
 
-from tests.distributed.equivalence import BASE, FP64, MASKED, assert_equivalent
+from tests.distributed.equivalence import BASE, FP64, LLAMA, MASKED, assert_equivalent
 
 ROPE_TIED = ["model.position_embedding=rope", "model.tie_embeddings=true"]
 SP = ["parallel.sequence_parallel=true"]
@@ -58,6 +58,8 @@ def test_four_ranks_cp4_sequence_parallel_with_pipelines_and_cp_with_dp():
     runs.append(BASE + parallel(tp=2, pp=2) + SP + ROPE_TIED + MASKED)
     runs.append(BASE + parallel(tp=2, pp=2, vpp=2, schedule="interleaved_1f1b") + SP)
     runs.append(BASE + parallel(cp=2, pp=2, comm="a2a") + ROPE_TIED + MASKED)
+    runs += [BASE + parallel(cp=4, comm=comm) + LLAMA + FP64 for comm in MODES]  # GQA's heads through each mode
+    runs.append(BASE + parallel(tp=2, pp=2) + SP + LLAMA)
     runs.append(BASE + parallel(cp=2, dp=2, comm="ring"))
     per_rank = assert_equivalent(runs, world_size=4)
     assert_messages(per_rank, 5, message_bytes(SEQ // 2))            # SP, tp=2: half the tokens

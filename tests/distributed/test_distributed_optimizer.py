@@ -8,7 +8,7 @@ parameter is a bucket of its own and most are cut between two ranks' shards.
 
 import pytest
 
-from tests.distributed.equivalence import BASE, FP64, MASKED, assert_equivalent
+from tests.distributed.equivalence import BASE, FP64, LLAMA, MASKED, assert_equivalent
 
 DISTRIBUTED = ["optimizer.distributed=true"]
 TINY_BUCKETS = ["optimizer.bucket_size=100"]
@@ -64,7 +64,9 @@ def test_tp2_pp2_dp2_with_tied_embeddings_and_sequence_parallelism():
             + ["parallel.sequence_parallel=true"],
             # DualPipe's two parameter copies (mirror pp ranks) and the dp replicas share the shards; the tied
             # embeddings are summed on each end rank before the reduce-scatter.
-            BASE + parallel(tp=2, pp=2, dp=2, vpp=2, schedule="dualpipe") + CLIP + DISTRIBUTED + TIED]
+            BASE + parallel(tp=2, pp=2, dp=2, vpp=2, schedule="dualpipe") + CLIP + DISTRIBUTED + TIED,
+            # q/k/v and gate/up enter the TP region once and run as modules: the all-gathers' waits still fire.
+            BASE + parallel(tp=2, pp=2, dp=2) + CLIP + DISTRIBUTED + LLAMA + ["optimizer.overlap_param_gather=true"]]
     assert_equivalent(runs, world_size=8, timeout=500)
 
 

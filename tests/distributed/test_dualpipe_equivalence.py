@@ -11,7 +11,7 @@ DualPipeV holds one copy on the V placement (like ZB-V).
 
 import pytest
 
-from tests.distributed.equivalence import BASE, FP64, assert_equivalent
+from tests.distributed.equivalence import BASE, FP64, LLAMA, assert_equivalent
 
 TIED = ["model.tie_embeddings=true"]
 DISTRIBUTED = ["optimizer.distributed=true"]
@@ -36,5 +36,6 @@ def test_dualpipe_and_dualpipev_at_world_size_4_match_single_process():
     runs = [BASE + DUALPIPE + ["parallel.pp=4"],
             BASE + DUALPIPE + ["parallel.tp=2", "parallel.pp=2"] + TIED,
             BASE + ["schedule=dualpipe", "parallel.pp=2", "parallel.dp=2"] + TIED + DISTRIBUTED,
-            BASE + DUALPIPEV + ["parallel.pp=4", "model.num_layers=8"] + TIED]
+            BASE + DUALPIPEV + ["parallel.pp=4", "model.num_layers=8"] + TIED,
+            BASE + DUALPIPE + ["parallel.tp=2", "parallel.pp=2"] + LLAMA + FP64]
     assert_equivalent(runs, world_size=4)

@@ -9,7 +9,7 @@ losses and grad norms, step-0 gradients and final parameters, within the toleran
 
 import pytest
 
-from tests.distributed.equivalence import BASE, FP64, MASKED, assert_equivalent
+from tests.distributed.equivalence import BASE, FP64, LLAMA, LLAMA_MHA, MASKED, assert_equivalent
 
 ROPE_TIED = ["model.position_embedding=rope", "model.tie_embeddings=true"]
 LAYOUTS = [  # (tp, pp, dp)
@@ -26,6 +26,7 @@ def test_gpipe_and_1f1b_match_single_process(tp, pp, dp):
     runs.append(BASE + layout + ["schedule=1f1b"] + FP64)
     if tp * pp * dp >= 4:  # the bigger layouts also carry rotary, tied embeddings and a masked loss
         runs.append(BASE + layout + ["schedule=1f1b"] + ROPE_TIED + MASKED)
+        runs.append(BASE + layout + ["schedule=gpipe"] + (LLAMA_MHA if tp == 4 else LLAMA) + MASKED)
     assert_equivalent(runs, world_size=tp * pp * dp)
 
 
@@ -34,5 +35,6 @@ def test_gpipe_and_1f1b_match_single_process(tp, pp, dp):
 def test_tp4_with_pipeline_rotary_tied_and_masked_loss():
     # tp=4 pads the vocabulary to 256 rows where one process pads to 64: padding must not change the model.
     layout = ["parallel.tp=4", "parallel.pp=2", "parallel.dp=1", "schedule=1f1b"]
-    runs = [BASE + layout + ROPE_TIED + MASKED, BASE + layout + ROPE_TIED + MASKED + FP64]
+    runs = [BASE + layout + ROPE_TIED + MASKED, BASE + layout + ROPE_TIED + MASKED + FP64,
+            BASE + layout + LLAMA_MHA + ["model.tie_embeddings=true"] + FP64]
     assert_equivalent(runs, world_size=8)

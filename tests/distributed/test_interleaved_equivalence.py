@@ -8,7 +8,7 @@ not a multiple of pp; rotary runs need positions on middle chunks, which read th
 
 import pytest
 
-from tests.distributed.equivalence import BASE, FP64, MASKED, assert_equivalent
+from tests.distributed.equivalence import BASE, FP64, LLAMA, MASKED, assert_equivalent
 
 ROPE_TIED = ["model.position_embedding=rope", "model.tie_embeddings=true"]
 
@@ -31,4 +31,5 @@ def test_interleaved_matches_single_process(tp, pp, vpp, layers, batch):
     runs = [BASE + layout, BASE + layout + FP64]
     if batch == 8 and tp == 1:  # rotary positions reach the middle chunks; tied copies on two ranks or one
         runs.append(BASE + layout + ROPE_TIED + MASKED)
+        runs.append(BASE + layout + LLAMA + FP64)
     assert_equivalent(runs, world_size=tp * pp)

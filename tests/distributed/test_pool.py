@@ -51,9 +51,9 @@ def _hang(rank, world_size):
 
 
 def _leak_a_patch(rank, world_size):
-    from ppctl.model import gpt_stages
+    from ppctl.model import stages
 
-    gpt_stages.MaskedTokenLoss.__call__ = lambda self, losses, microbatch: None  # never restored
+    stages.MaskedTokenLoss.__call__ = lambda self, losses, microbatch: None  # never restored
 
 
 def _leak_a_setting(rank, world_size):

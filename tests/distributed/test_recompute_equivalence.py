@@ -14,7 +14,7 @@ fire again in a recomputation).
 import pytest
 import torch
 
-from tests.distributed.equivalence import BASE, FP64, assert_equivalent
+from tests.distributed.equivalence import BASE, FP64, LLAMA, assert_equivalent
 
 FULL_UNIFORM = ["model.recompute=full", "model.recompute_method=uniform", "model.recompute_num_layers=2"]
 FULL_BLOCK = ["model.recompute=full", "model.recompute_method=block", "model.recompute_num_layers=1"]
@@ -40,6 +40,8 @@ def assert_same_as_without(per_rank: list[list[dict]], without: int, recomputing
 
 
 LAYOUTS = {
+    "llama 1f1b tp2 pp2, selective": (["parallel.tp=2", "parallel.pp=2", "parallel.dp=1", "schedule=1f1b", *LLAMA],
+                                      SELECTIVE),
     "1f1b tp2 pp2 sp, full uniform": (["parallel.tp=2", "parallel.pp=2", "parallel.dp=1", "schedule=1f1b",
                                        "parallel.sequence_parallel=true"], FULL_UNIFORM),
     "interleaved pp2 vpp2 dp2, full block": (["parallel.pp=2", "parallel.vpp=2", "parallel.dp=2",

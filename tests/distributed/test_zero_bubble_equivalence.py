@@ -9,7 +9,7 @@ there (plain and distributed optimizer).
 
 import pytest
 
-from tests.distributed.equivalence import BASE, FP64, STEPS, assert_equivalent
+from tests.distributed.equivalence import BASE, FP64, LLAMA, STEPS, assert_equivalent
 
 TIED = ["model.tie_embeddings=true"]
 # PipeDream-2BW: its delayed update asked for, and no global-norm clipping (which would need a barrier)
@@ -41,6 +41,9 @@ def test_zb_h1_and_zbv_at_world_size_4_match_single_process():
             BASE + ["parallel.pp=4", "parallel.dp=1", "schedule=hanayo", "model.num_layers=8"] + TIED,
             BASE + ["parallel.pp=4", "parallel.dp=1", "schedule=hanayo", "parallel.waves=2", "model.num_layers=16"],
             BASE + [item.replace("zbv", "v_half") for item in zbv] + TIED,
+            # Llama: B defers the RMSNorm scales' and SwiGLU's weight gradients to W, with and without SP.
+            BASE + zb_h1 + ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"] + LLAMA + FP64,
+            BASE + zbv + LLAMA + TIED,
             BASE + [item.replace("zbv", "v_min") for item in zbv] + FP64 + ["trainer.trace=true"]]
     per_rank = assert_equivalent(runs, world_size=4)
     program = lower(build_schedule("v_min", 4, 2, 8))

@@ -119,6 +119,16 @@ def optimizer_settings(*overrides):
 MATRIX, VECTOR = torch.zeros(4, 4), torch.zeros(4)
 
 
+def _with_rule(name: str, param: torch.Tensor) -> torch.Tensor:
+    """``param`` (a fresh copy) carrying the GPT rule of ``name``, as a chunk attaches it."""
+    from ppctl.model.gpt.rules import gpt_rule
+    from ppctl.model.rules import RULE_ATTRIBUTE
+
+    param = torch.nn.Parameter(param.clone())
+    setattr(param, RULE_ATTRIBUTE, gpt_rule(name))
+    return param
+
+
 @pytest.mark.parametrize("name, param, expected", [
     ("layers.0.attention.qkv.weight", MATRIX, True),
     ("layers.3.mlp.fc_out.weight", MATRIX, True),
@@ -130,7 +140,7 @@ MATRIX, VECTOR = torch.zeros(4, 4), torch.zeros(4)
     ("output_layer.weight", MATRIX, False),
 ])
 def test_decays_matrices_but_not_norms_biases_or_embeddings(name, param, expected):
-    assert decays(name, param, optimizer_settings()) is expected
+    assert decays(name, _with_rule(name, param), optimizer_settings()) is expected
 
 
 @pytest.mark.parametrize("name, param, expected", [
@@ -141,7 +151,7 @@ def test_decays_matrices_but_not_norms_biases_or_embeddings(name, param, expecte
     ("layers.0.mlp.fc_in.bias", VECTOR, False),
 ])
 def test_decay_embeddings_includes_the_embeddings_only(name, param, expected):
-    assert decays(name, param, optimizer_settings("optimizer.decay_embeddings=true")) is expected
+    assert decays(name, _with_rule(name, param), optimizer_settings("optimizer.decay_embeddings=true")) is expected
 
 
 @pytest.mark.parametrize("decay_embeddings", [False, True])

@@ -5,6 +5,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ppctl.checkpoint.state import DataPosition, TorchRng
 from ppctl.config import compose_config
+from ppctl.model.rules import REPLICATED, ParameterRule, attach_rules
 from ppctl.optim.loss_scale import DynamicLossScaler
 from ppctl.optim.optimizer import PlainOptimizer
 
@@ -36,7 +37,9 @@ def test_data_position_and_generator_resume():
 
 def _optimizer(seed: int) -> PlainOptimizer:
     torch.manual_seed(seed)
-    return PlainOptimizer({0: torch.nn.Linear(3, 2)}, None, compose_config([]).optimizer)
+    layer = torch.nn.Linear(3, 2)
+    attach_rules(layer, lambda name: ParameterRule(REPLICATED, "normal"))  # what a model chunk attaches
+    return PlainOptimizer({0: layer}, None, compose_config([]).optimizer)
 
 
 def _step(optimizer: PlainOptimizer, inputs: torch.Tensor) -> None:

@@ -6,7 +6,11 @@ parameter rules (``rules.py``) are imported when a model is built, so that this 
 
 from __future__ import annotations
 
+from ppctl.config.schema import ConfigError
 from ppctl.model.family import ModelFamily
+
+# Keys another family reads, with the value that means "not used" here.
+OTHER_FAMILIES_KEYS = {"num_kv_heads": None, "head_dim": None, "rope_scaling_factor": None, "qkv_bias": False}
 
 
 def _shape_of(config):
@@ -21,6 +25,7 @@ def _shape_of(config):
         padded_vocab_size=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, config.parallel.tp),
         max_seq_length=model.max_seq_length, position_embedding=model.position_embedding,
         tie_embeddings=model.tie_embeddings, norm_epsilon=model.norm_epsilon, init_std=model.init_std,
+        rope_base=model.rope_theta,
     )
 
 
@@ -36,4 +41,25 @@ def _rule_of_name(shape):
     return lambda name: gpt_rule(name, shape.tie_embeddings)
 
 
-FAMILY = ModelFamily(name="gpt", shape_of=_shape_of, chunk_class=_chunk_class, rule_of_name=_rule_of_name)
+def _check(config) -> None:
+    """GPT's own rules: whole heads of ``hidden_size``, an even head width for rotary, no other family's keys."""
+    model = config.model
+    if model.hidden_size % model.num_heads:
+        raise ConfigError(f"model.hidden_size={model.hidden_size} must be divisible by model.num_heads="
+                          f"{model.num_heads}")
+    if model.position_embedding == "rope" and (model.hidden_size // model.num_heads) % 2:
+        raise ConfigError("model.position_embedding=rope needs an even head dim")
+    for key, unused in OTHER_FAMILIES_KEYS.items():
+        if getattr(model, key) != unused:
+            raise ConfigError(f"model.{key}={getattr(model, key)} is read by model.family=llama only; this model is "
+                              f"model.family=gpt (drop the key, or set model.family=llama)")
+
+
+def _hf():
+    from ppctl.model.gpt.hf import FORMAT
+
+    return FORMAT
+
+
+FAMILY = ModelFamily(name="gpt", shape_of=_shape_of, chunk_class=_chunk_class, rule_of_name=_rule_of_name,
+                     check=_check, hf=_hf)

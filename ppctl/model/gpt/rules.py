@@ -7,13 +7,9 @@ so TP ranks own whole heads of each; a tied output layer starts equal to the wor
 
 from __future__ import annotations
 
-import re
-from dataclasses import replace
 from types import MappingProxyType
 
-from ppctl.model.rules import COLUMNS, QKV_ROWS, REPLICATED, ROWS, ParameterRule
-
-_LAYER_PREFIX = re.compile(r"^layers\.\d+\.")
+from ppctl.model.rules import COLUMNS, QKV_ROWS, REPLICATED, ROWS, ParameterRule, rule_by_role
 
 PARAMETER_RULES = MappingProxyType({
     "embedding.word.weight": ParameterRule(ROWS, "normal", vocab_rows=True, embedding=True),
@@ -33,15 +29,8 @@ PARAMETER_RULES = MappingProxyType({
     "final_norm.bias": ParameterRule(REPLICATED, "zeros"),
     "output_layer.weight": ParameterRule(ROWS, "normal", vocab_rows=True, embedding=True),
 })
-TIED_OUTPUT = "output_layer.weight"
 
 
 def gpt_rule(name: str, tie_embeddings: bool = False) -> ParameterRule:
     """The rule of a global GPT parameter name (``layers.<id>.`` prefixes are ignored)."""
-    role = _LAYER_PREFIX.sub("", name)
-    if role not in PARAMETER_RULES:
-        raise KeyError(f"unknown GPT parameter name {name!r}; known roles: {sorted(PARAMETER_RULES)}")
-    rule = PARAMETER_RULES[role]
-    if role == TIED_OUTPUT and tie_embeddings:
-        rule = replace(rule, tied_to="embedding.word.weight")  # a tied output layer starts equal to the embedding
-    return rule
+    return rule_by_role(PARAMETER_RULES, "GPT", name, tie_embeddings)

@@ -1,0 +1,216 @@
+"""``ppctl export``: a run's checkpoint as a Hugging Face model folder.
+
+A checkpoint holds every parameter as the dense tensor of one process, by global name, the vocabulary
+unpadded (``model/<name>``): this module reads those in one process (DCP, no process group), whatever
+layout saved them, and writes what ``transformers`` loads: ``config.json`` (the family's architecture for the
+run's shape, ``ppctl.model.hf_format``), ``model.safetensors`` (or shards of at most ``max_shard_bytes`` and
+``model.safetensors.index.json``), ``generation_config.json`` and, when the run read a tokenizer file, that file
+as ``tokenizer.json`` with a ``tokenizer_config.json`` (the byte tokenizer has no HF form: a note says so). The
+weights keep the checkpoint's dtype (``model/``: the run's precision). The folder is written under a hidden name beside ``out_dir`` and renamed into place, so
+it is complete or absent; an ``out_dir`` that exists and is not empty is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ppctl.checkpoint.files import (CheckpointError, checkpoint_problem, checkpoints_dir, latest_checkpoint,
+                                    list_checkpoints, locate_run, read_index, step_dir_name)
+from ppctl.checkpoint.pieces import Piece
+from ppctl.checkpoint.store import Sharded, load_state
+from ppctl.config import PpctlConfig, load_config_file
+from ppctl.model.from_config import family_of, model_shape, parameter_rules
+from ppctl.model.hf_format import CONFIG_FILE, GENERATION_FILE, INDEX_FILE, WEIGHTS_FILE, HFError, hf_format_of
+from ppctl.model.hf_weights import to_hf_tensors
+from ppctl.model.rules import QKV_ROWS
+
+DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
+TOKENIZER_FILE, TOKENIZER_CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
+MODEL_PREFIX = "model/"
+DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16",
+               torch.float16: "float16"}
+
+
+class ExportError(ValueError):
+    """A run or folder ``ppctl export`` cannot use; the message is one line."""
+
+
+def export_run(run_dir: Path, out_dir: Path, step: int | None = None,
+               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+    """Export the checkpoint of ``run_dir`` at ``step`` (default: ``latest``) into ``out_dir``; return the notes to
+    show (what was not written, and why). ``ExportError`` (one line) for what cannot be exported."""
+    refuse_occupied(out_dir)
+    run_dir, named = locate_run(Path(run_dir))
+    if named is not None and step is not None:
+        raise ExportError(f"{named} is one checkpoint: give its run directory with --step {step}, or drop --step")
+    checkpoint = _verified(named) if named is not None else _checkpoint_at(run_dir, step)
+    config_file = run_dir / "config.yaml"
+    if not config_file.is_file():
+        raise ExportError(f"{run_dir}: no config.yaml (not a ppctl run directory): give the trainer.out_dir of a run")
+    return export_checkpoint(checkpoint, load_config_file(config_file), out_dir, max_shard_bytes)
+
+
+def refuse_occupied(out_dir: Path) -> None:
+    """``ExportError`` unless ``out_dir`` is absent or an empty folder: nothing is replaced without asking."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ExportError(f"{out_dir} exists and is not empty: choose a new folder (nothing is replaced)")
+
+
+def _checkpoint_at(run_dir: Path, step: int | None) -> Path:
+    """The verified checkpoint of ``run_dir`` at ``step`` (None: the one ``latest`` names)."""
+    if not run_dir.is_dir():
+        raise ExportError(f"{run_dir}: no such run directory")
+    try:
+        checkpoint = latest_checkpoint(run_dir) if step is None else checkpoints_dir(run_dir) / step_dir_name(step)
+    except CheckpointError as error:
+        raise ExportError(str(error)) from None
+    if checkpoint is None or not checkpoint.is_dir():
+        saved = [str(info.step) for info in list_checkpoints(run_dir) if info.complete]
+        which = "no complete checkpoint" if step is None else f"no checkpoint at step {step}"
+        raise ExportError(f"{run_dir}: {which} (complete checkpoints at steps: {', '.join(saved) or 'none'})")
+    return _verified(checkpoint)
+
+
+def _verified(checkpoint: Path) -> Path:
+    """``checkpoint`` when it is complete and intact (every file's size and SHA-256), else ``ExportError``."""
+    problem = checkpoint_problem(checkpoint, verify_digests=True) if checkpoint.is_dir() else "no such checkpoint"
+    if problem is not None:
+        raise ExportError(f"checkpoint {checkpoint} refused: {problem}")
+    return checkpoint
+
+
+def export_checkpoint(checkpoint: Path, config: PpctlConfig, out_dir: Path,
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+    """Write the HF folder of ``checkpoint`` (saved by a run of ``config``) into ``out_dir``; return the notes."""
+    refuse_occupied(out_dir)
+    try:
+        hf = hf_format_of(family_of(config))
+        model = model_shape(config)
+        dense = read_dense_model(checkpoint, parameter_rules(config))
+        dtype = next(iter(dense.values())).dtype
+        tokenizer, notes = tokenizer_files(config, read_index(checkpoint))
+        hf_config = {**hf.hf_config(model), "dtype": DTYPE_NAMES[dtype], **_special_tokens(tokenizer)}
+        tensors = to_hf_tensors(hf, model, hf_config, dense)
+    except HFError as error:
+        raise ExportError(f"{checkpoint}: {error}") from None
+    _write_folder(out_dir, hf_config, tensors, tokenizer, max_shard_bytes)
+    return notes
+
+
+def read_dense_model(checkpoint: Path, rule_for) -> dict[str, torch.Tensor]:
+    """Every ``model/<name>`` tensor of a checkpoint, whole, by global name (the fused QKV weight back in its
+    ``[3 * rows, ...]`` shape), read in this process with no process group."""
+    import torch.distributed.checkpoint as dcp
+
+    stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    state = {}
+    for key, meta in stored.items():
+        if key.startswith(MODEL_PREFIX) and hasattr(meta, "size"):
+            tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+            state[key] = Sharded(tuple(meta.size), [Piece((0,) * len(meta.size), tensor)])
+    load_state(state, checkpoint, alone=True)
+    dense = {}
+    for key, entry in state.items():
+        name, tensor = key[len(MODEL_PREFIX):], entry.pieces[0].tensor
+        dense[name] = tensor.flatten(0, 1) if rule_for(name).split == QKV_ROWS else tensor
+    return dense
+
+
+def tokenizer_files(config: PpctlConfig, index: dict[str, Any]) -> tuple[dict[str, Any] | None, list[str]]:
+    """``(the run's tokenizer: its end-of-document id and the file to copy, if any; notes)``: a tokenizer file is
+    copied when it is still the one the checkpoint recorded; the byte tokenizer and synthetic data have none."""
+    from ppctl.data.tokenizer import build_tokenizer
+
+    data = config.data
+    if data.source == "synthetic":
+        return None, ["note: synthetic data has no tokenizer: no tokenizer files written"]
+    if data.tokenizer == "byte":
+        return ({"eod_id": build_tokenizer("byte").eod_id},
+                ["note: data.tokenizer=byte (UTF-8 bytes, 256 = end of document) has no Hugging Face tokenizer file: "
+                 "no tokenizer files written"])
+    recorded = (index.get("data") or {}).get("tokenizer") or {}
+    tokenizer = build_tokenizer(data.tokenizer) if Path(data.tokenizer).is_file() else None
+    if tokenizer is None or recorded.get("vocab_sha256") not in (None, tokenizer.vocabulary_sha256):
+        return None, [f"note: the tokenizer file {data.tokenizer} is gone or changed since the checkpoint was saved: "
+                      f"no tokenizer files written"]
+    eod_token = {token_id: token for token, token_id in tokenizer.vocabulary_tokens()}.get(tokenizer.eod_id)
+    notes = [] if eod_token is not None else [
+        f"note: {data.tokenizer} has no end-of-text token; the end-of-document id {tokenizer.eod_id} is ppctl's own, "
+        f"which the copied tokenizer.json does not know"]
+    return {"path": Path(data.tokenizer), "eod_id": tokenizer.eod_id, "eod_token": eod_token}, notes
+
+
+def _special_tokens(tokenizer: dict[str, Any] | None) -> dict[str, Any]:
+    """``bos_token_id`` and ``eos_token_id``: the end-of-document id (None when the run had no tokenizer)."""
+    eod = tokenizer["eod_id"] if tokenizer is not None else None
+    return {"bos_token_id": eod, "eos_token_id": eod}
+
+
+def _write_folder(out_dir: Path, hf_config: dict[str, Any], tensors: dict[str, torch.Tensor],
+                  tokenizer: dict[str, Any] | None, max_shard_bytes: int) -> None:
+    """Write the folder under a hidden name beside ``out_dir``, then rename it into place."""
+    partial = out_dir.parent / f".{out_dir.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        partial.mkdir(parents=True)
+        _write_json(partial / CONFIG_FILE, hf_config)
+        _write_json(partial / GENERATION_FILE, {"_from_model_config": True, "bos_token_id": hf_config["bos_token_id"],
+                                                "eos_token_id": hf_config["eos_token_id"]})
+        write_weights(partial, tensors, max_shard_bytes)
+        if tokenizer is not None and "path" in tokenizer:
+            write_tokenizer(partial, tokenizer, hf_config)
+        mode = (partial / CONFIG_FILE).stat().st_mode & 0o777  # as this process makes files (safetensors: 0600)
+        for file in partial.glob("*.safetensors"):
+            file.chmod(mode)
+        if out_dir.is_dir():
+            out_dir.rmdir()  # empty (refuse_occupied): the rename takes its place
+        os.replace(partial, out_dir)
+    except OSError as error:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise ExportError(f"cannot write {out_dir}: {error.strerror or error}") from None
+
+
+def write_tokenizer(folder: Path, tokenizer: dict[str, Any], hf_config: dict[str, Any]) -> None:
+    """The run's tokenizer file as ``tokenizer.json``, and a ``tokenizer_config.json`` that makes ``AutoTokenizer``
+    read that file as it is (without one it picks the architecture's own tokenizer class, another tokenizer)."""
+    shutil.copyfile(tokenizer["path"], folder / TOKENIZER_FILE)
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": hf_config.get(
+        "n_positions", hf_config.get("max_position_embeddings"))}
+    if tokenizer["eod_token"] is not None:
+        settings.update(eos_token=tokenizer["eod_token"], bos_token=tokenizer["eod_token"])
+    _write_json(folder / TOKENIZER_CONFIG_FILE, settings)
+
+
+def write_weights(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
+    """``model.safetensors``, or shards of at most ``max_shard_bytes`` each (a bigger tensor alone in its shard)
+    named ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and sizes[-1] + size > max_shard_bytes:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = tensor
+        sizes[-1] += size
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for number, shard in enumerate(shards, start=1):
+        file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+    _write_json(folder / INDEX_FILE, {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map})
+
+
+def _write_json(path: Path, content: dict[str, Any]) -> None:
+    path.write_text(json.dumps(content, indent=2) + "\n")

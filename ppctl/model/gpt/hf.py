@@ -1,0 +1,188 @@
+"""The GPT family in Hugging Face format: ``GPT2LMHeadModel`` (learned positions) and ``Starcoder2ForCausalLM``
+(rotary), both ways.
+
+What the mapping rests on (checked against ``transformers`` in ``tests/unit/test_hf_gpt.py``):
+
+* learned positions: ppctl's GPT is ``GPT2LMHeadModel`` with ``activation_function="gelu"`` (the exact GELU;
+  GPT-2's own checkpoints use ``gelu_new``, a tanh approximation ppctl does not compute, so they are refused) and
+  a zero ``c_attn`` bias (ppctl's attention has no QKV bias). GPT-2 keeps its linear weights as ``Conv1D``,
+  ``[in, out]``: each is ppctl's transposed. ``c_attn``'s columns are ``[q; k; v]``, each head-major: ppctl's
+  fused QKV rows.
+* rotary positions: ppctl's GPT is ``Starcoder2ForCausalLM`` (LayerNorm with biases, a sequential residual,
+  rotate-half rotary over the whole head) with the exact GELU, ``num_key_value_heads = num_attention_heads``,
+  zero q/k/v biases and no sliding window; ppctl's QKV rows are ``q_proj``, ``k_proj`` and ``v_proj`` one after
+  the other, and its weights are ``nn.Linear``'s ``[out, in]``.
+
+Pure: names and numbers only (``model`` holds the ``model.*`` settings by name).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ppctl.model.hf_format import HFError, HFTensor, architecture_of
+
+GPT2 = "GPT2LMHeadModel"
+STARCODER2 = "Starcoder2ForCausalLM"
+EXACT_GELU = "gelu"
+# transformers' defaults for the keys a config.json may leave out (GPT2Config, Starcoder2Config).
+GPT2_DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
+                 "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+                 "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False,
+                 "tie_word_embeddings": True}
+STARCODER2_DEFAULTS = {"vocab_size": 49152, "hidden_size": 3072, "intermediate_size": 12288, "num_hidden_layers": 30,
+                       "num_attention_heads": 24, "num_key_value_heads": 2, "hidden_act": "gelu_pytorch_tanh",
+                       "max_position_embeddings": 4096, "norm_epsilon": 1e-5, "sliding_window": None,
+                       "use_bias": True, "tie_word_embeddings": True}
+
+
+class GPTHuggingFace:
+    """The GPT family's HF format (see ``ppctl.model.hf_format``)."""
+
+    architectures = (GPT2, STARCODER2)
+
+    def hf_config(self, model) -> dict[str, Any]:
+        """``config.json`` of a GPT model: GPT-2's for learned positions, StarCoder2's for rotary ones."""
+        common = {"vocab_size": model.vocab_size, "initializer_range": model.init_std,
+                  "tie_word_embeddings": model.tie_embeddings, "use_cache": True}
+        if model.position_embedding == "learned":
+            return {"architectures": [GPT2], "model_type": "gpt2", **common, "n_positions": model.max_seq_length,
+                    "n_embd": model.hidden_size, "n_layer": model.num_layers, "n_head": model.num_heads,
+                    "n_inner": model.ffn_hidden_size, "activation_function": EXACT_GELU,
+                    "layer_norm_epsilon": model.norm_epsilon, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                    "attn_pdrop": 0.0, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+                    "reorder_and_upcast_attn": False}
+        rope_theta = float(model.rope_theta if hasattr(model, "rope_theta") else model.rope_base)
+        return {"architectures": [STARCODER2], "model_type": "starcoder2", **common,
+                "hidden_size": model.hidden_size, "intermediate_size": model.ffn_hidden_size,
+                "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_heads,
+                "num_key_value_heads": model.num_heads, "hidden_act": EXACT_GELU,
+                "max_position_embeddings": model.max_seq_length, "norm_epsilon": model.norm_epsilon,
+                "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta}, "rope_theta": rope_theta,
+                "use_bias": True, "sliding_window": None, "attention_dropout": 0.0, "residual_dropout": 0.0,
+                "embedding_dropout": 0.0}
+
+    def shape_from_hf(self, hf_config: dict[str, Any]) -> dict[str, Any]:
+        """The ``model.*`` settings of a GPT-2 or StarCoder2 ``config.json``; ``HFError`` for what ppctl's GPT cannot
+        compute exactly."""
+        architecture = architecture_of(hf_config)
+        if architecture == GPT2:
+            return _gpt2_shape({**GPT2_DEFAULTS, **hf_config})
+        if architecture == STARCODER2:
+            return _starcoder2_shape({**STARCODER2_DEFAULTS, **hf_config})
+        raise HFError(f"its {architecture} is no architecture model.family=gpt reads ({GPT2}: learned positions, "
+                      f"{STARCODER2}: rotary)")
+
+    def tensors(self, model, hf_config: dict[str, Any]) -> dict[str, HFTensor]:
+        """Every ppctl GPT parameter (a tied output layer is the word embedding) -> its HF tensor."""
+        if model.position_embedding == "learned":
+            return _gpt2_tensors(model)
+        return _starcoder2_tensors(model, {**STARCODER2_DEFAULTS, **hf_config}["use_bias"])
+
+    def zero_tensors(self, model, hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+        """The QKV biases HF has and ppctl's attention does not (zero, or the model cannot be expressed)."""
+        if model.position_embedding == "learned":
+            return {f"transformer.h.{layer}.attn.c_attn.bias": (3 * model.hidden_size,)
+                    for layer in range(model.num_layers)}
+        if not {**STARCODER2_DEFAULTS, **hf_config}["use_bias"]:
+            return {}
+        return {f"model.layers.{layer}.self_attn.{part}_proj.bias": (model.hidden_size,)
+                for layer in range(model.num_layers) for part in ("q", "k", "v")}
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise HFError(message)
+
+
+def _gpt2_shape(hf: dict[str, Any]) -> dict[str, Any]:
+    """The GPT shape of a GPT-2 config (defaults filled in)."""
+    _require(hf["activation_function"] == EXACT_GELU,
+             f"its activation_function={hf['activation_function']!r}: ppctl's gpt computes the exact GELU "
+             f"({EXACT_GELU!r}) only, so this model cannot be expressed exactly")
+    _require(hf["scale_attn_weights"] and not hf["scale_attn_by_inverse_layer_idx"],
+             "its attention scores are not scaled by 1/sqrt(head dim) alone (scale_attn_weights, "
+             "scale_attn_by_inverse_layer_idx): ppctl's gpt cannot express it")
+    _require(not hf["add_cross_attention"], "it has cross-attention (add_cross_attention): ppctl's gpt has none")
+    return {"family": "gpt", "position_embedding": "learned", "num_layers": hf["n_layer"],
+            "hidden_size": hf["n_embd"], "num_heads": hf["n_head"],
+            "ffn_hidden_size": hf["n_inner"] if hf["n_inner"] is not None else 4 * hf["n_embd"],
+            "vocab_size": hf["vocab_size"], "max_seq_length": hf["n_positions"],
+            "tie_embeddings": bool(hf["tie_word_embeddings"]), "norm_epsilon": hf["layer_norm_epsilon"]}
+
+
+def _starcoder2_shape(hf: dict[str, Any]) -> dict[str, Any]:
+    """The rotary GPT shape of a StarCoder2 config (defaults filled in)."""
+    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    _require(hf["hidden_act"] == EXACT_GELU,
+             f"its hidden_act={hf['hidden_act']!r}: ppctl's gpt computes the exact GELU ({EXACT_GELU!r}) only, so "
+             f"this model cannot be expressed exactly")
+    _require(hf["num_key_value_heads"] == heads,
+             f"its num_key_value_heads={hf['num_key_value_heads']} differs from num_attention_heads={heads}: "
+             f"grouped-query attention is model.family=llama's, not gpt's")
+    _require(hf["sliding_window"] is None, f"its sliding_window={hf['sliding_window']}: ppctl attends to the whole "
+                                           f"sequence")
+    _require(hf.get("head_dim", hidden // heads) == hidden // heads,
+             f"its head_dim={hf.get('head_dim')} is not hidden_size / num_attention_heads: ppctl's gpt cannot "
+             f"express it")
+    _require(hf.get("partial_rotary_factor", 1.0) == 1.0, "its rotary covers part of each head "
+                                                           "(partial_rotary_factor): ppctl's covers the whole head")
+    rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
+    _require(rope.get("rope_type", "default") == "default",
+             f"its rope_type={rope.get('rope_type')!r}: ppctl's gpt has the plain rotary embedding ('default')")
+    return {"family": "gpt", "position_embedding": "rope", "num_layers": hf["num_hidden_layers"],
+            "hidden_size": hidden, "num_heads": heads, "ffn_hidden_size": hf["intermediate_size"],
+            "vocab_size": hf["vocab_size"], "max_seq_length": hf["max_position_embeddings"],
+            "tie_embeddings": bool(hf["tie_word_embeddings"]), "norm_epsilon": hf["norm_epsilon"],
+            "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+
+
+def _gpt2_tensors(model) -> dict[str, HFTensor]:
+    """ppctl name -> GPT-2 tensor: renames, the Conv1D weights transposed."""
+    tensors = {"embedding.word.weight": HFTensor(("transformer.wte.weight",)),
+               "embedding.position.weight": HFTensor(("transformer.wpe.weight",))}
+    for layer in range(model.num_layers):
+        ppctl, hf = f"layers.{layer}", f"transformer.h.{layer}"
+        for role, name, transpose in (("attn_norm.weight", "ln_1.weight", False),
+                                      ("attn_norm.bias", "ln_1.bias", False),
+                                      ("attention.qkv.weight", "attn.c_attn.weight", True),
+                                      ("attention.proj.weight", "attn.c_proj.weight", True),
+                                      ("attention.proj.bias", "attn.c_proj.bias", False),
+                                      ("mlp_norm.weight", "ln_2.weight", False), ("mlp_norm.bias", "ln_2.bias", False),
+                                      ("mlp.fc_in.weight", "mlp.c_fc.weight", True),
+                                      ("mlp.fc_in.bias", "mlp.c_fc.bias", False),
+                                      ("mlp.fc_out.weight", "mlp.c_proj.weight", True),
+                                      ("mlp.fc_out.bias", "mlp.c_proj.bias", False)):
+            tensors[f"{ppctl}.{role}"] = HFTensor((f"{hf}.{name}",), transpose)
+    tensors["final_norm.weight"] = HFTensor(("transformer.ln_f.weight",))
+    tensors["final_norm.bias"] = HFTensor(("transformer.ln_f.bias",))
+    if not model.tie_embeddings:
+        tensors["output_layer.weight"] = HFTensor(("lm_head.weight",))
+    return tensors
+
+
+def _starcoder2_tensors(model, use_bias: bool) -> dict[str, HFTensor]:
+    """ppctl name -> StarCoder2 tensor: renames, the fused QKV split into q, k and v (biases absent without
+    ``use_bias``: ppctl's are zero)."""
+    tensors = {"embedding.word.weight": HFTensor(("model.embed_tokens.weight",))}
+    for layer in range(model.num_layers):
+        ppctl, hf = f"layers.{layer}", f"model.layers.{layer}"
+        tensors[f"{ppctl}.attention.qkv.weight"] = HFTensor(
+            tuple(f"{hf}.self_attn.{part}_proj.weight" for part in ("q", "k", "v")))
+        for role, name in (("attn_norm.weight", "input_layernorm.weight"), ("attn_norm.bias", "input_layernorm.bias"),
+                           ("attention.proj.weight", "self_attn.o_proj.weight"),
+                           ("mlp_norm.weight", "post_attention_layernorm.weight"),
+                           ("mlp_norm.bias", "post_attention_layernorm.bias"),
+                           ("mlp.fc_in.weight", "mlp.c_fc.weight"), ("mlp.fc_out.weight", "mlp.c_proj.weight")):
+            tensors[f"{ppctl}.{role}"] = HFTensor((f"{hf}.{name}",))
+        for role, name in (("attention.proj.bias", "self_attn.o_proj.bias"), ("mlp.fc_in.bias", "mlp.c_fc.bias"),
+                           ("mlp.fc_out.bias", "mlp.c_proj.bias")):
+            tensors[f"{ppctl}.{role}"] = HFTensor((f"{hf}.{name}",) if use_bias else ())
+    tensors["final_norm.weight"] = HFTensor(("model.norm.weight",))
+    tensors["final_norm.bias"] = HFTensor(("model.norm.bias",))
+    if not model.tie_embeddings:
+        tensors["output_layer.weight"] = HFTensor(("lm_head.weight",))
+    return tensors
+
+
+FORMAT = GPTHuggingFace()

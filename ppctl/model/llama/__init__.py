@@ -1,0 +1,86 @@
+"""The Llama family: RMSNorm, SwiGLU, grouped-query attention, rotary positions (Llama 2 and 3, Qwen2's q/k/v bias).
+
+``FAMILY`` is what the rest of ppctl reads (``ppctl.model.family``); the chunk (``model.py``), its
+layers (``layers.py``) and the parameter rules (``rules.py``) are imported when a model is built, so
+that this module needs no torch. Each TP rank owns whole key/value heads: ``model.num_kv_heads``
+must be a multiple of ``parallel.tp`` (refused otherwise; Megatron would replicate them instead).
+"""
+
+from __future__ import annotations
+
+from ppctl.config.schema import ConfigError
+from ppctl.model.family import Architecture, ModelFamily
+
+
+def _shape_of(config):
+    """The ``LlamaConfig`` a ``PpctlConfig`` describes: the tokenizer's vocabulary, its rows padded for TP."""
+    from ppctl.config import padded_vocab_size
+    from ppctl.model.llama.layers import RopeScaling
+    from ppctl.model.llama.model import LlamaConfig
+
+    model = config.model
+    scaling = None
+    if model.rope_scaling_factor is not None:
+        scaling = RopeScaling(model.rope_scaling_factor, model.rope_low_freq_factor, model.rope_high_freq_factor,
+                              model.rope_original_max_position)
+    return LlamaConfig(
+        num_layers=model.num_layers, hidden_size=model.hidden_size, num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads or model.num_heads, head_dim=head_dim_of(model),
+        ffn_hidden_size=model.ffn_hidden_size, vocab_size=model.vocab_size, max_seq_length=model.max_seq_length,
+        padded_vocab_size=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, config.parallel.tp),
+        tie_embeddings=model.tie_embeddings, norm_epsilon=model.norm_epsilon, init_std=model.init_std,
+        rope_theta=model.rope_theta, rope_scaling=scaling, qkv_bias=model.qkv_bias,
+    )
+
+
+def head_dim_of(model) -> int:
+    """``model.head_dim``, or ``hidden_size / num_heads`` when unset."""
+    return model.head_dim or model.hidden_size // model.num_heads
+
+
+def _chunk_class():
+    from ppctl.model.llama.model import LlamaChunk
+
+    return LlamaChunk
+
+
+def _rule_of_name(shape):
+    from ppctl.model.llama.rules import llama_rule
+
+    return lambda name: llama_rule(name, shape.tie_embeddings)
+
+
+def _check(config) -> None:
+    """Llama's own rules: rotary positions, whole KV groups per TP rank, an even head width, sane scaling."""
+    model, tp = config.model, config.parallel.tp
+    kv_heads = model.num_kv_heads or model.num_heads
+    _require(model.position_embedding == "rope", f"model.family=llama has rotary positions: set "
+                                                 f"model.position_embedding=rope (got {model.position_embedding})")
+    _require(kv_heads >= 1 and model.num_heads % kv_heads == 0,
+             f"model.num_heads={model.num_heads} must be a multiple of model.num_kv_heads={kv_heads}")
+    _require(kv_heads % tp == 0, f"model.num_kv_heads={kv_heads} must be divisible by parallel.tp={tp} (each TP rank "
+                                 f"owns whole key/value heads)")
+    _require(model.head_dim is not None or model.hidden_size % model.num_heads == 0,
+             f"model.hidden_size={model.hidden_size} must be divisible by model.num_heads={model.num_heads}, or set "
+             f"model.head_dim")
+    _require(head_dim_of(model) % 2 == 0, f"model.head_dim={head_dim_of(model)} must be even (rotary pairs)")
+    if model.rope_scaling_factor is not None:
+        _require(model.rope_scaling_factor > 0 and 0 < model.rope_low_freq_factor < model.rope_high_freq_factor,
+                 f"model.rope_scaling_factor={model.rope_scaling_factor} must be > 0 and 0 < "
+                 f"model.rope_low_freq_factor < model.rope_high_freq_factor")
+
+
+def _hf():
+    from ppctl.model.llama.hf import FORMAT
+
+    return FORMAT
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+FAMILY = ModelFamily(name="llama", shape_of=_shape_of, chunk_class=_chunk_class, rule_of_name=_rule_of_name,
+                     check=_check, hf=_hf, architecture=Architecture(norm_has_bias=False, gated_mlp=True,
+                                                             linear_biases=False, fused_qkv=False))

@@ -1,0 +1,100 @@
+"""The Llama family's shape (``LlamaConfig``) and stage chunk (``LlamaChunk``), with Megatron tensor parallelism.
+
+A ``LlamaChunk`` is a ``ppctl.model.chunk.DecoderChunk`` of Llama layers (``layers.py``): RMSNorm,
+SwiGLU, grouped-query attention (optional q/k/v bias, as Qwen2), rotary positions of ``rope_theta``
+with Llama 3's frequency scaling when given, no other biases, an untied output layer by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ppctl.model.chunk import DecoderChunk
+from ppctl.model.llama.layers import LlamaLayer, RMSNorm, RopeScaling, check_grouped_heads, llama_rotary_cos_sin
+from ppctl.model.llama.rules import llama_rule
+from ppctl.parallel.tensor_parallel import VocabParallelEmbedding
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape of a Llama model (the names of ``ppctl.model.gpt.model.GPTConfig`` where they mean the same).
+
+    num_kv_heads: key/value heads (grouped-query attention; ``num_heads`` for multi-head attention).
+    head_dim: width of one head (may differ from ``hidden_size / num_heads``).
+    rope_theta: base of the rotary frequencies; rope_scaling: Llama 3's frequency scaling, or None.
+    qkv_bias: biases on q, k and v (Qwen2); norm_epsilon: RMSNorm epsilon.
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    max_seq_length: int
+    padded_vocab_size: int
+    tie_embeddings: bool = False
+    norm_epsilon: float = 1e-5
+    init_std: float = 0.02
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False
+
+
+def check_tp_divides(config: LlamaConfig, tp_size: int) -> None:
+    """Raise ValueError (one line) unless heads, KV groups, MLP width and padded vocabulary split over ``tp_size``."""
+    check_grouped_heads(config.num_heads, config.num_kv_heads, tp_size)
+    for field in ("ffn_hidden_size", "padded_vocab_size"):
+        if getattr(config, field) % tp_size != 0:
+            raise ValueError(f"model.{field}={getattr(config, field)} must be a multiple of parallel.tp={tp_size}")
+
+
+class WordEmbedding(nn.Module):
+    """The vocab-parallel word embedding alone (positions are rotary, inside the layers)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp, dtype: torch.dtype):
+        super().__init__()
+        self.word = VocabParallelEmbedding(vocab_size, hidden_size, tp, dtype=dtype)
+
+    def forward(self, token_ids: torch.Tensor, _position_ids: torch.Tensor | None) -> torch.Tensor:
+        """Map ``token_ids [batch, seq]`` to hidden states (``seq / tp`` of them with SP)."""
+        return self.word(token_ids)
+
+
+class LlamaChunk(DecoderChunk):
+    """One pipeline stage chunk of a Llama model on one TP rank (``DecoderChunk``)."""
+
+    check_tp_divides = staticmethod(check_tp_divides)
+
+    def make_embedding(self, dtype: torch.dtype) -> nn.Module:
+        """The word embedding (no position table)."""
+        return WordEmbedding(self.config.padded_vocab_size, self.config.hidden_size, self.tp, dtype)
+
+    def make_layer(self, dtype: torch.dtype, recompute_attention_core: bool) -> nn.Module:
+        """A pre-norm Llama decoder layer."""
+        config = self.config
+        return LlamaLayer(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+                          config.ffn_hidden_size, config.norm_epsilon, self.tp, dtype, self.cp, config.qkv_bias,
+                          recompute_attention_core)
+
+    def make_final_norm(self, dtype: torch.dtype) -> nn.Module:
+        """RMSNorm."""
+        return RMSNorm(self.config.hidden_size, eps=self.config.norm_epsilon, dtype=dtype)
+
+    def parameter_rule(self, name: str):
+        """The Llama rule of ``name`` (``ppctl.model.llama.rules``)."""
+        return llama_rule(name, self.config.tie_embeddings)
+
+    @property
+    def layers_read_positions(self) -> bool:
+        """Its layers rotate queries and keys by position."""
+        return bool(self.layer_ids)
+
+    def rotary_tables(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        """Rotary ``(cos, sin)`` of ``rope_theta``, scaled as Llama 3 when ``rope_scaling`` is set."""
+        config = self.config
+        return llama_rotary_cos_sin(position_ids, config.head_dim, config.rope_theta, config.rope_scaling, dtype)

@@ -1,0 +1,36 @@
+"""The Llama family's parameters: each role's TP split and initialisation.
+
+q/k/v and gate/up are separate column-parallel weights (split by rows: whole heads, whole KV
+groups, whole features), o_proj and down_proj row-parallel (split by columns), the norms
+replicated. The embedding and the output layer split the padded vocabulary. As in the GPT
+family, projections into the residual stream start with the scaled normal.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from ppctl.model.rules import COLUMNS, REPLICATED, ROWS, ParameterRule, rule_by_role
+
+PARAMETER_RULES = MappingProxyType({
+    "embedding.word.weight": ParameterRule(ROWS, "normal", vocab_rows=True, embedding=True),
+    "input_layernorm.weight": ParameterRule(REPLICATED, "ones"),
+    "self_attn.q_proj.weight": ParameterRule(ROWS, "normal"),
+    "self_attn.k_proj.weight": ParameterRule(ROWS, "normal"),
+    "self_attn.v_proj.weight": ParameterRule(ROWS, "normal"),
+    "self_attn.q_proj.bias": ParameterRule(ROWS, "zeros"),
+    "self_attn.k_proj.bias": ParameterRule(ROWS, "zeros"),
+    "self_attn.v_proj.bias": ParameterRule(ROWS, "zeros"),
+    "self_attn.o_proj.weight": ParameterRule(COLUMNS, "scaled_normal"),
+    "post_attention_layernorm.weight": ParameterRule(REPLICATED, "ones"),
+    "mlp.gate_proj.weight": ParameterRule(ROWS, "normal"),
+    "mlp.up_proj.weight": ParameterRule(ROWS, "normal"),
+    "mlp.down_proj.weight": ParameterRule(COLUMNS, "scaled_normal"),
+    "final_norm.weight": ParameterRule(REPLICATED, "ones"),
+    "output_layer.weight": ParameterRule(ROWS, "normal", vocab_rows=True, embedding=True),
+})
+
+
+def llama_rule(name: str, tie_embeddings: bool = False) -> ParameterRule:
+    """The rule of a global Llama parameter name (``layers.<id>.`` prefixes are ignored)."""
+    return rule_by_role(PARAMETER_RULES, "Llama", name, tie_embeddings)

@@ -1,0 +1,95 @@
+"""Hugging Face in and out at parallel layouts: ``model.init_from`` read in slices by 4 gloo workers, the loss on a
+batch against transformers', and ``ppctl export`` of checkpoints saved at two layouts.
+
+For a tiny GPT-2 (untied) and a tiny StarCoder2 (rotary, tied; ``tests/harness/hf_models.py``), each in float64
+at two layouts of 4 workers (tp=2 pp=2 and pp=2 dp=2; tp=2 pp=2 and tp=4: the vocabulary padded to 128 and 256
+rows, a tied output layer on its own stage): the forward-only loss of global batch 0 equals transformers'
+cross-entropy of its float64 logits on the same batch (measured: ~1e-16 relative, asserted 1e-10); each layout's
+checkpoint, saved before any step, exports (``ppctl.checkpoint.hf_export``, one process) to the same bytes, and
+those are the folder's tensors (transposes, the QKV order and the unpadded vocabulary undone exactly).
+"""
+
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.equivalence import composed_runs
+from tests.harness.hf_models import GPT2, STARCODER2, batch_loss, hf_model, overrides, save_tiny, step_batch
+from tests.harness.pool import run_workers
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+LAYOUTS = {
+    GPT2: (["parallel.tp=2", "parallel.pp=2"], ["parallel.pp=2", "parallel.dp=2"]),
+    STARCODER2: (["parallel.tp=2", "parallel.pp=2"], ["parallel.tp=4", "parallel.pp=1"]),
+}
+TIED = {GPT2: False, STARCODER2: True}
+
+
+def _save_and_evaluate(rank, world_size, root, configs):
+    """Worker: for each config, a trainer from its HF folder saves a checkpoint at step 0 and evaluates batch 0."""
+    from ppctl.checkpoint.state import save_checkpoint
+    from ppctl.config import layout_of
+    from ppctl.parallel.groups import build_parallel_context
+    from ppctl.run.train import Trainer
+
+    contexts, results = {}, []
+    for index, config in enumerate(configs):
+        layout = layout_of(config)
+        if layout not in contexts:
+            contexts[layout] = build_parallel_context(layout, 60)
+        trainer = Trainer(config, contexts[layout])
+        checkpoint = save_checkpoint(trainer, Path(root) / f"run{index}", 0, "test", keep_last=1)
+        results.append((str(checkpoint), trainer.evaluate(0)))
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``{(architecture, layout index): (config, checkpoint, the step-0 losses the ranks report)}``."""
+    root = tmp_path_factory.mktemp("hf_runs")
+    keys, items = [], []
+    for architecture, layouts in LAYOUTS.items():
+        folder = save_tiny(root / architecture, architecture, TIED[architecture])
+        for index, layout in enumerate(layouts):
+            keys.append((architecture, index))
+            items.append([*overrides(folder, architecture, TIED[architecture]), "trainer.precision=fp64", *layout])
+    configs = composed_runs(items)
+    per_rank = run_workers(_save_and_evaluate, 4, str(root / "runs"), configs, timeout=240)
+    return {key: (config, Path(per_rank[0][index][0]), [ranks[index][1] for ranks in per_rank])
+            for index, (key, config) in enumerate(zip(keys, configs))}
+
+
+@pytest.mark.parametrize("architecture", [GPT2, STARCODER2])
+def test_the_loss_at_a_parallel_layout_is_transformers_cross_entropy(runs, architecture):
+    for index in range(2):
+        config, _checkpoint, losses = runs[(architecture, index)]
+        expected = batch_loss(hf_model(Path(config.model.init_from)), step_batch(config, 0))
+        held = [loss for loss in losses if loss is not None]
+        assert held and all(loss == pytest.approx(expected, rel=1e-10) for loss in held), (architecture, index, held)
+
+
+@pytest.mark.parametrize("architecture", [GPT2, STARCODER2])
+def test_checkpoints_of_two_layouts_export_the_same_bytes_and_the_folders_tensors(runs, tmp_path, architecture):
+    import torch
+    from safetensors.torch import load_file
+
+    from ppctl.checkpoint.hf_export import export_checkpoint
+
+    exported = []
+    for index in range(2):
+        config, checkpoint, _losses = runs[(architecture, index)]
+        out = tmp_path / f"export{index}"
+        export_checkpoint(checkpoint, config, out)
+        exported.append(out)
+    assert {path.name for path in exported[0].iterdir()} == {"config.json", "generation_config.json",
+                                                              "model.safetensors"}
+    for name in ("config.json", "model.safetensors"):
+        assert (exported[0] / name).read_bytes() == (exported[1] / name).read_bytes(), name
+    loss = batch_loss(hf_model(exported[0]), step_batch(config, 0))  # transformers reads the export's config
+    assert loss == pytest.approx(batch_loss(hf_model(Path(config.model.init_from)), step_batch(config, 0)), rel=1e-12)
+    original = load_file(str(Path(config.model.init_from) / "model.safetensors"))
+    written = load_file(str(exported[0] / "model.safetensors"))
+    assert sorted(written) == sorted(original)
+    for name, tensor in original.items():
+        assert written[name].dtype == torch.float64 and torch.equal(written[name], tensor.double()), name
