@@ -2,7 +2,7 @@
 
 One launch of 2 workers trains 30 steps of the same model and data in fp32, bf16 and
 fp16 (with dynamic loss scaling): pipelined (pp=2, the plain optimizer with fp32 main
-copies) and data parallel (dp=2, the distributed optimizer). Every step's loss must stay
+copies; a GPT and a Llama) and data parallel (dp=2, the distributed optimizer). Every step's loss must stay
 within the half precision of the fp32 run's; parameters, activations and pipeline
 messages are half precision (half the bytes per message), main parameters, main
 gradients and the loss are fp32. An fp16 run started at a loss scale that overflows
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.harness.pool import run_workers
-from tests.distributed.equivalence import BASE, _record_message_bytes, composed_runs
+from tests.distributed.equivalence import BASE, LLAMA, _record_message_bytes, composed_runs
 from tests.harness.tolerances import HALF_PRECISION_LOSS
 
 STEPS = 30
@@ -21,7 +21,8 @@ STEPS = 30
 # spike amplifies the rounding differences into another trajectory.
 DATA = ["data=python_stdlib", "optimizer.lr=0.003"]
 LAYOUTS = {"pp2": ["parallel.pp=2", "parallel.dp=1"], "dp2-distributed": ["parallel.pp=1", "parallel.dp=2",
-                                                                           "optimizer.distributed=true"]}
+                                                                           "optimizer.distributed=true"],
+           "llama pp2": ["parallel.pp=2", "parallel.dp=1", *LLAMA]}  # RMSNorm upcasts half precision itself
 OVERFLOWING_SCALE = 2.0 ** 20  # overflows fp16 (max 65504) in the backward of this model; 2^16 does not
 
 
