@@ -9,6 +9,7 @@ its chunk is imported when one is built. Adding a family is a folder plus its te
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ class ModelFamily:
     architecture: Architecture = Architecture()
 
 
+@functools.cache  # the installed folders do not change while ppctl runs; the planner asks per candidate
 def family_names() -> tuple[str, ...]:
     """The families installed: the folders under ``ppctl/model/`` that export ``FAMILY``."""
     folder = Path(__file__).resolve().parent

@@ -49,6 +49,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated_half * sin
 
 
+def rotate_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rotary, cache: LayerCache | None,
+                      core, cp: CPGroup, recompute_core: bool) -> torch.Tensor:
+    """Queries and keys rotated (``rotary``: ``(cos, sin)`` or None), then attended: through ``cache`` when decoding,
+    else by ``core(query, key, value, cp)``, run again in the backward with ``recompute_core``."""
+    if rotary is not None:
+        query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
+    if cache is not None:
+        return cached_attention(query, key, value, cache)
+    if recompute_core:
+        return recomputed(core, query, key, value, cp)
+    return core(query, key, value, cp)
+
+
 class LayerNorm(DefersWeightGrads, nn.LayerNorm):
     """``nn.LayerNorm`` (same parameters, same math) whose scale and shift gradients a pipeline B can defer to W."""
 
@@ -106,14 +119,8 @@ class CausalSelfAttention(nn.Module):
         batch, seq = qkv.shape[:2]
         qkv = qkv.view(batch, seq, 3, self.local_heads, self.head_dim)
         query, key, value = (part.transpose(1, 2) for part in qkv.unbind(dim=2))  # [batch, heads, seq, head_dim]
-        if rotary is not None:
-            query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
-        if cache is not None:
-            attended = cached_attention(query, key, value, cache)
-        elif self.recompute_core:
-            attended = recomputed(context_parallel_attention, query, key, value, self.cp)
-        else:
-            attended = context_parallel_attention(query, key, value, self.cp)
+        attended = rotate_and_attend(query, key, value, rotary, cache, context_parallel_attention, self.cp,
+                                     self.recompute_core)
         attended = attended.transpose(1, 2).reshape(batch, seq, self.local_heads * self.head_dim)
         return self.proj(attended)
 

@@ -221,12 +221,13 @@ def counted_once(chunks: Mapping[int, torch.nn.Module], context) -> list[torch.T
     for stage, chunk in chunks.items():
         if context.layout.placement.copy_of(stage):
             continue
+        tied_copy = tied_output_copy(chunk)
         for param in chunk.parameters():
             if param.grad is None:
                 continue
             if tp_rank != 0 and rule_of(param).tp_replicated:
                 continue
-            if param is tied_output_copy(chunk):
+            if param is tied_copy:
                 continue  # the tied copy of the word embedding: counted on the first stage
             grads.append(param.grad)
     return grads

@@ -20,10 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppctl.autograd.checkpoint import recomputed
 from ppctl.autograd.weight_grad import DefersWeightGrads, rms_norm
-from ppctl.model.kv_cache import LayerCache, cached_attention
-from ppctl.model.layers import apply_rotary
+from ppctl.model.kv_cache import LayerCache
+from ppctl.model.layers import rotate_and_attend
 from ppctl.parallel.context_parallel import CPGroup, context_parallel_attention
 from ppctl.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPGroup, enter_tp_region
 
@@ -166,14 +165,8 @@ class GroupedQueryAttention(nn.Module):
         query = self._heads(self.q_proj, entered, self.local_heads)
         key = self._heads(self.k_proj, entered, self.local_kv_heads)
         value = self._heads(self.v_proj, entered, self.local_kv_heads)
-        if rotary is not None:
-            query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
-        if cache is not None:
-            attended = cached_attention(query, key, value, cache)
-        elif self.recompute_core:
-            attended = recomputed(grouped_query_attention, query, key, value, self.cp)
-        else:
-            attended = grouped_query_attention(query, key, value, self.cp)
+        attended = rotate_and_attend(query, key, value, rotary, cache, grouped_query_attention, self.cp,
+                                     self.recompute_core)
         return self.o_proj(attended.transpose(1, 2).flatten(2))
 
 
