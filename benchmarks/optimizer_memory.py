@@ -51,18 +51,17 @@ def variant_overrides(dp: int, variant: str, bucket_size: int, extra: list[str])
 
 def build_trainers(runs: dict[str, list[str]]) -> dict:
     """One ``Trainer`` per variant; all share one parallel context (they have one layout)."""
-    from ppctl.config import compose_config, layout_of, validate
+    from ppctl.config import compose_config
+    from ppctl.config.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import Trainer
 
     contexts, trainers = {}, {}
     for name, overrides in runs.items():
-        config = compose_config(overrides)
-        validate(config)
-        layout = layout_of(config)
-        if layout not in contexts:
-            contexts[layout] = build_parallel_context(layout, 60)
-        trainers[name] = Trainer(config, contexts[layout])
+        run = resolve(compose_config(overrides))
+        if run.layout not in contexts:
+            contexts[run.layout] = build_parallel_context(run.layout, 60)
+        trainers[name] = Trainer(run, contexts[run.layout])
     return trainers
 
 

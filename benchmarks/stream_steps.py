@@ -41,17 +41,17 @@ def build_trainers(runs: dict[str, list[str]]) -> dict:
     """One ``Trainer`` per variant on one parallel context (they share the layout)."""
     import torch
 
-    from ppctl.config import compose_config, layout_of, validate
+    from ppctl.config import compose_config
+    from ppctl.config.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import Trainer
 
     torch.set_num_threads(1)
     context, trainers = None, {}
     for name, overrides in runs.items():
-        config = compose_config(overrides)
-        validate(config)
-        context = context or build_parallel_context(layout_of(config), 120)
-        trainers[name] = Trainer(config, context)
+        run = resolve(compose_config(overrides))
+        context = context or build_parallel_context(run.layout, 120)
+        trainers[name] = Trainer(run, context)
     return trainers
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ppctl.config import PpctlConfig, layout_of, load_config_file
+from ppctl.config import load_config_file
+from ppctl.config.resolved import ResolvedConfig, resolve
 from ppctl.parallel.groups import ParallelContext, build_parallel_context
 from ppctl.pipeline.simulate import simulate
 from ppctl.pipeline.trace import (costs_from_measurement, measured_makespan_and_bubble, measured_timelines,
@@ -48,28 +49,29 @@ def run_bench(context: ParallelContext, run_dir: Path) -> None:
     request = BenchRequest.from_json(json.loads((run_dir / "bench_request.json").read_text()))
     results = []
     for config_file in request.configs:
-        config = load_config_file(run_dir / config_file)
-        results.append(bench_schedule(config, context_for(config, context), request))
+        resolved = resolve(load_config_file(run_dir / config_file), check=False)  # validated by the launcher
+        results.append(bench_schedule(resolved, context_for(resolved, context), request))
     if context.rank == 0:
         temporary = run_dir / "bench.json.tmp"
         temporary.write_text(json.dumps(results, indent=1))
         temporary.replace(run_dir / "bench.json")
 
 
-def context_for(config: PpctlConfig, context: ParallelContext) -> ParallelContext:
+def context_for(resolved: ResolvedConfig, context: ParallelContext) -> ParallelContext:
     """``context`` when the config's layout is its layout, else a new one (another schedule places other chunks)."""
-    layout = layout_of(config)
+    layout = resolved.layout
     if layout == context.layout:
         return context
-    fresh = build_parallel_context(layout, config.launcher.timeout_s, context.device.split(":")[0])
+    fresh = build_parallel_context(layout, resolved.config.launcher.timeout_s, context.device.split(":")[0])
     fresh.device = context.device
     return fresh
 
 
-def bench_schedule(config: PpctlConfig, context: ParallelContext, request: BenchRequest) -> dict | None:
+def bench_schedule(resolved: ResolvedConfig, context: ParallelContext, request: BenchRequest) -> dict | None:
     """One schedule's figures (on rank 0; None elsewhere)."""
-    sides = [PpctlSide(Trainer(config, context))]
-    other = other_side(request.against, config, context)
+    config = resolved.config
+    sides = [PpctlSide(Trainer(resolved, context))]
+    other = other_side(request.against, resolved, context)
     sides += [other] if other is not None else []
     seconds = {side.name: [] for side in sides}
     losses = {side.name: [] for side in sides}

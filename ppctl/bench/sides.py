@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from ppctl.config import PpctlConfig
+from ppctl.config.resolved import ResolvedConfig
 from ppctl.model.stages import MaskedTokenLoss, chunk_fields
 from ppctl.optim.grads import build_optimizer, clip_gradients, global_grad_norm
 from ppctl.optim.lr import learning_rate, lr_schedule_of, set_learning_rate
@@ -78,9 +78,10 @@ class _StepLoss:
 class _ReferenceParts:
     """What the other sides share: chunks from ppctl's builder, AdamW groups, a data iterator, the LR schedule."""
 
-    def __init__(self, config: PpctlConfig, context: ParallelContext):
+    def __init__(self, resolved: ResolvedConfig, context: ParallelContext):
+        config = resolved.config
         self.config, self.context = config, context
-        self.chunks = build_chunks(config, context)
+        self.chunks = build_chunks(resolved, context)
         fields = tuple(sorted({name for chunk in self.chunks.values() for name in chunk_fields(chunk)}))
         self.data = build_data(config, context, fields)
         self.optimizer = build_optimizer(self.chunks.values(), config.optimizer)
@@ -102,10 +103,11 @@ class TorchPipelineSide(_ReferenceParts):
 
     name = "torch"
 
-    def __init__(self, config: PpctlConfig, context: ParallelContext):
+    def __init__(self, resolved: ResolvedConfig, context: ParallelContext):
         from torch.distributed import pipelining
 
-        super().__init__(config, context)
+        super().__init__(resolved, context)
+        config = resolved.config
         placement = context.layout.placement
         total = placement.stages_per_copy
         device = torch.device(context.device)
@@ -145,8 +147,8 @@ class PlainLoopSide(_ReferenceParts):
 
     name = "plain"
 
-    def __init__(self, config: PpctlConfig, context: ParallelContext):
-        super().__init__(config, context)
+    def __init__(self, resolved: ResolvedConfig, context: ParallelContext):
+        super().__init__(resolved, context)
         (self.model,) = self.chunks.values()
         self.holder = (self.chunks, self.optimizer)
 
@@ -167,7 +169,7 @@ class PlainLoopSide(_ReferenceParts):
         return float(total) / loss_fn.normalizer
 
 
-def other_side(against: str, config: PpctlConfig, context: ParallelContext):
+def other_side(against: str, resolved: ResolvedConfig, context: ParallelContext):
     """The side ppctl is compared with (None for ``none``)."""
     sides = {"torch": TorchPipelineSide, "plain": PlainLoopSide}
-    return sides[against](config, context) if against in sides else None
+    return sides[against](resolved, context) if against in sides else None

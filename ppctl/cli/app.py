@@ -24,6 +24,8 @@ import typer
 from ppctl.config import ConfigError, PpctlConfig, compose_config, to_yaml
 
 if TYPE_CHECKING:
+    from ppctl.config.resolved import ResolvedConfig
+    from ppctl.run.launch import LaunchRequest
     from ppctl.run.rundir import RunDirLock
 
 app = typer.Typer(
@@ -84,12 +86,36 @@ def load_config(
     config_name: str,
     check: Callable[[PpctlConfig], object] | None = None,
 ) -> PpctlConfig:
-    """Compose and check a config, turning every refusal into exit status 2 with one line."""
+    """Compose and check a config, turning every refusal into exit status 2 with one line.
+
+    ``model.init_from`` is made an absolute path while composing: the workers read it wherever they start."""
     try:
         config = compose_config(overrides or [], config_dir, config_name)
+        if config.model.init_from:
+            config.model.init_from = str(Path(config.model.init_from).expanduser().resolve())
         if check is not None:
             check(config)
         return config
+    except ConfigError as error:
+        fail(str(error))
+        raise AssertionError("unreachable")
+
+
+def load_resolved(overrides: Optional[List[str]], config_dir: Optional[Path], config_name: str,
+                  **checks: bool) -> "ResolvedConfig":
+    """Compose a config and resolve it once (``ppctl.config.resolved.resolve``, with ``checks``: its ``data``,
+    ``prove_schedule`` and ``layer_split``); a refusal is exit status 2 with one line."""
+    from ppctl.config.resolved import resolve
+
+    return resolve_or_fail(load_config(overrides, config_dir, config_name), **checks)
+
+
+def resolve_or_fail(config: PpctlConfig, **checks: bool) -> "ResolvedConfig":
+    """``resolve(config, **checks)``, a refusal being exit status 2 with one line."""
+    from ppctl.config.resolved import resolve
+
+    try:
+        return resolve(config, **checks)
     except ConfigError as error:
         fail(str(error))
         raise AssertionError("unreachable")
@@ -103,15 +129,14 @@ def inspect_layout(
     config_name: str = CONFIG_NAME_OPTION,
 ) -> None:
     """Show the rank coordinates, every process group and the layer map of a layout."""
-    from ppctl.config import validate
     from ppctl.cli.layout_report import layout_report, print_layout
 
-    config = load_config(overrides, config_dir, config_name, validate)
-    report = layout_report(config)
+    resolved = load_resolved(overrides, config_dir, config_name)
+    report = layout_report(resolved)
     if as_json:
         sys.stdout.write(json.dumps(report, separators=(",", ":")) + "\n")
     else:
-        print_layout(report, config)
+        print_layout(report, resolved)
 
 
 @app.command("inspect-schedule")
@@ -137,13 +162,12 @@ def inspect_schedule(
     config_name: str = CONFIG_NAME_OPTION,
 ) -> None:
     """Simulate the configured schedule: timeline per rank, bubble ratio and peak activations."""
-    from ppctl.config import validate
     from ppctl.cli.schedule_report import print_schedule, simulate_config
 
     # The schedule does not depend on how the model's layers divide into its stages.
-    config = load_config(overrides, config_dir, config_name, lambda loaded: validate(loaded, layer_split=False))
+    resolved = load_resolved(overrides, config_dir, config_name, layer_split=False)
     try:
-        result = simulate_config(config, cost, steps, calibrate)
+        result = simulate_config(resolved, cost, steps, calibrate)
     except ValueError as error:
         fail(str(error))
     if out is not None:
@@ -237,33 +261,45 @@ def train(
     config_name: str = CONFIG_NAME_OPTION,
 ) -> None:
     """Validate, create the run directory, start the torchrun workers and train."""
-    from ppctl.config import validate
+    from ppctl.run.launch import LaunchRequest
 
-    config = load_config(overrides, config_dir, config_name, validate)
+    resolved = load_resolved(overrides, config_dir, config_name)
+    config = resolved.config
     if config.launcher.kind == "slurm" and "SLURM_JOB_ID" not in os.environ:
         fail("launcher=slurm: submit the run with ppctl submit (ppctl train runs it here, outside Slurm; "
              "launcher=local to do that)")
-    _continue_run_dir(config)
-    if config.trainer.resume_from:
-        _resolve_resume(config)
-    _pin_init_from(config)
-    _launch(config, "train", dry_run)
+    resume_from, run_dir = _resume_point(config)
+    _launch(resolved, LaunchRequest("train", _run_dir(run_dir), resume_from), dry_run)
 
 
-def _pin_init_from(config: PpctlConfig) -> None:
-    """``model.init_from`` as an absolute path (checked by ``validate``): the workers read it wherever they start."""
-    if config.model.init_from:
-        config.model.init_from = str(Path(config.model.init_from).expanduser().resolve())
+def _run_dir(configured: str | None) -> Path:
+    """The run directory of a launch: ``configured`` (``trainer.out_dir``), else a new ``runs/<timestamp>``."""
+    from ppctl.run.rundir import default_run_dir
+
+    return Path(configured) if configured else default_run_dir()
 
 
-def _continue_run_dir(config: PpctlConfig) -> None:
-    """``trainer.auto_resume``: resume from the run directory's latest complete checkpoint when it holds one; a
-    run that already reached ``trainer.max_steps`` there has nothing left to do (exit 0, say so)."""
+def _resume_point(config: PpctlConfig) -> tuple[str | None, str | None]:
+    """The verified checkpoint a training run resumes from (None: step 0) and its run directory
+    (``trainer.out_dir``; unset, the run directory ``trainer.resume_from`` names: resuming a run continues it)."""
+    from ppctl.checkpoint.files import is_run_dir_checkpoint
+
+    location = _auto_resume_location(config) or config.trainer.resume_from
+    if not location:
+        return None, config.trainer.out_dir
+    checkpoint = _verified_checkpoint(config, location)
+    continued = is_run_dir_checkpoint(location) and not config.trainer.out_dir
+    return checkpoint, str(location) if continued else config.trainer.out_dir
+
+
+def _auto_resume_location(config: PpctlConfig) -> str | None:
+    """``trainer.auto_resume``: the run directory, when it holds a complete checkpoint to resume from; a run that
+    already reached ``trainer.max_steps`` there has nothing left to do (exit 0, say so)."""
     from ppctl.checkpoint.files import CheckpointError, latest_checkpoint, read_index
     from ppctl.run.rundir import path_length_problem
 
     if not config.trainer.auto_resume:
-        return
+        return None
     problem = path_length_problem(Path(config.trainer.out_dir))  # before its checkpoints are looked for
     if problem is not None:
         fail(problem)
@@ -273,24 +309,20 @@ def _continue_run_dir(config: PpctlConfig) -> None:
     except CheckpointError as error:
         fail(str(error))
     if latest is None:
-        return
+        return None
     if step >= config.trainer.max_steps:
         typer.echo(f"{config.trainer.out_dir}: the run is complete (its latest checkpoint, {latest}, is at step "
                    f"{step} of trainer.max_steps={config.trainer.max_steps}); nothing to do", err=True)
         raise typer.Exit(0)
-    config.trainer.resume_from = config.trainer.out_dir
+    return config.trainer.out_dir
 
 
-def _resolve_resume(config: PpctlConfig) -> None:
-    """Pin ``trainer.resume_from`` to one verified checkpoint that fits this run (else one line, exit 2).
-
-    Resuming a run directory continues it: its logs, unless ``trainer.out_dir`` says otherwise.
-    """
-    from ppctl.checkpoint.files import (CheckpointError, is_run_dir_checkpoint, read_index, resolve_checkpoint,
-                                        resume_problem)
+def _verified_checkpoint(config: PpctlConfig, location: str) -> str:
+    """The one verified checkpoint ``location`` (``trainer.resume_from``: a run directory or a checkpoint) names,
+    which fits this run; else one line, exit 2."""
+    from ppctl.checkpoint.files import CheckpointError, read_index, resolve_checkpoint, resume_problem
     from ppctl.data.tokenizer import tokenizer_record
 
-    location = config.trainer.resume_from
     try:
         checkpoint = resolve_checkpoint(location)
         index = read_index(checkpoint)
@@ -300,9 +332,7 @@ def _resolve_resume(config: PpctlConfig) -> None:
                              config.trainer.max_steps, config.optimizer.gradient_delay, tokenizer_record(config.data))
     if problem is not None:
         fail(f"trainer.resume_from={location}: cannot resume from {checkpoint}: {problem}")
-    if is_run_dir_checkpoint(location) and not config.trainer.out_dir:
-        config.trainer.out_dir = str(location)
-    config.trainer.resume_from = str(checkpoint)
+    return str(checkpoint)
 
 
 @app.command("submit")
@@ -314,33 +344,37 @@ def submit(
     config_name: str = CONFIG_NAME_OPTION,
 ) -> None:
     """Validate, write the run directory and its Slurm job script (launcher=slurm), and submit it with sbatch."""
-    from ppctl.config import validate
+    from dataclasses import replace
+
+    from ppctl.checkpoint.files import is_run_dir_checkpoint
     from ppctl.run.rundir import default_run_dir, run_dir_problem
     from ppctl.run.slurm import (JOB_SCRIPT, SlurmError, job_script, ppctl_command, record_job, script_problem,
                                  submit_job)
 
-    config = load_config(overrides, config_dir, config_name, validate)
+    resolved = load_resolved(overrides, config_dir, config_name)
+    config = resolved.config
     if config.launcher.kind != "slurm":
         fail("ppctl submit hands the run to Slurm: add launcher=slurm (and launcher.slurm.* for the allocation); "
              "ppctl train runs it here")
-    if config.trainer.resume_from:
-        _resolve_resume(config)
-    _pin_init_from(config)
-    run_dir = Path(config.trainer.out_dir or default_run_dir()).resolve()  # the job may start anywhere
-    config.trainer.out_dir = str(run_dir)
-    workdir = Path.cwd().resolve()
-    problem = script_problem(run_dir, workdir) or run_dir_problem(run_dir, "train", config.trainer.resume_from,
+    location = config.trainer.resume_from
+    resume_from = _verified_checkpoint(config, location) if location else None
+    continued = location and is_run_dir_checkpoint(location) and not config.trainer.out_dir
+    run_dir = Path(location if continued else config.trainer.out_dir or default_run_dir()).resolve()  # the job may
+    workdir = Path.cwd().resolve()                                                                     # start anywhere
+    problem = script_problem(run_dir, workdir) or run_dir_problem(run_dir, "train", resume_from,
                                                                   config.trainer.overwrite)
     if problem is not None:
         fail(problem)
-    lock = write_run_dir(config, run_dir, "train")
+    lock = write_run_dir(resolved, run_dir, "train")
     try:
-        if _clears_earlier_run(config, "train"):
+        if _clears_earlier_run(config, run_dir, "train"):
             _clear_earlier_run(run_dir)
-        # Cleared now, once: the job's starts (a requeue too) continue the run instead of deleting it again.
-        config.trainer.overwrite = False
-        _write_files(run_dir, {"config.yaml": to_yaml(config),
-                               JOB_SCRIPT: job_script(config, run_dir, workdir, ppctl_command())})
+        # The job's own config: its run directory and checkpoint pinned, and the earlier run cleared now, once, so
+        # that the job's starts (a requeue too) continue the run instead of deleting it again.
+        job = replace(config, trainer=replace(config.trainer, out_dir=str(run_dir), resume_from=resume_from,
+                                              overwrite=False))
+        _write_files(run_dir, {"config.yaml": to_yaml(job), JOB_SCRIPT: job_script(job, run_dir, workdir,
+                                                                                    ppctl_command())})
     finally:
         lock.release()
     script = run_dir / JOB_SCRIPT
@@ -534,10 +568,10 @@ def check_cluster(
     config_name: str = CONFIG_NAME_OPTION,
 ) -> None:
     """Start the workers as training would, prove every group, measure links, print one table."""
-    from ppctl.config import validate
+    from ppctl.run.launch import LaunchRequest
 
-    config = load_config(overrides, config_dir, config_name, validate)
-    _launch(config, "check-cluster", dry_run)
+    resolved = load_resolved(overrides, config_dir, config_name)
+    _launch(resolved, LaunchRequest("check-cluster", _run_dir(resolved.config.trainer.out_dir)), dry_run)
 
 
 @app.command("bench")
@@ -557,20 +591,21 @@ def bench(
 ) -> None:
     """Time ppctl's training step against torch.distributed.pipelining or a plain loop on the same work."""
     from ppctl.bench.rules import BenchRequest, bench_problem, resolve_against
-    from ppctl.config import validate
+    from ppctl.run.launch import LaunchRequest
 
     names = [name.strip() for name in schedules.split(",") if name.strip()] if schedules else [None]
-    configs = [load_config(list(overrides or []) + ([f"schedule={name}"] if name else []), config_dir, config_name,
-                           validate) for name in names]
-    resolved = resolve_against(against, configs[0].parallel.pp)
+    runs = [load_resolved(list(overrides or []) + ([f"schedule={name}"] if name else []), config_dir, config_name)
+            for name in names]
+    configs = [run.config for run in runs]
+    side = resolve_against(against, configs[0].parallel.pp)
     for config in configs:
-        problem = bench_problem(config, resolved, steps, repeats)
+        problem = bench_problem(config, side, steps, repeats)
         if problem is not None:
             fail(f"schedule={config.schedule.name}: {problem}")
     files = {f"bench/{index}_{config.schedule.name}.yaml": to_yaml(config) for index, config in enumerate(configs)}
-    request = BenchRequest(resolved, steps, repeats, tuple(files))
+    request = BenchRequest(side, steps, repeats, tuple(files))
     files["bench_request.json"] = json.dumps(request.to_json())
-    run_dir = _launch(configs[0], "bench", False, files)
+    run_dir = _launch(runs[0], LaunchRequest("bench", _run_dir(configs[0].trainer.out_dir)), False, files)
     _report_bench(run_dir, as_json)
 
 
@@ -588,32 +623,31 @@ def _report_bench(run_dir: Path, as_json: bool) -> None:
         fail(problem, code=1)
 
 
-def _launch(config: PpctlConfig, task: str, dry_run: bool, files: dict[str, str] | None = None) -> Path:
+def _launch(resolved: "ResolvedConfig", request: "LaunchRequest", dry_run: bool,
+            files: dict[str, str] | None = None) -> Path:
     """Create and lock the run directory (writing ``files`` into it too), run the workers; return the run directory.
 
     A failure exits 1, an interruption 128 + the signal."""
-    from ppctl.config import nproc_per_node
     from ppctl.run.launch import (backend_problem, build_launch_plan, describe_interruption, describe_workers,
                                   local_gpus, resolve_backend, run_plan, saved_on_stop)
     from ppctl.run.rendezvous import rendezvous_problem
-    from ppctl.run.rundir import default_run_dir, run_dir_problem
+    from ppctl.run.rundir import run_dir_problem
 
-    run_dir = Path(config.trainer.out_dir) if config.trainer.out_dir else default_run_dir()
-    config.trainer.out_dir = str(run_dir)
+    config, run_dir, task = resolved.config, request.run_dir, request.task
     # before anything starts or changes in the directory, the dry run included
-    problem = run_dir_problem(run_dir, task, config.trainer.resume_from, config.trainer.overwrite)
+    problem = run_dir_problem(run_dir, task, request.resume_from, config.trainer.overwrite)
     if problem is not None:
         fail(problem)
-    backend = resolve_backend(config.launcher.backend, nproc_per_node(config))
-    problem = backend_problem(backend, nproc_per_node(config), local_gpus())
+    backend = resolve_backend(config.launcher.backend, resolved.sizes.nproc_per_node)
+    problem = backend_problem(backend, resolved.sizes.nproc_per_node, local_gpus())
     if problem is not None:
         fail(problem)
-    plan = build_launch_plan(config, run_dir, task, backend)
+    plan = build_launch_plan(config, request, backend)
     banner = (f"run directory: {run_dir}  ({task}, {backend}, {config.launcher.nnodes} node(s), "
               f"{describe_workers(config)})")
     if dry_run:
         typer.echo(banner)
-        if _clears_earlier_run(config, task):
+        if _clears_earlier_run(config, run_dir, task):
             typer.echo(f"trainer.overwrite=true: would delete the earlier run's checkpoints and TensorBoard logs in "
                        f"{run_dir}")
         typer.echo(plan.printable())
@@ -623,10 +657,10 @@ def _launch(config: PpctlConfig, task: str, dry_run: bool, files: dict[str, str]
     problem = rendezvous_problem(config.launcher)
     if problem is not None:
         fail(problem)
-    lock = write_run_dir(config, run_dir, task)  # one line and exit 2 when it cannot be made or written, or is busy
+    lock = write_run_dir(resolved, run_dir, task)  # one line and exit 2 when it cannot be made or written, or busy
     started = time.time()
     try:
-        if _clears_earlier_run(config, task):
+        if _clears_earlier_run(config, run_dir, task):
             _clear_earlier_run(run_dir)  # only now, under the lock: never a live run's checkpoints
         _write_files(run_dir, files or {})
         typer.echo(banner, err=True)
@@ -654,13 +688,13 @@ def _write_files(run_dir: Path, files: dict[str, str]) -> None:
             fail(f"trainer.out_dir={run_dir}: cannot write {relative}: {os_reason(error, path)}")
 
 
-def _clears_earlier_run(config: PpctlConfig, task: str) -> bool:
-    """Whether this launch deletes an earlier run's checkpoints (``trainer.overwrite=true``; node 0 alone, as the
-    nodes of a job share the run directory)."""
+def _clears_earlier_run(config: PpctlConfig, run_dir: Path, task: str) -> bool:
+    """Whether this launch deletes an earlier run's checkpoints in ``run_dir`` (``trainer.overwrite=true``; node 0
+    alone, as the nodes of a job share the run directory)."""
     from ppctl.run.rundir import committed_steps
 
     return (task == "train" and config.trainer.overwrite and config.launcher.node_rank == 0
-            and bool(committed_steps(Path(config.trainer.out_dir))))
+            and bool(committed_steps(run_dir)))
 
 
 def _clear_earlier_run(run_dir: Path) -> None:
@@ -675,7 +709,7 @@ def _clear_earlier_run(run_dir: Path) -> None:
         typer.echo(said, err=True)
 
 
-def write_run_dir(config: PpctlConfig, run_dir: Path, task: str) -> RunDirLock:
+def write_run_dir(resolved: "ResolvedConfig", run_dir: Path, task: str) -> RunDirLock:
     """Create the run directory, check that it can be written, lock it, write which ``task`` runs there, the resolved
     ``config.yaml`` and ``layout.json``; return the lock.
 
@@ -685,6 +719,7 @@ def write_run_dir(config: PpctlConfig, run_dir: Path, task: str) -> RunDirLock:
     from ppctl.run.rundir import TASK_RECORD, RunDirBusy, RunDirLock, writable_problem
     from ppctl.cli.layout_report import layout_report
 
+    config = resolved.config
     lock = RunDirLock(run_dir, config.launcher.node_rank)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -694,7 +729,7 @@ def write_run_dir(config: PpctlConfig, run_dir: Path, task: str) -> RunDirLock:
         lock.acquire()
         (run_dir / TASK_RECORD).write_text(f"{task}\n")
         (run_dir / "config.yaml").write_text(to_yaml(config))
-        (run_dir / "layout.json").write_text(json.dumps(layout_report(config), indent=1))
+        (run_dir / "layout.json").write_text(json.dumps(layout_report(resolved), indent=1))
     except RunDirBusy as error:
         fail(str(error))
     except OSError as error:

@@ -26,7 +26,8 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ppctl.config import configured_schedule, load_config_file
+from ppctl.config import load_config_file
+from ppctl.config.resolved import resolve
 from ppctl.pipeline.simulate import MAX_COST, Costs
 from ppctl.pipeline.trace import (costs_from_measurement, measured_makespan_and_bubble, overhead_per_action,
                                   rows_from_chrome_trace)
@@ -59,8 +60,8 @@ class Calibration:
     on_core_share: float | None = None
 
     def measured_config(self):
-        """The measured run's ``PpctlConfig``."""
-        return load_config_file(Path(self.config_file))
+        """The measured run's config, resolved (``ResolvedConfig``)."""
+        return resolve(load_config_file(Path(self.config_file)), check=False)
 
     def with_overrides(self, values: dict[str, float]) -> "Calibration":
         """The calibration with the costs a user gave explicitly (``--cost comm=0.1``) in place of measured ones."""
@@ -177,7 +178,7 @@ def _measured_schedule(path: Path):
     """The schedule the measured run of the config at ``path`` ran; ValueError (one line) naming the file."""
     config = _measured_config(path)
     try:
-        return configured_schedule(config)
+        return resolve(config, check=False).schedule
     except ValueError as error:
         raise ValueError(f"--calibrate {path}: its schedule cannot be built: {error}") from None
 

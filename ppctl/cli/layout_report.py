@@ -11,9 +11,9 @@ from __future__ import annotations
 import functools
 import itertools
 
-from ppctl.config import (PpctlConfig, config_layer_map, layout_of, message_seq_length, padded_vocab_size,
-                          pipeline_layout_of, schedule_spec)
-from ppctl.parallel.layout import GROUP_NAMES, ParallelLayout, context_parallel_slices, split_layers
+from ppctl.config import PpctlConfig, message_seq_length, schedule_spec
+from ppctl.config.resolved import ResolvedConfig, stage_counts
+from ppctl.parallel.layout import GROUP_NAMES, ParallelLayout, context_parallel_slices
 from ppctl.plan.balance import balance_summary, layout_string
 from ppctl.plan.memory import config_memory
 
@@ -48,18 +48,13 @@ def sequence_report(config: PpctlConfig, cp_rank: int, tp_rank: int) -> dict:
     return {"tokens": local_span(pieces, 0, local), "residual_tokens": local_span(pieces, start, start + share)}
 
 
-def resolved_pipeline_layout(config: PpctlConfig, layout: ParallelLayout) -> str:
-    """The layout string of the split in use, written out stage by stage (the even split's too):
-    ``parallel.pipeline_layout`` expanded, the even split, or the one ``parallel.balance=auto`` chose."""
-    stages = split_layers(config.model.num_layers, layout.placement.stages_per_copy, pipeline_layout_of(config))
-    return layout_string([len(stage) for stage in stages])
-
-
-def layout_report(config: PpctlConfig) -> dict:
+def layout_report(resolved: ResolvedConfig) -> dict:
     """The ``--json`` contract: world_size, order, sizes, sequence, groups, ranks, pipeline_layout, layers (groups
-    and ranks summarised beyond ``MAX_LISTED_RANKS`` ranks)."""
-    layout = layout_of(config)
-    memory = [parts.to_json() for parts in config_memory(config)]
+    and ranks summarised beyond ``MAX_LISTED_RANKS`` ranks). ``pipeline_layout`` is the split in use written out
+    stage by stage (the even split's too): ``parallel.pipeline_layout`` expanded, the even split, or the one
+    ``parallel.balance=auto`` chose."""
+    config, layout = resolved.config, resolved.layout
+    memory = [parts.to_json() for parts in config_memory(resolved)]
     if layout.world_size > MAX_LISTED_RANKS:
         groups, ranks = summarised_groups(layout), summarised_ranks(layout, config, memory)
     else:
@@ -68,7 +63,7 @@ def layout_report(config: PpctlConfig) -> dict:
     layers = [
         {"pp_rank": pp_rank, "vp_stage": chunk, "stage": stage.stage, "copy": placement.copy_of(stage.stage),
          "layers": list(stage.layers), "pre_process": stage.pre_process, "post_process": stage.post_process}
-        for (pp_rank, chunk), stage in config_layer_map(config).items()
+        for (pp_rank, chunk), stage in resolved.layer_map.items()
     ]
     return {
         "world_size": layout.world_size,
@@ -81,7 +76,7 @@ def layout_report(config: PpctlConfig) -> dict:
                      "message_tokens": message_seq_length(config)},
         "groups": groups,
         "ranks": ranks,
-        "pipeline_layout": resolved_pipeline_layout(config, layout),
+        "pipeline_layout": layout_string(stage_counts(resolved)),
         "layers": layers,
     }
 
@@ -136,13 +131,13 @@ def group_ends(layout: ParallelLayout, name: str, rank: int, size: int) -> dict:
     return {"head": head, "tail": tail[::-1]}
 
 
-def print_layout(report: dict, config: PpctlConfig) -> None:
+def print_layout(report: dict, resolved: ResolvedConfig) -> None:
     """Readable tables: sizes, groups, rank coordinates and the layer map."""
     from rich.console import Console
 
     console = Console()
-    sizes = report["sizes"]
-    vocab = padded_vocab_size(config.model.vocab_size, config.model.make_vocab_size_divisible_by, sizes["tp"])
+    sizes, config = report["sizes"], resolved.config
+    vocab = resolved.sizes.padded_vocab_size
     console.print(
         f"[bold]{report['world_size']} ranks[/]  order {report['order']} (fastest first)  "
         + "  ".join(f"{name}={value}" for name, value in sizes.items())
@@ -155,7 +150,7 @@ def print_layout(report: dict, config: PpctlConfig) -> None:
     placement = report["placement"]
     copies = f"; {placement['copies']} parameter copies" if placement["copies"] > 1 else ""
     console.print(f"placement ({config.schedule.name}): {placement['describe']}{copies}")
-    console.print(pipeline_layout_text(report, config), soft_wrap=True)
+    console.print(pipeline_layout_text(report, resolved), soft_wrap=True)
     if is_summarised(report):
         console.print(f"more than {MAX_LISTED_RANKS:,} ranks: each group kind is summarised by its count, its size "
                       f"and its first and last group")
@@ -167,13 +162,13 @@ def print_layout(report: dict, config: PpctlConfig) -> None:
     console.print(_layers_table(report))
 
 
-def pipeline_layout_text(report: dict, config: PpctlConfig) -> str:
+def pipeline_layout_text(report: dict, resolved: ResolvedConfig) -> str:
     """``pipeline layout: Ett|ttt|ttt|ttL``, and with ``parallel.balance=auto`` the slowest rank's predicted work
     per microbatch beside the even split's."""
     text = f"pipeline layout: {report['pipeline_layout']}"
-    if config.parallel.balance != "auto":
+    if resolved.config.parallel.balance != "auto":
         return text
-    summary = balance_summary(config)
+    summary = balance_summary(resolved.config, resolved.layout.placement, stage_counts(resolved))
     return (f"{text} (balance=auto: the slowest rank's predicted work {flop_text(summary.slowest_flops)} per "
             f"microbatch, {flop_text(summary.even_slowest_flops)} with the even split {summary.even_layout})")
 

@@ -11,8 +11,7 @@ from typing import Callable, TypeVar
 from dataclasses import dataclass
 
 from ppctl.cli.calibrate import Calibration, calibration_lines, calibration_of
-from ppctl.config import ConfigError, PpctlConfig, configured_schedule
-from ppctl.parallel.layout import LayoutError
+from ppctl.config.resolved import ResolvedConfig
 from ppctl.pipeline.render import render_plain, render_terminal, simulation_lines, write_timeline
 from ppctl.pipeline.schedules import Schedule
 from ppctl.pipeline.simulate import SimResult, parse_cost_values, parse_costs, simulate_steps
@@ -67,13 +66,13 @@ class ScheduleReport:
         return {**report, "calibration": None if self.calibration is None else self.calibration.to_json()}
 
 
-def simulate_config(config: PpctlConfig, cost_text: str | None, steps: int = 1,
+def simulate_config(resolved: ResolvedConfig, cost_text: str | None, steps: int = 1,
                     calibrate: Path | None = None) -> ScheduleReport:
     """Build the configured schedule and replay ``steps`` steps of it (one stream for a schedule that streams
     steps, PipeDream-2BW; else each step after the last) against the costs of ``cost_text``, or those measured
     in the run directory ``calibrate`` with the costs ``cost_text`` names in their place; with each rank's
     activation bytes over the replayed time where the model's layers split into the schedule's stages."""
-    schedule = configured_schedule(config)
+    schedule = resolved.schedule
     problem = steps_problem(schedule, steps)
     if problem is not None:
         raise ValueError(problem)
@@ -84,11 +83,9 @@ def simulate_config(config: PpctlConfig, cost_text: str | None, steps: int = 1,
         given = _cost_option(parse_cost_values, cost_text or "")
         calibration = calibration_of(calibrate, schedule.name).with_overrides(given)
         result = simulate_steps(schedule, steps, calibration.costs)
-    try:
-        activations = config_activation_timelines(config, result, schedule)
-    except (ConfigError, LayoutError) as error:  # inspect-schedule draws schedules whatever the layer split
-        return ScheduleReport(result, calibration, no_activations=str(error))
-    return ScheduleReport(result, calibration, activations)
+    if resolved.split_problem is not None:  # inspect-schedule draws schedules whatever the layer split
+        return ScheduleReport(result, calibration, no_activations=resolved.split_problem)
+    return ScheduleReport(result, calibration, config_activation_timelines(resolved, result))
 
 
 def parse_steps(text: str) -> int:

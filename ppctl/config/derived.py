@@ -112,22 +112,14 @@ def layout_of(config: PpctlConfig) -> ParallelLayout:
         raise ConfigError(str(error)) from None
 
 
-def config_layer_map(config: PpctlConfig):
-    """``{(pp_rank, chunk): StageLayers}`` for the configured model, split and schedule placement."""
-    return layout_of(config).layer_map(config.model.num_layers, pipeline_layout_of(config))
-
-
 def pipeline_layout_of(config: PpctlConfig) -> str | None:
-    """The layout string of the model's split into stages: ``parallel.pipeline_layout``, the split
-    ``parallel.balance=auto`` chooses, the even split that counts the embedding and/or the loss as layers
-    (``account_for_*_in_split``), or None for the plain even split."""
+    """The layout string of the model's split into stages as configured: ``parallel.pipeline_layout``, the even
+    split that counts the embedding and/or the loss as layers (``account_for_*_in_split``), or None for the plain
+    even split. ``parallel.balance=auto`` chooses its split when the config is resolved
+    (``ppctl.config.resolved``), with the planner's balancer: ask the ``ResolvedConfig`` for it."""
     parallel = config.parallel
     if parallel.balance == "auto":
-        # The one import of the planner from here: the chosen split is part of the config, and fitting it to
-        # parallel.balance_memory_gb asks the memory model, which reads configs (tests/unit/test_layering.py).
-        from ppctl.plan.balance import balanced_layout
-
-        return balanced_layout(config)
+        raise ValueError("parallel.balance=auto: its split is chosen by ppctl.config.resolved.resolve")
     if parallel.pipeline_layout or not (parallel.account_for_embedding_in_split or parallel.account_for_loss_in_split):
         return parallel.pipeline_layout
     stages = layout_of(config).placement.stages_per_copy

@@ -39,6 +39,28 @@ def require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+class FrozenConfigError(AttributeError):
+    """A setting assigned after its config was resolved (``freeze``): the config is read-only from then on."""
+
+
+class Section:
+    """A config section: its settings may be assigned until ``freeze``, then reading is all it allows."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise FrozenConfigError(f"{type(self).__name__}.{name}: the config was resolved and is read-only; "
+                                    f"build a changed copy (dataclasses.replace) and resolve that")
+        object.__setattr__(self, name, value)
+
+
+def freeze(config: Any) -> None:
+    """Make a config and each of its sections read-only (``ppctl.config.resolved.resolve`` calls this)."""
+    for value in vars(config).values():
+        if isinstance(value, Section):
+            freeze(value)
+    object.__setattr__(config, "_frozen", True)
+
+
 def setting(default: Any, doc: str) -> Any:
     """A schema field with its default and its one-line meaning (``metadata["doc"]``, shown in
     docs/configuration.md)."""
@@ -46,7 +68,7 @@ def setting(default: Any, doc: str) -> Any:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     """GPT shape. ``vocab_size`` follows the tokenizer unless set; it is padded for TP (see ``padded_vocab_size``)."""
 
     name: str = setting("gpt_tiny", "a label for logs")
@@ -98,7 +120,7 @@ class ModelConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(Section):
     """Parallel sizes; world size = tp * cp * dp * pp."""
 
     tp: int = setting(1, "tensor-parallel size")
@@ -137,7 +159,7 @@ class ParallelConfig:
 
 
 @dataclass
-class ScheduleConfig:
+class ScheduleConfig(Section):
     """Which pipeline schedule runs the microbatches."""
 
     name: str = setting("1f1b", "the pipeline schedule")
@@ -149,7 +171,7 @@ class ScheduleConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     """Where samples come from: ``python_stdlib`` (embedded default), ``text`` or ``synthetic``."""
 
     source: str = setting(
@@ -177,7 +199,7 @@ class DataConfig:
 
 
 @dataclass
-class OptimizerConfig:
+class OptimizerConfig(Section):
     """AdamW settings; ``clip_grad`` <= 0 disables clipping."""
 
     name: str = setting(
@@ -222,7 +244,7 @@ class OptimizerConfig:
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(Section):
     """The training loop."""
 
     max_steps: int = setting(200, "optimizer steps")
@@ -264,7 +286,7 @@ class TrainerConfig:
 
 
 @dataclass
-class SlurmConfig:
+class SlurmConfig(Section):
     """The Slurm job ``ppctl submit`` writes (``launcher=slurm``); unset options are left to the cluster's defaults."""
 
     partition: Optional[str] = setting(None, "`--partition`")
@@ -288,7 +310,7 @@ class SlurmConfig:
 
 
 @dataclass
-class LauncherConfig:
+class LauncherConfig(Section):
     """How workers are started (torchrun), here or in a Slurm job."""
 
     kind: str = setting(
@@ -322,7 +344,7 @@ class LauncherConfig:
 
 
 @dataclass
-class PpctlConfig:
+class PpctlConfig(Section):
     """The whole configuration tree."""
 
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -58,8 +58,6 @@ def validate(config: PpctlConfig, layer_split: bool = True, data: bool = True,
     _check_lr_schedule(config)
     if prove_schedule:
         _check_schedule_plan(config)
-    if layer_split:
-        _check_balanced_memory(config, layout)
     return DerivedSizes(
         world_size=layout.world_size,
         num_microbatches=num_microbatches(config),
@@ -83,8 +81,8 @@ def _check_layer_split(config: PpctlConfig, layout: ParallelLayout) -> None:
                                                or parallel.account_for_loss_in_split)),
             "parallel.pipeline_layout places every layer itself: leave parallel.account_for_embedding_in_split "
             "and parallel.account_for_loss_in_split false with it")
-    if parallel.balance == "auto" and parallel.balance_memory_gb is not None:
-        return  # the memory model needs the whole config valid: _check_balanced_memory, last
+    if parallel.balance == "auto":
+        return  # the balancer's split is chosen, and checked, when the config is resolved (ppctl.config.resolved)
     try:
         split_layers(config.model.num_layers, layout.placement.stages_per_copy, pipeline_layout_of(config))
     except LayoutError as error:
@@ -111,17 +109,6 @@ def _check_balance(config: PpctlConfig) -> None:
         require(not getattr(parallel, flag),
                 f"parallel.balance=auto counts the embedding and the loss by their FLOPs itself: leave "
                 f"parallel.{flag} false with it")
-
-
-def _check_balanced_memory(config: PpctlConfig, layout: ParallelLayout) -> None:
-    """With ``parallel.balance_memory_gb``: a split that fits it exists (``ConfigError`` from the balancer if not)."""
-    parallel = config.parallel
-    if parallel.balance != "auto" or parallel.balance_memory_gb is None:
-        return
-    try:
-        split_layers(config.model.num_layers, layout.placement.stages_per_copy, pipeline_layout_of(config))
-    except LayoutError as error:
-        raise ConfigError(str(error)) from None
 
 
 def _check_schedule_plan(config: PpctlConfig) -> None:

@@ -12,7 +12,7 @@ its ``tokenizer.json``, and the end-of-text ids of ``config.json`` and ``generat
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -105,9 +105,8 @@ def _from_run(run_dir: Path, named: Path | None, precision: str | None) -> Model
     if problem is not None:
         raise GenerateError(f"checkpoint {checkpoint} refused: {problem}")
     tokenizer = run_tokenizer(config, read_index(checkpoint), run_dir)
-    config.model.init_from = None  # the checkpoint holds the weights
-    if precision is not None:
-        config.trainer.precision = precision
+    config = replace(config, model=replace(config.model, init_from=None),  # the checkpoint holds the weights
+                     trainer=replace(config.trainer, precision=precision or config.trainer.precision))
     chunk = _whole_model(config)
     load_dense_model(chunk, read_dense_model(checkpoint, parameter_rules(config)), checkpoint)
     return _model(chunk, tokenizer, {tokenizer.eod_id}, config)

@@ -30,15 +30,16 @@ def model_shape(config: PpctlConfig):
 
 
 def build_chunk(config: PpctlConfig, layer_ids, pre_process: bool, post_process: bool, tp, cp=None,
-                recompute: Recompute | None = None):
+                recompute: Recompute | None = None, load_init_from: bool = True):
     """One stage chunk of the configured model on this TP (and CP) rank, initialised from ``trainer.seed``, or
-    from the Hugging Face folder ``model.init_from`` (this rank's slices only; not in a run that resumes, which
-    reads its checkpoint instead); ``recompute``: what it recomputes (default: as configured)."""
+    from the Hugging Face folder ``model.init_from`` (this rank's slices only) unless ``load_init_from`` is False
+    (a run that resumes reads its checkpoint instead); ``recompute``: what it recomputes (default: as
+    configured)."""
     family = family_of(config)
     shape = family.shape_of(config)
     chunk = family.chunk_class()(shape, layer_ids, pre_process, post_process, tp, config.trainer.seed,
                                  parameter_dtype(config), cp, recompute_of(config) if recompute is None else recompute)
-    if config.model.init_from and not config.trainer.resume_from:
+    if config.model.init_from and load_init_from:
         load_hf_weights(chunk, config.model.init_from, hf_format_of(family), shape, tp)
     return chunk
 

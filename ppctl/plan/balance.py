@@ -22,14 +22,15 @@ A custom file's placement that shares stages otherwise gets a good split, not a 
 
 With ``parallel.balance_memory_gb`` the split must also fit: a rank the memory model
 (``ppctl.plan.memory``) puts over the limit is capped at one layer fewer than it holds and
-the layers are assigned again, until every rank fits or none can.
+the layers are assigned again, until every rank fits or none can. A config's split is chosen
+once, where it is resolved (``ppctl.config.resolved``), which asks the memory model.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from ppctl.config.schema import ConfigError
@@ -186,60 +187,6 @@ def config_part_costs(config) -> PartCosts:
                       shape.kv_width, shape.gated_mlp)
 
 
-def balanced_layout(config) -> str:
-    """The layout string ``parallel.balance=auto`` chooses for a ``PpctlConfig`` (see the module docstring)."""
-    return layout_string(_chosen_counts(config))
-
-
-def _chosen_counts(config) -> tuple[int, ...]:
-    """Layers per model stage under ``parallel.balance=auto``, fitted to ``parallel.balance_memory_gb`` when set."""
-    from ppctl.config import layout_of
-
-    if config.parallel.balance_memory_gb is not None:
-        return _memory_fitted_counts(_ConfigKey(config))
-    return balanced_counts(config.model.num_layers, layout_of(config).placement, config_part_costs(config))
-
-
-class _ConfigKey:
-    """A config as a cache key: two are equal when their texts (``repr``: every setting) are."""
-
-    __slots__ = ("config", "text")
-
-    def __init__(self, config) -> None:
-        self.config, self.text = config, repr(config)
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _ConfigKey) and self.text == other.text
-
-    def __hash__(self) -> int:
-        return hash(self.text)
-
-
-@functools.lru_cache(maxsize=64)
-def _memory_fitted_counts(key: _ConfigKey) -> tuple[int, ...]:
-    """``fitted_counts`` for a config, kept: it asks the memory model once per split tried, and a command resolves
-    the split several times."""
-    from ppctl.config import layout_of
-
-    config = key.config
-    return fitted_counts(config.model.num_layers, layout_of(config).placement, config_part_costs(config),
-                         config.parallel.balance_memory_gb, functools.partial(_split_memory, config))
-
-
-def _split_memory(config, counts: tuple[int, ...]) -> list[int]:
-    """Each pp rank's predicted bytes under the split ``counts`` (the config with that layout string instead, and
-    as many layers as it holds)."""
-    from ppctl.pipeline.schedules import ScheduleError
-    from ppctl.plan.memory import config_memory
-
-    parallel = replace(config.parallel, balance="even", balance_memory_gb=None, pipeline_layout=layout_string(counts))
-    model = replace(config.model, num_layers=sum(counts))
-    try:
-        return [parts.total for parts in config_memory(replace(config, model=model, parallel=parallel))]
-    except ScheduleError as error:
-        raise ConfigError(str(error)) from None
-
-
 @dataclass(frozen=True)
 class BalanceSummary:
     """The chosen split beside the even one: their layout strings and their slowest rank's training FLOPs per
@@ -251,15 +198,13 @@ class BalanceSummary:
     even_slowest_flops: float
 
 
-def balance_summary(config) -> BalanceSummary:
-    """The ``BalanceSummary`` of a ``PpctlConfig`` with ``parallel.balance=auto``."""
-    from ppctl.config import layout_of
-
-    placement, costs = layout_of(config).placement, config_part_costs(config)
+def balance_summary(config, placement: Placement, chosen: Sequence[int]) -> BalanceSummary:
+    """The ``BalanceSummary`` of a ``PpctlConfig`` with ``parallel.balance=auto``, its stages placed by ``placement``,
+    whose balancer chose ``chosen`` layers per model stage."""
+    costs = config_part_costs(config)
     parallel, trainer = config.parallel, config.trainer
     # training is three forwards; a device runs its TP share of its CP share of the microbatch's tokens
     scale = 3 * trainer.micro_batch_size * (trainer.seq_length // parallel.cp) / parallel.tp
-    chosen = _chosen_counts(config)
     even = even_counts(config.model.num_layers, placement.stages_per_copy)
     return BalanceSummary(layout=layout_string(chosen), slowest_flops=scale * max(rank_loads(placement, costs, chosen)),
                           even_layout=layout_string(even),

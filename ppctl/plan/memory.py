@@ -454,16 +454,15 @@ class ConfigMemoryInputs:
     weight_versions: int
 
 
-def config_memory_inputs(config, schedule) -> ConfigMemoryInputs:
-    """The ``ConfigMemoryInputs`` of ``config`` (validated, its layers splitting into the stages of ``schedule``, its
-    built schedule); ``ConfigError`` or ``LayoutError`` where the layers do not split."""
-    from ppctl.config import layout_of
+def config_memory_inputs(resolved) -> ConfigMemoryInputs:
+    """The ``ConfigMemoryInputs`` of a ``ResolvedConfig`` (``ppctl.config.resolved``: its config, layout, built
+    schedule and layer map)."""
     from ppctl.pipeline.schedules import streams_steps
 
+    config, layout = resolved.config, resolved.layout
     model, parallel_config, trainer = config.model, config.parallel, config.trainer
-    layout = layout_of(config)
     half = trainer.precision in ("bf16", "fp16")
-    streams = streams_steps(schedule)
+    streams = streams_steps(resolved.schedule)
     replicas = parallel_config.dp * parallel_config.cp * layout.placement.copies
     parallel = Parallelism(
         tp=parallel_config.tp, cp=parallel_config.cp, sequence_parallel=parallel_config.sequence_parallel,
@@ -474,29 +473,23 @@ def config_memory_inputs(config, schedule) -> ConfigMemoryInputs:
         recompute_num_layers=model.recompute_num_layers)
     return ConfigMemoryInputs(shape=model_shape(config),
                               tokens=Tokens(trainer.micro_batch_size, trainer.seq_length // parallel_config.cp),
-                              parallel=parallel, chunks=config_rank_chunks(config),
+                              parallel=parallel, chunks=rank_chunks(resolved),
                               weight_versions=2 if streams or config.optimizer.gradient_delay else 1)
 
 
-def config_rank_chunks(config) -> list[list[Chunk]]:
-    """The ``Chunk`` of each stage of a validated config, per pp rank."""
-    from ppctl.config import config_layer_map
-
-    chunks: list[list[Chunk]] = [[] for _ in range(config.parallel.pp)]
-    for (pp_rank, _), stage in config_layer_map(config).items():
+def rank_chunks(resolved) -> list[list[Chunk]]:
+    """The ``Chunk`` of each stage of a ``ResolvedConfig``, per pp rank."""
+    chunks: list[list[Chunk]] = [[] for _ in range(resolved.layout.pp)]
+    for (pp_rank, _), stage in resolved.layer_map.items():
         chunks[pp_rank].append(Chunk(stage.stage, len(stage.layers), stage.pre_process, stage.post_process))
     return chunks
 
 
-def config_memory(config, schedule=None, in_flight=None) -> list[MemoryParts]:
-    """The predicted memory of every pipeline rank of ``config`` (a validated ``PpctlConfig``), by pp rank;
-    ``schedule``: its built schedule, and ``in_flight``: its ``schedule_in_flight_states``, when the caller has
-    them already."""
-    from ppctl.config import configured_schedule
-
-    schedule = schedule or configured_schedule(config)
-    inputs = config_memory_inputs(config, schedule)
-    in_flight = in_flight or schedule_in_flight_states(schedule)
+def config_memory(resolved, in_flight=None) -> list[MemoryParts]:
+    """The predicted memory of every pipeline rank of a ``ResolvedConfig``, by pp rank; ``in_flight``: its
+    schedule's ``schedule_in_flight_states``, when the caller has them already."""
+    inputs = config_memory_inputs(resolved)
+    in_flight = in_flight or schedule_in_flight_states(resolved.schedule)
     memory = []
     for pp_rank, chunks in enumerate(inputs.chunks):
         parts = rank_memory(inputs.shape, chunks, in_flight[pp_rank], inputs.tokens, inputs.parallel)
@@ -512,20 +505,16 @@ def schedule_in_flight_states(schedule) -> list[frozenset[InFlightState]]:
             for rank_actions in schedule.actions]
 
 
-def config_activation_tables(config, schedule=None) -> list[ActivationTables]:
-    """Each pp rank's ``ActivationTables`` for ``config`` (as ``config_memory`` reads them); ``schedule``: its built
-    schedule, when the caller has it already. ``ConfigError`` or ``LayoutError`` where the layers do not split."""
-    from ppctl.config import configured_schedule
-
-    inputs = config_memory_inputs(config, schedule or configured_schedule(config))
+def config_activation_tables(resolved) -> list[ActivationTables]:
+    """Each pp rank's ``ActivationTables`` for a ``ResolvedConfig`` (as ``config_memory`` reads them)."""
+    inputs = config_memory_inputs(resolved)
     return [activation_tables(inputs.shape, chunks, inputs.tokens, inputs.parallel) for chunks in inputs.chunks]
 
 
-def config_activation_timelines(config, sim_result, schedule=None) -> list[list[tuple[float, int]]]:
+def config_activation_timelines(resolved, sim_result) -> list[list[tuple[float, int]]]:
     """Per pp rank, the activation bytes it holds over the simulated time of ``sim_result`` (a ``SimResult`` of
-    ``config``'s schedule, one step or several), as ``activation_bytes_over_time`` points; the recomputation's working
-    set (``ActivationTables.rebuilt``) is not in them. ``ConfigError`` or ``LayoutError`` where the layers do not
-    split into the schedule's stages."""
-    tables = config_activation_tables(config, schedule)
+    the resolved config's schedule, one step or several), as ``activation_bytes_over_time`` points; the
+    recomputation's working set (``ActivationTables.rebuilt``) is not in them."""
+    tables = config_activation_tables(resolved)
     return [activation_bytes_over_time(timeline.actions, table.kept, table.stash)
             for timeline, table in zip(sim_result.ranks, tables)]

@@ -31,12 +31,12 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import NamedTuple
 
-from ppctl.config import (ConfigError, PpctlConfig, config_layer_map, layout_of,
-                          num_microbatches, validate)
+from ppctl.config import ConfigError, PpctlConfig, num_microbatches
+from ppctl.config.resolved import ResolvedConfig, resolve
 from ppctl.model.flops import forward_flops_per_token
 from ppctl.pipeline.replay import gc_paused
 from ppctl.pipeline.schedules import ScheduleError
-from ppctl.plan.memory import (DTYPE_BYTES, Chunk, MemoryParts, chunk_parameters, config_memory, config_rank_chunks,
+from ppctl.plan.memory import (DTYPE_BYTES, Chunk, MemoryParts, chunk_parameters, config_memory, rank_chunks,
                                model_shape, schedule_in_flight_states)
 
 # (schedule, its vpp) tried for each pp; gpipe and 1f1b at vpp 1, the looped and V schedules at 2
@@ -264,24 +264,25 @@ class StepCosts:
     sharing: tuple[int, int] | None = None
 
 
-def step_costs(config: PpctlConfig, device: Device) -> StepCosts:
-    """The cost model of a validated config on ``device`` (see the module docstring)."""
+def step_costs(resolved: ResolvedConfig, device: Device) -> StepCosts:
+    """The cost model of a resolved config on ``device`` (see the module docstring)."""
+    config = resolved.config
     model, parallel, trainer = config.model, config.parallel, config.trainer
     tokens = _microbatch_tokens(config)
     attention_core = 4 * trainer.seq_length * model.hidden_size  # scores and weighted values, per token
-    layers = max(_rank_layers(config)) / layout_of(config).placement.copies  # the busiest rank's, of one copy
-    forward = forward_flops_per_microbatch(config) / device.flops
+    layers = max(_rank_layers(resolved)) / resolved.layout.placement.copies  # the busiest rank's, of one copy
+    forward = forward_flops_per_microbatch(resolved) / device.flops
     element = DTYPE_BYTES[trainer.precision]
     collective = _tp_cp_seconds(config, device, tokens, element) * layers
     # full recomputation runs the layers' forward again, their TP and CP collectives included
     recompute = {"none": 0.0, "full": forward + collective,
                  "selective": tokens * layers * attention_core / parallel.tp / device.flops}
     # the runtime's time per action, charged to each of the rank's actions of a microbatch (one per chunk)
-    overhead = device.overhead_s * _chunks_per_copy(config)
+    overhead = device.overhead_s * _chunks_per_copy(resolved)
     backward_collectives = collective * (2 if model.recompute == "full" else 1)  # full: the forward's again
     return StepCosts(F=forward + collective + overhead, B=forward + collective + recompute[model.recompute] + overhead,
                      W=forward + overhead, comm=message_s(config, device),
-                     reduction=after_pipeline_s(config, device), microbatches=num_microbatches(config),
+                     reduction=after_pipeline_s(resolved, device), microbatches=resolved.sizes.num_microbatches,
                      waits=(collective + overhead, backward_collectives + overhead, overhead),
                      sharing=_sharing(config, device))
 
@@ -306,22 +307,22 @@ def message_s(config: PpctlConfig, device: Device) -> float:
     return message / bandwidth + device.latency_s
 
 
-def forward_flops_per_microbatch(config: PpctlConfig) -> float:
+def forward_flops_per_microbatch(resolved: ResolvedConfig) -> float:
     """FLOPs of one microbatch's forward through the busiest rank's layers (of one model copy) on one device."""
+    config = resolved.config
     model, parallel = config.model, config.parallel
     shape = model_shape(config)
     layer = forward_flops_per_token(1, model.hidden_size, model.ffn_hidden_size, config.trainer.seq_length, 0,
                                     shape.attention_width, shape.kv_width, shape.gated_mlp)
-    layers = max(_rank_layers(config)) / layout_of(config).placement.copies
+    layers = max(_rank_layers(resolved)) / resolved.layout.placement.copies
     output = 2 * model.hidden_size * model_shape(config).padded_vocab
     return _microbatch_tokens(config) * (layers * layer + output) / parallel.tp
 
 
-def _chunks_per_copy(config: PpctlConfig) -> int:
+def _chunks_per_copy(resolved: ResolvedConfig) -> int:
     """A rank's chunks of one model copy: its actions per microbatch (from the placement, without building the
     schedule)."""
-    placement = layout_of(config).placement
-    return max(placement.stages_per_copy // config.parallel.pp, 1)
+    return max(resolved.layout.placement.stages_per_copy // resolved.layout.pp, 1)
 
 
 def _microbatch_tokens(config: PpctlConfig) -> int:
@@ -342,32 +343,34 @@ def reduction_s(config: PpctlConfig, device: Device) -> float:
     return 2 * (replicas - 1) * (4 * whole / parallel.pp / replicas / bandwidth + device.ring_step_s)
 
 
-def update_s(config: PpctlConfig, device: Device) -> float:
+def update_s(resolved: ResolvedConfig, device: Device) -> float:
     """The step's update after the reduction (clipping and AdamW) on the rank with the most parameters: each rank
     steps its own (the distributed optimizer: its 1 / (dp * cp) shard of them)."""
+    config = resolved.config
     shape, parallel = model_shape(config), config.parallel
-    stepped = max(sum(chunk_parameters(shape, chunk, parallel.tp) for chunk in rank_chunks)
-                  for rank_chunks in config_rank_chunks(config))
+    stepped = max(sum(chunk_parameters(shape, chunk, parallel.tp) for chunk in chunks)
+                  for chunks in rank_chunks(resolved))
     if config.optimizer.distributed:  # sharded over the replicas (with DualPipe's two copies, over both)
-        stepped /= parallel.dp * parallel.cp * layout_of(config).placement.copies
+        stepped /= parallel.dp * parallel.cp * resolved.layout.placement.copies
     return stepped * device.update_s_per_parameter
 
 
-def after_pipeline_s(config: PpctlConfig, device: Device) -> float:
+def after_pipeline_s(resolved: ResolvedConfig, device: Device) -> float:
     """What a step does once the pipeline has drained: the gradient reduction, then the update."""
-    return reduction_s(config, device) + update_s(config, device)
+    return reduction_s(resolved.config, device) + update_s(resolved, device)
 
 
-def compute_bound_s(config: PpctlConfig, device: Device) -> float:
-    """A step time that neither the schedule nor the split of a (not yet validated) config can beat: every rank's
+def compute_bound_s(resolved: ResolvedConfig, device: Device) -> float:
+    """A step time that neither the schedule nor the split of a config (resolved, not yet validated) can beat: every rank's
     mean compute for the step (all microbatches through the whole model, shared by tp * pp devices) and the TP and
     CP collectives of its mean share of the layers in the forward and the backward, after its wait for the first
     microbatch to reach it (the fill), then the data-parallel reduction."""
-    forward_s, microbatches = _mean_forward_s(config, device), num_microbatches(config)
+    config = resolved.config
+    forward_s, microbatches = _mean_forward_s(config, device), resolved.sizes.num_microbatches
     collectives = _tp_cp_seconds(config, device, _microbatch_tokens(config), DTYPE_BYTES[config.trainer.precision])
     mean_layers = config.model.num_layers / config.parallel.pp
     return (3 * microbatches * forward_s + 2 * microbatches * collectives * mean_layers
-            + _fill_stages(config) * forward_s + after_pipeline_s(config, device))
+            + _fill_stages(resolved) * forward_s + after_pipeline_s(resolved, device))
 
 
 def _mean_forward_s(config: PpctlConfig, device: Device) -> float:
@@ -389,33 +392,31 @@ def _schedule_key(config: PpctlConfig) -> tuple:
 COMM_RATIOS = (0.0, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)  # message time / forward time, simulated once each
 
 
-def schedule_bound_s(config: PpctlConfig, device: Device) -> float:
+def schedule_bound_s(resolved: ResolvedConfig, device: Device) -> float:
     """A tighter bound than ``compute_bound_s``, at the price of a few simulations per schedule and size (kept):
     the schedule's makespan with every F, B and W at the mean compute of a rank's forward, and messages at the
     largest of ``COMM_RATIOS`` of that below the candidate's message time (the simulated makespan only grows with
     each cost, and scales with all of them together)."""
+    config = resolved.config
     forward_s = _mean_forward_s(config, device)
     ratio = max(r for r in COMM_RATIOS if r * forward_s <= message_s(config, device))
     unit_makespan, _ = _simulated(_schedule_key(config), 1.0, 1.0, 1.0, ratio)
-    return unit_makespan * forward_s + after_pipeline_s(config, device)
+    return unit_makespan * forward_s + after_pipeline_s(resolved, device)
 
 
-def _fill_stages(config: PpctlConfig) -> float:
+def _fill_stages(resolved: ResolvedConfig) -> float:
     """The most rank-forwards any rank must wait before its first action: the stages in front of its earliest
-    stage, each a ``1 / chunks_per_copy`` share of a rank's forward (0 when the placement is refused)."""
-    try:
-        placement = layout_of(config).placement
-    except ConfigError:
-        return 0.0
+    stage, each a ``1 / chunks_per_copy`` share of a rank's forward."""
+    placement = resolved.layout.placement
     per_copy = placement.stages_per_copy
     return max(min(stage % per_copy for stage in placement.stages_of(pp_rank))
-               for pp_rank in range(config.parallel.pp)) / _chunks_per_copy(config)
+               for pp_rank in range(resolved.layout.pp)) / _chunks_per_copy(resolved)
 
 
-def _rank_layers(config: PpctlConfig) -> list[int]:
+def _rank_layers(resolved: ResolvedConfig) -> list[int]:
     """Transformer layers per pp rank."""
-    counts = [0] * config.parallel.pp
-    for (pp_rank, _), stage in config_layer_map(config).items():
+    counts = [0] * resolved.layout.pp
+    for (pp_rank, _), stage in resolved.layer_map.items():
         counts[pp_rank] += len(stage.layers)
     return counts
 
@@ -458,8 +459,9 @@ def _schedule_of(config: PpctlConfig) -> _Built:
     return _schedule(*_schedule_key(config))
 
 
-def simulated_step(config: PpctlConfig, costs: StepCosts) -> tuple[float, float]:
+def simulated_step(resolved: ResolvedConfig, costs: StepCosts) -> tuple[float, float]:
     """(step time in seconds, bubble ratio) from the simulator, with the reduction added."""
+    config = resolved.config
     if costs.sharing is None:
         makespan_ms, bubble = _simulated(_schedule_key(config), costs.F * 1e3, costs.B * 1e3, costs.W * 1e3,
                                          costs.comm * 1e3)
@@ -496,7 +498,7 @@ def _shared_simulated(key: tuple, costs: tuple[float, float, float], waits: tupl
 ROUNDING_MARGIN = 1e-9
 
 
-def step_lower_bound_s(config: PpctlConfig, costs: StepCosts) -> float:
+def step_lower_bound_s(resolved: ResolvedConfig, costs: StepCosts) -> float:
     """A step time the simulator's prediction at ``costs`` cannot be below, from runs kept per schedule and size:
     the makespan floor (``_floor_ms``), and the schedule's makespan with every F, B and W at the least of them and
     messages at the largest of ``COMM_RATIOS`` of that below ``costs.comm`` (the makespan only grows with each cost
@@ -505,18 +507,18 @@ def step_lower_bound_s(config: PpctlConfig, costs: StepCosts) -> float:
     scaled = 0.0
     if least > 0:
         ratio = max(r for r in COMM_RATIOS if r * least <= costs.comm)
-        unit_makespan_ms = _simulated(_schedule_key(config), 1.0, 1.0, 1.0, ratio)[0]
+        unit_makespan_ms = _simulated(_schedule_key(resolved.config), 1.0, 1.0, 1.0, ratio)[0]
         scaled = unit_makespan_ms * least * 1e3  # costs in s, the simulations' in ms
-    return max(_floor_ms(config, costs), scaled) / 1e3 + costs.reduction
+    return max(_floor_ms(resolved, costs), scaled) / 1e3 + costs.reduction
 
 
-def _floor_ms(config: PpctlConfig, costs: StepCosts) -> float:
+def _floor_ms(resolved: ResolvedConfig, costs: StepCosts) -> float:
     """The simulator's makespan at ``costs`` (ms) cannot be below this, whatever the schedule: its busiest rank's
     compute after the fill in front of it, and with one copy before the drain behind it (``makespan_floor``,
     from the placement alone: no schedule is built)."""
     from ppctl.pipeline.simulate import Costs, makespan_floor
 
-    return makespan_floor(layout_of(config).placement, costs.microbatches,
+    return makespan_floor(resolved.layout.placement, costs.microbatches,
                           Costs(F=costs.F * 1e3, B=costs.B * 1e3, W=costs.W * 1e3, comm=costs.comm * 1e3))
 
 
@@ -557,7 +559,7 @@ def _search(config: PpctlConfig, devices: int, memory_bytes: float, top: int, de
     """The pruned search, with the schedules in ``disproved`` (``_schedule_key`` -> the checker's refusal)
     refused where their candidate would enter the list, and no other schedule proved."""
     layouts, refused = search_space(config, devices)
-    bounded = sorted(((compute_bound_s(variants[0].apply(config), device), index, variants)
+    bounded = sorted(((_compute_bound_or_zero(config, variants[0], device), index, variants)
                       for index, variants in enumerate(layouts)), key=lambda entry: entry[:2])
     best: list[Prediction] = []
     for position, (bound, _, variants) in enumerate(bounded):
@@ -566,7 +568,7 @@ def _search(config: PpctlConfig, devices: int, memory_bytes: float, top: int, de
             break
         to_beat = best[-1] if len(best) >= top else None
         if to_beat is not None and (_outpaced(config, variants[0], device, to_beat) or
-                                    _schedule_bound_or_zero(variants[0].apply(config), device) >= to_beat.step_time_s):
+                                    _schedule_bound_or_zero(config, variants[0], device) >= to_beat.step_time_s):
             refused[NOT_EXAMINED] += len(variants)
             continue
         kept = _first_fitting(config, variants, memory_bytes, device, refused, to_beat, disproved)
@@ -582,7 +584,7 @@ def _checker_refusals(config: PpctlConfig, found: list[Prediction]) -> dict[tupl
     for prediction in found:
         built = prediction.candidate.apply(config)
         try:
-            validate(built, data=False)
+            resolve(built, data=False)
         except (ConfigError, ScheduleError) as error:
             refusals[_schedule_key(built)] = str(error)
     return refusals
@@ -597,19 +599,28 @@ def _outpaced(config: PpctlConfig, first: Candidate, device: Device, to_beat: Pr
     """Whether a layout's ``first`` variant is valid and its makespan floor (``_floor_ms``, which builds no
     schedule) is slower than ``to_beat``: then so are its later variants (more recomputation, or the update
     unsharded), and the layout is counted as slower before its schedule is built or its memory weighed."""
-    built = first.apply(config)
     try:
-        validate(built, data=False, prove_schedule=False)
+        built = resolve(first.apply(config), data=False, prove_schedule=False)
         costs = step_costs(built, device)
         return _floor_ms(built, costs) / 1e3 + costs.reduction > to_beat.step_time_s * (1 + ROUNDING_MARGIN)
     except (ConfigError, ScheduleError):
         return False
 
 
-def _schedule_bound_or_zero(config: PpctlConfig, device: Device) -> float:
-    """``schedule_bound_s``, or 0 where the schedule cannot be built at these sizes (validation will say why)."""
+def _compute_bound_or_zero(config: PpctlConfig, candidate: Candidate, device: Device) -> float:
+    """``compute_bound_s`` of ``candidate`` on the user's ``config``, or 0 where its layout or split does not
+    resolve (validation will say why when it is examined)."""
     try:
-        return schedule_bound_s(config, device)
+        return compute_bound_s(resolve(candidate.apply(config), check=False), device)
+    except ConfigError:
+        return 0.0
+
+
+def _schedule_bound_or_zero(config: PpctlConfig, candidate: Candidate, device: Device) -> float:
+    """``schedule_bound_s`` of ``candidate`` on the user's ``config``, or 0 where it does not resolve or its schedule
+    cannot be built at these sizes (validation will say why)."""
+    try:
+        return schedule_bound_s(resolve(candidate.apply(config), check=False), device)
     except (ScheduleError, ConfigError):
         return 0.0
 
@@ -621,9 +632,8 @@ def _first_fitting(config: PpctlConfig, variants: list[Candidate], memory_bytes:
     time (``step_lower_bound_s``) is above ``to_beat``'s is not simulated. Its schedule counts as proved unless
     it is in ``disproved`` (``plan`` proves the list's at the end)."""
     for index, candidate in enumerate(variants):
-        built = candidate.apply(config)
         try:
-            validate(built, data=False, prove_schedule=False)
+            built = resolve(candidate.apply(config), data=False, prove_schedule=False)
             costs = step_costs(built, device)
             memory = _memory(built)
             if max(parts.total for parts in memory) > memory_bytes:
@@ -637,7 +647,7 @@ def _first_fitting(config: PpctlConfig, variants: list[Candidate], memory_bytes:
             if to_beat is not None and _order(prediction) >= _order(to_beat):
                 refused[NOT_EXAMINED] += len(variants) - index
                 return None
-            refusal = disproved.get(_schedule_key(built))
+            refusal = disproved.get(_schedule_key(built.config))
             if refusal is not None:
                 raise ConfigError(refusal)
         except (ConfigError, ScheduleError) as error:
@@ -651,16 +661,14 @@ def _first_fitting(config: PpctlConfig, variants: list[Candidate], memory_bytes:
 def predict(config: PpctlConfig, candidate: Candidate, device: Device, prove_schedule: bool = True) -> Prediction:
     """One candidate's predicted step time, bubble and memory per rank; ``ConfigError`` if ``train`` would
     refuse it (without the schedule checker's verdict when ``prove_schedule`` is False)."""
-    built = candidate.apply(config)
-    validate(built, data=False, prove_schedule=prove_schedule)  # the data source is the user's, checked once
+    built = resolve(candidate.apply(config), data=False, prove_schedule=prove_schedule)  # the data: checked once
     step_time, bubble = simulated_step(built, step_costs(built, device))
     return Prediction(candidate, step_time, bubble, _memory(built))
 
 
-def _memory(config: PpctlConfig) -> tuple[MemoryParts, ...]:
-    """The predicted memory per pp rank of a validated config, from its kept schedule."""
-    built = _schedule_of(config)
-    return tuple(config_memory(config, built.schedule, built.in_flight))
+def _memory(resolved: ResolvedConfig) -> tuple[MemoryParts, ...]:
+    """The predicted memory per pp rank of a resolved config, with its kept schedule's in-flight states."""
+    return tuple(config_memory(resolved, _schedule_of(resolved.config).in_flight))
 
 
 def refusal_reason(message: str) -> str:
@@ -669,7 +677,7 @@ def refusal_reason(message: str) -> str:
     return f"refused by validation: {setting}" if setting else "refused by validation"
 
 
-def calibrated_device(device: Device, calibration, measured: PpctlConfig) -> Device:
+def calibrated_device(device: Device, calibration, measured: ResolvedConfig) -> Device:
     """``device`` with the figures a measured run achieved (``--calibrate RUN_DIR``: a ``Calibration`` from
     ``ppctl bench`` or a traced ``train``, and that run's config): the FLOP/s of its fitted F + B + W (the
     runtime's time between actions taken out), that time between actions per action, its message time as the
@@ -701,9 +709,9 @@ def explain_candidate(config: PpctlConfig, candidate: Candidate, device: Device)
     """The simulator's ``SimResult`` (ms) of a candidate's step at its predicted costs (``ppctl plan --explain``)."""
     from ppctl.pipeline.simulate import Costs, simulate
 
-    built = candidate.apply(config)
+    built = resolve(candidate.apply(config), check=False)
     costs = step_costs(built, device)
-    return simulate(_schedule_of(built).schedule, Costs(F=costs.F * 1e3, B=costs.B * 1e3, W=costs.W * 1e3,
+    return simulate(built.schedule, Costs(F=costs.F * 1e3, B=costs.B * 1e3, W=costs.W * 1e3,
                                                         comm=costs.comm * 1e3))
 
 

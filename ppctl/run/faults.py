@@ -40,7 +40,7 @@ def inject_fault(spec: str | None, rank: int, done_before: int | None = None, do
 
 def restart_resume_point(resume_from: str | None, run_dir: Path) -> str | None:
     """Where this attempt starts: a restarted one continues from the run's latest complete checkpoint (what the
-    failed attempt saved), else from ``resume_from`` as configured."""
+    failed attempt saved), else from ``resume_from``, the launch's."""
     if restart_count() > 0:
         latest = latest_checkpoint(run_dir)
         if latest is not None:

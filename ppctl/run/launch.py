@@ -102,9 +102,20 @@ def describe_workers(config: PpctlConfig) -> str:
     return f"{workers} worker{'s' if workers != 1 else ''} x {threads} thread{'s' if threads != 1 else ''}"
 
 
-def build_launch_plan(config: PpctlConfig, run_dir: Path, task: str, backend: str) -> LaunchPlan:
-    """The torchrun command for ``task`` (``train`` or ``check-cluster``): standalone or c10d rendezvous."""
-    launcher = config.launcher
+@dataclass(frozen=True)
+class LaunchRequest:
+    """What a launch asks beside its validated config, which it leaves as it is: the task (``train``,
+    ``check-cluster``, ``bench``), the run directory, and the verified checkpoint a training run resumes from
+    (None: it starts at step 0)."""
+
+    task: str
+    run_dir: Path
+    resume_from: str | None = None
+
+
+def build_launch_plan(config: PpctlConfig, request: LaunchRequest, backend: str) -> LaunchPlan:
+    """The torchrun command of a launch ``request``: standalone or c10d rendezvous."""
+    launcher, run_dir, task = config.launcher, request.run_dir, request.task
     command = [sys.executable, "-m", "torch.distributed.run",
                "--nnodes", str(launcher.nnodes), "--nproc-per-node", str(nproc_per_node(config)),
                "--max-restarts", str(launcher.max_restarts), "--monitor-interval", "0.2"]
@@ -117,6 +128,8 @@ def build_launch_plan(config: PpctlConfig, run_dir: Path, task: str, backend: st
         command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", launcher.rdzv_endpoint,
                     "--rdzv-id", launcher.rdzv_id or DEFAULT_RDZV_ID, "--node-rank", str(launcher.node_rank)]
     command += ["-m", WORKER_MODULE, "--run-dir", str(run_dir), "--task", task, "--backend", backend]
+    if request.resume_from:
+        command += ["--resume-from", request.resume_from]
     threads = str(threads_per_worker(config))
     # When torchrun itself must stop the workers (ppctl was killed), it gives them as long as ppctl would.
     env = {"OMP_NUM_THREADS": threads, "PPCTL_THREADS": threads,

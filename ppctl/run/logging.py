@@ -13,7 +13,8 @@ SCALARS = ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "bubble_rat
 class TrainingLogger:
     """Writes ``train/*`` scalars under ``<run_dir>/tensorboard`` and prints a line every ``log_every`` steps."""
 
-    def __init__(self, config: PpctlConfig, run_dir: Path, trainer, start_step: int = 0):
+    def __init__(self, config: PpctlConfig, run_dir: Path, trainer, start_step: int = 0,
+                 resumed_from: str | None = None):
         self.config = config
         self.run_dir = Path(run_dir)
         self.trainer = trainer
@@ -31,7 +32,7 @@ class TrainingLogger:
         print(self._banner(), flush=True)
         print(self._numerics(), flush=True)
         if start_step:
-            print(f"resumed from {config.trainer.resume_from} at step {start_step}", flush=True)
+            print(f"resumed from {resumed_from} at step {start_step}", flush=True)
 
     def _banner(self) -> str:
         parallel, trainer = self.config.parallel, self.config.trainer

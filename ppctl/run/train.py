@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ppctl.config import PpctlConfig, configured_schedule, pipeline_layout_of
+from ppctl.config import PpctlConfig
+from ppctl.config.resolved import ResolvedConfig
 from ppctl.data.iterator import PipelineDataIterator
-from ppctl.model.from_config import build_chunk, dataset_of, model_shape
+from ppctl.model.from_config import build_chunk, dataset_of
 from ppctl.model.stages import MaskedTokenLoss, build_stages
 from ppctl.optim.delay import DelayedWeights, WeightVersions
 from ppctl.optim.grads import clip_coefficient
@@ -115,16 +116,18 @@ def cp_group_of(context: ParallelContext, comm: str) -> CPGroup:
                    tuple(context.group_ranks["cp"]), comm)
 
 
-def build_chunks(config: PpctlConfig, context: ParallelContext) -> dict[int, torch.nn.Module]:
-    """This rank's model chunks, keyed by global stage, from the layout's layer map (its placement)."""
+def build_chunks(resolved: ResolvedConfig, context: ParallelContext,
+                 load_init_from: bool = True) -> dict[int, torch.nn.Module]:
+    """This rank's model chunks, keyed by global stage, from the resolved layer map (its placement); their weights
+    read from ``model.init_from`` unless ``load_init_from`` is False (a resumed run reads its checkpoint)."""
+    config = resolved.config
     tp = tp_group_of(context, config.parallel.sequence_parallel)
     cp = cp_group_of(context, config.parallel.cp_comm)
     chunks = {}
-    for (pp_rank, _chunk), stage in context.layout.layer_map(config.model.num_layers,
-                                                             pipeline_layout_of(config)).items():
-        if pp_rank == context.pp_rank:
-            chunk = build_chunk(config, stage.layers, stage.pre_process, stage.post_process, tp, cp)
-            chunks[stage.stage] = chunk.to(context.device)
+    for stage in resolved.rank_stages(context.pp_rank):
+        chunk = build_chunk(config, stage.layers, stage.pre_process, stage.post_process, tp, cp,
+                            load_init_from=load_init_from)
+        chunks[stage.stage] = chunk.to(context.device)
     # Model-stage order: DualPipe's mirror ranks then list the same parameters in the same order.
     return dict(sorted(chunks.items(), key=lambda item: context.layout.placement.model_stage(item[0])))
 
@@ -158,16 +161,18 @@ def loss_scaler_of(config: PpctlConfig) -> DynamicLossScaler | None:
 class Trainer:
     """Everything one worker needs to train: stages, schedule programs, runtime, data, optimizer.
 
-    ``schedule`` replaces the configured one (a hand-made schedule, checked here); the
-    configured one was proved by the checker when the config was validated.
+    ``schedule`` replaces the resolved one (a hand-made schedule, checked here); the resolved one was
+    proved by the checker when the config was validated. ``resuming``: the weights come from a checkpoint
+    loaded next (``load_checkpoint``), so ``model.init_from`` is not read.
     """
 
-    def __init__(self, config: PpctlConfig, context: ParallelContext, release_outputs: bool = True,
-                 track_memory: bool = False, schedule: Schedule | None = None):
-        self.config, self.context = config, context
+    def __init__(self, resolved: ResolvedConfig, context: ParallelContext, release_outputs: bool = True,
+                 track_memory: bool = False, schedule: Schedule | None = None, resuming: bool = False):
+        config = resolved.config
+        self.resolved, self.config, self.context = resolved, config, context
         layout = context.layout
         if schedule is None:
-            schedule = configured_schedule(config)
+            schedule = resolved.schedule
             program = lower(schedule)
         else:
             program = check_schedule(schedule)
@@ -176,9 +181,9 @@ class Trainer:
                                f"({schedule.placement.copies} model copies) but the layout says "
                                f"{layout.placement.owners} ({layout.placement.copies})")
         self.schedule = schedule
-        self.chunks = build_chunks(config, context)
+        self.chunks = build_chunks(resolved, context, load_init_from=not resuming)
         self.stages = build_stages(self.chunks, config, schedule.splits_backward)
-        self.padded_vocab_size = model_shape(config).padded_vocab_size
+        self.padded_vocab_size = resolved.sizes.padded_vocab_size
         self.fields = tuple(sorted({name for stage in self.stages.values() for name in stage.io.fields}))
         self.data = build_data(config, context, self.fields)
         self._validation_data: PipelineDataIterator | None = None
@@ -376,9 +381,10 @@ class Trainer:
         return float(ratio.item()) / dist.get_world_size()
 
 
-def train(config: PpctlConfig, context: ParallelContext, run_dir: Path, stop=None) -> list[StepResult]:
-    """The worker's training job: build the trainer (resumed from ``trainer.resume_from``), run every step,
-    validate and save as configured, log from the loss-owning rank.
+def train(resolved: ResolvedConfig, context: ParallelContext, run_dir: Path, resume_from: str | None = None,
+          stop=None) -> list[StepResult]:
+    """The worker's training job: build the trainer (resumed from the checkpoint ``resume_from``, the launch's),
+    run every step, validate and save as configured, log from the loss-owning rank.
 
     ``stop`` (``ppctl.run.interrupt``) says whether this worker was asked to stop: after each step all
     ranks agree on it, save a checkpoint and return.
@@ -386,9 +392,10 @@ def train(config: PpctlConfig, context: ParallelContext, run_dir: Path, stop=Non
     from ppctl.checkpoint.state import load_checkpoint
     from ppctl.run.logging import TrainingLogger
 
-    trainer = Trainer(config, context)
-    start = load_checkpoint(trainer, Path(config.trainer.resume_from)) if config.trainer.resume_from else 0
-    logger = (TrainingLogger(config, run_dir, trainer, start_step=start)
+    config = resolved.config
+    trainer = Trainer(resolved, context, resuming=bool(resume_from))
+    start = load_checkpoint(trainer, Path(resume_from)) if resume_from else 0
+    logger = (TrainingLogger(config, run_dir, trainer, start_step=start, resumed_from=resume_from)
               if context.rank == trainer.logging_rank else None)
     results, step = [], start
     while step < config.trainer.max_steps:

@@ -34,6 +34,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--task", required=True, choices=["train", "check-cluster", "bench"])
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    parser.add_argument("--resume-from", default=None, help="the verified checkpoint a training run resumes from")
     return parser.parse_args(argv)
 
 
@@ -42,11 +43,14 @@ def run_task(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from ppctl.config import load_config_file, layout_of
+    from ppctl.config import load_config_file
+    from ppctl.config.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context, warm_up_communicators
     from ppctl.run.faults import inject_fault, restart_resume_point
 
-    config = load_config_file(args.run_dir / "config.yaml")
+    # resolved once here, unchecked: the launcher validated this very file before it started the workers
+    resolved = resolve(load_config_file(args.run_dir / "config.yaml"), check=False)
+    config = resolved.config
     torch.set_num_threads(int(os.environ.get("PPCTL_THREADS", "1")))
     device = "cpu"
     if args.backend == "nccl":
@@ -60,7 +64,7 @@ def run_task(args: argparse.Namespace) -> None:
     store, rank, world_size = attempt_store(timeout)
     dist.init_process_group(args.backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                             device_id=device_id)
-    context = build_parallel_context(layout_of(config), config.launcher.timeout_s, device.split(":")[0])
+    context = build_parallel_context(resolved.layout, config.launcher.timeout_s, device.split(":")[0])
     context.device = device
     warm_up_communicators(context)  # every communicator made before step 0, in one order
     inject_fault(config.launcher.inject_fault, context.rank)
@@ -76,8 +80,8 @@ def run_task(args: argparse.Namespace) -> None:
         from ppctl.run.train import train
 
         stop = StopRequest().install()  # kept to the end: a late SIGTERM must not turn a finished run into a failure
-        config.trainer.resume_from = restart_resume_point(config.trainer.resume_from, args.run_dir)
-        train(config, context, args.run_dir, stop=stop)
+        resume_from = restart_resume_point(args.resume_from, args.run_dir)
+        train(resolved, context, args.run_dir, resume_from, stop=stop)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -100,6 +100,7 @@ def test_inspect_schedule_piped_prints_a_plain_grid_of_labelled_cells():
 
 def test_inspect_schedule_shows_each_ranks_activation_memory_over_time():
     from ppctl.config import compose_config
+    from ppctl.config.resolved import resolve
     from ppctl.plan.memory import config_memory
 
     shape = ["schedule=zb_h1", "parallel.pp=2", "trainer.global_batch_size=4"]
@@ -107,7 +108,7 @@ def test_inspect_schedule_shows_each_ranks_activation_memory_over_time():
     assert text.exit_code == 0, text.stderr
     lines = text.stdout.splitlines()
     heading = next(index for index, line in enumerate(lines) if line.startswith("activation memory per rank"))
-    predicted = [parts.activations for parts in config_memory(compose_config(shape))]  # no recomputation
+    predicted = [parts.activations for parts in config_memory(resolve(compose_config(shape)))]  # no recomputation
     for pp_rank, line in enumerate(lines[heading + 1:heading + 3]):
         word, label, value, unit, spark = line.split(maxsplit=4)
         assert (word, label, value, unit) == ("rank", str(pp_rank), f"{predicted[pp_rank] / 2**20:.1f}", "MiB")

@@ -84,17 +84,17 @@ def _train_runs(rank, world_size, configs, schedule_builder=None, breakers=None)
     given, names per run a defect of ``tests.distributed.breakers`` to train with (None: none). The
     bytes of every pipeline message sent are recorded too.
     """
-    from ppctl.config import layout_of
+    from ppctl.config.resolved import resolve
     from tests.distributed.breakers import broken
 
     contexts, results = {}, []
     for index, config in enumerate(configs):
-        layout = layout_of(config)
-        if layout not in contexts:
-            contexts[layout] = _context_on_this_rank(layout, rank)
+        run = resolve(config, check=False)  # validated by composed_runs
+        if run.layout not in contexts:
+            contexts[run.layout] = _context_on_this_rank(run.layout, rank)
         schedule = schedule_builder(config) if schedule_builder is not None else None
         with broken(breakers[index] if breakers else None):
-            results.append(_train_one(config, contexts[layout], schedule))
+            results.append(_train_one(run, contexts[run.layout], schedule))
     return results
 
 
@@ -117,11 +117,12 @@ def _on_cpu(tensors: dict) -> dict:
     return {name: tensor.detach().to("cpu", copy=True) for name, tensor in tensors.items()}
 
 
-def _train_one(config, context, schedule) -> dict:
-    """STEPS steps of one run: losses, norms, step-0 gradients, final shards, the forward-only loss."""
+def _train_one(run, context, schedule) -> dict:
+    """STEPS steps of one run (a ``ResolvedConfig``): losses, norms, step-0 gradients, final shards, the forward-only
+    loss."""
     from ppctl.run.train import Trainer
 
-    trainer = Trainer(config, context, schedule=schedule)
+    trainer = Trainer(run, context, schedule=schedule)
     message_bytes = _record_message_bytes(trainer)
     eval_loss = trainer.evaluate(0)
     losses, norms, first_gradients = [], [], None

@@ -59,15 +59,14 @@ def _composed(runs) -> dict:
 def _trainer(overrides, contexts, configs):
     import copy
 
-    from ppctl.config import layout_of
+    from ppctl.config.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import Trainer
 
-    config = copy.deepcopy(configs[tuple(overrides)])  # each trainer its own config, as from compose_config
-    layout = layout_of(config)
-    if layout not in contexts:
-        contexts[layout] = build_parallel_context(layout, 60)
-    return Trainer(config, contexts[layout])
+    run = resolve(copy.deepcopy(configs[tuple(overrides)]), check=False)  # each trainer its own, as from compose
+    if run.layout not in contexts:
+        contexts[run.layout] = build_parallel_context(run.layout, 60)
+    return Trainer(run, contexts[run.layout])
 
 
 def _steps(trainer, steps):

@@ -75,12 +75,13 @@ def _trained_and_dropped(rank, world_size, overrides):
     import gc
     import weakref
 
-    from ppctl.config import compose_config, layout_of
+    from ppctl.config import compose_config
+    from ppctl.config.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import Trainer
 
-    config = compose_config(overrides)
-    trainer = Trainer(config, build_parallel_context(layout_of(config), 60))
+    run = resolve(compose_config(overrides))
+    trainer = Trainer(run, build_parallel_context(run.layout, 60))
     trainer.apply_gradients(0, trainer.compute_gradients(0)[1])
     optimizer = weakref.ref(trainer.optimizer)
     del trainer

@@ -29,16 +29,16 @@ TIED = {GPT2: False, STARCODER2: True}
 def _save_and_evaluate(rank, world_size, root, configs):
     """Worker: for each config, a trainer from its HF folder saves a checkpoint at step 0 and evaluates batch 0."""
     from ppctl.checkpoint.state import save_checkpoint
-    from ppctl.config import layout_of
+    from ppctl.config.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import Trainer
 
     contexts, results = {}, []
     for index, config in enumerate(configs):
-        layout = layout_of(config)
-        if layout not in contexts:
-            contexts[layout] = build_parallel_context(layout, 60)
-        trainer = Trainer(config, contexts[layout])
+        run = resolve(config, check=False)  # validated in the test process
+        if run.layout not in contexts:
+            contexts[run.layout] = build_parallel_context(run.layout, 60)
+        trainer = Trainer(run, contexts[run.layout])
         checkpoint = save_checkpoint(trainer, Path(root) / f"run{index}", 0, "test", keep_last=1)
         results.append((str(checkpoint), trainer.evaluate(0)))
     return results

@@ -27,13 +27,13 @@ def test_scheduled_lr_and_decay_groups_match_single_process():
 
 def _step_learning_rates(rank, world_size, overrides):
     """Worker: train 3 steps with ``train_step``; return the lr each ``StepResult`` reports."""
-    from ppctl.config import compose_config, layout_of, validate
+    from ppctl.config import compose_config
+    from ppctl.config.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import Trainer
 
-    config = compose_config(overrides)
-    validate(config)
-    trainer = Trainer(config, build_parallel_context(layout_of(config), 60))
+    run = resolve(compose_config(overrides))
+    trainer = Trainer(run, build_parallel_context(run.layout, 60))
     return [trainer.train_step(step).lr for step in range(3)]
 
 

@@ -43,17 +43,18 @@ def storage_bytes(tensors) -> int:
 
 def _measure(rank, world_size, configs):
     """Per run (a config composed in the test process): this rank's pp rank and measured bytes by part."""
-    from ppctl.config import layout_of
+    from ppctl.config.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.memory import held_bytes, step_peak_bytes
     from ppctl.run.train import Trainer
 
     contexts, results = {}, []
     for config in configs:
-        layout = layout_of(config)
+        run = resolve(config, check=False)  # validated in the test process
+        layout = run.layout
         if layout not in contexts:
             contexts[layout] = build_parallel_context(layout, 60)
-        trainer = Trainer(config, contexts[layout])
+        trainer = Trainer(run, contexts[layout])
         trainer.train_steps(0, 2)
         optimizer, params = trainer.optimizer, trainer.parameters()
         parameters = storage_bytes(params)
@@ -75,13 +76,14 @@ LLAMA_TOLERANCE = 0.10
 
 @pytest.mark.timeout(300)
 def test_predicted_memory_per_rank_and_part_against_measured():
+    from ppctl.config.resolved import resolve
     from ppctl.plan.memory import config_memory
 
     configs = composed_runs([BASE + SIZES + layout for layout in CASES.values()])  # composed and validated
     per_rank = run_workers(_measure, 4, configs, timeout=240)
     rows = []
     for index, (name, config) in enumerate(zip(CASES, configs)):
-        predicted = config_memory(config)
+        predicted = config_memory(resolve(config, check=False))
         rows += [(name, rank_results[index], predicted[rank_results[index]["pp_rank"]]) for rank_results in per_rank]
     table = "\n".join(f"{name}: pp rank {measured['pp_rank']}: predicted {model.to_json()}, measured {measured}"
                       for name, measured, model in rows)

@@ -37,17 +37,17 @@ def _configs() -> dict:
 
 
 def _train(rank, world_size, configs):
-    from ppctl.config import layout_of
+    from ppctl.config.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import Trainer
 
     contexts, report = {}, {}
     for name in LAYOUTS:
         for precision in ("fp32", "bf16", "fp16"):
-            config = configs[name, precision]
-            context = contexts.setdefault(layout_of(config), build_parallel_context(layout_of(config), 60)) \
-                if layout_of(config) not in contexts else contexts[layout_of(config)]
-            trainer = Trainer(config, context)
+            run = resolve(configs[name, precision], check=False)  # validated in the test process
+            if run.layout not in contexts:
+                contexts[run.layout] = build_parallel_context(run.layout, 60)
+            trainer = Trainer(run, contexts[run.layout])
             sent = _record_message_bytes(trainer)
             losses = [trainer.train_step(step).loss for step in range(STEPS)]
             mains = [group["params"] for group in trainer.optimizer.param_groups]
@@ -62,10 +62,11 @@ def _train(rank, world_size, configs):
 
 def _overflowing_fp16(config, contexts) -> list[tuple[bool, float]]:
     """(skipped, loss scale after the step) of 12 fp16 steps started at a scale that overflows."""
-    from ppctl.config import layout_of
+    from ppctl.config.resolved import resolve
     from ppctl.run.train import Trainer
 
-    trainer = Trainer(config, contexts[layout_of(config)])
+    run = resolve(config, check=False)
+    trainer = Trainer(run, contexts[run.layout])
     return [(trainer.train_step(step).skipped, trainer.loss_scaler.scale) for step in range(12)]
 
 

@@ -33,16 +33,16 @@ def _snapshot(trainer) -> dict[str, torch.Tensor]:
 
 
 def _skip_then_stop(rank, world_size):
-    from ppctl.config import compose_config, layout_of, validate
+    from ppctl.config import compose_config
+    from ppctl.config.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import NonFiniteGradients, Trainer
 
     context, report = None, {}
     for distributed in (False, True):
-        config = compose_config(BASE + LAYOUT + [f"optimizer.distributed={str(distributed).lower()}"])
-        validate(config)
-        context = context or build_parallel_context(layout_of(config), 60)
-        trainer = Trainer(config, context)
+        run = resolve(compose_config(BASE + LAYOUT + [f"optimizer.distributed={str(distributed).lower()}"]))
+        context = context or build_parallel_context(run.layout, 60)
+        trainer = Trainer(run, context)
         trainer.train_step(0)  # AdamW state exists from here on
         before = _snapshot(trainer)
         handle = _poison_first_layer(trainer) if rank == 0 else None
@@ -56,8 +56,7 @@ def _skip_then_stop(rank, world_size):
         report[distributed] = (skipped.skipped, skipped.skipped_steps, skipped.grad_norm, unchanged,
                                resumed.skipped, math.isfinite(resumed.grad_norm), moved)
 
-    config = compose_config(BASE + LAYOUT + ["trainer.stop_on_nonfinite=true"])
-    trainer = Trainer(config, context)
+    trainer = Trainer(resolve(compose_config(BASE + LAYOUT + ["trainer.stop_on_nonfinite=true"])), context)
     handle = _poison_first_layer(trainer) if rank == 0 else None
     try:
         trainer.train_step(0)

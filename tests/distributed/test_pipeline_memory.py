@@ -16,16 +16,17 @@ BASE = ["data=synthetic", "model.num_layers=4", "model.hidden_size=32", "model.n
 
 
 def _peak_bytes(rank, world_size):
-    from ppctl.config import compose_config, layout_of
+    from ppctl.config import compose_config
+    from ppctl.config.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import Trainer
 
     context = None
     peaks = {}
     for schedule, release in (("1f1b", True), ("1f1b", False), ("gpipe", False), ("gpipe", True)):
-        config = compose_config(BASE + [f"schedule={schedule}"])
-        context = context or build_parallel_context(layout_of(config), 60)
-        trainer = Trainer(config, context, release_outputs=release, track_memory=True)
+        run = resolve(compose_config(BASE + [f"schedule={schedule}"]))
+        context = context or build_parallel_context(run.layout, 60)
+        trainer = Trainer(run, context, release_outputs=release, track_memory=True)
         trainer.train_step(0)
         peaks[(schedule, release)] = trainer.last_step_state.peak_held_bytes
     activation_bytes = 2 * 16 * 32 * 4  # micro_batch_size x seq_length x hidden_size x float32

@@ -31,10 +31,11 @@ def test_uneven_layouts_match_single_process():
 
 
 def test_layer_maps_of_uneven_layouts():
-    from ppctl.config import compose_config, config_layer_map
+    from ppctl.config import compose_config
+    from ppctl.config.resolved import resolve
 
     def layers(*overrides):
-        layer_map = config_layer_map(compose_config(["data=synthetic", *overrides]))
+        layer_map = resolve(compose_config(["data=synthetic", *overrides])).layer_map
         return [(stage.stage, stage.layers, stage.pre_process, stage.post_process)
                 for _, stage in sorted(layer_map.items(), key=lambda item: item[1].stage)]
 

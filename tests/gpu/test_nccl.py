@@ -97,10 +97,11 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layouts_under_nccl_train_like_one_process(tmp_path, single_run, name):
-    from ppctl.config import compose_config, layout_of
+    from ppctl.config import compose_config
+    from ppctl.config.resolved import resolve
 
     settings = [*SMALL, *LAYOUTS[name]]
-    workers = layout_of(compose_config(settings)).world_size
+    workers = resolve(compose_config(settings), check=False).layout.world_size
     if workers > GPUS:
         pytest.skip(f"{name} needs {workers} GPUs, this machine has {GPUS}")
     train(tmp_path, *settings, "launcher.backend=nccl")

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from ppctl.config import (ConfigError, compose_config, config_layer_map, layout_of, pipeline_layout_of,
-                          schedule_spec, validate)
+from ppctl.config import ConfigError, compose_config, schedule_spec, validate
+from ppctl.config.resolved import resolve, stage_counts
 from ppctl.parallel.layout import parse_pipeline_layout
 from ppctl.parallel.placement import looped_placement, v_placement, wave_placement
 from ppctl.pipeline.schedules import SCHEDULE_SPECS
@@ -97,20 +97,15 @@ def test_part_costs_follow_the_flop_count():
     assert costs.loss == 2 * 64 * 320 + 5 * 320 and costs.embedding == 64
 
 
-# --- from a config --------------------------------------------------------------------------
+# --- from a config ---------------------------------------------------------------------------
 
-def stage_counts(config):
-    return [len(stage) for stage in parse_pipeline_layout(pipeline_layout_of(config), config.model.num_layers,
-                                                          layout_of(config).placement.stages_per_copy)]
-
-
-def assert_config_optimal(config):
-    """The config's split is the optimum over every split, and no slower than the even one."""
-    placement, costs = layout_of(config).placement, config_part_costs(config)
-    counts = stage_counts(config)
+def assert_config_optimal(run):
+    """The resolved config's split is the optimum over every split, and no slower than the even one."""
+    config, placement = run.config, run.layout.placement
+    costs, counts = config_part_costs(config), list(stage_counts(run))
     assert max(rank_loads(placement, costs, counts)) == optimum(config.model.num_layers, placement, costs)
-    summary = balance_summary(config)
-    assert summary.layout == pipeline_layout_of(config) and summary.slowest_flops <= summary.even_slowest_flops
+    summary = balance_summary(config, placement, counts)
+    assert summary.layout == run.pipeline_layout and summary.slowest_flops <= summary.even_slowest_flops
     return counts, layers_held(placement, counts)
 
 
@@ -118,47 +113,43 @@ GPT_SMALL_LIKE = ("model=gpt_small", "model.vocab_size=50257", "parallel.balance
 
 
 def test_gpt_small_at_pp4_gives_the_loss_stage_fewer_layers():
-    config = composed(*GPT_SMALL_LIKE, "parallel.pp=4", "model.num_layers=24")
-    validate(config)
-    counts, _ = assert_config_optimal(config)
-    assert pipeline_layout_of(config) == "Ettttttt|tttttttt|ttttttt|ttL"
+    run = resolve(composed(*GPT_SMALL_LIKE, "parallel.pp=4", "model.num_layers=24"))
+    counts, _ = assert_config_optimal(run)
+    assert run.pipeline_layout == "Ettttttt|tttttttt|ttttttt|ttL"
     assert counts[-1] < min(counts[1:-1]) and counts[0] <= max(counts[1:-1])  # the embedding's stage: no more
-    summary = balance_summary(config)
+    summary = balance_summary(run.config, run.layout.placement, counts)
     assert summary.even_layout == "Etttttt|tttttt|tttttt|ttttttL"
     assert summary.slowest_flops < 0.75 * summary.even_slowest_flops  # the last rank ran 6 layers and the output
-    assert pipeline_layout_of(composed(*GPT_SMALL_LIKE, "parallel.pp=4")) == "Etttt|tttt|tttt|L"  # 12: an empty stage
+    assert resolve(composed(*GPT_SMALL_LIKE, "parallel.pp=4")).pipeline_layout == "Etttt|tttt|tttt|L"  # 12 layers
 
 
 def test_interleaved_gives_the_rank_with_the_loss_fewer_layers():
-    config = composed(*GPT_SMALL_LIKE, "schedule=interleaved_1f1b", "parallel.pp=2", "parallel.vpp=2",
-                      "model.num_layers=10")
-    validate(config)
-    _, held = assert_config_optimal(config)
+    run = resolve(composed(*GPT_SMALL_LIKE, "schedule=interleaved_1f1b", "parallel.pp=2", "parallel.vpp=2",
+                           "model.num_layers=10"))
+    _, held = assert_config_optimal(run)
     assert held[1] < held[0] and sum(held) == 10
 
 
 def test_zbv_gives_rank_0_both_ends_and_fewer_layers():
-    config = composed(*GPT_SMALL_LIKE, "schedule=zbv", "parallel.pp=2", "model.num_layers=10")
-    validate(config)
-    counts, held = assert_config_optimal(config)
-    assert layout_of(config).placement.owners == (0, 1, 1, 0)
+    run = resolve(composed(*GPT_SMALL_LIKE, "schedule=zbv", "parallel.pp=2", "model.num_layers=10"))
+    counts, held = assert_config_optimal(run)
+    assert run.layout.placement.owners == (0, 1, 1, 0)
     assert held[0] < held[1] and counts[-1] < counts[1]
 
 
 def test_dualpipe_balances_the_mirror_pairs():
-    config = composed(*GPT_SMALL_LIKE, "schedule=dualpipe", "parallel.pp=4", "model.num_layers=24",
-                      "trainer.global_batch_size=8")
-    validate(config)
-    counts, held = assert_config_optimal(config)
+    run = resolve(composed(*GPT_SMALL_LIKE, "schedule=dualpipe", "parallel.pp=4", "model.num_layers=24",
+                           "trainer.global_batch_size=8"))
+    counts, held = assert_config_optimal(run)
     # ranks 0 and 3 hold model stages 0 and 3 (the embedding and the loss), ranks 1 and 2 stages 1 and 2
     assert held[0] == held[3] == counts[0] + counts[3] == 9 and held[1] == held[2] == counts[1] + counts[2] == 15
-    layers = config_layer_map(config)
+    layers = run.layer_map
     assert sorted(layer for stage in layers.values() for layer in stage.layers) == sorted(list(range(24)) * 2)
 
 
 def test_without_auto_the_split_is_unchanged():
-    assert pipeline_layout_of(composed("parallel.pp=4", "model.num_layers=8")) is None
-    assert pipeline_layout_of(composed("parallel.balance=even", "parallel.pipeline_layout=Ett|ttL")) == "Ett|ttL"
+    assert resolve(composed("parallel.pp=4", "model.num_layers=8")).pipeline_layout is None
+    assert resolve(composed("parallel.balance=even", "parallel.pipeline_layout=Ett|ttL")).pipeline_layout == "Ett|ttL"
 
 
 # a vocabulary whose output layer costs less than a layer, or as much as 56 of gpt_tiny's (empty stages)
@@ -173,15 +164,12 @@ def test_every_schedule_reads_the_string_auto_gives(name, pp, vocab):
         overrides.append("parallel.vpp=2")
     if spec.streams_steps:
         overrides += ["optimizer.gradient_delay=1", "optimizer.clip_grad=0"]
-    config = composed(*overrides)
-    validate(config)
-    placement = layout_of(config).placement
-    text = pipeline_layout_of(config)
+    run = resolve(composed(*overrides))
+    placement, text = run.layout.placement, run.pipeline_layout
     assert text.count("t") == 7 and text.count("|") == placement.stages_per_copy - 1
     assert sum(len(stage) for stage in parse_pipeline_layout(text, 7, placement.stages_per_copy)) == 7
-    layers = config_layer_map(config)
-    held = sorted(layer for stage in layers.values() for layer in stage.layers)
-    assert held == sorted(list(range(7)) * placement.copies), schedule_spec(config).name
+    held = sorted(layer for stage in run.layer_map.values() for layer in stage.layers)
+    assert held == sorted(list(range(7)) * placement.copies), schedule_spec(run.config).name
 
 
 # --- the memory limit -------------------------------------------------------------------------
@@ -190,17 +178,15 @@ MEMORY_CASE = ("parallel.pp=4", "model.num_layers=10", "parallel.balance=auto")
 
 
 def test_the_memory_limit_moves_layers_off_the_rank_that_would_not_fit():
-    free = composed(*MEMORY_CASE)
-    validate(free)
+    free = resolve(composed(*MEMORY_CASE))
     free_counts, free_memory = stage_counts(free), [parts.total for parts in config_memory(free)]
     # rank 1: three layers with pp-1 microbatches in flight (1F1B) needs the most; a limit just under it
-    assert free_counts == [2, 3, 3, 2] and free_memory.index(max(free_memory)) == 1
+    assert free_counts == (2, 3, 3, 2) and free_memory.index(max(free_memory)) == 1
     limit_gb = (free_memory[1] - 1) / GIB
-    config = composed(*MEMORY_CASE, f"parallel.balance_memory_gb={limit_gb!r}")
-    validate(config)
-    counts = stage_counts(config)
+    run = resolve(composed(*MEMORY_CASE, f"parallel.balance_memory_gb={limit_gb!r}"))
+    counts = stage_counts(run)
     assert sum(counts) == 10 and counts[1] < free_counts[1]
-    assert all(parts.total <= limit_gb * GIB for parts in config_memory(config))
+    assert all(parts.total <= limit_gb * GIB for parts in config_memory(run))
 
 
 def test_no_split_that_fits_is_refused_in_one_line():
@@ -208,14 +194,14 @@ def test_no_split_that_fits_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^parallel.balance=auto: no split of 10 layers over 4 stages fits "
                                           r"parallel.balance_memory_gb=0.001 \(rank \d needs [\d.]+ GiB holding "
                                           r"\d layers, and fewer leave too many for the other ranks\)$") as error:
-        validate(config)
+        resolve(config)
     assert "\n" not in str(error.value)
 
 
 def test_a_limit_no_rank_can_meet_even_empty_is_refused():
     config = composed(*MEMORY_CASE, "parallel.balance_memory_gb=0.00001")
     with pytest.raises(ConfigError, match=r"\(rank \d needs [\d.]+ GiB at best, holding no transformer layer\)$"):
-        validate(config)
+        resolve(config)
 
 
 # --- refusals ---------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ and every rank holds at most the activation cap (interleaved 1F1B's peak at 2W c
 
 import pytest
 
-from ppctl.config import compose_config, layout_of
+from ppctl.config import compose_config
+from ppctl.config.resolved import resolve
 from ppctl.parallel.placement import v_placement, wave_placement
 from ppctl.pipeline.check import check_schedule
 from ppctl.pipeline.schedules import ScheduleError, build_schedule
@@ -28,7 +29,7 @@ def test_the_waves_fold_the_stages_down_and_up_the_ranks():
 def test_the_layout_takes_the_wave_placement_from_parallel_waves():
     config = compose_config(["schedule=hanayo", "parallel.pp=4", "parallel.waves=2", "model.num_layers=16"])
     assert config.parallel.vpp == 4
-    layout = layout_of(config)
+    layout = resolve(config).layout
     assert layout.placement == wave_placement(4, 2)
     assert layout.placement.embedding_pp_ranks == layout.placement.loss_pp_ranks == [0]
 

@@ -10,7 +10,7 @@ import pytest
 from ppctl.run import supervise
 from ppctl.config import compose_config
 from ppctl.run.failures import WorkerExit, describe_failure, first_failure, is_consequence, torchrun_failures
-from ppctl.run.launch import LaunchResult, build_launch_plan, describe_interruption
+from ppctl.run.launch import LaunchRequest, LaunchResult, build_launch_plan, describe_interruption
 from ppctl.run.proctree import children, descendants, parent_of_stat, read_parent_table
 from ppctl.run.supervise import SignalInbox
 
@@ -159,11 +159,21 @@ def test_exit_codes():
 
 def test_launch_plan_carries_the_shutdown_timeout(tmp_path):
     config = compose_config(["launcher.shutdown_timeout_s=7", "trainer.checkpoints=false"])
-    plan = build_launch_plan(config, tmp_path, "train", "gloo")
+    plan = build_launch_plan(config, LaunchRequest("train", tmp_path), "gloo")
     assert plan.shutdown_timeout_s == 7 and plan.env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "7"
     assert "nothing is saved" in plan.stop_notice
-    assert "save a checkpoint" in build_launch_plan(compose_config([]), tmp_path, "train", "gloo").stop_notice
-    assert build_launch_plan(config, tmp_path, "check-cluster", "gloo").stop_notice == "the workers end now"
+    assert "save a checkpoint" in build_launch_plan(compose_config([]), LaunchRequest("train", tmp_path),
+                                                    "gloo").stop_notice
+    assert build_launch_plan(config, LaunchRequest("check-cluster", tmp_path), "gloo").stop_notice == \
+        "the workers end now"
+
+
+def test_the_resume_point_is_the_launchs_and_reaches_the_workers_as_an_argument(tmp_path):
+    config = compose_config([])
+    command = build_launch_plan(config, LaunchRequest("train", tmp_path, "/ckpt/step_3"), "gloo").command
+    assert command[command.index("--resume-from") + 1] == "/ckpt/step_3"
+    assert "--resume-from" not in build_launch_plan(config, LaunchRequest("train", tmp_path), "gloo").command
+    assert config.trainer.resume_from is None  # the config is left as it was
 
 
 @pytest.fixture

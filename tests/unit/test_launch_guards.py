@@ -19,7 +19,7 @@ from ppctl.run import rendezvous, rundir, supervise
 from ppctl.checkpoint.files import commit, temporary_dir
 from ppctl.config import ConfigError, LauncherConfig, compose_config, parse_endpoint
 from ppctl.run.failures import describe_log_failure, mount_point
-from ppctl.run.launch import LaunchResult, build_launch_plan
+from ppctl.run.launch import LaunchRequest, LaunchResult, build_launch_plan
 from ppctl.run.rendezvous import rendezvous_problem
 from ppctl.run.rundir import RunDirBusy, RunDirLock
 
@@ -83,7 +83,7 @@ def test_single_node_runs_each_host_their_own_rendezvous_on_a_free_port(tmp_path
     """No fixed port and no shared id: two runs on one machine never meet (torch's old --standalone used
     port 29400, where a second run silently became a client of the first one's store)."""
     config = compose_config([])
-    commands = [build_launch_plan(config, tmp_path, "train", "gloo").command for _ in range(2)]
+    commands = [build_launch_plan(config, LaunchRequest("train", tmp_path), "gloo").command for _ in range(2)]
     for command in commands:
         assert "--standalone" not in command
         assert command[command.index("--rdzv-backend") + 1] == "c10d"

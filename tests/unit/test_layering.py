@@ -31,8 +31,10 @@ LEVELS = {
     "ppctl.config": 2, "ppctl.model": 2, "ppctl.data.iterator": 2, "ppctl.parallel.groups": 2,
     "ppctl.pipeline.p2p": 2, "ppctl.pipeline.trace": 2, "ppctl.pipeline.runtime": 2, "ppctl.optim": 2,
     "ppctl.checkpoint": 2,
-    # 3 and 4, a config built into a model, its pipeline stages, the single-process reference, checkpoints.
-    "ppctl.plan": 3,
+    # 3 and 4, a config built into a model, its pipeline stages, the single-process reference, checkpoints; the
+    # config resolved once (its split under parallel.balance=auto asks the planner's balancer and memory model),
+    # and above it the planner's search, which resolves each candidate.
+    "ppctl.plan": 3, "ppctl.config.resolved": 4, "ppctl.plan.search": 5,
     "ppctl.model.from_config": 3, "ppctl.model.stages": 4, "ppctl.run.reference": 4, "ppctl.checkpoint.state": 4,
     "ppctl.checkpoint.hf_export": 4,  # ppctl export: a checkpoint and its run's config as a Hugging Face folder
     # 5 and 6, the launch path (run/): the training loop and what it logs, the launcher's parts (supervise,
@@ -45,10 +47,12 @@ LEVELS = {
     # 6 and 7, the faces (cli/): the reports, then the commands on top.
     "ppctl.cli": 6, "ppctl.cli.app": 7,
 }
-# The lazy imports allowed to go up, each with why. Only one: the split parallel.balance=auto chooses is part of
-# the config (ppctl.config.derived.pipeline_layout_of), and fitting it to parallel.balance_memory_gb asks the memory
-# model, which reads configs; the planner's balancer is imported inside that one function.
-UPWARD_LAZY_IMPORTS = {("ppctl.config.derived", "ppctl.plan.balance")}
+# The lazy imports allowed to go up, each with why. None: the split parallel.balance=auto chooses is made where the
+# config is resolved (ppctl.config.resolved, above the planner's balancer and memory model), not in config/derived.
+UPWARD_LAZY_IMPORTS: set[tuple[str, str]] = set()
+# Resolve once: what a config describes (its layout, schedule, split and layer map) is built by
+# ppctl.config.resolved and read from the ResolvedConfig; outside config/ no module builds them again.
+RESOLVED_ONCE = ("layout_of", "configured_schedule", "pipeline_layout_of", "schedule_placement")
 # The only modules at the top of the package: everything else lives in a folder that says what it is.
 TOP_LEVEL_MODULES = {"ppctl", "ppctl.fileio"}
 # Foundations: they import nothing of ppctl's, so anything may build on them.
@@ -156,3 +160,11 @@ def test_foundations_import_nothing_of_ppctl():
         if is_foundation(name):
             outside = {dep for dep in deps if dep != "ppctl" and not is_foundation(dep)}
             assert not outside, f"{name} is a foundation but imports {sorted(outside)}"
+
+
+def test_only_the_config_package_builds_what_a_resolved_config_holds():
+    imports = {name: imported_names(name, path) for name, path in module_files().items()
+               if not name.startswith("ppctl.config")}
+    built_again = sorted((name, helper) for name, names in imports.items() for helper in RESOLVED_ONCE
+                         if any(imported.endswith("." + helper) for imported in names))
+    assert not built_again, f"read these from the ResolvedConfig (ppctl.config.resolved) instead: {built_again}"

@@ -6,7 +6,8 @@ import tracemalloc
 
 import pytest
 
-from ppctl.config import compose_config, validate
+from ppctl.config import compose_config
+from ppctl.config.resolved import resolve
 from ppctl.cli.layout_report import (MAX_LISTED_RANKS, SUMMARY_MEMBERS, SUMMARY_RANKS, is_summarised, layout_report,
                                  print_layout)
 from ppctl.parallel.layout import GROUP_NAMES, ParallelLayout
@@ -34,10 +35,9 @@ LISTED_S = 30
 
 
 def test_validation_and_the_json_report_of_twenty_million_ranks_are_quick_and_small():
-    config = compose_config(HUGE)
-    _, seconds, peak = timed(validate, config)
+    run, seconds, peak = timed(resolve, compose_config(HUGE))
     assert seconds < QUICK_S and peak < 10 << 20
-    report, seconds, peak = timed(layout_report, config)
+    report, seconds, peak = timed(layout_report, run)
     text = json.dumps(report)
     assert seconds < QUICK_S and peak < 10 << 20 and len(text) < 64 << 10
     assert is_summarised(report) and report["world_size"] == 20_000_000
@@ -55,13 +55,13 @@ def test_validation_and_the_json_report_of_twenty_million_ranks_are_quick_and_sm
     assert {key: value for key, value in last.items() if key != "memory"} == {
         "rank": 19_999_999, "tp": 0, "cp": 0, "dp": 9_999_999, "pp": 1, "tokens": [[0, 64]],
         "residual_tokens": [[0, 64]]}
-    assert last["memory"] == config_memory(compose_config(HUGE))[1].to_json()
+    assert last["memory"] == config_memory(resolve(compose_config(HUGE)))[1].to_json()
 
 
 def test_the_table_of_twenty_million_ranks_is_quick(capsys):
-    config = compose_config(HUGE)
-    report = layout_report(config)
-    _, seconds, _ = timed(print_layout, report, config)
+    run = resolve(compose_config(HUGE))
+    report = layout_report(run)
+    _, seconds, _ = timed(print_layout, report, run)
     text = capsys.readouterr().out
     assert seconds < QUICK_S and "process groups (summarised)" in text and "10,000,000" in text
     assert "[0, 1, 2, 3, ...," in text and "19999999]" in text  # the first and the last group's ends
@@ -75,10 +75,10 @@ def test_a_summary_agrees_with_the_listing_it_replaces(overrides, monkeypatch):
     """The same layout listed and (with the limit lowered) summarised: counts, sizes, ends and rank entries."""
     from ppctl.cli import layout_report as module
 
-    config = compose_config(overrides)
-    listed = layout_report(config)
+    run = resolve(compose_config(overrides))
+    listed = layout_report(run)
     monkeypatch.setattr(module, "MAX_LISTED_RANKS", 4)
-    summary = layout_report(config)
+    summary = layout_report(run)
     assert not is_summarised(listed) and is_summarised(summary)
     for name in GROUP_NAMES:
         groups, summarised = listed["groups"][name], summary["groups"][name]
@@ -94,7 +94,7 @@ def test_a_summary_agrees_with_the_listing_it_replaces(overrides, monkeypatch):
 def test_up_to_the_limit_everything_is_listed():
     layout = ParallelLayout(tp=8, pp=16, dp=128)
     assert layout.world_size == MAX_LISTED_RANKS
-    config = compose_config(["parallel.tp=8", "parallel.pp=16", "parallel.dp=128", "model.num_layers=32",
-                             "model.num_heads=8", "trainer.global_batch_size=1024"])
-    report, seconds, _ = timed(layout_report, config)
+    run = resolve(compose_config(["parallel.tp=8", "parallel.pp=16", "parallel.dp=128", "model.num_layers=32",
+                                  "model.num_heads=8", "trainer.global_batch_size=1024"]))
+    report, seconds, _ = timed(layout_report, run)
     assert not is_summarised(report) and len(report["ranks"]) == MAX_LISTED_RANKS and seconds < LISTED_S

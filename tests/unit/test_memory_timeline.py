@@ -4,7 +4,8 @@ actions laid on the simulated timeline, its peak the model's, and how ``inspect-
 import pytest
 
 from ppctl.cli.schedule_report import column_peaks, sparkline
-from ppctl.config import compose_config, configured_schedule, validate
+from ppctl.config import compose_config
+from ppctl.config.resolved import resolve
 from ppctl.plan.memory import (activation_bytes_over_time, config_activation_tables, config_activation_timelines,
                                config_memory, peak_in_flight_bytes)
 from ppctl.pipeline.simulate import Costs, TimedAction, simulate, simulate_steps
@@ -14,13 +15,11 @@ TWO_CHUNKS = {"interleaved_1f1b", "zbv", "dualpipev"}
 
 
 def config_of(name: str, pp: int, *extra: str):
-    """A validated config of schedule ``name`` at ``pp`` whose layers split: two per stage, m = 2 pp."""
+    """A resolved config of schedule ``name`` at ``pp`` whose layers split: two per stage, m = 2 pp."""
     chunks = 2 if name in TWO_CHUNKS else 1
-    config = compose_config([f"schedule={name}", f"parallel.pp={pp}", f"parallel.vpp={chunks}",
-                             f"model.num_layers={2 * pp * chunks}", f"trainer.global_batch_size={2 * pp}",
-                             "data=synthetic", *extra])
-    validate(config)
-    return config
+    return resolve(compose_config([f"schedule={name}", f"parallel.pp={pp}", f"parallel.vpp={chunks}",
+                                   f"model.num_layers={2 * pp * chunks}", f"trainer.global_batch_size={2 * pp}",
+                                   "data=synthetic", *extra]))
 
 
 def held(points) -> list[int]:
@@ -32,13 +31,12 @@ def held(points) -> list[int]:
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_the_timeline_peaks_at_the_memory_models_in_flight_activations(name, pp, recompute):
     config = config_of(name, pp, *(["model.recompute=full"] if recompute else []))
-    schedule = configured_schedule(config)
-    result = simulate(schedule, Costs(F=1, B=1.5, W=0.5, comm=0.1))
-    timelines = config_activation_timelines(config, result, schedule)
-    tables, memory = config_activation_tables(config, schedule), config_memory(config, schedule)
+    result = simulate(config.schedule, Costs(F=1, B=1.5, W=0.5, comm=0.1))
+    timelines = config_activation_timelines(config, result)
+    tables, memory = config_activation_tables(config), config_memory(config)
     assert len(timelines) == pp
     for pp_rank, (points, table, parts) in enumerate(zip(timelines, tables, memory)):
-        actions = [(action.kind, action.stage) for action in schedule.actions[pp_rank]]
+        actions = [(action.kind, action.stage) for action in config.schedule.actions[pp_rank]]
         peak = peak_in_flight_bytes(actions, table.kept, table.stash)
         assert max(held(points)) == peak == parts.activations - table.rebuilt > 0
         assert points[0] == (0.0, 0) and points[-1][1] == 0  # the step frees all it kept
@@ -66,7 +64,7 @@ def test_forwards_count_from_their_start_and_the_rest_at_their_end():
 @pytest.mark.parametrize("pp", [2, 4])
 def test_gpipe_rises_through_every_forward_then_falls(pp):
     config = config_of("gpipe", pp)
-    result = simulate(configured_schedule(config))
+    result = simulate(config.schedule)
     microbatches = 2 * pp
     for points, table in zip(config_activation_timelines(config, result), config_activation_tables(config)):
         counts = held(points)[1:]
@@ -83,7 +81,7 @@ def bytes_at(points, time: float) -> int:
 @pytest.mark.parametrize("name", ["zb_h1", "zbv"])
 def test_a_zero_bubble_b_keeps_the_stash_until_its_w(name):
     config = config_of(name, 4)
-    result = simulate(configured_schedule(config))
+    result = simulate(config.schedule)
     for timeline, points, table in zip(result.ranks, config_activation_timelines(config, result),
                                        config_activation_tables(config)):
         weights = {(action.stage, action.microbatch): action for action in timeline.actions if action.kind == "W"}
@@ -102,23 +100,22 @@ def test_a_zero_bubble_b_keeps_the_stash_until_its_w(name):
 
 def test_several_steps_repeat_the_step_and_free_between_them():
     config = config_of("1f1b", 2)
-    schedule = configured_schedule(config)
-    one, three = simulate_steps(schedule, 1), simulate_steps(schedule, 3)
-    for first, all_steps in zip(config_activation_timelines(config, one, schedule),
-                                config_activation_timelines(config, three, schedule)):
+    one, three = simulate_steps(config.schedule, 1), simulate_steps(config.schedule, 3)
+    for first, all_steps in zip(config_activation_timelines(config, one),
+                                config_activation_timelines(config, three)):
         assert held(all_steps) == held(first) + 2 * held(first)[1:]
         assert max(held(all_steps)) == max(held(first))
         assert all_steps[-1][0] <= three.makespan
 
 
-def test_the_timeline_needs_layers_that_split():
+def test_a_config_whose_layers_do_not_split_resolves_without_a_layer_map_and_says_why():
     from ppctl.config import ConfigError
-    from ppctl.parallel.layout import LayoutError
 
     config = compose_config(["schedule=dualpipev", "parallel.pp=4"])  # 4 layers, 8 stages
-    validate(config, layer_split=False)
-    with pytest.raises((ConfigError, LayoutError), match="num_layers=4"):
-        config_activation_timelines(config, simulate(configured_schedule(config)))
+    with pytest.raises(ConfigError, match="num_layers=4"):
+        resolve(config)
+    run = resolve(compose_config(["schedule=dualpipev", "parallel.pp=4"]), layer_split=False)
+    assert not run.layer_map and "num_layers=4" in run.split_problem
 
 
 def test_the_sparkline_shows_each_columns_most_on_one_scale():

@@ -4,7 +4,8 @@ import re
 
 import pytest
 
-from ppctl.config import compose_config, layout_of
+from ppctl.config import compose_config
+from ppctl.config.resolved import resolve
 from ppctl.parallel.layout import ParallelLayout
 from ppctl.parallel.placement import Placement, PlacementError, looped_placement, v_placement
 from ppctl.pipeline.schedules import SCHEDULE_SPECS, build_schedule
@@ -133,7 +134,7 @@ def test_layout_and_schedule_share_the_placement(name, pp, vpp, num_microbatches
     spec = SCHEDULE_SPECS[name]
     schedule = build_schedule(name, pp, vpp, num_microbatches)
     config = compose_config([f"schedule={name}", f"parallel.pp={pp}", f"parallel.vpp={vpp}"])
-    layout = layout_of(config)
+    layout = resolve(config, check=False, layer_split=False).layout
     assert schedule.placement == spec.placement(pp, vpp) == layout.placement
     assert layout.placement.problem(pp, vpp) is None
     assert layout.placement.copies == (2 if name == "dualpipe" else 1)

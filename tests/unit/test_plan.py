@@ -8,6 +8,7 @@ import pytest
 
 from ppctl.cli.calibrate import Calibration
 from ppctl.config import compose_config, validate
+from ppctl.config.resolved import resolve
 from ppctl.pipeline.simulate import Costs
 from ppctl.plan import search
 from ppctl.plan.memory import config_memory
@@ -56,9 +57,9 @@ def test_every_candidate_passes_validation_and_fits(base, devices, memory_gb):
     assert found.candidates
     for prediction in found.candidates:
         pasted = compose_config(BASE + prediction.candidate.overrides())  # the line a user pastes
-        sizes = validate(pasted)
-        assert sizes.world_size == devices
-        assert max(parts.total for parts in config_memory(pasted)) == prediction.peak_memory_bytes
+        run = resolve(pasted)
+        assert run.sizes.world_size == devices
+        assert max(parts.total for parts in config_memory(run)) == prediction.peak_memory_bytes
         assert prediction.peak_memory_bytes <= memory_gb * GIB
     times = [prediction.step_time_s for prediction in found.candidates]
     assert times == sorted(times)
@@ -81,7 +82,7 @@ def test_bounds_never_exceed_the_prediction(base):
             prediction = predict(base, candidate, H100)
         except Exception:
             continue
-        built = candidate.apply(base)
+        built = resolve(candidate.apply(base), check=False)
         assert compute_bound_s(built, H100) <= prediction.step_time_s * (1 + 1e-9)
         assert schedule_bound_s(built, H100) <= prediction.step_time_s * (1 + 1e-9)
 
@@ -96,7 +97,7 @@ def test_the_step_lower_bound_never_exceeds_the_prediction(base, devices, device
                 prediction = predict(base, candidate, device, prove_schedule=False)
             except Exception:
                 continue
-            built = candidate.apply(base)
+            built = resolve(candidate.apply(base), check=False)
             bound = search.step_lower_bound_s(built, search.step_costs(built, device))
             assert bound <= prediction.step_time_s * (1 + search.ROUNDING_MARGIN)
 
@@ -167,8 +168,7 @@ def test_layers_that_do_not_divide_get_balance_auto(base):
 
 
 def test_calibration_gives_the_measured_throughput_back(base):
-    measured = compose_config(BASE + ["parallel.pp=2", "trainer.micro_batch_size=1"])
-    validate(measured)
+    measured = resolve(compose_config(BASE + ["parallel.pp=2", "trainer.micro_batch_size=1"]))
     forward_s = search.forward_flops_per_microbatch(measured) / 1e12  # a device of 1 TFLOP/s
     overhead_ms = 0.5
     costs = Costs(F=forward_s * 1e3 + overhead_ms, B=forward_s * 1e3 + overhead_ms, W=forward_s * 1e3 + overhead_ms,
@@ -189,8 +189,7 @@ def test_calibration_gives_the_measured_throughput_back(base):
 def test_a_bench_calibration_predicts_its_update_and_collectives_back(base):
     """The update's time per parameter comes back on the measured layout, is shared by the distributed optimizer's
     replicas, and TP's all-reduces cost their ring steps."""
-    measured = compose_config(BASE + ["parallel.pp=2", "trainer.micro_batch_size=1"])
-    validate(measured)
+    measured = resolve(compose_config(BASE + ["parallel.pp=2", "trainer.micro_batch_size=1"]))
     costs = Costs(F=10.0, B=10.0, W=0.0, comm=0.25)
     calibration = replace(Calibration("bench.json", costs, 0.0, "1f1b", 2, 10.0, 0.1, True),
                           update_s_per_parameter=1e-8, ring_step_s=1e-4, bus_bandwidth=1e9)
@@ -198,14 +197,14 @@ def test_a_bench_calibration_predicts_its_update_and_collectives_back(base):
     busiest = max(parts.parameters for parts in config_memory(measured))
     parameters = busiest / search.DTYPE_BYTES["fp32"]
     assert search.update_s(measured, device) == pytest.approx(parameters * 1e-8)
-    replicated = compose_config(BASE + ["parallel.pp=1", "parallel.dp=2"])
-    sharded = compose_config(BASE + ["parallel.pp=1", "parallel.dp=2", "optimizer.distributed=true"])
+    replicated = resolve(compose_config(BASE + ["parallel.pp=1", "parallel.dp=2"]))
+    sharded = resolve(compose_config(BASE + ["parallel.pp=1", "parallel.dp=2", "optimizer.distributed=true"]))
     assert search.update_s(sharded, device) == pytest.approx(search.update_s(replicated, device) / 2)
-    tp2 = compose_config(BASE + ["parallel.pp=1", "parallel.tp=2", "trainer.micro_batch_size=1"])
+    tp2 = resolve(compose_config(BASE + ["parallel.pp=1", "parallel.tp=2", "trainer.micro_batch_size=1"]))
     free = replace(device, collective_latency_s=0.0, intra_node_bandwidth=float("inf"))
-    layers = tp2.model.num_layers
+    layers = tp2.config.model.num_layers
     extra = search.step_costs(tp2, device).F - search.step_costs(tp2, free).F
-    tokens, hidden = tp2.trainer.seq_length, tp2.model.hidden_size
+    tokens, hidden = tp2.config.trainer.seq_length, tp2.config.model.hidden_size
     assert extra == pytest.approx(layers * 2 * (2 * 1e-4 + 4 * tokens * hidden / 1e9))  # 2 all-reduces per layer
     waiting = calibrated_device(H100, replace(calibration, collective_wait_s=3e-4), measured)
     assert waiting.collective_wait_s == pytest.approx(3e-4) and device.collective_wait_s == 0.0
@@ -218,12 +217,12 @@ def test_recomputation_costs_what_it_runs_again():
     """Full recomputation runs each layer's forward again, its TP all-reduces included; selective only the
     attention core, which holds no collective."""
     tp2 = BASE + ["parallel.pp=1", "parallel.tp=2", "trainer.micro_batch_size=1"]
-    plain, full, selective = (search.step_costs(compose_config(tp2 + [f"model.recompute={mode}"]), H100)
+    plain, full, selective = (search.step_costs(resolve(compose_config(tp2 + [f"model.recompute={mode}"])), H100)
                               for mode in ("none", "full", "selective"))
     assert full.B - plain.B == pytest.approx(plain.F)  # a whole forward, collectives and all
     free = replace(H100, collective_latency_s=0.0, intra_node_bandwidth=float("inf"))
-    no_links = search.step_costs(compose_config(tp2 + ["model.recompute=selective"]), free)
-    assert selective.B - plain.B == pytest.approx(no_links.B - search.step_costs(compose_config(tp2), free).B)
+    no_links = search.step_costs(resolve(compose_config(tp2 + ["model.recompute=selective"])), free)
+    assert selective.B - plain.B == pytest.approx(no_links.B - search.step_costs(resolve(compose_config(tp2)), free).B)
     assert 0 < selective.B - plain.B < plain.F
 
 
@@ -231,8 +230,7 @@ def test_devices_sharing_cores_compute_at_the_measured_share_and_wait_for_a_core
     """A calibration from four workers on two cores: the FLOP/s of the actions' time on a core, and predictions that
     share the two cores where the processes outnumber them: never below the same costs on a core each, equal where
     they do not outnumber them, and a pipeline of pp=1 with dp=4 at half speed."""
-    measured = compose_config(BASE + ["parallel.pp=2", "trainer.micro_batch_size=1"])
-    validate(measured)
+    measured = resolve(compose_config(BASE + ["parallel.pp=2", "trainer.micro_batch_size=1"]))
     calibration = Calibration("bench.json", Costs(F=10.0, B=20.0, W=0.0, comm=0.1), 0.0, "1f1b", 2, 10.0, 0.1,
                               True)
     alone = calibrated_device(H100, calibration, measured)
@@ -241,15 +239,14 @@ def test_devices_sharing_cores_compute_at_the_measured_share_and_wait_for_a_core
     a_core_each = replace(shared, cores=None)
     for overrides in (["parallel.pp=4"], ["parallel.pp=2", "parallel.dp=2"], ["parallel.pp=1", "parallel.dp=4"],
                       ["parallel.pp=4", "schedule=zbv", "parallel.vpp=2"], ["parallel.tp=2", "parallel.pp=2"]):
-        config = compose_config(BASE + overrides)
-        validate(config)
+        config = resolve(compose_config(BASE + overrides))
         costs = search.step_costs(config, shared)
-        assert costs.sharing == (2, config.parallel.tp * config.parallel.dp)
+        assert costs.sharing == (2, config.layout.tp * config.layout.dp)
         assert search.simulated_step(config, costs)[0] >= \
             search.simulated_step(config, search.step_costs(config, a_core_each))[0] * (1 - 1e-12)
-    two = compose_config(BASE + ["parallel.pp=2"])
+    two = resolve(compose_config(BASE + ["parallel.pp=2"]))
     assert search.step_costs(two, shared).sharing is None  # two processes, two cores
-    replicas = compose_config(BASE + ["parallel.pp=1", "parallel.dp=4"])
+    replicas = resolve(compose_config(BASE + ["parallel.pp=1", "parallel.dp=4"]))
     costs = search.step_costs(replicas, shared)
     makespan = search.simulated_step(replicas, costs)[0] - costs.reduction
     microbatches = costs.microbatches

@@ -5,6 +5,7 @@ import pytest
 
 from ppctl.cli.schedule_report import MAX_TIMELINE_ACTIONS, parse_steps, simulate_config, steps_problem
 from ppctl.config import compose_config
+from ppctl.config.resolved import resolve
 from ppctl.pipeline.render import render_plain
 from ppctl.pipeline.schedules import build_schedule
 from ppctl.pipeline.simulate import Costs, simulate_steps
@@ -37,14 +38,14 @@ def test_steps_are_bounded_by_the_actions_they_ask_to_simulate():
     ("F=1,W=-2", "--cost F=1,W=-2: W=-2 is not a finite number"),
 ])
 def test_a_cost_that_is_not_a_finite_time_is_refused_naming_cost(cost, said):
-    config = compose_config(["data=synthetic", "parallel.pp=2"])
+    config = resolve(compose_config(["data=synthetic", "parallel.pp=2"]))
     with pytest.raises(ValueError) as raised:
         simulate_config(config, cost)
     assert str(raised.value).startswith(said), str(raised.value)
 
 
 def test_the_largest_cost_allowed_keeps_a_long_timeline_finite():
-    config = compose_config(["data=synthetic", "parallel.pp=2"])
+    config = resolve(compose_config(["data=synthetic", "parallel.pp=2"]))
     result = simulate_config(config, "F=1e12,B=1e12,W=1e12,comm=1e12", steps=1000).result
     assert result.makespan < float("inf") and result.steady_step()[0] < float("inf")
 
