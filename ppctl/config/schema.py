@@ -2,7 +2,7 @@
 
 The tree is ``PpctlConfig`` (model, parallel, schedule, data, optimizer, trainer, launcher), registered
 in Hydra's ConfigStore by ``ppctl.config.compose`` so that a misspelled key or a wrong type is refused
-while composing. The schema also names the values some fields allow (``POSITION_EMBEDDINGS``,
+while composing. The schema also names the values some fields allow (``POSITION_EMBEDDINGS``, ``ACTIVATIONS``,
 ``PRECISIONS``, ``DATA_SOURCES``, ``BACKENDS``) and ``ConfigError``.
 
 This module imports nothing of ppctl's (``tests/unit/test_layering.py`` checks it): what a default or a
@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 # The values some fields allow (validation refuses others; their doc strings name them).
 POSITION_EMBEDDINGS = ("learned", "rope")
+ACTIVATIONS = ("gelu", "gelu_tanh")  # the gpt family's MLP: torch's F.gelu, approximate "none" or "tanh"
 RECOMPUTE_MODES = ("none", "full", "selective")  # ppctl.model.recompute
 RECOMPUTE_METHODS = ("uniform", "block")
 PRECISIONS = ("fp32", "fp64", "bf16", "fp16")
@@ -79,6 +80,10 @@ class ModelConfig(Section):
     hidden_size: int = setting(64, "width of the residual stream; divisible by `num_heads`")
     num_heads: int = setting(4, "attention heads; divisible by `parallel.tp`")
     ffn_hidden_size: int = setting(256, "MLP inner width; divisible by `parallel.tp`")
+    activation: str = setting(
+        "gelu", "`gpt`: the MLP's GELU, `gelu` (exact, erf) or `gelu_tanh` (the tanh approximation GPT-2 was trained "
+        "with: Hugging Face's `gelu_new` and `gelu_pytorch_tanh`, Megatron-LM's `--openai-gelu`); a "
+        "`model.init_from` folder's must be the same. `llama` (SwiGLU) refuses `gelu_tanh`")
     vocab_size: Optional[int] = setting(
         None, "the classes the model predicts; unset: the tokenizer's (257 for `byte`: bytes + end of document; a "
         "tokenizer file's size, +1 when it has no end-of-text token; 257 for synthetic data); never smaller than "

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from ppctl.config.derived import (configured_schedule, layout_of, nproc_per_node, num_microbatches,
                                   padded_vocab_size, parse_endpoint, pipeline_layout_of, schedule_spec,
                                   tokenizer_vocab_size)
-from ppctl.config.schema import (BACKENDS, BALANCE_MODES, DATA_SOURCES, LAUNCHERS, POSITION_EMBEDDINGS, PRECISIONS,
-                                 RECOMPUTE_METHODS, RECOMPUTE_MODES, ConfigError, PpctlConfig, require)
+from ppctl.config.schema import (ACTIVATIONS, BACKENDS, BALANCE_MODES, DATA_SOURCES, LAUNCHERS, POSITION_EMBEDDINGS,
+                                 PRECISIONS, RECOMPUTE_METHODS, RECOMPUTE_MODES, ConfigError, PpctlConfig, require)
 from ppctl.model.family import model_family
 from ppctl.model.hf_format import init_from_problem
 from ppctl.optim.lr import DECAY_STYLES
@@ -213,6 +213,9 @@ def _check_model(config: PpctlConfig) -> None:
         family = model_family(model.family)
     except KeyError as error:
         raise ConfigError(error.args[0]) from None
+    # Before the family's rules, so that a misspelled value is named as such rather than as another family's key.
+    require(model.activation in ACTIVATIONS,
+            f"model.activation={model.activation!r} must be one of {', '.join(ACTIVATIONS)}")
     family.check(config)
     require(
         model.num_heads % parallel.tp == 0,

@@ -126,28 +126,32 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Feed-forward block: column-parallel in, GELU, row-parallel out."""
+    """Feed-forward block: column-parallel in, GELU (``approximate``: torch's ``"none"``, exact, or ``"tanh"``),
+    row-parallel out."""
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, tp: TPGroup, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, tp: TPGroup, dtype: torch.dtype,
+                 approximate: str = "none"):
         super().__init__()
         self.fc_in = ColumnParallelLinear(hidden_size, ffn_hidden_size, tp, bias=True, dtype=dtype)
         self.fc_out = RowParallelLinear(ffn_hidden_size, hidden_size, tp, bias=True, dtype=dtype)
+        self.approximate = approximate
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Apply the MLP to ``hidden [batch, seq, hidden]``."""
-        return self.fc_out(F.gelu(self.fc_in(hidden)))
+        return self.fc_out(F.gelu(self.fc_in(hidden), approximate=self.approximate))
 
 
 class TransformerLayer(nn.Module):
     """Pre-norm transformer layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, norm_epsilon: float,
-                 tp: TPGroup, dtype: torch.dtype, cp: CPGroup | None = None, recompute_attention_core: bool = False):
+                 tp: TPGroup, dtype: torch.dtype, cp: CPGroup | None = None, recompute_attention_core: bool = False,
+                 gelu_approximate: str = "none"):
         super().__init__()
         self.attn_norm = LayerNorm(hidden_size, eps=norm_epsilon, dtype=dtype)
         self.attention = CausalSelfAttention(hidden_size, num_heads, tp, dtype, cp, recompute_attention_core)
         self.mlp_norm = LayerNorm(hidden_size, eps=norm_epsilon, dtype=dtype)
-        self.mlp = MLP(hidden_size, ffn_hidden_size, tp, dtype)
+        self.mlp = MLP(hidden_size, ffn_hidden_size, tp, dtype, gelu_approximate)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
                 cache: LayerCache | None = None) -> torch.Tensor:

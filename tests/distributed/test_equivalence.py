@@ -1,8 +1,8 @@
 """Every layout and schedule trains exactly like one process on the same global batch.
 
 One launch per layout trains several runs (schedules, position embeddings, tied
-embeddings, a loss mask with holes, float64); each is compared with the single-process
-run as a user would launch it (the same overrides with ``parallel=single``): per-step
+embeddings, a loss mask with holes, float64, the tanh GELU at tp=2); each is compared with
+the single-process run as a user would launch it (the same overrides with ``parallel=single``): per-step
 losses and grad norms, step-0 gradients and final parameters, within the tolerances of
 ``tests/harness/tolerances.py`` (float64 every element within 1e-10).
 """
@@ -24,6 +24,8 @@ def test_gpipe_and_1f1b_match_single_process(tp, pp, dp):
     layout = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}"]
     runs = [BASE + layout + [f"schedule={name}"] for name in ("gpipe", "1f1b")]
     runs.append(BASE + layout + ["schedule=1f1b"] + FP64)
+    if (tp, pp, dp) == (2, 1, 1):  # GPT-2's tanh GELU on TP-split MLP columns
+        runs.append(BASE + layout + ["schedule=1f1b", "model.activation=gelu_tanh"] + FP64)
     if tp * pp * dp >= 4:  # the bigger layouts also carry rotary, tied embeddings and a masked loss
         runs.append(BASE + layout + ["schedule=1f1b"] + ROPE_TIED + MASKED)
         runs.append(BASE + layout + ["schedule=gpipe"] + (LLAMA_MHA if tp == 4 else LLAMA) + MASKED)

@@ -1,7 +1,8 @@
 """Hugging Face in and out at parallel layouts: ``model.init_from`` read in slices by 4 gloo workers, the loss on a
 batch against transformers', and ``ppctl export`` of checkpoints saved at two layouts.
 
-For a tiny GPT-2 (untied) and a tiny StarCoder2 (rotary, tied; ``tests/harness/hf_models.py``), each in float64
+For a tiny GPT-2 (untied, with GPT-2's own tanh GELU ``gelu_new``: ``model.activation=gelu_tanh``) and a tiny
+StarCoder2 (rotary, tied, the exact GELU; ``tests/harness/hf_models.py``), each in float64
 at two layouts of 4 workers (tp=2 pp=2 and pp=2 dp=2; tp=2 pp=2 and tp=4: the vocabulary padded to 128 and 256
 rows, a tied output layer on its own stage): the forward-only loss of global batch 0 equals transformers'
 cross-entropy of its float64 logits on the same batch (measured: ~1e-16 relative, asserted 1e-10); each layout's
@@ -9,6 +10,7 @@ checkpoint, saved before any step, exports (``ppctl.checkpoint.hf_export``, one 
 those are the folder's tensors (transposes, the QKV order and the unpadded vocabulary undone exactly).
 """
 
+import json
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,8 @@ LAYOUTS = {
     STARCODER2: (["parallel.tp=2", "parallel.pp=2"], ["parallel.tp=4", "parallel.pp=1"]),
 }
 TIED = {GPT2: False, STARCODER2: True}
+# transformers' activation name, and the run's model.activation
+ACTIVATION = {GPT2: ("gelu_new", "gelu_tanh"), STARCODER2: ("gelu", "gelu")}
 
 
 def _save_and_evaluate(rank, world_size, root, configs):
@@ -50,10 +54,12 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_runs")
     keys, items = [], []
     for architecture, layouts in LAYOUTS.items():
-        folder = save_tiny(root / architecture, architecture, TIED[architecture])
+        hf_activation, activation = ACTIVATION[architecture]
+        folder = save_tiny(root / architecture, architecture, TIED[architecture], activation=hf_activation)
         for index, layout in enumerate(layouts):
             keys.append((architecture, index))
-            items.append([*overrides(folder, architecture, TIED[architecture]), "trainer.precision=fp64", *layout])
+            items.append([*overrides(folder, architecture, TIED[architecture]), f"model.activation={activation}",
+                          "trainer.precision=fp64", *layout])
     configs = composed_runs(items)
     per_rank = run_workers(_save_and_evaluate, 4, str(root / "runs"), configs, timeout=240)
     return {key: (config, Path(per_rank[0][index][0]), [ranks[index][1] for ranks in per_rank])
@@ -86,6 +92,8 @@ def test_checkpoints_of_two_layouts_export_the_same_bytes_and_the_folders_tensor
                                                               "model.safetensors"}
     for name in ("config.json", "model.safetensors"):
         assert (exported[0] / name).read_bytes() == (exported[1] / name).read_bytes(), name
+    written_config = json.loads((exported[0] / "config.json").read_text())
+    assert written_config.get("activation_function", written_config.get("hidden_act")) == ACTIVATION[architecture][0]
     loss = batch_loss(hf_model(exported[0]), step_batch(config, 0))  # transformers reads the export's config
     assert loss == pytest.approx(batch_loss(hf_model(Path(config.model.init_from)), step_batch(config, 0)), rel=1e-12)
     original = load_file(str(Path(config.model.init_from) / "model.safetensors"))

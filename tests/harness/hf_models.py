@@ -1,10 +1,11 @@
 """Tiny random ``transformers`` models for the Hugging Face tests, made locally (no hub), and what to compare them by.
 
-``save_tiny(folder, architecture, tie)`` writes a GPT-2 (``gelu``, zero ``c_attn`` bias) or StarCoder2 (``gelu``,
-zero q/k/v biases) model of the shape ``OVERRIDES`` gives ppctl, its weights drawn wide enough that a wrong
-mapping moves the logits by far more than rounding; ``overrides(folder, architecture, tie)`` is the ppctl config
-that starts from it. ``hf_model`` loads one in float64, its rotary angles computed in float64 too (transformers
-computes them in float32 whatever the model's dtype, which alone puts ~1e-8 into the logits).
+``save_tiny(folder, architecture, tie, activation=...)`` writes a GPT-2 (zero ``c_attn`` bias) or StarCoder2 (zero
+q/k/v biases) model of the shape ``OVERRIDES`` gives ppctl, with the exact ``gelu`` unless ``activation`` names
+another transformers activation, its weights drawn wide enough that a wrong mapping moves the logits by far more
+than rounding; ``overrides(folder, architecture, tie)`` is the ppctl config that starts from it. ``hf_model``
+loads one in float64, its rotary angles computed in float64 too (transformers computes them in float32 whatever the
+model's dtype, which alone puts ~1e-8 into the logits).
 """
 
 from __future__ import annotations
@@ -21,16 +22,16 @@ OVERRIDES = ["data=synthetic", f"model.vocab_size={VOCAB}", f"model.num_layers={
              "trainer.micro_batch_size=1", "trainer.tensorboard=false"]
 
 
-def hf_config(architecture: str, tie: bool):
-    """The transformers config of the tiny model."""
+def hf_config(architecture: str, tie: bool, activation: str = "gelu"):
+    """The transformers config of the tiny model (``activation``: transformers' name)."""
     from transformers import GPT2Config, Starcoder2Config
 
     if architecture == GPT2:
         return GPT2Config(vocab_size=VOCAB, n_positions=POSITIONS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
-                          n_inner=FFN, activation_function="gelu", tie_word_embeddings=tie, resid_pdrop=0.0,
+                          n_inner=FFN, activation_function=activation, tie_word_embeddings=tie, resid_pdrop=0.0,
                           embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
     return Starcoder2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-                            num_attention_heads=HEADS, num_key_value_heads=HEADS, hidden_act="gelu",
+                            num_attention_heads=HEADS, num_key_value_heads=HEADS, hidden_act=activation,
                             max_position_embeddings=POSITIONS, tie_word_embeddings=tie, bos_token_id=None,
                             eos_token_id=None)
 
@@ -40,12 +41,13 @@ def is_qkv_bias(name: str) -> bool:
     return name.endswith("c_attn.bias") or any(name.endswith(f"{part}_proj.bias") for part in "qkv")
 
 
-def save_tiny(folder: Path, architecture: str = GPT2, tie: bool = False, seed: int = 0) -> Path:
+def save_tiny(folder: Path, architecture: str = GPT2, tie: bool = False, seed: int = 0,
+              activation: str = "gelu") -> Path:
     """Write a tiny random model into ``folder`` with ``save_pretrained``; return the folder."""
     from transformers import GPT2LMHeadModel, Starcoder2ForCausalLM
 
     torch.manual_seed(seed)
-    config = hf_config(architecture, tie)
+    config = hf_config(architecture, tie, activation)
     model = (GPT2LMHeadModel if architecture == GPT2 else Starcoder2ForCausalLM)(config)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -4,8 +4,9 @@ In float64 throughout. The KV-cache path (``DecoderChunk.generate_step``: the pr
 one token a step, or several) gives the logits of running the whole sequence again at every step, to 1e-10
 relative, for GPT (learned and rotary positions, tied) and Llama (grouped-query attention, q/k/v biases).
 Greedy decoding equals ``transformers``' ``generate(do_sample=False)`` token for token, its step logits to
-float32 rounding (generate casts them to float32), on the same weights: a tiny random GPT-2, StarCoder2 and
-Llama (grouped-query attention) saved locally and read from their folders through ``model.init_from``.
+float32 rounding (generate casts them to float32), on the same weights: a tiny random GPT-2 (with GPT-2's own
+tanh GELU, ``gelu_new``), StarCoder2 and Llama (grouped-query attention) saved locally and read from their folders
+through ``model.init_from``.
 Sampling is reproducible from a seed and differs with another.
 """
 
@@ -99,10 +100,11 @@ def _ppctl_greedy(chunk, prompt, max_new_tokens):
 
 @pytest.fixture(scope="module")
 def hf_folders(tmp_path_factory):
-    """A tiny GPT-2 (tied) and StarCoder2 (untied) folder, each with a character tokenizer of its vocabulary."""
+    """A tiny GPT-2 (tied, with GPT-2's own tanh GELU ``gelu_new``) and StarCoder2 (untied, the exact GELU) folder,
+    each with a character tokenizer of its vocabulary."""
     folders = {}
-    for architecture, tie in ((GPT2, True), (STARCODER2, False)):
-        folder = save_tiny(tmp_path_factory.mktemp(architecture), architecture, tie)
+    for architecture, tie, activation in ((GPT2, True, "gelu_new"), (STARCODER2, False, "gelu")):
+        folder = save_tiny(tmp_path_factory.mktemp(architecture), architecture, tie, activation=activation)
         save_char_tokenizer(folder, VOCAB)
         folders[architecture] = folder
     return folders

@@ -8,12 +8,19 @@ relative (measured: 9e-16; StarCoder2 1e-15 with transformers' rotary angles tak
 own float32 ones); each TP rank's slices read from the folder are the dense model's shards; and the
 dense tensors mapped back are the folder's, bit for bit. Broken twins of the mapping (a transposed weight,
 q and k swapped, a vocabulary row dropped) must fail the logits comparison. Refusals: one line each.
+
+The tanh GELU (``model.activation=gelu_tanh``): every HF activation name ppctl reads is torch's GELU of its
+approximation to one rounding in float64 (``gelu_fast``, refused, is thousands of roundings off); a GPT-2 with
+``gelu_new`` and a StarCoder2 with ``gelu_pytorch_tanh`` (real checkpoints' own) give transformers' logits to 1e-10
+(the exact GELU on them, the broken twin, misses by ~4e-4), and written back (the ``config.json`` export writes,
+naming the architecture's own tanh GELU) transformers reloads the same logits.
 """
 
 from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from ppctl.config import ConfigError, compose_config, validate
 from tests.harness.hf_models import GPT2, STARCODER2, VOCAB, hf_model, overrides, relative_error, save_tiny
@@ -210,13 +217,18 @@ def test_an_architecture_no_family_reads_is_refused(tmp_path, folders):
         f"GPT2LMHeadModel, Starcoder2ForCausalLM")
 
 
-def test_a_shape_mismatch_names_the_key_and_both_values(folders):
+def test_a_shape_mismatch_names_the_key_and_both_values(folders, tanh_folders):
     folder = folders[(GPT2, False)]
     message = _refusal(*overrides(folder), "model.hidden_size=64")
     assert message == (f"model.init_from={folder}: its config.json gives model.hidden_size=32, this run has "
                        f"model.hidden_size=64")
     tied = _refusal(*overrides(folder, GPT2, True))
     assert "model.tie_embeddings=False, this run has model.tie_embeddings=True" in tied
+    assert _refusal(*overrides(tanh_folders[GPT2])) == (
+        f"model.init_from={tanh_folders[GPT2]}: its config.json gives model.activation=gelu_tanh, this run has "
+        f"model.activation=gelu")
+    assert "gives model.activation=gelu, this run has model.activation=gelu_tanh" in _refusal(
+        *overrides(folder), "model.activation=gelu_tanh")
 
 
 def test_a_nonzero_qkv_bias_is_refused(tmp_path):
@@ -232,7 +244,9 @@ def test_a_nonzero_qkv_bias_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("edit, expected", [
-    ({"activation_function": "gelu_new"}, "its activation_function='gelu_new': ppctl's gpt computes the exact GELU"),
+    ({"activation_function": "gelu_fast"}, "its activation_function='gelu_fast' is no activation ppctl's gpt "
+                                           "computes exactly (model.activation=gelu: gelu, gelu_python; "
+                                           "model.activation=gelu_tanh: gelu_new, "),
     ({"scale_attn_by_inverse_layer_idx": True}, "its attention scores are not scaled by 1/sqrt(head dim) alone"),
 ])
 def test_what_gpt_cannot_compute_is_refused(tmp_path, folders, edit, expected):
@@ -280,3 +294,92 @@ def test_sharded_weights_load_in_transformers_and_in_ppctl(tmp_path, folders):
     with torch.no_grad():
         expected = hf_model(folder)(tokens).logits
     assert relative_error(_logits(_config(folder, STARCODER2, True), tokens), expected) < EXACT
+
+
+# --- the tanh GELU: GPT-2's own gelu_new, StarCoder2's own gelu_pytorch_tanh ---------------------------------------
+
+TANH = {GPT2: "gelu_new", STARCODER2: "gelu_pytorch_tanh"}  # each architecture's default: what real checkpoints use
+
+
+@pytest.fixture(scope="module")
+def tanh_folders(tmp_path_factory):
+    """One saved tiny untied model per architecture with its own tanh GELU."""
+    return {architecture: save_tiny(tmp_path_factory.mktemp(f"{architecture}_tanh"), architecture,
+                                    activation=activation) for architecture, activation in TANH.items()}
+
+
+def test_each_hf_activation_read_is_torchs_gelu_to_one_rounding_in_float64():
+    """Every name ppctl reads computes, in transformers, ``F.gelu`` of its ``model.activation``'s approximation to
+    one rounding of the input's scale (``eps * max(1, |x|)``), and not the other one; ``gelu_fast`` (refused: its
+    sqrt(2/pi) cut to 10 digits) is thousands of roundings off the tanh GELU."""
+    from transformers.activations import ACT2FN
+
+    from ppctl.model.gpt.hf import HF_ACTIVATIONS
+    from ppctl.model.gpt.model import GELU_APPROXIMATIONS
+
+    inputs = torch.linspace(-12, 12, 20_001, dtype=torch.float64)
+    rounding = torch.finfo(torch.float64).eps * inputs.abs().clamp_min(1.0)
+    ours = {activation: F.gelu(inputs, approximate=approximate)
+            for activation, approximate in GELU_APPROXIMATIONS.items()}
+
+    def roundings(name):
+        theirs = ACT2FN[name](inputs)
+        return {activation: float(((theirs - values).abs() / rounding).max()) for activation, values in ours.items()}
+
+    for activation, names in HF_ACTIVATIONS.items():
+        for name in names:
+            off = roundings(name)
+            assert off.pop(activation) <= 2 and all(other > 1e9 for other in off.values()), (name, activation)
+    assert roundings("gelu_fast")["gelu_tanh"] > 1000
+
+
+@pytest.mark.parametrize("architecture", [GPT2, STARCODER2])
+def test_a_tanh_gelu_folder_gives_transformers_logits_and_is_written_back_as_it_was(tanh_folders, tmp_path,
+                                                                                     architecture):
+    """ppctl's model from the folder gives transformers' logits, and the exact GELU on the same weights (the broken
+    twin) does not; what ``ppctl export`` writes of it (the format's ``config.json``, naming the architecture's own
+    tanh GELU, and its tensors) reloads in transformers with the same logits."""
+    import json
+
+    from ppctl.checkpoint.hf_export import write_weights
+    from ppctl.model.gpt.hf import FORMAT
+    from ppctl.model.hf_weights import to_hf_tensors
+    from ppctl.model.layers import MLP
+    from ppctl.model.rules import rule_of
+
+    folder, tokens = tanh_folders[architecture], _tokens()
+    config = _config(folder, architecture, False, "model.activation=gelu_tanh")
+    model, shape = _reference(config), _shape(config)
+    with torch.no_grad():
+        expected, ours = hf_model(folder)(tokens).logits, model(tokens)[..., :VOCAB]
+    assert relative_error(ours, expected) < EXACT
+
+    hf_config = FORMAT.hf_config(shape)
+    assert hf_config["activation_function" if architecture == GPT2 else "hidden_act"] == TANH[architecture]
+    assert FORMAT.shape_from_hf(hf_config)["activation"] == "gelu_tanh"
+    dense = {name: param.detach()[:VOCAB] if rule_of(param).vocab_rows else param.detach()
+             for name, param in model.named_parameters()}
+    out = tmp_path / "written"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(hf_config))
+    write_weights(out, to_hf_tensors(FORMAT, shape, hf_config, dense), max_shard_bytes=1 << 30)
+    with torch.no_grad():
+        assert relative_error(hf_model(out)(tokens).logits, ours) < EXACT
+
+    for module in model.modules():
+        if isinstance(module, MLP):
+            module.approximate = "none"
+    with torch.no_grad():
+        assert relative_error(model(tokens)[..., :VOCAB], expected) > 1e-5
+
+
+def test_export_names_each_activation_as_its_architecture_does_and_reads_it_back():
+    from ppctl.config import ModelConfig
+    from ppctl.model.gpt.hf import FORMAT
+
+    for position, key, tanh in (("learned", "activation_function", "gelu_new"),
+                                ("rope", "hidden_act", "gelu_pytorch_tanh")):
+        for activation, name in (("gelu", "gelu"), ("gelu_tanh", tanh)):
+            written = FORMAT.hf_config(ModelConfig(vocab_size=VOCAB, position_embedding=position,
+                                                   activation=activation))
+            assert written[key] == name and FORMAT.shape_from_hf(written)["activation"] == activation

@@ -1,5 +1,7 @@
 """The GPT family: a GPT-2-shaped transformer (LayerNorm, GELU MLP, fused QKV, learned or rotary positions).
 
+``model.activation`` picks the MLP's GELU: exact (``gelu``) or its tanh approximation (``gelu_tanh``, GPT-2's own).
+
 ``FAMILY`` is what the rest of ppctl reads (``ppctl.model.family``); the chunk (``model.py``) and the
 parameter rules (``rules.py``) are imported when a model is built, so that this module needs no torch.
 """
@@ -21,7 +23,7 @@ def _shape_of(config):
     model = config.model
     return GPTConfig(
         num_layers=model.num_layers, hidden_size=model.hidden_size, num_heads=model.num_heads,
-        ffn_hidden_size=model.ffn_hidden_size, vocab_size=model.vocab_size,
+        ffn_hidden_size=model.ffn_hidden_size, activation=model.activation, vocab_size=model.vocab_size,
         padded_vocab_size=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, config.parallel.tp),
         max_seq_length=model.max_seq_length, position_embedding=model.position_embedding,
         tie_embeddings=model.tie_embeddings, norm_epsilon=model.norm_epsilon, init_std=model.init_std,

@@ -3,15 +3,17 @@
 
 What the mapping rests on (checked against ``transformers`` in ``tests/unit/test_hf_gpt.py``):
 
-* learned positions: ppctl's GPT is ``GPT2LMHeadModel`` with ``activation_function="gelu"`` (the exact GELU;
-  GPT-2's own checkpoints use ``gelu_new``, a tanh approximation ppctl does not compute, so they are refused) and
-  a zero ``c_attn`` bias (ppctl's attention has no QKV bias). GPT-2 keeps its linear weights as ``Conv1D``,
-  ``[in, out]``: each is ppctl's transposed. ``c_attn``'s columns are ``[q; k; v]``, each head-major: ppctl's
-  fused QKV rows.
+* the activation: each ``model.activation`` is read from the HF names ``HF_ACTIVATIONS`` gives (GPT-2's
+  ``activation_function``, StarCoder2's ``hidden_act``), each torch's GELU of that approximation to one rounding in
+  float64: GPT-2's own checkpoints (``gelu_new``) and StarCoder2's default (``gelu_pytorch_tanh``) are
+  ``gelu_tanh``. ``gelu_fast`` is refused: its constant, cut to 10 digits, moves it thousands of roundings away.
+* learned positions: ppctl's GPT is ``GPT2LMHeadModel`` with a zero ``c_attn`` bias (ppctl's attention has no
+  QKV bias). GPT-2 keeps its linear weights as ``Conv1D``, ``[in, out]``: each is ppctl's transposed.
+  ``c_attn``'s columns are ``[q; k; v]``, each head-major: ppctl's fused QKV rows.
 * rotary positions: ppctl's GPT is ``Starcoder2ForCausalLM`` (LayerNorm with biases, a sequential residual,
-  rotate-half rotary over the whole head) with the exact GELU, ``num_key_value_heads = num_attention_heads``,
-  zero q/k/v biases and no sliding window; ppctl's QKV rows are ``q_proj``, ``k_proj`` and ``v_proj`` one after
-  the other, and its weights are ``nn.Linear``'s ``[out, in]``.
+  rotate-half rotary over the whole head) with ``num_key_value_heads = num_attention_heads``, zero q/k/v biases
+  and no sliding window; ppctl's QKV rows are ``q_proj``, ``k_proj`` and ``v_proj`` one after the other, and its
+  weights are ``nn.Linear``'s ``[out, in]``.
 
 Pure: names and numbers only (``model`` holds the ``model.*`` settings by name).
 """
@@ -24,7 +26,13 @@ from ppctl.model.hf_format import HFError, HFTensor, architecture_of
 
 GPT2 = "GPT2LMHeadModel"
 STARCODER2 = "Starcoder2ForCausalLM"
-EXACT_GELU = "gelu"
+# model.activation -> the transformers activation names (ACT2FN) that compute it, each equal to torch's F.gelu of that
+# approximation to one rounding in float64 (tests/unit/test_hf_gpt.py); and what export writes, each architecture's
+# own name (GPT-2's default is gelu_new, StarCoder2's gelu_pytorch_tanh).
+HF_ACTIVATIONS = {"gelu": ("gelu", "gelu_python"),
+                  "gelu_tanh": ("gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_accurate")}
+EXPORTED_ACTIVATIONS = {GPT2: {"gelu": "gelu", "gelu_tanh": "gelu_new"},
+                        STARCODER2: {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}}
 # transformers' defaults for the keys a config.json may leave out (GPT2Config, Starcoder2Config).
 GPT2_DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
                  "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
@@ -48,7 +56,8 @@ class GPTHuggingFace:
         if model.position_embedding == "learned":
             return {"architectures": [GPT2], "model_type": "gpt2", **common, "n_positions": model.max_seq_length,
                     "n_embd": model.hidden_size, "n_layer": model.num_layers, "n_head": model.num_heads,
-                    "n_inner": model.ffn_hidden_size, "activation_function": EXACT_GELU,
+                    "n_inner": model.ffn_hidden_size,
+                    "activation_function": EXPORTED_ACTIVATIONS[GPT2][model.activation],
                     "layer_norm_epsilon": model.norm_epsilon, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
                     "attn_pdrop": 0.0, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                     "reorder_and_upcast_attn": False}
@@ -56,7 +65,8 @@ class GPTHuggingFace:
         return {"architectures": [STARCODER2], "model_type": "starcoder2", **common,
                 "hidden_size": model.hidden_size, "intermediate_size": model.ffn_hidden_size,
                 "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_heads,
-                "num_key_value_heads": model.num_heads, "hidden_act": EXACT_GELU,
+                "num_key_value_heads": model.num_heads,
+                "hidden_act": EXPORTED_ACTIVATIONS[STARCODER2][model.activation],
                 "max_position_embeddings": model.max_seq_length, "norm_epsilon": model.norm_epsilon,
                 "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta}, "rope_theta": rope_theta,
                 "use_bias": True, "sliding_window": None, "attention_dropout": 0.0, "residual_dropout": 0.0,
@@ -95,17 +105,27 @@ def _require(condition: bool, message: str) -> None:
         raise HFError(message)
 
 
+def _activation(key: str, name: str) -> str:
+    """The ``model.activation`` of the HF activation ``name`` (read from ``key``); ``HFError`` for one ppctl's gpt
+    does not compute."""
+    for activation, names in HF_ACTIVATIONS.items():
+        if name in names:
+            return activation
+    known = "; ".join(f"model.activation={activation}: {', '.join(names)}"
+                      for activation, names in HF_ACTIVATIONS.items())
+    raise HFError(f"its {key}={name!r} is no activation ppctl's gpt computes exactly ({known}), so this model cannot "
+                  f"be expressed exactly")
+
+
 def _gpt2_shape(hf: dict[str, Any]) -> dict[str, Any]:
     """The GPT shape of a GPT-2 config (defaults filled in)."""
-    _require(hf["activation_function"] == EXACT_GELU,
-             f"its activation_function={hf['activation_function']!r}: ppctl's gpt computes the exact GELU "
-             f"({EXACT_GELU!r}) only, so this model cannot be expressed exactly")
+    activation = _activation("activation_function", hf["activation_function"])
     _require(hf["scale_attn_weights"] and not hf["scale_attn_by_inverse_layer_idx"],
              "its attention scores are not scaled by 1/sqrt(head dim) alone (scale_attn_weights, "
              "scale_attn_by_inverse_layer_idx): ppctl's gpt cannot express it")
     _require(not hf["add_cross_attention"], "it has cross-attention (add_cross_attention): ppctl's gpt has none")
-    return {"family": "gpt", "position_embedding": "learned", "num_layers": hf["n_layer"],
-            "hidden_size": hf["n_embd"], "num_heads": hf["n_head"],
+    return {"family": "gpt", "position_embedding": "learned", "activation": activation,
+            "num_layers": hf["n_layer"], "hidden_size": hf["n_embd"], "num_heads": hf["n_head"],
             "ffn_hidden_size": hf["n_inner"] if hf["n_inner"] is not None else 4 * hf["n_embd"],
             "vocab_size": hf["vocab_size"], "max_seq_length": hf["n_positions"],
             "tie_embeddings": bool(hf["tie_word_embeddings"]), "norm_epsilon": hf["layer_norm_epsilon"]}
@@ -114,9 +134,7 @@ def _gpt2_shape(hf: dict[str, Any]) -> dict[str, Any]:
 def _starcoder2_shape(hf: dict[str, Any]) -> dict[str, Any]:
     """The rotary GPT shape of a StarCoder2 config (defaults filled in)."""
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
-    _require(hf["hidden_act"] == EXACT_GELU,
-             f"its hidden_act={hf['hidden_act']!r}: ppctl's gpt computes the exact GELU ({EXACT_GELU!r}) only, so "
-             f"this model cannot be expressed exactly")
+    activation = _activation("hidden_act", hf["hidden_act"])
     _require(hf["num_key_value_heads"] == heads,
              f"its num_key_value_heads={hf['num_key_value_heads']} differs from num_attention_heads={heads}: "
              f"grouped-query attention is model.family=llama's, not gpt's")
@@ -130,7 +148,8 @@ def _starcoder2_shape(hf: dict[str, Any]) -> dict[str, Any]:
     rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
     _require(rope.get("rope_type", "default") == "default",
              f"its rope_type={rope.get('rope_type')!r}: ppctl's gpt has the plain rotary embedding ('default')")
-    return {"family": "gpt", "position_embedding": "rope", "num_layers": hf["num_hidden_layers"],
+    return {"family": "gpt", "position_embedding": "rope", "activation": activation,
+            "num_layers": hf["num_hidden_layers"],
             "hidden_size": hidden, "num_heads": heads, "ffn_hidden_size": hf["intermediate_size"],
             "vocab_size": hf["vocab_size"], "max_seq_length": hf["max_position_embeddings"],
             "tie_embeddings": bool(hf["tie_word_embeddings"]), "norm_epsilon": hf["norm_epsilon"],

@@ -1,8 +1,8 @@
 """The GPT family's shape (``GPTConfig``) and stage chunk (``GPTChunk``), with Megatron tensor parallelism.
 
 A ``GPTChunk`` is a ``ppctl.model.chunk.DecoderChunk`` of GPT layers (``ppctl.model.layers``): the
-word/position embedding on the first stage, LayerNorm and a GELU MLP, fused QKV, learned or rotary
-positions, the final norm, output layer and vocab-parallel loss on the last.
+word/position embedding on the first stage, LayerNorm and a GELU MLP (exact or tanh-approximated), fused QKV,
+learned or rotary positions, the final norm, output layer and vocab-parallel loss on the last.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from ppctl.model.gpt.rules import gpt_rule
 from ppctl.model.layers import Embedding, LayerNorm, TransformerLayer, rotary_cos_sin
 
 POSITION_EMBEDDINGS = ("learned", "rope")
+# model.activation -> torch's F.gelu(approximate=...): the exact GELU, or 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))).
+GELU_APPROXIMATIONS = {"gelu": "none", "gelu_tanh": "tanh"}
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class GPTConfig:
     hidden_size: width of the residual stream.
     num_heads: attention heads (divides hidden_size; TP splits them).
     ffn_hidden_size: MLP inner width (TP splits it).
+    activation: the MLP's GELU, "gelu" (exact) or "gelu_tanh" (its tanh approximation, GPT-2's).
     vocab_size: the tokenizer's vocabulary: the classes the model predicts.
     padded_vocab_size: rows of the embedding and output layer (>= vocab_size, a multiple of tp;
         default vocab_size). Padded rows start at zero and never enter the math: no token
@@ -46,6 +49,7 @@ class GPTConfig:
     ffn_hidden_size: int
     vocab_size: int
     max_seq_length: int
+    activation: str = "gelu"
     position_embedding: str = "learned"
     tie_embeddings: bool = False
     norm_epsilon: float = 1e-5
@@ -65,6 +69,9 @@ class GPTConfig:
         if self.hidden_size % self.num_heads != 0:
             raise ValueError(f"GPTConfig: hidden_size {self.hidden_size} must be a multiple of "
                              f"num_heads {self.num_heads}")
+        if self.activation not in GELU_APPROXIMATIONS:
+            raise ValueError(f"GPTConfig.activation must be one of {tuple(GELU_APPROXIMATIONS)}, "
+                             f"got {self.activation!r}")
         if self.position_embedding not in POSITION_EMBEDDINGS:
             raise ValueError(f"GPTConfig.position_embedding must be one of {POSITION_EMBEDDINGS}, "
                              f"got {self.position_embedding!r}")
@@ -85,8 +92,8 @@ def check_tp_divides(config: GPTConfig, tp_size: int) -> None:
 
 
 class GPTChunk(DecoderChunk):
-    """One pipeline stage chunk of the GPT model on one TP rank (``DecoderChunk``): LayerNorm, a GELU MLP,
-    fused QKV, learned or rotary positions."""
+    """One pipeline stage chunk of the GPT model on one TP rank (``DecoderChunk``): LayerNorm, a GELU MLP (exact or
+    tanh), fused QKV, learned or rotary positions."""
 
     check_tp_divides = staticmethod(check_tp_divides)
 
@@ -100,7 +107,8 @@ class GPTChunk(DecoderChunk):
         """A pre-norm GPT layer."""
         config = self.config
         return TransformerLayer(config.hidden_size, config.num_heads, config.ffn_hidden_size, config.norm_epsilon,
-                                self.tp, dtype, self.cp, recompute_attention_core)
+                                self.tp, dtype, self.cp, recompute_attention_core,
+                                GELU_APPROXIMATIONS[config.activation])
 
     def make_final_norm(self, dtype: torch.dtype) -> nn.Module:
         """LayerNorm."""

@@ -51,11 +51,15 @@ def _rule_of_name(shape):
 
 
 def _check(config) -> None:
-    """Llama's own rules: rotary positions, whole KV groups per TP rank, an even head width, sane scaling."""
+    """Llama's own rules: rotary positions, SwiGLU (``model.activation`` left at its default), whole KV groups per TP
+    rank, an even head width, sane scaling."""
     model, tp = config.model, config.parallel.tp
     kv_heads = model.num_kv_heads or model.num_heads
     _require(model.position_embedding == "rope", f"model.family=llama has rotary positions: set "
                                                  f"model.position_embedding=rope (got {model.position_embedding})")
+    _require(model.activation == "gelu", f"model.activation={model.activation} is read by model.family=gpt only; this "
+                                         f"model is model.family=llama, whose MLP is SwiGLU (drop the key, or set "
+                                         f"model.family=gpt)")
     _require(kv_heads >= 1 and model.num_heads % kv_heads == 0,
              f"model.num_heads={model.num_heads} must be a multiple of model.num_kv_heads={kv_heads}")
     _require(kv_heads % tp == 0, f"model.num_kv_heads={kv_heads} must be divisible by parallel.tp={tp} (each TP rank "
