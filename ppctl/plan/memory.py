@@ -77,7 +77,7 @@ class MemoryParts:
 class ModelShape:
     """What the memory of a model depends on (``model.*`` with the vocabulary padded for TP, and its family's
     ``Architecture``: norms with a shift, a gated MLP, linear biases, a fused QKV). ``kv_heads`` and ``head_dim``
-    default to ``heads`` and ``hidden / heads``."""
+    default to ``heads`` and ``hidden / heads``; ``vocab`` (the real vocabulary) to ``padded_vocab``."""
 
     hidden: int
     heads: int
@@ -94,6 +94,7 @@ class ModelShape:
     linear_biases: bool = True
     fused_qkv: bool = True
     qkv_bias: bool = False
+    vocab: int | None = None
 
     @property
     def attention_width(self) -> int:
@@ -113,7 +114,7 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class Parallelism:
-    """The sizes the per-rank shares follow, and the run's precision, optimizer and recomputation."""
+    """The sizes the per-rank shares follow, and the run's precision, optimizer, recomputation and backward kind."""
 
     tp: int = 1
     cp: int = 1
@@ -125,6 +126,7 @@ class Parallelism:
     recompute: str = "none"
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
+    split_backward: bool = False  # the schedule splits each backward into B and W (its linears run as split ops)
 
 
 @dataclass(frozen=True)
@@ -194,22 +196,25 @@ def layer_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallel
     attention's output (TP-split; the output projection reads it in place); the MLP's
     activations (b*s*f each, TP-split: the up projection's output and GELU's, or SwiGLU's gate,
     up, SiLU and product); the norms' statistics (LayerNorm: mean and 1/std in the model's
-    dtype; RMSNorm: 1/rms in float32 or wider, and each norm's unit-RMS input);
-    attention's log-sum-exp (float32, per head). With sequence parallelism the norms see s/tp
-    tokens, but the column-parallel layers keep their gathered (whole-sequence) inputs.
-    All-gather context parallelism keeps the gathered keys and values of the whole sequence.
+    dtype; RMSNorm: 1/rms in float32 or wider, and each norm's unit-RMS input unless
+    ``keeps_rms_units`` says not); attention's log-sum-exp (float32, per head). With sequence
+    parallelism the norms see s/tp tokens, but the column-parallel layers keep their gathered
+    (whole-sequence) inputs: ``gathered_norm_outputs`` copies of them. All-gather context
+    parallelism keeps the gathered keys and values of the whole sequence.
     ``in_backward``: the gradients of these tensors while the layer's backward runs, where a gated MLP's four
     activations have about two gradients alive at once (the product's, then an operand's; measured: counting
-    three over-predicts a rank holding one microbatch by 8%, two by 4%).
+    three over-predicts a rank holding one microbatch by 8%, two by 4%), and the gathered inputs' copies have one
+    gradient per block (each copy's is summed into the gathered input's as it comes).
     """
     b, s, h, f, t = tokens.batch, tokens.seq, shape.hidden, shape.ffn, parallel.tp
     a, k = shape.attention_width, shape.kv_width
     e, wide = DTYPE_BYTES[parallel.precision], float_bytes(parallel.precision)
     bsh = b * s * h
     norm_tokens = b * s / t if parallel.sequence_parallel else b * s
-    units = 0 if shape.norm_has_bias else 2 * norm_tokens * h  # RMSNorm's unit-RMS inputs
+    units = 2 * norm_tokens * h if keeps_rms_units(shape, parallel) else 0
     if parallel.sequence_parallel:
-        whole = 2 * bsh / t + 2 * bsh  # layer input, residual (s/tp tokens); gathered norm outputs
+        gathered_outputs = 2 if in_backward else gathered_norm_outputs(shape, parallel)
+        whole = 2 * bsh / t + gathered_outputs * bsh  # layer input, residual (s/tp tokens); gathered norm outputs
     else:
         whole = 4 * bsh
     statistics = e * 4 * norm_tokens if shape.norm_has_bias else wide * 2 * norm_tokens
@@ -226,6 +231,27 @@ def layer_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallel
     return round(e * (whole + units + attention + mlp + gathered) + statistics + log_sum_exp)
 
 
+def keeps_rms_units(shape: ModelShape, parallel: Parallelism) -> bool:
+    """Whether each RMSNorm keeps its unit-RMS input (for its scale's gradient) besides its input and 1/rms: PyTorch's
+    ops do; a split op (a schedule that splits B and W) keeps the input and 1/rms alone and recomputes it."""
+    return not shape.norm_has_bias and not parallel.split_backward
+
+
+def gathered_norm_outputs(shape: ModelShape, parallel: Parallelism) -> int:
+    """How many whole-sequence copies (b*s*h each) of its two norms' outputs a layer keeps with sequence parallelism.
+
+    The sequence all-gather hands each block a [b, s, h] view of a sequence-major buffer, which
+    is not contiguous. A plain ``F.linear`` flattens its input's tokens into a copy of its own and
+    keeps that copy for its weight gradient: one per projection reading the gathered input (fused
+    QKV or q, k and v apart; the MLP's input projection, or SwiGLU's gate and up). A split op (a
+    schedule that splits B and W) keeps the gathered view itself: one buffer per block. Measured
+    with saved-tensor hooks on a Llama layer at tp=2 under 1F1B: five b*s*h copies, not two.
+    """
+    if parallel.split_backward:
+        return 2
+    return (1 if shape.fused_qkv else 3) + (2 if shape.gated_mlp else 1)
+
+
 def layer_input_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallelism) -> int:
     """A layer's input alone: what a recomputed group keeps."""
     share = parallel.tp if parallel.sequence_parallel else 1
@@ -233,21 +259,24 @@ def layer_input_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallelism) 
 
 
 def ends_activation_bytes(shape: ModelShape, chunk: Chunk, tokens: Tokens, parallel: Parallelism) -> int:
-    """The embedding's token (and learned position) ids, the rotary tables, and the last stage's final norm input
-    and output, statistics, float32 logits of the cross-entropy, labels and loss mask."""
-    b, s, e, t = tokens.batch, tokens.seq, DTYPE_BYTES[parallel.precision], parallel.tp
+    """The embedding's token (and learned position) ids and, with TP, the mask of the ids another rank owns; the
+    rotary tables; the last stage's final norm (its input, RMSNorm's unit-RMS input and the statistics on the rank's
+    tokens, s/tp of them with sequence parallelism; its output as the output layer keeps it: gathered to the whole
+    sequence), the cross-entropy's float32 softmax over the real classes, labels and loss mask."""
+    b, s, h, e, t = tokens.batch, tokens.seq, shape.hidden, DTYPE_BYTES[parallel.precision], parallel.tp
+    wide = float_bytes(parallel.precision)
     total = 0
     if chunk.pre_process:
-        total += (2 if shape.learned_positions else 1) * INDEX_BYTES * b * s
+        total += (2 if shape.learned_positions else 1) * INDEX_BYTES * b * s + (b * s if t > 1 else 0)
     if shape.rotary and chunk.layers:
         total += 2 * e * b * s * (shape.attention_width // shape.heads)  # the rotary cos and sin, shared by the layers
     if chunk.post_process:
-        logits = float_bytes(parallel.precision) * b * s * shape.padded_vocab // t
-        if shape.norm_has_bias:  # the final norm's input, output and statistics
-            total += e * (2 * b * s * shape.hidden + 2 * b * s)
-        else:
-            total += e * 3 * b * s * shape.hidden + float_bytes(parallel.precision) * b * s
-        total += logits
+        norm_tokens = b * s / t if parallel.sequence_parallel else b * s
+        rank_tokens_kept = (2 if keeps_rms_units(shape, parallel) else 1) * norm_tokens * h
+        statistics = e * 2 * norm_tokens if shape.norm_has_bias else wide * norm_tokens  # mean, 1/std; or 1/rms
+        total += round(e * (rank_tokens_kept + b * s * h) + statistics)
+        # The loss keeps the softmax of the rank's real classes (not the padding): the most on TP rank 0.
+        total += wide * b * s * min(shape.vocab or shape.padded_vocab, shape.padded_vocab // t)
         total += INDEX_BYTES * b * s + b * s
     return total
 
@@ -439,7 +468,7 @@ def model_shape(config) -> ModelShape:
                       kv_heads=model.num_kv_heads, head_dim=model.head_dim,
                       norm_has_bias=architecture.norm_has_bias, gated_mlp=architecture.gated_mlp,
                       linear_biases=architecture.linear_biases, fused_qkv=architecture.fused_qkv,
-                      qkv_bias=model.qkv_bias)
+                      qkv_bias=model.qkv_bias, vocab=model.vocab_size)
 
 
 @dataclass(frozen=True)
@@ -470,7 +499,7 @@ def config_memory_inputs(resolved) -> ConfigMemoryInputs:
         bucketed_optimizer=config.optimizer.distributed or half or streams,
         optimizer_shards=replicas if config.optimizer.distributed else 1,
         recompute=model.recompute, recompute_method=model.recompute_method,
-        recompute_num_layers=model.recompute_num_layers)
+        recompute_num_layers=model.recompute_num_layers, split_backward=resolved.schedule.splits_backward)
     return ConfigMemoryInputs(shape=model_shape(config),
                               tokens=Tokens(trainer.micro_batch_size, trainer.seq_length // parallel_config.cp),
                               parallel=parallel, chunks=rank_chunks(resolved),

@@ -10,7 +10,6 @@ import random
 
 import pytest
 import torch
-from torch.autograd.graph import saved_tensors_hooks
 
 from ppctl.model.gpt.model import GPTChunk, GPTConfig
 from ppctl.model.recompute import Recompute
@@ -18,6 +17,7 @@ from ppctl.parallel.tensor_parallel import TPGroup
 from ppctl.plan.memory import (Chunk, ModelShape, Parallelism, Tokens, chunk_activation_bytes, chunk_parameters,
                                held_bytes_change, in_flight_peak, in_flight_states, peak_in_flight_bytes,
                                schedule_in_flight_states, state_parts)
+from tests.harness.saved_tensors import chunk_forward_saved_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 B, S, H, F, N, V = 2, 16, 32, 64, 4, 128
@@ -43,24 +43,6 @@ def test_parameter_count_is_the_built_chunks(tp, pre, post, tied, rope):
     assert chunk_parameters(shape(rope, tied), Chunk(0, 3, pre, post), tp) == expected
 
 
-def saved_bytes(chunk: GPTChunk, pre: bool, post: bool, dtype) -> int:
-    """Bytes of the distinct storages autograd saves in one forward (parameters and the chunk input excluded)."""
-    tokens = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
-    inputs = tokens if pre else torch.randn(B, S, H, dtype=dtype, requires_grad=True)
-    skipped = {param.untyped_storage().data_ptr() for param in chunk.parameters()}
-    storages = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in skipped:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with saved_tensors_hooks(pack, lambda tensor: tensor):
-        chunk(inputs, position_ids=torch.arange(S).expand(B, S).contiguous(), labels=tokens if post else None)
-    return sum(storages.values())
-
-
 CASES = {"middle": dict(), "first": dict(pre=True), "last": dict(post=True), "whole": dict(pre=True, post=True),
          "bf16 last": dict(precision="bf16", post=True), "fp64": dict(precision="fp64"), "fp64 whole": dict(precision="fp64", pre=True, post=True), "rope": dict(rope=True),
          "rope first": dict(rope=True, pre=True), "full uniform 1": dict(recompute=Recompute("full", "uniform", 1)),
@@ -79,7 +61,7 @@ def test_kept_activations_are_what_autograd_saves(case):
                            recompute_method=recompute.method, recompute_num_layers=recompute.num_layers)
     kept, _ = chunk_activation_bytes(shape(settings["rope"]), Chunk(0, 2, settings["pre"], settings["post"]),
                                      Tokens(B, S), parallel)
-    assert kept == saved_bytes(chunk, settings["pre"], settings["post"], dtype)
+    assert kept == chunk_forward_saved_bytes(chunk, B, S, V)
 
 
 @pytest.mark.parametrize("name,vpp", [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2),
