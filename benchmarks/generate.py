@@ -46,7 +46,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def randomised(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Draw every weight (norm scales around 1, attention biases zero: ppctl's GPT has none)."""
+    """Draw every weight (norm scales around 1; GPT-2's ``c_attn`` bias zero, as when the README's numbers were
+    measured: ppctl reads it as a bias, both sides add it)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -101,7 +101,9 @@ class ModelConfig(Section):
     rope_high_freq_factor: float = setting(4.0, "`llama`, with `rope_scaling_factor`: Llama 3's high_freq_factor")
     rope_original_max_position: int = setting(
         8192, "`llama`, with `rope_scaling_factor`: Llama 3's original_max_position_embeddings")
-    qkv_bias: bool = setting(False, "`llama`: biases on the query, key and value projections (as Qwen2)")
+    qkv_bias: bool = setting(
+        False, "biases on the query, key and value projections (`gpt`: on the fused QKV, GPT-2's `c_attn.bias`; "
+        "`llama`: Qwen2's q/k/v biases); a `model.init_from` folder's must be the same: every GPT-2 has it")
     position_embedding: str = setting("learned", "`learned` or `rope` (rotary)")
     tie_embeddings: bool = setting(
         False, "output layer shares the word embedding (across stages: gradients all-reduced over the "

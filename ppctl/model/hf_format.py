@@ -4,18 +4,21 @@ A family that reads and writes Hugging Face (``transformers``) checkpoints names
 ``ModelFamily.hf`` (its folder's ``hf.py``), an object with:
 
 * ``architectures``: the ``transformers`` architectures it reads (``config.json``'s ``architectures``);
+* ``base_model_prefixes``: each architecture's ``base_model_prefix`` in ``transformers`` (``transformer`` for
+  GPT-2, ``model`` for Llama): a folder may store every tensor under it or without it (``stored_name``);
 * ``hf_config(model)``: the ``config.json`` of a ppctl model (``model`` holds the ``model.*`` settings by
   name: a ``ModelConfig`` or the family's shape);
 * ``shape_from_hf(hf_config)``: the ``model.*`` settings a ``config.json`` describes, or ``HFError`` in one
   line for what ppctl cannot compute exactly;
 * ``tensors(model, hf_config)``: every ppctl global parameter name (as checkpoints store it; a tied output layer
   is the word embedding) -> its ``HFTensor``;
-* ``zero_tensors(model, hf_config)``: the HF tensors ppctl has no counterpart for (a bias ppctl's layers do not
-  have): written as zeros, refused on import unless zero.
+* ``zero_tensors(model, hf_config)``: the HF tensors the architecture always has and a run may lack (GPT-2's
+  ``c_attn.bias`` without ``model.qkv_bias``): written as zeros on export. A folder that holds them gives a
+  shape with them (``shape_from_hf``), so a run that reads it has them.
 
 This module reads ``config.json`` and the safetensors headers and checks a folder against a run
 (``init_from_problem``) before any worker starts; ``ppctl.model.hf_weights`` moves the tensors. Pure:
-JSON, the safetensors header format and numpy, no torch.
+JSON and the safetensors header format, no torch.
 """
 
 from __future__ import annotations
@@ -32,8 +35,6 @@ INDEX_FILE = "model.safetensors.index.json"
 GENERATION_FILE = "generation_config.json"
 # Keys of a shape that must equal the run's (``model.family`` and ``model.position_embedding`` name the architecture).
 ARCHITECTURE_KEYS = ("family", "position_embedding")
-# Bytes per element of each float dtype of the safetensors format, and the unsigned integer of that width.
-_FLOAT_WIDTHS = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 
 
 class HFError(ValueError):
@@ -131,24 +132,30 @@ def tensor_headers(folder: str | Path) -> dict[str, TensorHeader]:
     return headers
 
 
-def is_zero(header: TensorHeader) -> bool:
-    """Whether every element of a float tensor is zero (+0 or -0), read from its bytes."""
-    import numpy
+def base_model_prefix(hf, hf_config: dict[str, Any]) -> str | None:
+    """The base-model prefix of the architecture a ``config.json`` names, in format ``hf`` (None: it has none)."""
+    return hf.base_model_prefixes.get(architecture_of(hf_config))
 
-    width = _FLOAT_WIDTHS.get(header.dtype)
-    if width is None:
-        raise HFError(f"its {header.file.name} holds a tensor of dtype {header.dtype}, where ppctl expects floats")
-    with open(header.file, "rb") as handle:
-        handle.seek(header.start)
-        raw = handle.read(header.end - header.start)
-    bits = numpy.frombuffer(raw, dtype=f"<u{width}")
-    return not numpy.any(bits & numpy.array((1 << (8 * width - 1)) - 1, dtype=f"<u{width}"))
+
+def stored_name(name: str, stored, prefix: str | None) -> str | None:
+    """The name HF tensor ``name`` has among the ``stored`` ones: itself (as ``transformers`` saves a causal LM), or
+    itself without the base model's ``prefix`` (as it saves the base model alone, and as the hub's ``gpt2`` files
+    are); None when neither is there. Anything else a folder holds (GPT-2's causal mask buffers) is not read."""
+    if name in stored:
+        return name
+    short = name.removeprefix(f"{prefix}.") if prefix else name
+    return short if short != name and short in stored else None
+
+
+def spellings(name: str, prefix: str | None) -> str:
+    """``name``, and its spelling without the base-model ``prefix`` when it has one: for a one-line refusal."""
+    short = name.removeprefix(f"{prefix}.") if prefix else name
+    return name if short == name else f"{name} (or {short})"
 
 
 def init_from_problem(model, family) -> str | None:
     """Why the HF folder ``model.init_from`` names cannot start a run of ``model`` (a ``ModelConfig``, its
-    vocabulary filled) in ``family`` (None when it can): its architecture, a shape key, a missing tensor, or a
-    tensor ppctl cannot hold (a nonzero bias ppctl's layers do not have)."""
+    vocabulary filled) in ``family`` (None when it can): its architecture, a shape key or a missing tensor."""
     folder = model.init_from
     try:
         hf_config = read_hf_config(folder)
@@ -183,14 +190,10 @@ def _check_architecture(architecture: str, family) -> None:
 
 
 def _check_tensors(folder, model, family, hf_config: dict[str, Any]) -> None:
-    """``HFError`` for a tensor the mapping needs that the folder lacks, or one that must be zero and is not."""
+    """``HFError`` for a tensor the mapping needs that the folder lacks (under either spelling of its name)."""
     hf = hf_format_of(family)
-    headers = tensor_headers(folder)
+    headers, prefix = tensor_headers(folder), base_model_prefix(hf, hf_config)
     for name, spec in hf.tensors(model, hf_config).items():
         for hf_name in spec.names:
-            if hf_name not in headers:
-                raise HFError(f"it has no tensor {hf_name} (ppctl's {name})")
-    for hf_name in hf.zero_tensors(model, hf_config):
-        if hf_name in headers and not is_zero(headers[hf_name]):
-            raise HFError(f"its {hf_name} is not zero: ppctl's {family.name} model has no such parameter, so this "
-                          f"model cannot be expressed exactly")
+            if stored_name(hf_name, headers, prefix) is None:
+                raise HFError(f"it has no tensor {spellings(hf_name, prefix)} (ppctl's {name})")

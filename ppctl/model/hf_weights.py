@@ -6,7 +6,9 @@ zero tensors added. Import (``model.init_from``): each rank reads only the part 
 holds, with ``safetensors``' ``get_slice``, as its parameter's rule (``ppctl.model.rules``) says: the rows of
 a ``ROWS`` shard, the columns of a ``COLUMNS`` one, its heads' rows of q, k and v for ``QKV_ROWS``, everything
 for ``REPLICATED``; on a transposed HF tensor rows are read as columns and the other way round. Vocabulary
-rows beyond the HF vocabulary (TP padding) stay zero. A tied output layer reads the word embedding.
+rows beyond the HF vocabulary (TP padding) stay zero. A tied output layer reads the word embedding. A tensor
+stored without the base model's prefix (``h.0.attn.c_attn.weight`` for ``transformer.h.0.attn.c_attn.weight``)
+is found under that name (``ppctl.model.hf_format.stored_name``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ppctl.model.hf_format import HFError, HFTensor, INDEX_FILE, WEIGHTS_FILE, read_hf_config, weight_files
+from ppctl.model.hf_format import (HFError, HFTensor, INDEX_FILE, WEIGHTS_FILE, base_model_prefix, read_hf_config,
+                                   spellings, stored_name, weight_files)
 from ppctl.model.rules import COLUMNS, QKV_ROWS, ROWS, dense_shape, rule_of
 from ppctl.parallel.tensor_parallel import TPGroup
 
@@ -50,13 +53,14 @@ def _split(name: str, spec: HFTensor, tensor: torch.Tensor) -> dict[str, torch.T
 
 
 class HFWeights(contextlib.ExitStack):
-    """The safetensors files of an HF folder, open for reading slices (a context manager)."""
+    """The safetensors files of an HF folder, open for reading slices (a context manager); each tensor named as the
+    causal LM names it, found under that name or without the base model's ``prefix`` (``stored_name``)."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, prefix: str | None = None):
         super().__init__()
         from safetensors import safe_open
 
-        self.slices = {}
+        self.slices, self.prefix = {}, prefix
         for file in weight_files(folder):
             handle = self.enter_context(safe_open(str(file), framework="pt"))
             self.slices.update({name: handle.get_slice(name) for name in handle.keys()})
@@ -77,9 +81,10 @@ class HFWeights(contextlib.ExitStack):
         return (part[:, rows[0]:rows[1]] if rows else part[columns[0]:columns[1]]).t()
 
     def _slice(self, name: str):
-        if name not in self.slices:
-            raise HFError(f"no tensor {name} in its {INDEX_FILE} or {WEIGHTS_FILE}")
-        return self.slices[name]
+        stored = stored_name(name, self.slices, self.prefix)
+        if stored is None:
+            raise HFError(f"no tensor {spellings(name, self.prefix)} in its {INDEX_FILE} or {WEIGHTS_FILE}")
+        return self.slices[stored]
 
 
 def local_ranges(split: str, dense: tuple[int, ...], tp: TPGroup) -> tuple[int, list[tuple[int, int]]]:
@@ -135,8 +140,9 @@ def load_hf_weights(module: torch.nn.Module, folder: str | Path, hf, model, tp: 
 
 @torch.no_grad()
 def _load(module: torch.nn.Module, folder: str | Path, hf, model, tp: TPGroup) -> None:
-    specs = hf.tensors(model, read_hf_config(folder))
-    with HFWeights(folder) as weights:
+    hf_config = read_hf_config(folder)
+    specs = hf.tensors(model, hf_config)
+    with HFWeights(folder, base_model_prefix(hf, hf_config)) as weights:
         for name, param in module.named_parameters():
             rule = rule_of(param)
             spec = specs[rule.tied_to or name]

@@ -95,19 +95,22 @@ class CausalSelfAttention(nn.Module):
     ``proj`` is row-parallel and all-reduces the per-rank partial outputs.
     ``recompute_core``: the core (scores, softmax, weighted values) keeps only the queries,
     keys and values and runs again in the backward (``model.recompute=selective``).
+    ``qkv_bias``: ``qkv`` has a bias, its rows split as the weight's (GPT-2's ``c_attn.bias``).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, tp: TPGroup, dtype: torch.dtype,
-                 cp: CPGroup | None = None, recompute_core: bool = False):
+                 cp: CPGroup | None = None, recompute_core: bool = False, qkv_bias: bool = False):
         super().__init__()
         self.cp = cp or CPGroup.single()
         self.recompute_core = recompute_core
         self.local_heads = num_heads // tp.size
         self.head_dim = hidden_size // num_heads
-        # No QKV bias: the key bias has an exactly zero gradient (softmax ignores a shift shared by
-        # a query's scores) and the value bias is equivalent to the output projection's bias, so
-        # they add no capacity, only rounding noise that Adam would amplify into a random walk.
-        self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, tp, bias=False, dtype=dtype)
+        # No QKV bias by default: with learned positions the key bias has an exactly zero gradient
+        # (softmax ignores a shift shared by a query's scores; rotary positions rotate it, so there it
+        # counts) and the value bias is equivalent to the output projection's bias, so they add little
+        # capacity and some rounding noise that Adam amplifies into a random walk. ``qkv_bias`` holds
+        # pretrained GPT-2 checkpoints, which have one, exactly.
+        self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, tp, bias=qkv_bias, dtype=dtype)
         self.proj = RowParallelLinear(hidden_size, hidden_size, tp, bias=True, dtype=dtype)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
@@ -146,10 +149,11 @@ class TransformerLayer(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, norm_epsilon: float,
                  tp: TPGroup, dtype: torch.dtype, cp: CPGroup | None = None, recompute_attention_core: bool = False,
-                 gelu_approximate: str = "none"):
+                 gelu_approximate: str = "none", qkv_bias: bool = False):
         super().__init__()
         self.attn_norm = LayerNorm(hidden_size, eps=norm_epsilon, dtype=dtype)
-        self.attention = CausalSelfAttention(hidden_size, num_heads, tp, dtype, cp, recompute_attention_core)
+        self.attention = CausalSelfAttention(hidden_size, num_heads, tp, dtype, cp, recompute_attention_core,
+                                             qkv_bias)
         self.mlp_norm = LayerNorm(hidden_size, eps=norm_epsilon, dtype=dtype)
         self.mlp = MLP(hidden_size, ffn_hidden_size, tp, dtype, gelu_approximate)
 

@@ -2,7 +2,7 @@
 batch against transformers', and ``ppctl export`` of checkpoints saved at two layouts.
 
 For a tiny GPT-2 (untied, with GPT-2's own tanh GELU ``gelu_new``: ``model.activation=gelu_tanh``) and a tiny
-StarCoder2 (rotary, tied, the exact GELU; ``tests/harness/hf_models.py``), each in float64
+StarCoder2 (rotary, tied, the exact GELU; ``tests/harness/hf_models.py``), both with random QKV biases, each in float64
 at two layouts of 4 workers (tp=2 pp=2 and pp=2 dp=2; tp=2 pp=2 and tp=4: the vocabulary padded to 128 and 256
 rows, a tied output layer on its own stage): the forward-only loss of global batch 0 equals transformers'
 cross-entropy of its float64 logits on the same batch (measured: ~1e-16 relative, asserted 1e-10); each layout's

@@ -1,9 +1,10 @@
 """Tiny random ``transformers`` models for the Hugging Face tests, made locally (no hub), and what to compare them by.
 
-``save_tiny(folder, architecture, tie, activation=...)`` writes a GPT-2 (zero ``c_attn`` bias) or StarCoder2 (zero
-q/k/v biases) model of the shape ``OVERRIDES`` gives ppctl, with the exact ``gelu`` unless ``activation`` names
-another transformers activation, its weights drawn wide enough that a wrong mapping moves the logits by far more
-than rounding; ``overrides(folder, architecture, tie)`` is the ppctl config that starts from it. ``hf_model``
+``save_tiny(folder, architecture, tie, activation=...)`` writes a GPT-2 or StarCoder2 model (every bias random, the
+QKV biases included, as in real checkpoints) of the shape ``OVERRIDES`` gives ppctl, with the exact ``gelu`` unless
+``activation`` names another transformers activation, its weights drawn wide enough that a wrong mapping moves the
+logits by far more than rounding; ``overrides(folder, architecture, tie)`` is the ppctl config that starts from it
+(``model.qkv_bias=true``: both architectures have the bias). ``hf_model``
 loads one in float64, its rotary angles computed in float64 too (transformers computes them in float32 whatever the
 model's dtype, which alone puts ~1e-8 into the logits).
 """
@@ -36,11 +37,6 @@ def hf_config(architecture: str, tie: bool, activation: str = "gelu"):
                             eos_token_id=None)
 
 
-def is_qkv_bias(name: str) -> bool:
-    """A bias ppctl's attention does not have (zero in every model ppctl reads)."""
-    return name.endswith("c_attn.bias") or any(name.endswith(f"{part}_proj.bias") for part in "qkv")
-
-
 def save_tiny(folder: Path, architecture: str = GPT2, tie: bool = False, seed: int = 0,
               activation: str = "gelu") -> Path:
     """Write a tiny random model into ``folder`` with ``save_pretrained``; return the folder."""
@@ -51,9 +47,7 @@ def save_tiny(folder: Path, architecture: str = GPT2, tie: bool = False, seed: i
     model = (GPT2LMHeadModel if architecture == GPT2 else Starcoder2ForCausalLM)(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if is_qkv_bias(name):
-                param.zero_()
-            elif "ln" in name or "norm" in name:
+            if "ln" in name or "norm" in name:
                 param.normal_(1.0 if name.endswith("weight") else 0.0, 0.1)
             else:
                 param.normal_(0.0, 0.2)
@@ -65,7 +59,7 @@ def overrides(folder: Path, architecture: str = GPT2, tie: bool = False) -> list
     """The ppctl overrides of a run that starts from the tiny model in ``folder``."""
     position = "learned" if architecture == GPT2 else "rope"
     return [*OVERRIDES, f"model.position_embedding={position}", f"model.tie_embeddings={str(tie).lower()}",
-            f"model.init_from={folder}"]
+            "model.qkv_bias=true", f"model.init_from={folder}"]
 
 
 def _float64_rotary(rotary_module):

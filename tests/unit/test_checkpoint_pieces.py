@@ -50,10 +50,11 @@ def test_vocabulary_rows_are_unpadded():
 
 
 NAMES = ["embedding.word.weight", "embedding.position.weight", "layers.3.attention.qkv.weight",
-         "layers.3.attention.proj.weight", "layers.3.mlp.fc_in.weight", "layers.3.mlp.fc_in.bias",
+         "layers.3.attention.qkv.bias", "layers.3.attention.proj.weight", "layers.3.mlp.fc_in.weight", "layers.3.mlp.fc_in.bias",
          "layers.3.mlp.fc_out.weight", "final_norm.bias", "output_layer.weight"]
 DENSE_SHAPES = {"embedding.word.weight": (20, 8), "embedding.position.weight": (6, 8),
-                "layers.3.attention.qkv.weight": (24, 8), "layers.3.attention.proj.weight": (8, 8),
+                "layers.3.attention.qkv.weight": (24, 8), "layers.3.attention.qkv.bias": (24,),
+                "layers.3.attention.proj.weight": (8, 8),
                 "layers.3.mlp.fc_in.weight": (16, 8), "layers.3.mlp.fc_in.bias": (16,),
                 "layers.3.mlp.fc_out.weight": (8, 16), "final_norm.bias": (8,), "output_layer.weight": (20, 8)}
 VOCAB = 17  # the vocabulary tables have 20 rows: 3 padded
@@ -73,7 +74,7 @@ def test_tp_shards_and_their_flat_ranges_tile_the_dense_tensor_once(name, tp, cu
     dense = torch.randn(DENSE_SHAPES[name], dtype=torch.float64)
     if name in ("embedding.word.weight", "output_layer.weight"):
         dense[VOCAB:] = 0.0
-    expected = dense.reshape(3, -1, 8) if "qkv" in name else dense
+    expected = dense.reshape(3, -1, *dense.shape[1:]) if "qkv" in name else dense
     expected = expected[:VOCAB] if name in ("embedding.word.weight", "output_layer.weight") else expected
     rebuilt, count = torch.zeros_like(expected), torch.zeros(expected.shape, dtype=torch.int64)
     shape = None

@@ -1,19 +1,25 @@
 """The GPT family against ``transformers``: a model read from a Hugging Face folder computes what transformers
 computes, and ppctl's tensors written back are the folder's.
 
-Each case builds a tiny random GPT-2 (learned positions) or StarCoder2 (rotary) model locally, tied or not,
-its vocabulary of 50 ids padded to 64 rows by ppctl (``tests/harness/hf_models.py``). In float64: ppctl's
-single-process model started from the folder (``model.init_from``) gives transformers' logits to 1e-10
-relative (measured: 9e-16; StarCoder2 1e-15 with transformers' rotary angles taken in float64, 4e-8 with its
-own float32 ones); each TP rank's slices read from the folder are the dense model's shards; and the
-dense tensors mapped back are the folder's, bit for bit. Broken twins of the mapping (a transposed weight,
-q and k swapped, a vocabulary row dropped) must fail the logits comparison. Refusals: one line each.
+Each case builds a tiny random GPT-2 (learned positions) or StarCoder2 (rotary) model locally, tied or not, with
+random nonzero QKV biases as real checkpoints have (``model.qkv_bias=true``), its vocabulary of 50 ids padded to
+64 rows by ppctl (``tests/harness/hf_models.py``). In float64: ppctl's single-process model started from the
+folder (``model.init_from``) gives transformers' logits to 1e-10 relative (measured: 1.1e-15; StarCoder2 1e-15
+with transformers' rotary angles taken in float64, 3e-8 with its own float32 ones); each TP rank's slices read
+from the folder are the dense model's shards; and the dense tensors mapped back are the folder's, bit for bit.
+Broken twins of the mapping (a transposed weight, q and k swapped, a vocabulary row dropped) must fail the logits
+comparison. Refusals: one line each.
 
 The tanh GELU (``model.activation=gelu_tanh``): every HF activation name ppctl reads is torch's GELU of its
 approximation to one rounding in float64 (``gelu_fast``, refused, is thousands of roundings off); a GPT-2 with
 ``gelu_new`` and a StarCoder2 with ``gelu_pytorch_tanh`` (real checkpoints' own) give transformers' logits to 1e-10
-(the exact GELU on them, the broken twin, misses by ~4e-4), and written back (the ``config.json`` export writes,
+(the exact GELU on them, the broken twin, misses by ~3e-4), and written back (the ``config.json`` export writes,
 naming the architecture's own tanh GELU) transformers reloads the same logits.
+
+Real GPT-2 (``gelu_new`` and its ``c_attn.bias``): at tp=2, TP ranks run as threads of this process, the logits
+are transformers' (1.3e-15); broken twins (the bias dropped, its q and k blocks swapped, split over TP as plain
+rows) miss by 0.28 or more. Tensors named without ``transformer.`` (``GPT2Model``'s and the hub's names), beside
+GPT-2's mask buffers, load the same; a run without the bias exports zeros transformers reads to its logits.
 """
 
 from dataclasses import replace
@@ -231,16 +237,12 @@ def test_a_shape_mismatch_names_the_key_and_both_values(folders, tanh_folders):
         *overrides(folder), "model.activation=gelu_tanh")
 
 
-def test_a_nonzero_qkv_bias_is_refused(tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    folder = save_tiny(tmp_path / "bias")
-    tensors = load_file(str(folder / "model.safetensors"))
-    tensors["transformer.h.2.attn.c_attn.bias"][5] = 0.5
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    assert _refusal(*overrides(folder)) == (
-        f"model.init_from={folder}: its transformer.h.2.attn.c_attn.bias is not zero: ppctl's gpt model has no such "
-        f"parameter, so this model cannot be expressed exactly")
+def test_a_run_without_the_qkv_bias_is_refused_a_folder_that_has_it(folders):
+    """Every GPT-2 has ``c_attn.bias`` and a StarCoder2 with ``use_bias`` its q/k/v biases: a run must hold them."""
+    for architecture in (GPT2, STARCODER2):
+        folder = folders[(architecture, False)]
+        assert _refusal(*overrides(folder, architecture), "model.qkv_bias=false") == (
+            f"model.init_from={folder}: its config.json gives model.qkv_bias=True, this run has model.qkv_bias=False")
 
 
 @pytest.mark.parametrize("edit, expected", [
@@ -383,3 +385,107 @@ def test_export_names_each_activation_as_its_architecture_does_and_reads_it_back
             written = FORMAT.hf_config(ModelConfig(vocab_size=VOCAB, position_embedding=position,
                                                    activation=activation))
             assert written[key] == name and FORMAT.shape_from_hf(written)["activation"] == activation
+
+
+# --- real GPT-2: its QKV bias at tp=2, broken twins of it, hub-style names, a run without it -----------------------
+
+@pytest.fixture(scope="module")
+def real_gpt2(tanh_folders):
+    """A tiny GPT-2 as OpenAI's are (``gelu_new``, a random ``c_attn.bias``): its folder, the tokens and
+    transformers' logits of them."""
+    folder, tokens = tanh_folders[GPT2], _tokens()
+    with torch.no_grad():
+        return folder, tokens, hf_model(folder)(tokens).logits
+
+
+def _real_gpt2_config(folder, *extra):
+    return _config(folder, GPT2, False, "model.activation=gelu_tanh", *extra)
+
+
+def test_gpt2_logits_at_tp2_equal_transformers(real_gpt2, monkeypatch):
+    """Two TP ranks (threads of this process, their all-reduces met at a barrier), each with its heads' rows of the
+    QKV weight and bias, give transformers' logits; the bias split as plain rows (the broken twin: rank 0 would hold
+    all of q's bias and half of k's) does not."""
+    import ppctl.model.gpt.rules as gpt_rules
+    from ppctl.model.rules import ROWS
+    from tests.harness.lockstep_tp import lockstep_logits
+
+    folder, tokens, expected = real_gpt2
+    config = _real_gpt2_config(folder, "parallel.tp=2")
+    assert relative_error(lockstep_logits(config, tokens, monkeypatch)[..., :VOCAB], expected) < EXACT
+    rules = {**gpt_rules.PARAMETER_RULES}
+    rules["attention.qkv.bias"] = replace(rules["attention.qkv.bias"], split=ROWS)
+    monkeypatch.setattr(gpt_rules, "PARAMETER_RULES", rules)
+    assert relative_error(lockstep_logits(config, tokens, monkeypatch)[..., :VOCAB], expected) > 1e-3
+
+
+def _q_and_k_blocks_swapped(bias):
+    query, key, value = bias.chunk(3)
+    return torch.cat([key, query, value])
+
+
+def test_a_qkv_bias_dropped_or_its_q_and_k_blocks_swapped_fails_the_comparison(real_gpt2):
+    folder, tokens, expected = real_gpt2
+    model = _reference(_real_gpt2_config(folder))
+    biases = {name: param for name, param in model.named_parameters() if name.endswith("attention.qkv.bias")}
+    read = {name: bias.detach().clone() for name, bias in biases.items()}
+    with torch.no_grad():
+        for defect in (torch.zeros_like, _q_and_k_blocks_swapped):
+            for name, bias in biases.items():
+                bias.copy_(defect(read[name]))
+            assert relative_error(model(tokens)[..., :VOCAB], expected) > 1e-3, defect
+
+
+def test_a_folder_with_base_model_names_loads_the_same(tmp_path, folders):
+    """Tensors named as ``GPT2Model`` and the hub's ``gpt2`` files name them (no ``transformer.`` prefix, no tied
+    ``lm_head``), with GPT-2's causal mask buffers beside them, give the same logits; a tensor under neither spelling
+    is refused in one line naming both."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    original = folders[(GPT2, True)]
+    folder = tmp_path / "hub_names"
+    folder.mkdir()
+    shutil.copy(original / "config.json", folder / "config.json")
+    tensors = {name.removeprefix("transformer."): tensor
+               for name, tensor in load_file(str(original / "model.safetensors")).items() if name != "lm_head.weight"}
+    for layer in range(4):
+        tensors[f"h.{layer}.attn.bias"] = torch.tril(torch.ones(16, 16, dtype=torch.bool)).view(1, 1, 16, 16)
+        tensors[f"h.{layer}.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tokens = _tokens()
+    with torch.no_grad():
+        expected = hf_model(original)(tokens).logits
+    assert relative_error(_logits(_config(folder, GPT2, True), tokens), expected) < EXACT
+
+    del tensors["h.1.attn.c_attn.bias"]
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    assert _refusal(*overrides(folder, GPT2, True)) == (
+        f"model.init_from={folder}: it has no tensor transformer.h.1.attn.c_attn.bias (or h.1.attn.c_attn.bias) "
+        f"(ppctl's layers.1.attention.qkv.bias)")
+
+
+@pytest.mark.parametrize("position", ["learned", "rope"])
+def test_a_run_without_the_qkv_bias_exports_zeros_that_transformers_reads_exactly(tmp_path, position):
+    import json
+
+    from ppctl.checkpoint.hf_export import write_weights
+    from ppctl.model.gpt.hf import FORMAT
+    from ppctl.model.hf_weights import to_hf_tensors
+    from ppctl.model.rules import rule_of
+    from tests.harness.hf_models import OVERRIDES
+
+    config = compose_config([*OVERRIDES, "parallel=single", "trainer.precision=fp64",
+                             f"model.position_embedding={position}"])
+    model, shape, tokens = _reference(config), _shape(config), _tokens()
+    hf_config = FORMAT.hf_config(shape)
+    dense = {name: param.detach()[:VOCAB] if rule_of(param).vocab_rows else param.detach()
+             for name, param in model.named_parameters()}
+    tensors = to_hf_tensors(FORMAT, shape, hf_config, dense)
+    biases = [name for name in tensors if name.endswith(("c_attn.bias", "q_proj.bias", "k_proj.bias", "v_proj.bias"))]
+    assert len(biases) == (1 if position == "learned" else 3) * 4 and not any(tensors[name].any() for name in biases)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    write_weights(tmp_path, tensors, max_shard_bytes=1 << 30)
+    with torch.no_grad():
+        assert relative_error(hf_model(tmp_path)(tokens).logits, model(tokens)[..., :VOCAB]) < EXACT

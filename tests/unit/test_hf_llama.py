@@ -211,3 +211,20 @@ def test_what_llama_cannot_compute_is_refused(tmp_path, folders, edit, expected)
 def test_a_shape_mismatch_names_the_key(folders):
     with pytest.raises(ConfigError, match=r"gives model.num_kv_heads=2, this run has model.num_kv_heads=4"):
         _config(folders["llama"], "model.num_kv_heads=4")
+
+
+def test_tensors_named_without_the_base_model_prefix_load_the_same(tmp_path, folders):
+    """A Qwen2 folder whose tensors are named as its base model names them (``layers.0...``, no ``model.``; the
+    untied ``lm_head`` as it is) gives ppctl the same model, bit for bit."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    original, folder = folders["qwen2"], tmp_path / "base_names"
+    folder.mkdir()
+    shutil.copy(original / "config.json", folder / "config.json")
+    tensors = load_file(str(original / "model.safetensors"))
+    save_file({name.removeprefix("model."): tensor for name, tensor in tensors.items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tokens = _tokens()
+    assert torch.equal(_logits(_config(folder), tokens), _logits(_config(original), tokens))

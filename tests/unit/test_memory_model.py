@@ -1,9 +1,10 @@
 """The memory model (``ppctl.plan.memory``) against the modules as built, in one process.
 
 Parameters: the count of every chunk ``GPTChunk`` builds, TP shards included (a TPGroup of
-several ranks builds its shard without communicating). Activations: the bytes autograd keeps
-for one microbatch (distinct storages seen by a saved-tensor hook), exactly, for every
-precision, both position embeddings, the embedding and loss ends and each recomputation.
+several ranks builds its shard without communicating), and of chunks built from configs with and
+without QKV biases. Activations: the bytes autograd keeps for one microbatch (distinct storages
+seen by a saved-tensor hook), exactly, for every precision, both position embeddings, the
+embedding and loss ends and each recomputation.
 """
 
 import random
@@ -41,6 +42,22 @@ def test_parameter_count_is_the_built_chunks(tp, pre, post, tied, rope):
     chunk = built(3, pre, post, tp, rope, tied)
     expected = sum(param.numel() for param in chunk.parameters())
     assert chunk_parameters(shape(rope, tied), Chunk(0, 3, pre, post), tp) == expected
+
+
+@pytest.mark.parametrize("family", [[], ["model=llama_tiny"]])
+def test_parameter_count_of_a_config_with_qkv_biases_is_the_built_chunks(family):
+    """``model.qkv_bias`` reaches the count from a config (``model_shape``): the gpt family's fused bias, split with
+    the QKV rows, and Llama's q/k/v biases."""
+    from ppctl.config import compose_config
+    from ppctl.model.from_config import build_chunk
+    from ppctl.plan.memory import model_shape
+
+    tp = 2
+    for qkv_bias in (False, True):
+        config = compose_config([*family, "data=synthetic", f"parallel.tp={tp}", f"model.qkv_bias={qkv_bias}"])
+        chunk = build_chunk(config, [0, 1], True, True, TPGroup(None, tp, 0))
+        expected = sum(param.numel() for param in chunk.parameters())
+        assert chunk_parameters(model_shape(config), Chunk(0, 2, True, True), tp) == expected, qkv_bias
 
 
 CASES = {"middle": dict(), "first": dict(pre=True), "last": dict(post=True), "whole": dict(pre=True, post=True),

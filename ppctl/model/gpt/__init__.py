@@ -1,6 +1,7 @@
 """The GPT family: a GPT-2-shaped transformer (LayerNorm, GELU MLP, fused QKV, learned or rotary positions).
 
-``model.activation`` picks the MLP's GELU: exact (``gelu``) or its tanh approximation (``gelu_tanh``, GPT-2's own).
+``model.activation`` picks the MLP's GELU: exact (``gelu``) or its tanh approximation (``gelu_tanh``, GPT-2's own);
+``model.qkv_bias`` gives the fused QKV projection a bias (GPT-2's ``c_attn.bias``, off by default).
 
 ``FAMILY`` is what the rest of ppctl reads (``ppctl.model.family``); the chunk (``model.py``) and the
 parameter rules (``rules.py``) are imported when a model is built, so that this module needs no torch.
@@ -12,7 +13,7 @@ from ppctl.config.schema import ConfigError
 from ppctl.model.family import ModelFamily
 
 # Keys another family reads, with the value that means "not used" here.
-OTHER_FAMILIES_KEYS = {"num_kv_heads": None, "head_dim": None, "rope_scaling_factor": None, "qkv_bias": False}
+OTHER_FAMILIES_KEYS = {"num_kv_heads": None, "head_dim": None, "rope_scaling_factor": None}
 
 
 def _shape_of(config):
@@ -27,7 +28,7 @@ def _shape_of(config):
         padded_vocab_size=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, config.parallel.tp),
         max_seq_length=model.max_seq_length, position_embedding=model.position_embedding,
         tie_embeddings=model.tie_embeddings, norm_epsilon=model.norm_epsilon, init_std=model.init_std,
-        rope_base=model.rope_theta,
+        rope_base=model.rope_theta, qkv_bias=model.qkv_bias,
     )
 
 

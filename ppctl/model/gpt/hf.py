@@ -7,13 +7,20 @@ What the mapping rests on (checked against ``transformers`` in ``tests/unit/test
   ``activation_function``, StarCoder2's ``hidden_act``), each torch's GELU of that approximation to one rounding in
   float64: GPT-2's own checkpoints (``gelu_new``) and StarCoder2's default (``gelu_pytorch_tanh``) are
   ``gelu_tanh``. ``gelu_fast`` is refused: its constant, cut to 10 digits, moves it thousands of roundings away.
-* learned positions: ppctl's GPT is ``GPT2LMHeadModel`` with a zero ``c_attn`` bias (ppctl's attention has no
-  QKV bias). GPT-2 keeps its linear weights as ``Conv1D``, ``[in, out]``: each is ppctl's transposed.
-  ``c_attn``'s columns are ``[q; k; v]``, each head-major: ppctl's fused QKV rows.
+* learned positions: ppctl's GPT with ``model.qkv_bias=true`` is ``GPT2LMHeadModel``. GPT-2 keeps its linear
+  weights as ``Conv1D``, ``[in, out]``: each is ppctl's transposed. ``c_attn``'s columns are ``[q; k; v]``, each
+  head-major: ppctl's fused QKV rows, and ``c_attn.bias`` the QKV bias in the same order. Every GPT-2 has the
+  bias, so a GPT-2 folder always gives ``qkv_bias=True`` (a zero bias read as a bias is exact too, and one rule
+  that does not depend on the tensor's values keeps ``shape_from_hf`` a function of ``config.json``); a run
+  without the bias exports zeros.
 * rotary positions: ppctl's GPT is ``Starcoder2ForCausalLM`` (LayerNorm with biases, a sequential residual,
-  rotate-half rotary over the whole head) with ``num_key_value_heads = num_attention_heads``, zero q/k/v biases
-  and no sliding window; ppctl's QKV rows are ``q_proj``, ``k_proj`` and ``v_proj`` one after the other, and its
-  weights are ``nn.Linear``'s ``[out, in]``.
+  rotate-half rotary over the whole head) with ``num_key_value_heads = num_attention_heads`` and no sliding
+  window; ppctl's QKV rows are ``q_proj``, ``k_proj`` and ``v_proj`` one after the other (their biases, with
+  ``use_bias``, the QKV bias likewise: ``qkv_bias`` is ``use_bias``), and its weights are ``nn.Linear``'s
+  ``[out, in]``.
+* names: each folder's tensors may also be stored without the base model's prefix (``BASE_MODEL_PREFIXES``), as
+  ``GPT2Model`` and the hub's ``gpt2`` files store them (``ppctl.model.hf_format.stored_name``); GPT-2's causal
+  mask buffers (``attn.bias``, ``attn.masked_bias``) are not parameters and are never read.
 
 Pure: names and numbers only (``model`` holds the ``model.*`` settings by name).
 """
@@ -26,6 +33,8 @@ from ppctl.model.hf_format import HFError, HFTensor, architecture_of
 
 GPT2 = "GPT2LMHeadModel"
 STARCODER2 = "Starcoder2ForCausalLM"
+# transformers' base_model_prefix of each architecture: what a folder saved from its base model leaves out.
+BASE_MODEL_PREFIXES = {GPT2: "transformer", STARCODER2: "model"}
 # model.activation -> the transformers activation names (ACT2FN) that compute it, each equal to torch's F.gelu of that
 # approximation to one rounding in float64 (tests/unit/test_hf_gpt.py); and what export writes, each architecture's
 # own name (GPT-2's default is gelu_new, StarCoder2's gelu_pytorch_tanh).
@@ -48,6 +57,7 @@ class GPTHuggingFace:
     """The GPT family's HF format (see ``ppctl.model.hf_format``)."""
 
     architectures = (GPT2, STARCODER2)
+    base_model_prefixes = BASE_MODEL_PREFIXES
 
     def hf_config(self, model) -> dict[str, Any]:
         """``config.json`` of a GPT model: GPT-2's for learned positions, StarCoder2's for rotary ones."""
@@ -90,7 +100,10 @@ class GPTHuggingFace:
         return _starcoder2_tensors(model, {**STARCODER2_DEFAULTS, **hf_config}["use_bias"])
 
     def zero_tensors(self, model, hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-        """The QKV biases HF has and ppctl's attention does not (zero, or the model cannot be expressed)."""
+        """The QKV biases HF has and a run without ``model.qkv_bias`` lacks: written as zeros on export (a folder
+        that has them gives ``qkv_bias=True``, so a run reading it has them)."""
+        if model.qkv_bias:
+            return {}
         if model.position_embedding == "learned":
             return {f"transformer.h.{layer}.attn.c_attn.bias": (3 * model.hidden_size,)
                     for layer in range(model.num_layers)}
@@ -128,7 +141,8 @@ def _gpt2_shape(hf: dict[str, Any]) -> dict[str, Any]:
             "num_layers": hf["n_layer"], "hidden_size": hf["n_embd"], "num_heads": hf["n_head"],
             "ffn_hidden_size": hf["n_inner"] if hf["n_inner"] is not None else 4 * hf["n_embd"],
             "vocab_size": hf["vocab_size"], "max_seq_length": hf["n_positions"],
-            "tie_embeddings": bool(hf["tie_word_embeddings"]), "norm_epsilon": hf["layer_norm_epsilon"]}
+            "tie_embeddings": bool(hf["tie_word_embeddings"]), "norm_epsilon": hf["layer_norm_epsilon"],
+            "qkv_bias": True}
 
 
 def _starcoder2_shape(hf: dict[str, Any]) -> dict[str, Any]:
@@ -153,11 +167,12 @@ def _starcoder2_shape(hf: dict[str, Any]) -> dict[str, Any]:
             "hidden_size": hidden, "num_heads": heads, "ffn_hidden_size": hf["intermediate_size"],
             "vocab_size": hf["vocab_size"], "max_seq_length": hf["max_position_embeddings"],
             "tie_embeddings": bool(hf["tie_word_embeddings"]), "norm_epsilon": hf["norm_epsilon"],
-            "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+            "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            "qkv_bias": bool(hf["use_bias"])}
 
 
 def _gpt2_tensors(model) -> dict[str, HFTensor]:
-    """ppctl name -> GPT-2 tensor: renames, the Conv1D weights transposed."""
+    """ppctl name -> GPT-2 tensor: renames, the Conv1D weights transposed (``c_attn.bias`` with ``qkv_bias``)."""
     tensors = {"embedding.word.weight": HFTensor(("transformer.wte.weight",)),
                "embedding.position.weight": HFTensor(("transformer.wpe.weight",))}
     for layer in range(model.num_layers):
@@ -173,6 +188,8 @@ def _gpt2_tensors(model) -> dict[str, HFTensor]:
                                       ("mlp.fc_out.weight", "mlp.c_proj.weight", True),
                                       ("mlp.fc_out.bias", "mlp.c_proj.bias", False)):
             tensors[f"{ppctl}.{role}"] = HFTensor((f"{hf}.{name}",), transpose)
+        if model.qkv_bias:
+            tensors[f"{ppctl}.attention.qkv.bias"] = HFTensor((f"{hf}.attn.c_attn.bias",))
     tensors["final_norm.weight"] = HFTensor(("transformer.ln_f.weight",))
     tensors["final_norm.bias"] = HFTensor(("transformer.ln_f.bias",))
     if not model.tie_embeddings:
@@ -181,13 +198,14 @@ def _gpt2_tensors(model) -> dict[str, HFTensor]:
 
 
 def _starcoder2_tensors(model, use_bias: bool) -> dict[str, HFTensor]:
-    """ppctl name -> StarCoder2 tensor: renames, the fused QKV split into q, k and v (biases absent without
-    ``use_bias``: ppctl's are zero)."""
+    """ppctl name -> StarCoder2 tensor: renames, the fused QKV (and its bias) split into q, k and v (biases absent
+    without ``use_bias``: ppctl's are zero)."""
     tensors = {"embedding.word.weight": HFTensor(("model.embed_tokens.weight",))}
     for layer in range(model.num_layers):
         ppctl, hf = f"layers.{layer}", f"model.layers.{layer}"
-        tensors[f"{ppctl}.attention.qkv.weight"] = HFTensor(
-            tuple(f"{hf}.self_attn.{part}_proj.weight" for part in ("q", "k", "v")))
+        for kind in ("weight", "bias") if model.qkv_bias else ("weight",):
+            tensors[f"{ppctl}.attention.qkv.{kind}"] = HFTensor(
+                tuple(f"{hf}.self_attn.{part}_proj.{kind}" for part in ("q", "k", "v")))
         for role, name in (("attn_norm.weight", "input_layernorm.weight"), ("attn_norm.bias", "input_layernorm.bias"),
                            ("attention.proj.weight", "self_attn.o_proj.weight"),
                            ("mlp_norm.weight", "post_attention_layernorm.weight"),

@@ -1,8 +1,9 @@
 """The GPT family's shape (``GPTConfig``) and stage chunk (``GPTChunk``), with Megatron tensor parallelism.
 
 A ``GPTChunk`` is a ``ppctl.model.chunk.DecoderChunk`` of GPT layers (``ppctl.model.layers``): the
-word/position embedding on the first stage, LayerNorm and a GELU MLP (exact or tanh-approximated), fused QKV,
-learned or rotary positions, the final norm, output layer and vocab-parallel loss on the last.
+word/position embedding on the first stage, LayerNorm and a GELU MLP (exact or tanh-approximated), fused QKV
+(with a bias when ``qkv_bias``), learned or rotary positions, the final norm, output layer and vocab-parallel loss
+on the last.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class GPTConfig:
     norm_epsilon: LayerNorm epsilon.
     init_std: standard deviation of the normal weight initialisation.
     rope_base: base of the rotary frequencies.
+    qkv_bias: the fused QKV projection has a bias (GPT-2's ``c_attn.bias``), starting at zero.
     """
 
     num_layers: int
@@ -55,6 +57,7 @@ class GPTConfig:
     norm_epsilon: float = 1e-5
     init_std: float = 0.02
     rope_base: float = 10000.0
+    qkv_bias: bool = False
     padded_vocab_size: int | None = None
 
     def __post_init__(self):
@@ -108,7 +111,7 @@ class GPTChunk(DecoderChunk):
         config = self.config
         return TransformerLayer(config.hidden_size, config.num_heads, config.ffn_hidden_size, config.norm_epsilon,
                                 self.tp, dtype, self.cp, recompute_attention_core,
-                                GELU_APPROXIMATIONS[config.activation])
+                                GELU_APPROXIMATIONS[config.activation], config.qkv_bias)
 
     def make_final_norm(self, dtype: torch.dtype) -> nn.Module:
         """LayerNorm."""

@@ -2,7 +2,8 @@
 
 A role is a parameter's global name without its ``layers.<id>.`` prefix. The fused QKV weight
 is generated as three separately named tensors (``query``, ``key``, ``value``) and split by heads,
-so TP ranks own whole heads of each; a tied output layer starts equal to the word embedding.
+so TP ranks own whole heads of each (its bias, with ``model.qkv_bias``, the same rows); a tied
+output layer starts equal to the word embedding.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ PARAMETER_RULES = MappingProxyType({
     "attn_norm.weight": ParameterRule(REPLICATED, "ones"),
     "attn_norm.bias": ParameterRule(REPLICATED, "zeros"),
     "attention.qkv.weight": ParameterRule(QKV_ROWS, "qkv_normal"),
+    "attention.qkv.bias": ParameterRule(QKV_ROWS, "zeros"),
     "attention.proj.weight": ParameterRule(COLUMNS, "scaled_normal"),
     "attention.proj.bias": ParameterRule(REPLICATED, "zeros"),
     "mlp_norm.weight": ParameterRule(REPLICATED, "ones"),

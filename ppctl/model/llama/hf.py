@@ -32,6 +32,7 @@ class LlamaHuggingFace:
     """The Llama family's HF format (see ``ppctl.model.hf_format``)."""
 
     architectures = (LLAMA, QWEN2)
+    base_model_prefixes = {LLAMA: "model", QWEN2: "model"}  # transformers' base_model_prefix
 
     def hf_config(self, model) -> dict[str, Any]:
         """``config.json`` of a Llama model (a ``LlamaConfig``): Llama's, or Qwen2's when it has q/k/v biases."""
