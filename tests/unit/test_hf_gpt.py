@@ -62,7 +62,7 @@ def test_starcoder2_with_its_own_float32_rotary_is_within_float32_of_ppctl(folde
     folder = folders[(STARCODER2, False)]
     tokens = _tokens()
     with torch.no_grad():
-        expected = hf_model(folder, exact_rotary=False)(tokens).logits
+        expected = hf_model(folder, exact=False)(tokens).logits
     assert relative_error(_logits(_config(folder, STARCODER2, False), tokens), expected) < 1e-6
 
 
