@@ -5,9 +5,10 @@ Tiny random ``LlamaForCausalLM`` models (grouped-query attention: 4 query heads 
 rotary scaling; tied or not) and a ``Qwen2ForCausalLM`` (q/k/v biases) are saved locally
 (``tests/harness/hf_models.py``). In float64, ppctl's single-process model started from the folder
 (``model.init_from``) gives transformers' logits to 1e-10 relative, with transformers' rotary angles and RMSNorm
-taken in float64 (it computes both in float32 whatever the model's dtype); within 1e-6 with its own. Broken
-twins of the mapping (gate and up swapped, k and v swapped, o_proj transposed) must fail; q and k swapped is
-refused (under GQA their shapes differ). Refusals: one line each.
+taken in float64 (it computes both in float32 whatever the model's dtype); within 1e-6 with its own. At tp=2 a
+rank reads its shard's elements and nothing else, a piece at a time. Broken twins of the mapping (gate and up
+swapped, k and v swapped, o_proj transposed) must fail; q and k swapped is refused (under GQA their shapes
+differ). Refusals: one line each.
 """
 
 import json
@@ -85,6 +86,52 @@ def test_each_tp_rank_reads_the_dense_models_shard(folders, tp):
             rule = rule_of(param)
             assert torch.equal(param, expected_shard(name, rule, dense[rule.tied_to or name], param, tp, tp_rank,
                                                      VOCAB)), (name, tp_rank)
+
+
+def test_a_rank_reads_its_slices_only_a_piece_at_a_time(folders, monkeypatch):
+    """At tp=2 each rank reads from the folder exactly its shard's elements (padding rows none), in reads of at most
+    ``READ_ELEMENTS``, into the dense model's shards, and draws no random dense value first (that held whole
+    tensors: 1.8 times a rank's share at tp2 pp2 in ``benchmarks/hf_load.py``)."""
+    import ppctl.model.hf_weights as hf_weights
+    import ppctl.model.rules as rules
+    from ppctl.model.from_config import build_chunk
+    from ppctl.parallel.tensor_parallel import TPGroup
+    from ppctl.run.reference import reference_model
+    from tests.distributed.equivalence import expected_shard
+
+    dense = dict(reference_model(_config(folders, "llama")).named_parameters())
+    reads, slice_of = [], hf_weights.HFWeights._slice
+
+    class Counted:
+        """A safetensors slice that counts the elements each read gives."""
+
+        def __init__(self, part):
+            self.part = part
+
+        def get_shape(self):
+            return self.part.get_shape()
+
+        def __getitem__(self, index):
+            tensor = self.part[index]
+            reads.append(tensor.numel())
+            return tensor
+
+    monkeypatch.setattr(hf_weights.HFWeights, "_slice", lambda self, name: Counted(slice_of(self, name)))
+    monkeypatch.setattr(hf_weights, "READ_ELEMENTS", 100)
+    monkeypatch.setattr(rules, "dense_parameter", lambda *args: pytest.fail("a dense value was drawn"))
+    config = _config(folders, "llama", "parallel.tp=2")
+    for tp_rank in range(2):
+        reads.clear()
+        chunk = build_chunk(config, [0, 1, 2], True, True, TPGroup(None, 2, tp_rank))
+        real = 0
+        for name, param in chunk.named_parameters():
+            rule = rules.rule_of(param)
+            assert torch.equal(param, expected_shard(name, rule, dense[name], param, 2, tp_rank, VOCAB)), name
+            rows = param.shape[0]
+            if rule.vocab_rows:
+                rows = min(max(VOCAB - tp_rank * rows, 0), rows)
+            real += rows * param[0].numel()
+        assert max(reads) <= 100 and sum(reads) == real, (tp_rank, max(reads), sum(reads), real)
 
 
 @pytest.mark.parametrize("name", MODELS)
