@@ -38,8 +38,10 @@ class DecoderChunk(DefersWeightGrads, nn.Module):
     ``layer_ids`` are the global ids of the decoder layers it runs, in order;
     ``pre_process`` adds the embedding, ``post_process`` the final norm, output layer
     and loss. Parameters are initialised from ``seed`` independently of the layout
-    (see ``ppctl.model.rules``). ``cp``: the context-parallel group attention reaches
-    the rest of the sequence through (one rank by default). Its norms and linear layers
+    (see ``ppctl.model.rules``); with ``seed`` None they stay zero for the caller to fill
+    (``model.init_from`` reads every one: drawing dense values would only hold whole
+    tensors). ``cp``: the context-parallel group attention reaches the rest of the
+    sequence through (one rank by default). Its norms and linear layers
     (the output layer too, tied or not) can defer their weight gradients to a pipeline
     W: a stage hands them its store (``ppctl.autograd.weight_grad.attach_weight_grad_store``).
     ``recompute``: which of its layers run their forward again in the backward
@@ -48,7 +50,7 @@ class DecoderChunk(DefersWeightGrads, nn.Module):
     """
 
     def __init__(self, config, layer_ids: Sequence[int], pre_process: bool, post_process: bool,
-                 tp: TPGroup, seed: int, dtype: torch.dtype = torch.float32, cp: CPGroup | None = None,
+                 tp: TPGroup, seed: int | None, dtype: torch.dtype = torch.float32, cp: CPGroup | None = None,
                  recompute: Recompute = Recompute()):
         super().__init__()
         self.check_tp_divides(config, tp.size)
@@ -68,7 +70,8 @@ class DecoderChunk(DefersWeightGrads, nn.Module):
                 self.output_layer = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size, tp,
                                                          bias=False, dtype=dtype)
         attach_rules(self, self.parameter_rule)
-        self.reset_parameters(seed)
+        if seed is not None:
+            self.reset_parameters(seed)
 
     # --- what a family says ------------------------------------------------------------------------
 

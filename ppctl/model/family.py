@@ -41,11 +41,11 @@ class ModelFamily:
 
     ``shape_of(config)``: the family's frozen model shape for a ``PpctlConfig`` (vocabulary padded for its tp);
     ``chunk_class()``: the stage chunk class, built as ``cls(shape, layer_ids, pre_process, post_process, tp,
-    seed, dtype, cp, recompute)``; ``rule_of_name(shape)``: a function from a global parameter name to its
-    ``ParameterRule`` (for what holds names only: checkpoints); ``check(config)``: the family's own config rules,
-    raising ``ConfigError`` in one line; ``hf()``: the family's Hugging Face format (its folder's ``hf.py``, imported
-    when called; see ``ppctl.model.hf_format``), None for a family that reads and writes no HF checkpoints;
-    ``architecture``: what the memory model and the FLOP count read of its layers.
+    seed, dtype, cp, recompute)`` (``seed`` None: parameters left zero); ``rule_of_name(shape)``: a function from
+    a global parameter name to its ``ParameterRule`` (for what holds names only: checkpoints); ``check(config)``:
+    the family's own config rules, raising ``ConfigError`` in one line; ``hf()``: the family's Hugging Face format
+    (its folder's ``hf.py``, imported when called; see ``ppctl.model.hf_format``), None for a family that reads
+    and writes no HF checkpoints; ``architecture``: what the memory model and the FLOP count read of its layers.
     """
 
     name: str

@@ -37,9 +37,11 @@ def build_chunk(config: PpctlConfig, layer_ids, pre_process: bool, post_process:
     configured)."""
     family = family_of(config)
     shape = family.shape_of(config)
-    chunk = family.chunk_class()(shape, layer_ids, pre_process, post_process, tp, config.trainer.seed,
-                                 parameter_dtype(config), cp, recompute_of(config) if recompute is None else recompute)
-    if config.model.init_from and load_init_from:
+    reads_hf = bool(config.model.init_from and load_init_from)
+    seed = None if reads_hf else config.trainer.seed  # every parameter is read: no random dense values drawn
+    chunk = family.chunk_class()(shape, layer_ids, pre_process, post_process, tp, seed, parameter_dtype(config), cp,
+                                 recompute_of(config) if recompute is None else recompute)
+    if reads_hf:
         load_hf_weights(chunk, config.model.init_from, hf_format_of(family), shape, tp)
     return chunk
 

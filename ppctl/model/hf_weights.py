@@ -8,12 +8,16 @@ a ``ROWS`` shard, the columns of a ``COLUMNS`` one, its heads' rows of q, k and 
 for ``REPLICATED``; on a transposed HF tensor rows are read as columns and the other way round. Vocabulary
 rows beyond the HF vocabulary (TP padding) stay zero. A tied output layer reads the word embedding. A tensor
 stored without the base model's prefix (``h.0.attn.c_attn.weight`` for ``transformer.h.0.attn.c_attn.weight``)
-is found under that name (``ppctl.model.hf_format.stored_name``).
+is found under that name (``ppctl.model.hf_format.stored_name``). Each shard is planned as blocks
+(``shard_blocks``) and read straight into its parameter a few MiB at a time, so a rank holds its own share and
+one such read, never a whole tensor (``benchmarks/hf_load.py`` measures it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,6 +26,8 @@ from ppctl.model.hf_format import (HFError, HFTensor, INDEX_FILE, WEIGHTS_FILE, 
                                    spellings, stored_name, weight_files)
 from ppctl.model.rules import COLUMNS, QKV_ROWS, ROWS, dense_shape, rule_of
 from ppctl.parallel.tensor_parallel import TPGroup
+
+READ_ELEMENTS = 2**22  # the most elements one read holds (16 MiB in float32): a rank loads in its share plus this
 
 
 def to_hf_tensors(hf, model, hf_config: dict, dense: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -65,26 +71,40 @@ class HFWeights(contextlib.ExitStack):
             handle = self.enter_context(safe_open(str(file), framework="pt"))
             self.slices.update({name: handle.get_slice(name) for name in handle.keys()})
 
-    def ppctl_rows(self, name: str, transpose: bool) -> int:
-        """How many ppctl rows HF tensor ``name`` holds."""
-        shape = self._slice(name).get_shape()
-        return shape[1] if transpose and len(shape) == 2 else shape[0]
+    def ppctl_shape(self, name: str, transpose: bool) -> tuple[int, ...]:
+        """The shape of HF tensor ``name`` in ppctl's orientation."""
+        shape = tuple(self._slice(name).get_shape())
+        return shape[::-1] if transpose and len(shape) == 2 else shape
 
-    def read(self, name: str, transpose: bool, rows: tuple[int, int] | None = None,
+    def read(self, name: str, transpose: bool, rows: tuple[int, int],
              columns: tuple[int, int] | None = None) -> torch.Tensor:
-        """Rows ``[start, stop)`` (or columns) of HF tensor ``name`` in ppctl's orientation; nothing else is read."""
-        part = self._slice(name)
+        """Rows ``[start, stop)`` and columns (None: all) of HF tensor ``name`` in ppctl's orientation; nothing else
+        is read."""
+        part, row_range = self._slice(name), slice(*rows)
         if len(part.get_shape()) == 1:
-            return part[rows[0]:rows[1]]
-        if not transpose:
-            return part[rows[0]:rows[1]] if rows else part[:, columns[0]:columns[1]]
-        return (part[:, rows[0]:rows[1]] if rows else part[columns[0]:columns[1]]).t()
+            return part[row_range]
+        column_range = slice(*columns) if columns else slice(None)
+        return part[column_range, row_range].t() if transpose else part[row_range, column_range]
 
     def _slice(self, name: str):
         stored = stored_name(name, self.slices, self.prefix)
         if stored is None:
             raise HFError(f"no tensor {spellings(name, self.prefix)} in its {INDEX_FILE} or {WEIGHTS_FILE}")
         return self.slices[stored]
+
+
+@dataclass(frozen=True)
+class Block:
+    """One piece of a TP rank's shard, placed below the previous piece: rows ``[start, stop)`` and ``columns``
+    (None: all) of HF tensor ``name`` in ppctl's orientation; ``name`` None: that many zero rows (padding)."""
+
+    name: str | None
+    rows: tuple[int, int]
+    columns: tuple[int, int] | None = None
+
+    @property
+    def height(self) -> int:
+        return self.rows[1] - self.rows[0]
 
 
 def local_ranges(split: str, dense: tuple[int, ...], tp: TPGroup) -> tuple[int, list[tuple[int, int]]]:
@@ -102,30 +122,64 @@ def local_ranges(split: str, dense: tuple[int, ...], tp: TPGroup) -> tuple[int, 
     return 0, [(0, dense[0])]
 
 
-def read_shard(weights: HFWeights, spec: HFTensor, split: str, dense: tuple[int, ...], tp: TPGroup,
-               vocab_rows: bool) -> torch.Tensor:
-    """This TP rank's shard of the ppctl tensor ``spec`` maps, read from ``weights``."""
+def shard_blocks(weights: HFWeights, spec: HFTensor, split: str, dense: tuple[int, ...], tp: TPGroup,
+                 vocab_rows: bool) -> list[Block]:
+    """The blocks of this TP rank's shard of the ppctl tensor ``spec`` maps, top to bottom (nothing read yet)."""
     dim, ranges = local_ranges(split, dense, tp)
-    if dim == 1:
-        return torch.cat([weights.read(name, spec.transpose, columns=ranges[0]) for name in spec.names])
-    return torch.cat([_rows(weights, spec, start, stop, dense, vocab_rows) for start, stop in ranges])
+    if dim == 1:  # each HF part's rows, this rank's columns
+        return [Block(name, (0, weights.ppctl_shape(name, spec.transpose)[0]), ranges[0]) for name in spec.names]
+    return [block for start, stop in ranges for block in _row_blocks(weights, spec, start, stop, vocab_rows)]
 
 
-def _rows(weights: HFWeights, spec: HFTensor, start: int, stop: int, dense: tuple[int, ...],
-          vocab_rows: bool) -> torch.Tensor:
-    """Rows ``[start, stop)`` of the ppctl tensor, from whichever HF parts hold them; vocabulary rows beyond the
-    HF tensor (padding) are zero."""
+def _row_blocks(weights: HFWeights, spec: HFTensor, start: int, stop: int, vocab_rows: bool) -> list[Block]:
+    """The blocks of rows ``[start, stop)`` of the ppctl tensor, in whichever HF parts hold them; vocabulary rows
+    beyond the HF tensor (padding) are zero."""
     blocks, offset = [], 0
     for name in spec.names:
-        size = weights.ppctl_rows(name, spec.transpose)
+        size = weights.ppctl_shape(name, spec.transpose)[0]
         low, high = max(start, offset), min(stop, offset + size)
         if low < high:
-            blocks.append(weights.read(name, spec.transpose, rows=(low - offset, high - offset)))
+            blocks.append(Block(name, (low - offset, high - offset)))
         offset += size
     padding = stop - max(start, offset)
     if padding > 0 and vocab_rows:
-        blocks.append(torch.zeros((padding, *dense[1:]), dtype=blocks[0].dtype if blocks else torch.float32))
-    return torch.cat(blocks)
+        blocks.append(Block(None, (0, padding)))
+    return blocks
+
+
+def copy_shard(param: torch.Tensor, blocks: list[Block], weights: HFWeights, transpose: bool, name: str) -> None:
+    """Fill ``param`` with its blocks, each read straight into its rows, at most ``READ_ELEMENTS`` at a time: no
+    copy of a whole tensor or shard is held. ``HFError`` when the blocks do not make the parameter's shape."""
+    widths = [tuple(param.shape[1:]) if block.name is None else _width(weights, block, transpose) for block in blocks]
+    _check_fits(param, blocks, widths, name)
+    offset = 0
+    for block, width in zip(blocks, widths):
+        rows = param[offset:offset + block.height]
+        offset += block.height
+        if block.name is None:
+            rows.zero_()
+            continue
+        step = max(1, READ_ELEMENTS // math.prod(width))
+        for first in range(0, block.height, step):
+            last = min(first + step, block.height)
+            rows[first:last].copy_(weights.read(block.name, transpose, (block.rows[0] + first, block.rows[0] + last),
+                                                block.columns))
+
+
+def _check_fits(param: torch.Tensor, blocks: list[Block], widths: list[tuple[int, ...]], name: str) -> None:
+    """``HFError`` unless the blocks, one below the other, have the parameter's shape."""
+    wrong = next((width for width in widths if width != tuple(param.shape[1:])), tuple(param.shape[1:]))
+    height = sum(block.height for block in blocks)
+    if (height, *wrong) != tuple(param.shape):
+        names = ", ".join(dict.fromkeys(block.name for block in blocks if block.name))
+        raise HFError(f"{names} give ppctl's {name} a slice of shape {[height, *wrong]}, its shard has "
+                      f"{list(param.shape)}")
+
+
+def _width(weights: HFWeights, block: Block, transpose: bool) -> tuple[int, ...]:
+    """The trailing dimensions of a block read from the folder."""
+    width = weights.ppctl_shape(block.name, transpose)[1:]
+    return (block.columns[1] - block.columns[0],) if block.columns else width
 
 
 def load_hf_weights(module: torch.nn.Module, folder: str | Path, hf, model, tp: TPGroup) -> None:
@@ -149,8 +203,5 @@ def _load(module: torch.nn.Module, folder: str | Path, hf, model, tp: TPGroup) -
             if not spec.names:
                 param.zero_()
                 continue
-            value = read_shard(weights, spec, rule.split, dense_shape(rule, param.shape, tp), tp, rule.vocab_rows)
-            if value.shape != param.shape:
-                raise HFError(f"{', '.join(spec.names)} give ppctl's {name} a slice of shape {list(value.shape)}, "
-                              f"its shard has {list(param.shape)}")
-            param.copy_(value)
+            blocks = shard_blocks(weights, spec, rule.split, dense_shape(rule, param.shape, tp), tp, rule.vocab_rows)
+            copy_shard(param, blocks, weights, spec.transpose, name)

@@ -1,12 +1,14 @@
 """Tiny random ``transformers`` models for the Hugging Face tests, made locally (no hub), and what to compare them by.
 
-``save_tiny(folder, architecture, tie, activation=...)`` writes a GPT-2 or StarCoder2 model (every bias random, the
-QKV biases included, as in real checkpoints) of the shape ``OVERRIDES`` gives ppctl, with the exact ``gelu`` unless
-``activation`` names another transformers activation, its weights drawn wide enough that a wrong mapping moves the
-logits by far more than rounding; ``overrides(folder, architecture, tie)`` is the ppctl config that starts from it
-(``model.qkv_bias=true``: both architectures have the bias). ``hf_model``
-loads one in float64, its rotary angles computed in float64 too (transformers computes them in float32 whatever the
-model's dtype, which alone puts ~1e-8 into the logits).
+``save_tiny(folder, architecture, tie, activation=..., rope_scaling=...)`` writes a GPT-2 or StarCoder2 (every
+bias random, the QKV biases included, as in real checkpoints; the exact ``gelu`` unless ``activation`` names
+another transformers activation), Llama or Qwen2 (grouped-query attention, 4 query heads on 2 key/value heads;
+Qwen2's q/k/v biases drawn; optionally Llama 3's rotary scaling) model of the shape ``OVERRIDES`` gives ppctl, its
+weights drawn wide enough that a wrong mapping moves the logits by far more than rounding; ``overrides(folder,
+architecture, tie)`` is the ppctl config that starts from it (``model.qkv_bias=true`` for GPT-2 and StarCoder2:
+both have the bias). ``hf_model`` loads one in float64 with what
+transformers computes in float32 whatever the model's dtype computed in float64 too: the rotary angles (alone
+~1e-8 in the logits) and Llama's RMSNorm.
 """
 
 from __future__ import annotations
@@ -15,36 +17,41 @@ from pathlib import Path
 
 import torch
 
-GPT2, STARCODER2 = "gpt2", "starcoder2"
-VOCAB, LAYERS, HIDDEN, HEADS, FFN, POSITIONS = 50, 4, 32, 4, 64, 16
+GPT2, STARCODER2, LLAMA, QWEN2 = "gpt2", "starcoder2", "llama", "qwen2"
+LLAMA_FAMILY = (LLAMA, QWEN2)
+VOCAB, LAYERS, HIDDEN, HEADS, KV_HEADS, FFN, POSITIONS, NORM_EPSILON = 50, 4, 32, 4, 2, 64, 16, 1e-5
 OVERRIDES = ["data=synthetic", f"model.vocab_size={VOCAB}", f"model.num_layers={LAYERS}",
              f"model.hidden_size={HIDDEN}", f"model.num_heads={HEADS}", f"model.ffn_hidden_size={FFN}",
              f"model.max_seq_length={POSITIONS}", f"trainer.seq_length={POSITIONS}", "trainer.global_batch_size=8",
              "trainer.micro_batch_size=1", "trainer.tensorboard=false"]
 
 
-def hf_config(architecture: str, tie: bool, activation: str = "gelu"):
-    """The transformers config of the tiny model (``activation``: transformers' name)."""
-    from transformers import GPT2Config, Starcoder2Config
+def hf_config(architecture: str, tie: bool, activation: str = "gelu", rope_scaling: dict | None = None):
+    """The transformers config of the tiny model (``activation``: transformers' name, for GPT-2 and StarCoder2;
+    ``rope_scaling``: Llama 3's ``rope_parameters`` keys)."""
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config, Starcoder2Config
 
     if architecture == GPT2:
         return GPT2Config(vocab_size=VOCAB, n_positions=POSITIONS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
                           n_inner=FFN, activation_function=activation, tie_word_embeddings=tie, resid_pdrop=0.0,
                           embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
-    return Starcoder2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-                            num_attention_heads=HEADS, num_key_value_heads=HEADS, hidden_act=activation,
-                            max_position_embeddings=POSITIONS, tie_word_embeddings=tie, bos_token_id=None,
-                            eos_token_id=None)
+    shape = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                 num_attention_heads=HEADS, max_position_embeddings=POSITIONS, tie_word_embeddings=tie,
+                 bos_token_id=None, eos_token_id=None)
+    if architecture == STARCODER2:
+        return Starcoder2Config(**shape, num_key_value_heads=HEADS, hidden_act=activation)
+    rope = {"rope_type": "default", "rope_theta": 10000.0, **(rope_scaling or {})}
+    return (LlamaConfig if architecture == LLAMA else Qwen2Config)(**shape, num_key_value_heads=KV_HEADS,
+                                                                   rms_norm_eps=NORM_EPSILON, rope_parameters=rope)
 
 
-def save_tiny(folder: Path, architecture: str = GPT2, tie: bool = False, seed: int = 0,
-              activation: str = "gelu") -> Path:
+def save_tiny(folder: Path, architecture: str = GPT2, tie: bool = False, seed: int = 0, activation: str = "gelu",
+              rope_scaling: dict | None = None) -> Path:
     """Write a tiny random model into ``folder`` with ``save_pretrained``; return the folder."""
-    from transformers import GPT2LMHeadModel, Starcoder2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = hf_config(architecture, tie, activation)
-    model = (GPT2LMHeadModel if architecture == GPT2 else Starcoder2ForCausalLM)(config)
+    model = AutoModelForCausalLM.from_config(hf_config(architecture, tie, activation, rope_scaling))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "ln" in name or "norm" in name:
@@ -55,34 +62,56 @@ def save_tiny(folder: Path, architecture: str = GPT2, tie: bool = False, seed: i
     return Path(folder)
 
 
-def overrides(folder: Path, architecture: str = GPT2, tie: bool = False) -> list[str]:
-    """The ppctl overrides of a run that starts from the tiny model in ``folder``."""
-    position = "learned" if architecture == GPT2 else "rope"
-    return [*OVERRIDES, f"model.position_embedding={position}", f"model.tie_embeddings={str(tie).lower()}",
-            "model.qkv_bias=true", f"model.init_from={folder}"]
+def overrides(folder: Path, architecture: str = GPT2, tie: bool = False, rope_scaling: dict | None = None) -> list[str]:
+    """The ppctl overrides of a run that starts from the tiny model in ``folder`` (saved with ``rope_scaling``)."""
+    common = [f"model.tie_embeddings={str(tie).lower()}", f"model.init_from={folder}"]
+    if architecture not in LLAMA_FAMILY:
+        position = "learned" if architecture == GPT2 else "rope"
+        return [*OVERRIDES, f"model.position_embedding={position}", "model.qkv_bias=true", *common]
+    llama = ["model=llama_tiny", *OVERRIDES, f"model.num_kv_heads={KV_HEADS}", f"model.norm_epsilon={NORM_EPSILON}",
+             f"model.qkv_bias={str(architecture == QWEN2).lower()}", *common]
+    if rope_scaling:
+        llama += [f"model.rope_scaling_factor={rope_scaling['factor']}",
+                  f"model.rope_low_freq_factor={rope_scaling['low_freq_factor']}",
+                  f"model.rope_high_freq_factor={rope_scaling['high_freq_factor']}",
+                  f"model.rope_original_max_position={rope_scaling['original_max_position_embeddings']}"]
+    return llama
 
 
-def _float64_rotary(rotary_module):
-    """A forward for StarCoder2's rotary module that computes its angles in float64."""
-    theta = rotary_module.config.rope_parameters["rope_theta"]
+def _in_float64(model) -> None:
+    """transformers' RMSNorm and rotary angles in float64: its norms' math as written, its inverse frequencies as its
+    config gives them (Llama 3's scaling by ppctl's formula), each computed in float64."""
+    from ppctl.model.llama.layers import RopeScaling, llama_inverse_frequencies
+
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.forward = (lambda norm: lambda hidden: norm.weight * hidden * torch.rsqrt(
+                hidden.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))(module)
+    config, rotary = model.config, model.model.rotary_emb
+    rope = config.rope_parameters
+    scaling = None
+    if rope.get("rope_type") == "llama3":
+        scaling = RopeScaling(rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+                              rope["original_max_position_embeddings"])
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    inverse = llama_inverse_frequencies(head_dim, rope["rope_theta"], scaling)
 
     def forward(hidden, position_ids):
-        head_dim = HIDDEN // HEADS
-        inverse = theta ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
         angles = position_ids.to(torch.float64)[..., None] * inverse
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos().to(hidden.dtype), angles.sin().to(hidden.dtype)
 
-    return forward
+    rotary.forward = forward
 
 
-def hf_model(folder: Path, exact_rotary: bool = True):
-    """The model in ``folder`` loaded by ``AutoModelForCausalLM``, in float64, eval mode."""
+def hf_model(folder: Path, exact: bool = True):
+    """The model in ``folder`` loaded by ``AutoModelForCausalLM``, in float64, eval mode; ``exact``: its float32
+    parts (rotary angles, RMSNorm) in float64 too."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
-    if exact_rotary and hasattr(model, "model") and hasattr(model.model, "rotary_emb"):
-        model.model.rotary_emb.forward = _float64_rotary(model.model.rotary_emb)
+    if exact and hasattr(model, "model") and hasattr(model.model, "rotary_emb"):
+        _in_float64(model)
     return model
 
 

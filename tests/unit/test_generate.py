@@ -123,22 +123,6 @@ def test_greedy_equals_transformers_generate_through_init_from(hf_folders, archi
 
 LLAMA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=32, rms_norm_eps=1e-5, rope_theta=10000.0)
-def _llama_in_float64(hf):
-    """transformers' Llama with its RMS norms and rotary angles computed in float64 (it takes both in float32
-    whatever the model's dtype)."""
-    for name, norm in hf.named_modules():
-        if name.endswith("norm"):
-            norm.forward = lambda hidden, norm=norm: norm.weight * hidden * torch.rsqrt(
-                hidden.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    inverse = LLAMA["rope_theta"] ** -(torch.arange(0, 8, 2, dtype=torch.float64) / 8)
-
-    def rotary(hidden, position_ids):
-        angles = position_ids.to(torch.float64)[..., None] * inverse
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos(), angles.sin()
-
-    hf.model.rotary_emb.forward = rotary
-    return hf
 
 
 def test_llama_greedy_equals_transformers_generate_through_init_from(tmp_path):
@@ -151,7 +135,7 @@ def test_llama_greedy_equals_transformers_generate_through_init_from(tmp_path):
             param.normal_(1.0, 0.1) if name.endswith("norm.weight") else param.normal_(0.0, 0.2)
     hf.save_pretrained(tmp_path)
     save_char_tokenizer(tmp_path, VOCAB)
-    hf = _llama_in_float64(LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval())
+    hf = hf_model(tmp_path)  # its RMS norms and rotary angles in float64
     model = load_model(tmp_path, precision="fp64")
     prompt = model.prompt_ids("Llamas", 16)
     ids, logits = _ppctl_greedy(model.chunk, prompt, 16)

@@ -75,15 +75,17 @@ def test_starcoder2_with_its_own_float32_rotary_is_within_float32_of_ppctl(folde
     folder = folders[(STARCODER2, False)]
     tokens = _tokens()
     with torch.no_grad():
-        expected = hf_model(folder, exact_rotary=False)(tokens).logits
+        expected = hf_model(folder, exact=False)(tokens).logits
     assert relative_error(_logits(_config(folder, STARCODER2, False), tokens), expected) < 1e-6
 
 
 @pytest.mark.parametrize("architecture, tie", MODELS)
 @pytest.mark.parametrize("tp", [2, 4])
-def test_each_tp_rank_reads_the_dense_models_shard(folders, architecture, tie, tp):
+def test_each_tp_rank_reads_the_dense_models_shard(folders, monkeypatch, architecture, tie, tp):
     """Chunks built for each TP rank (the vocabulary padded to 64 * tp rows) hold the single process's tensors'
-    shards: heads of q, k and v, row and column ranges, zero padding rows."""
+    shards: heads of q, k and v, row and column ranges, zero padding rows; read 100 elements at a time, so that
+    every tensor's slice comes in several pieces (GPT-2's ``[in, out]`` ones too)."""
+    import ppctl.model.hf_weights as hf_weights
     from ppctl.model.from_config import build_chunk
     from ppctl.model.rules import rule_of
     from ppctl.parallel.tensor_parallel import TPGroup
@@ -92,6 +94,7 @@ def test_each_tp_rank_reads_the_dense_models_shard(folders, architecture, tie, t
     folder = folders[(architecture, tie)]
     dense = dict(_reference(_config(folder, architecture, tie)).named_parameters())
     config = _config(folder, architecture, tie, f"parallel.tp={tp}")
+    monkeypatch.setattr(hf_weights, "READ_ELEMENTS", 100)
     for tp_rank in range(tp):
         for pre, post in ((True, False), (False, True)):  # a tied output layer alone on the last stage reads wte
             chunk = build_chunk(config, [1, 2] if pre else [3], pre, post, TPGroup(None, tp, tp_rank))
@@ -170,12 +173,22 @@ def test_a_broken_mapping_fails_the_comparison(folders, monkeypatch, architectur
     assert relative_error(_logits(_config(folder, architecture, False), tokens), expected) > 1e-3
 
 
-def _shifted(block):
-    return torch.cat([block[1:], torch.zeros_like(block[:1])])  # the first word dropped, rows read one off
+def _shifted(blocks):
+    """The first word dropped, rows read one off (a zero row below)."""
+    first = blocks[0]
+    return [replace(first, rows=(first.rows[0] + 1, first.rows[1])), *blocks[1:], _padding(1)]
 
 
-def _last_word_as_padding(block):
-    return torch.cat([block[:VOCAB - 1], torch.zeros_like(block[VOCAB - 1:])])  # the last real row taken for padding
+def _last_word_as_padding(blocks):
+    """The last real row taken for padding."""
+    first = blocks[0]
+    return [replace(first, rows=(first.rows[0], first.rows[1] - 1)), _padding(1), *blocks[1:]]
+
+
+def _padding(rows):
+    from ppctl.model.hf_weights import Block
+
+    return Block(None, (0, rows))
 
 
 @pytest.mark.parametrize("drop", [_shifted, _last_word_as_padding])
@@ -186,13 +199,13 @@ def test_a_dropped_vocabulary_row_fails_the_comparison(folders, monkeypatch, dro
     tokens = _tokens()
     with torch.no_grad():
         expected = hf_model(folder)(tokens).logits
-    rows = hf_weights._rows
+    row_blocks = hf_weights._row_blocks
 
-    def dropping(weights, spec, start, stop, dense, vocab_rows):
-        block = rows(weights, spec, start, stop, dense, vocab_rows)
-        return drop(block) if vocab_rows else block
+    def dropping(weights, spec, start, stop, vocab_rows):
+        blocks = row_blocks(weights, spec, start, stop, vocab_rows)
+        return drop(blocks) if vocab_rows else blocks
 
-    monkeypatch.setattr(hf_weights, "_rows", dropping)
+    monkeypatch.setattr(hf_weights, "_row_blocks", dropping)
     assert relative_error(_logits(_config(folder, GPT2, False), tokens), expected) > 1e-3
 
 

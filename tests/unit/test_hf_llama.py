@@ -2,107 +2,49 @@
 computes, each TP rank reads its own slices, and ppctl's tensors written back are the folder's.
 
 Tiny random ``LlamaForCausalLM`` models (grouped-query attention: 4 query heads on 2 key/value heads; Llama 3's
-rotary scaling; tied or not) and a ``Qwen2ForCausalLM`` (q/k/v biases) are saved locally. In float64, ppctl's
-single-process model started from the folder (``model.init_from``) gives transformers' logits to 1e-10 relative,
-with transformers' rotary angles taken in float64 (it computes them in float32 whatever the model's dtype);
-within 1e-6 with its own. A broken twin of the mapping (gate and up swapped) must fail. Refusals: one line each.
+rotary scaling; tied or not) and a ``Qwen2ForCausalLM`` (q/k/v biases) are saved locally
+(``tests/harness/hf_models.py``). In float64, ppctl's single-process model started from the folder
+(``model.init_from``) gives transformers' logits to 1e-10 relative, with transformers' rotary angles and RMSNorm
+taken in float64 (it computes both in float32 whatever the model's dtype); within 1e-6 with its own. At tp=2 a
+rank reads its shard's elements and nothing else, a piece at a time. Broken twins of the mapping (gate and up
+swapped, k and v swapped, o_proj transposed) must fail; q and k swapped is refused (under GQA their shapes
+differ). Refusals: one line each.
 """
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 from ppctl.config import ConfigError, compose_config, validate
-from tests.harness.hf_models import relative_error
+from tests.harness.hf_models import LLAMA, POSITIONS, QWEN2, VOCAB, hf_model, overrides, relative_error, save_tiny
 
-VOCAB, LAYERS, HIDDEN, HEADS, KV_HEADS, FFN, POSITIONS = 50, 3, 32, 4, 2, 48, 16
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 4}  # every frequency band is hit within 16 positions
-MODELS = {"llama": ("llama", False, None), "llama tied, llama3 rotary": ("llama", True, LLAMA3_SCALING),
-          "qwen2": ("qwen2", False, None)}
+MODELS = {"llama": (LLAMA, False, None), "llama tied, llama3 rotary": (LLAMA, True, LLAMA3_SCALING),
+          "qwen2": (QWEN2, False, None)}
 EXACT = 1e-10
-
-
-def _save(folder, kind: str, tie: bool, scaling):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    shape = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-                 num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=POSITIONS,
-                 tie_word_embeddings=tie, bos_token_id=None, eos_token_id=None, rms_norm_eps=1e-5)
-    rope = {"rope_type": "default", "rope_theta": 10000.0, **(scaling or {})}
-    config = (LlamaConfig if kind == "llama" else Qwen2Config)(**shape, rope_parameters=rope)
-    torch.manual_seed(3)
-    model = (LlamaForCausalLM if kind == "llama" else Qwen2ForCausalLM)(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 0.2)
-    model.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    return {name: _save(tmp_path_factory.mktemp(name.replace(" ", "_").replace(",", "")), *spec)
-            for name, spec in MODELS.items()}
+    return {name: save_tiny(tmp_path_factory.mktemp(name.replace(" ", "_").replace(",", "")), architecture, tie,
+                            seed=3, rope_scaling=scaling)
+            for name, (architecture, tie, scaling) in MODELS.items()}
 
 
-def _config(folder, *extra, shape_of=None):
-    config = compose_config(["data=synthetic", "parallel=single", "trainer.precision=fp64", "model=llama_tiny",
-                             f"model.vocab_size={VOCAB}", f"model.num_layers={LAYERS}", f"model.hidden_size={HIDDEN}",
-                             f"model.num_heads={HEADS}", f"model.num_kv_heads={KV_HEADS}",
-                             f"model.ffn_hidden_size={FFN}", f"model.max_seq_length={POSITIONS}",
-                             f"trainer.seq_length={POSITIONS}", "model.norm_epsilon=1e-5", *_shape_overrides(shape_of or folder),
-                             f"model.init_from={folder}", *extra])
+def _config(folders, name, *extra, folder=None):
+    """The fp64 single-process config that starts from model ``name`` (or from ``folder``, said to be it)."""
+    config = compose_config([*overrides(folder or folders[name], *MODELS[name]), "parallel=single",
+                             "trainer.precision=fp64", *extra])
     validate(config)
     return config
 
 
-def _shape_overrides(folder) -> list[str]:
-    """What ppctl's settings must say of the folder's model beyond the common shape: tying, scaling, biases."""
-    from ppctl.model.llama.hf import FORMAT
-
-    shape = FORMAT.shape_from_hf(json.loads((folder / "config.json").read_text()))
-    keys = ("tie_embeddings", "qkv_bias", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-            "rope_original_max_position")
-    return [f"model.{key}={str(shape[key]).lower() if isinstance(shape[key], bool) else shape[key]}"
-            for key in keys if key in shape]
-
-
-def _hf_logits(folder, tokens, exact_rotary: bool = True):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
-    if exact_rotary:
-        _in_float64(model)
+def _hf_logits(folder, tokens, exact: bool = True):
     with torch.no_grad():
-        return model(tokens).logits
-
-
-def _in_float64(model) -> None:
-    """transformers' RMSNorm and rotary frequencies in float64 (it computes both in float32 whatever the model's
-    dtype): its norms' math as written in float64, its frequencies as its config gives them, in float64."""
-    from ppctl.model.llama.hf import FORMAT
-    from ppctl.model.llama.layers import RopeScaling, llama_inverse_frequencies
-
-    for module in model.modules():
-        if type(module).__name__.endswith("RMSNorm"):
-            module.forward = (lambda norm: lambda hidden: norm.weight * hidden * torch.rsqrt(
-                hidden.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))(module)
-    shape = FORMAT.shape_from_hf(model.config.to_dict())
-    scaling = None
-    if "rope_scaling_factor" in shape:
-        scaling = RopeScaling(shape["rope_scaling_factor"], shape["rope_low_freq_factor"],
-                              shape["rope_high_freq_factor"], shape["rope_original_max_position"])
-    rotary = model.model.rotary_emb
-    rotary.inv_freq = llama_inverse_frequencies(HIDDEN // HEADS, shape["rope_theta"], scaling)
-
-    def float64_forward(hidden, position_ids):
-        angles = position_ids.to(torch.float64)[..., None] * rotary.inv_freq
-        table = torch.cat([angles, angles], dim=-1)
-        return table.cos().to(hidden.dtype), table.sin().to(hidden.dtype)
-
-    rotary.forward = float64_forward
+        return hf_model(folder, exact)(tokens).logits
 
 
 def _logits(config, tokens):
@@ -118,13 +60,13 @@ def _tokens():
 
 @pytest.mark.parametrize("name", MODELS)
 def test_logits_equal_transformers_in_float64(folders, name):
-    folder, tokens = folders[name], _tokens()
-    assert relative_error(_logits(_config(folder), tokens), _hf_logits(folder, tokens)) < EXACT
+    tokens = _tokens()
+    assert relative_error(_logits(_config(folders, name), tokens), _hf_logits(folders[name], tokens)) < EXACT
 
 
 def test_with_transformers_own_float32_rotary_within_float32(folders):
-    folder, tokens = folders["llama tied, llama3 rotary"], _tokens()
-    assert relative_error(_logits(_config(folder), tokens), _hf_logits(folder, tokens, exact_rotary=False)) < 1e-6
+    name, tokens = "llama tied, llama3 rotary", _tokens()
+    assert relative_error(_logits(_config(folders, name), tokens), _hf_logits(folders[name], tokens, False)) < 1e-6
 
 
 @pytest.mark.parametrize("tp", [2])
@@ -136,15 +78,60 @@ def test_each_tp_rank_reads_the_dense_models_shard(folders, tp):
     from ppctl.run.reference import reference_model
     from tests.distributed.equivalence import expected_shard
 
-    folder = folders["qwen2"]
-    dense = dict(reference_model(_config(folder)).named_parameters())
-    config = _config(folder, f"parallel.tp={tp}")
+    dense = dict(reference_model(_config(folders, "qwen2")).named_parameters())
+    config = _config(folders, "qwen2", f"parallel.tp={tp}")
     for tp_rank in range(tp):
         chunk = build_chunk(config, [0, 1, 2], True, True, TPGroup(None, tp, tp_rank))
         for name, param in chunk.named_parameters():
             rule = rule_of(param)
             assert torch.equal(param, expected_shard(name, rule, dense[rule.tied_to or name], param, tp, tp_rank,
                                                      VOCAB)), (name, tp_rank)
+
+
+def test_a_rank_reads_its_slices_only_a_piece_at_a_time(folders, monkeypatch):
+    """At tp=2 each rank reads from the folder exactly its shard's elements (padding rows none), in reads of at most
+    ``READ_ELEMENTS``, into the dense model's shards, and draws no random dense value first (that held whole
+    tensors: 1.8 times a rank's share at tp2 pp2 in ``benchmarks/hf_load.py``)."""
+    import ppctl.model.hf_weights as hf_weights
+    import ppctl.model.rules as rules
+    from ppctl.model.from_config import build_chunk
+    from ppctl.parallel.tensor_parallel import TPGroup
+    from ppctl.run.reference import reference_model
+    from tests.distributed.equivalence import expected_shard
+
+    dense = dict(reference_model(_config(folders, "llama")).named_parameters())
+    reads, slice_of = [], hf_weights.HFWeights._slice
+
+    class Counted:
+        """A safetensors slice that counts the elements each read gives."""
+
+        def __init__(self, part):
+            self.part = part
+
+        def get_shape(self):
+            return self.part.get_shape()
+
+        def __getitem__(self, index):
+            tensor = self.part[index]
+            reads.append(tensor.numel())
+            return tensor
+
+    monkeypatch.setattr(hf_weights.HFWeights, "_slice", lambda self, name: Counted(slice_of(self, name)))
+    monkeypatch.setattr(hf_weights, "READ_ELEMENTS", 100)
+    monkeypatch.setattr(rules, "dense_parameter", lambda *args: pytest.fail("a dense value was drawn"))
+    config = _config(folders, "llama", "parallel.tp=2")
+    for tp_rank in range(2):
+        reads.clear()
+        chunk = build_chunk(config, [0, 1, 2], True, True, TPGroup(None, 2, tp_rank))
+        real = 0
+        for name, param in chunk.named_parameters():
+            rule = rules.rule_of(param)
+            assert torch.equal(param, expected_shard(name, rule, dense[name], param, 2, tp_rank, VOCAB)), name
+            rows = param.shape[0]
+            if rule.vocab_rows:
+                rows = min(max(VOCAB - tp_rank * rows, 0), rows)
+            real += rows * param[0].numel()
+        assert max(reads) <= 100 and sum(reads) == real, (tp_rank, max(reads), sum(reads), real)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -159,7 +146,7 @@ def test_the_dense_tensors_map_back_to_the_folders_bit_for_bit(folders, name):
     from ppctl.run.reference import reference_model
 
     folder = folders[name]
-    config = _config(folder, "trainer.precision=fp32")
+    config = _config(folders, name, "trainer.precision=fp32")
     dense = {key: param.detach()[:VOCAB] if rule_of(param).vocab_rows else param.detach()
              for key, param in reference_model(config).named_parameters()}
     written = to_hf_tensors(FORMAT, model_shape(config), read_hf_config(folder), dense)
@@ -171,25 +158,31 @@ def test_the_dense_tensors_map_back_to_the_folders_bit_for_bit(folders, name):
     assert FORMAT.shape_from_hf(exported) == FORMAT.shape_from_hf(read_hf_config(folder))
 
 
-def test_a_broken_mapping_fails_the_comparison(folders, monkeypatch):
-    """gate and up swapped: the logits move far beyond the tolerance."""
-    from dataclasses import replace
+def _swapped(spec, one: str, other: str):
+    return replace(spec, names=tuple(name.replace(one, "#").replace(other, one).replace("#", other)
+                                     for name in spec.names))
 
+
+DEFECTS = {
+    "gate and up swapped": lambda name, spec: _swapped(spec, "gate_proj", "up_proj"),
+    "k and v swapped": lambda name, spec: _swapped(spec, "k_proj", "v_proj"),  # q and k differ in shape under GQA
+    "o_proj transposed": lambda name, spec: replace(spec, transpose=name.endswith("o_proj.weight")),
+}
+
+
+@pytest.mark.parametrize("defect", DEFECTS)
+def test_a_broken_mapping_fails_the_comparison(folders, monkeypatch, defect):
+    """One defect in the mapping: the logits move far beyond the tolerance."""
     from ppctl.model.llama.hf import FORMAT
 
     original = FORMAT.tensors
 
-    def swapped(model, hf_config):
-        specs = original(model, hf_config)
-        for name, spec in specs.items():
-            if "gate_proj" in name or "up_proj" in name:
-                other = "up_proj" if "gate_proj" in name else "gate_proj"
-                specs[name] = replace(spec, names=tuple(n.replace(name.split(".")[-2], other) for n in spec.names))
-        return specs
+    def broken(model, hf_config):
+        return {name: DEFECTS[defect](name, spec) for name, spec in original(model, hf_config).items()}
 
-    monkeypatch.setattr(type(FORMAT), "tensors", lambda self, model, hf_config: swapped(model, hf_config))
-    folder, tokens = folders["llama"], _tokens()
-    assert relative_error(_logits(_config(folder), tokens), _hf_logits(folder, tokens)) > 1e-3
+    monkeypatch.setattr(type(FORMAT), "tensors", lambda self, model, hf_config: broken(model, hf_config))
+    tokens = _tokens()
+    assert relative_error(_logits(_config(folders, "llama"), tokens), _hf_logits(folders["llama"], tokens)) > 1e-3
 
 
 @pytest.mark.parametrize("edit, expected", [
@@ -205,12 +198,12 @@ def test_what_llama_cannot_compute_is_refused(tmp_path, folders, edit, expected)
     config_file = folder / "config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **edit}))
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
-        _config(folder, shape_of=folders["llama"])
+        _config(folders, "llama", folder=folder)
 
 
 def test_a_shape_mismatch_names_the_key(folders):
     with pytest.raises(ConfigError, match=r"gives model.num_kv_heads=2, this run has model.num_kv_heads=4"):
-        _config(folders["llama"], "model.num_kv_heads=4")
+        _config(folders, "llama", "model.num_kv_heads=4")
 
 
 def test_tensors_named_without_the_base_model_prefix_load_the_same(tmp_path, folders):
@@ -227,4 +220,5 @@ def test_tensors_named_without_the_base_model_prefix_load_the_same(tmp_path, fol
     save_file({name.removeprefix("model."): tensor for name, tensor in tensors.items()},
               str(folder / "model.safetensors"), metadata={"format": "pt"})
     tokens = _tokens()
-    assert torch.equal(_logits(_config(folder), tokens), _logits(_config(original), tokens))
+    assert torch.equal(_logits(_config(folders, "qwen2", folder=folder), tokens),
+                       _logits(_config(folders, "qwen2"), tokens))
