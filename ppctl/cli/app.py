@@ -391,6 +391,100 @@ def submit(
     typer.echo(f"follow it with: ppctl status {run_dir}", err=True)
 
 
+@app.command("verify")
+def verify(
+    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    steps: int = typer.Option(3, "--steps", min=1, help="Training steps of each run."),
+    precision: str = typer.Option("fp64", "--precision", help="fp64 (elementwise, 1e-10) or fp32 (TF32 off, 1e-5)."),
+    shrink: bool = typer.Option(False, "--shrink", help="Keep the layout, schedule and features; shrink the model's "
+                                                       "widths, vocabulary and sequence to the smallest the layout "
+                                                       "allows (and say what shrank)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Where the two runs go (default runs/verify-<timestamp>)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (docs/verify.md lists the keys)."),
+    config_dir: Optional[Path] = CONFIG_DIR_OPTION,
+    config_name: str = CONFIG_NAME_OPTION,
+) -> None:
+    """Train the configured layout and the same run as one process, compare them by the tolerance rule."""
+    from ppctl.cli.verify_report import print_verdict, verdict_json
+    from ppctl.verify.compare import VerifyError, judge
+    from ppctl.verify.runs import PARALLEL, SINGLE, config_options, launch, train_command, verify_plan
+    from ppctl.verify.shrink import shrink_overrides
+
+    if precision not in ("fp64", "fp32"):
+        fail(f"--precision {precision}: choose fp64 or fp32 (half precision is compared by trajectory, not proven "
+             f"equal)")
+    user = list(overrides or [])
+    shrunk: list[str] = []
+    if shrink:
+        extra, shrunk = shrink_overrides(load_resolved(user, config_dir, config_name, data=False).config)
+        user += extra
+    plan = verify_plan(user, steps, precision, (out or _verify_dir()).resolve())
+    runs = {name: load_resolved(plan.overrides[name], config_dir, config_name) for name in (PARALLEL, SINGLE)}
+    problem = _single_fit_problem(runs[SINGLE], shrink)
+    if problem is not None:
+        fail(problem)
+    options = config_options(config_dir, config_name)
+    own_part_only = runs[PARALLEL].config.launcher.node_rank != 0  # another node's share of the parallel run
+    for name in (PARALLEL,) if own_part_only else (PARALLEL, SINGLE):
+        typer.echo(f"verify: the {name} run ({steps} steps) into {plan.run_dirs[name]}", err=True)
+        outcome = launch(train_command(plan.overrides[name], options), plan.run_dirs[name].parent / f"{name}.log")
+        if outcome.returncode != 0:
+            fail(f"the {name} run failed (exit {outcome.returncode}): {outcome.last_line} (its output: {outcome.log})",
+                 code=1)
+    if own_part_only:
+        typer.echo("verify: this node's part of the parallel run is done; node 0 compares", err=True)
+        return
+    try:
+        verdict = judge(plan.run_dirs[PARALLEL], plan.run_dirs[SINGLE], runs[SINGLE].config, steps)
+    except VerifyError as error:
+        fail(str(error), code=1)
+    if as_json:
+        sys.stdout.write(json.dumps(verdict_json(verdict, plan.run_dirs, shrunk, plan.replaced)) + "\n")
+    else:
+        print_verdict(verdict, plan.run_dirs, shrunk, plan.replaced)
+    if not verdict.equal:
+        raise typer.Exit(1)
+
+
+def _verify_dir() -> Path:
+    """A new ``runs/verify-<timestamp>`` for the two runs of ``ppctl verify``."""
+    from ppctl.run.rundir import default_run_dir
+
+    default = default_run_dir()
+    return default.with_name(f"verify-{default.name}")
+
+
+def _single_fit_problem(single: "ResolvedConfig", shrunk: bool) -> str | None:
+    """Why the single process of ``ppctl verify`` cannot run here: the memory model's prediction above what this
+    machine has free (its GPU's memory under NCCL)."""
+    from ppctl.plan.memory import config_memory
+    from ppctl.run.launch import local_gpus, resolve_backend
+
+    needed = config_memory(single)[0].total
+    if resolve_backend(single.config.launcher.backend, 1) == "nccl" and local_gpus():
+        import torch
+
+        available, where = torch.cuda.get_device_properties(0).total_memory, "its GPU has"
+    else:
+        available, where = _free_memory_bytes(), "this machine has free"
+    if needed <= available:
+        return None
+    hint = "" if shrunk else ": add --shrink to prove the layout on the smallest model it allows"
+    return (f"verify: one process of this model needs {needed / 2**30:.3g} GiB by the memory model, {where} "
+            f"{available / 2**30:.3g} GiB{hint}")
+
+
+def _free_memory_bytes() -> int:
+    """``MemAvailable`` of ``/proc/meminfo`` (unbounded where it cannot be read)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 1 << 62
+
+
 @app.command("status")
 def status(
     run_dir: Path = typer.Argument(..., help="A run directory (trainer.out_dir of a run)."),

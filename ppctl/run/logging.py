@@ -1,13 +1,46 @@
-"""Console lines, TensorBoard scalars and trace files, written by the rank that owns the loss."""
+"""Console lines, TensorBoard scalars, ``metrics.jsonl`` and trace files, written by the rank that owns the loss.
+
+``metrics.jsonl`` keeps each step's loss, grad norm and learning rate, and each validation loss, as exact
+floats (TensorBoard keeps float32): one JSON object a line, flushed as written (``ppctl verify`` compares two
+runs by it). A run resumed in its own directory drops the lines of steps from its start on, as TensorBoard's
+``purge_step`` does, so no step is there twice.
+"""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 from ppctl.config import PpctlConfig, to_yaml
 
 SCALARS = ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "bubble_ratio_measured", "skipped_steps")
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsFile:
+    """``<run_dir>/metrics.jsonl``: one exact record a line, the lines of steps from ``start_step`` on dropped."""
+
+    def __init__(self, path: Path, start_step: int) -> None:
+        kept = [line for line in read_metrics(path) if line["step"] < start_step] if start_step else []
+        self.file = path.open("w", buffering=1)  # a line at a time: a run that dies keeps what it logged
+        for record in kept:
+            self.write(record)
+
+    def write(self, record: dict) -> None:
+        """Append ``record`` (floats as ``repr`` writes them, which reads back the same)."""
+        self.file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        """Close the file."""
+        self.file.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a ``metrics.jsonl`` (none when there is no such file)."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 class TrainingLogger:
@@ -22,6 +55,7 @@ class TrainingLogger:
         self.last_trace: tuple[int, list[dict]] | None = None
         self.all_traces: list[tuple[int, list[dict]]] = []
         self.eta = EtaClock(start_step, config.trainer.max_steps)
+        self.metrics = MetricsFile(self.run_dir / METRICS_FILE, start_step)
         if config.trainer.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -56,6 +90,8 @@ class TrainingLogger:
 
     def log(self, result) -> None:
         """Record one step; print it when it is the first, the last or every ``log_every``-th."""
+        self.metrics.write({"step": result.step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
+                            "skipped": result.skipped})
         if self.writer is not None:
             for name in SCALARS:
                 value = getattr(result, name)
@@ -73,6 +109,7 @@ class TrainingLogger:
     def log_validation(self, step: int, loss: float) -> None:
         """Record the validation loss taken after step ``step`` (0-based, as ``train/*``) and print it."""
         perplexity = math.exp(min(loss, 700.0))  # exp overflows a float beyond ~709
+        self.metrics.write({"step": step, "val_loss": loss})
         if self.writer is not None:
             self.writer.add_scalar("val/loss", loss, step)
             self.writer.add_scalar("val/perplexity", perplexity, step)
@@ -96,7 +133,8 @@ class TrainingLogger:
         self.all_traces.append((step, snapshots))
 
     def close(self) -> None:
-        """Flush TensorBoard and write the trace files when tracing was on."""
+        """Close ``metrics.jsonl``, flush TensorBoard and write the trace files when tracing was on."""
+        self.metrics.close()
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()

@@ -15,7 +15,7 @@ PURE = ("ppctl.parallel.layout", "ppctl.parallel.placement", "ppctl.pipeline.sch
         "ppctl.optim.lr", "ppctl.optim.loss_scale", "ppctl.config", "ppctl.checkpoint.files",
         "ppctl.run.interrupt", "ppctl.fileio", "ppctl.bench.rules", "ppctl.model.flops", "ppctl.model.recompute",
         "ppctl.model.family", "ppctl.model.hf_format", "ppctl.model.gpt.hf", "ppctl.model.llama.hf",
-        "ppctl.plan")
+        "ppctl.plan", "ppctl.verify.tolerance", "ppctl.verify.runs", "ppctl.verify.shrink")
 # The folders are the layers. Each module's level is that of its longest listed prefix (a package covers
 # its modules, a module listed alone overrides its package); a module imports only from its level or below.
 LEVELS = {
@@ -44,6 +44,8 @@ LEVELS = {
     "ppctl.bench": 5,
     # 5, ``ppctl generate``: a run's checkpoint or a Hugging Face folder as one chunk, decoded with a KV cache.
     "ppctl.generate": 5,
+    # 5, ``ppctl verify``: two train runs, read back and judged by the tolerance rule (itself pure, at level 1).
+    "ppctl.verify": 5, "ppctl.verify.tolerance": 1,
     # 6 and 7, the faces (cli/): the reports, then the commands on top.
     "ppctl.cli": 6, "ppctl.cli.app": 7,
 }

@@ -1,0 +1,48 @@
+"""``ppctl verify --shrink``: the same layout, schedule and features on the smallest model the layout allows.
+
+What a layout splits keeps its count: layers (the pipeline split and its layout string), attention and
+key/value heads (TP and CP split them), microbatches per step (the schedule), experts. What only makes the
+model large shrinks: each head to ``HEAD_DIM`` channels (hidden = heads x that), the MLP to twice the hidden
+width, the vocabulary to ``VOCAB`` ids of synthetic data (a real tokenizer's ids need its vocabulary), each
+microbatch to one sequence of the shortest length CP and sequence parallelism split evenly. Each change is
+returned with the line that says it, so the proof says what it proved.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ppctl.config import PpctlConfig
+
+HEAD_DIM = 8  # even, for rotary
+VOCAB = 64
+SHORTEST_SEQUENCE = 16
+
+
+def shrink_overrides(config: PpctlConfig) -> tuple[list[str], list[str]]:
+    """The overrides that shrink ``config``'s model (resolved at the user's layout), and one line per change."""
+    model, parallel, trainer = config.model, config.parallel, config.trainer
+    hidden = model.num_heads * HEAD_DIM
+    sequence = _shortest_sequence(parallel.cp, parallel.tp if parallel.sequence_parallel else 1)
+    microbatches = trainer.global_batch_size // (trainer.micro_batch_size * parallel.dp)
+    batch = microbatches * parallel.dp
+    overrides = [f"model.hidden_size={hidden}", f"model.ffn_hidden_size={2 * hidden}", "data=synthetic",
+                 f"model.vocab_size={VOCAB}", "model.make_vocab_size_divisible_by=1", f"trainer.seq_length={sequence}",
+                 f"model.max_seq_length={sequence}", "trainer.micro_batch_size=1",
+                 f"trainer.global_batch_size={batch}"]
+    if model.head_dim is not None:
+        overrides.append(f"model.head_dim={HEAD_DIM}")
+    said = [f"hidden {model.hidden_size} -> {hidden} ({model.num_heads} heads of {HEAD_DIM}), MLP "
+            f"{model.ffn_hidden_size} -> {2 * hidden}",
+            f"vocabulary {model.vocab_size} -> {VOCAB} ids of synthetic data",
+            f"sequence {trainer.seq_length} -> {sequence} tokens, microbatch {trainer.micro_batch_size} -> 1 "
+            f"sequence, global batch {trainer.global_batch_size} -> {batch} ({microbatches} microbatches per DP rank, "
+            f"as before)",
+            f"kept: {model.num_layers} layers, the layout, schedule and every other setting"]
+    return overrides, said
+
+
+def _shortest_sequence(cp: int, sp_tp: int) -> int:
+    """The shortest sequence that CP's 2 * cp chunks and sequence parallelism's tp shares split evenly."""
+    multiple = math.lcm(2 * cp if cp > 1 else 1, cp * sp_tp)
+    return multiple * math.ceil(SHORTEST_SEQUENCE / multiple)

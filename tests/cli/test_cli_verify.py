@@ -1,0 +1,57 @@
+"""End to end: ``ppctl verify`` proves a layout equal to one process, names what differs when a parallel feature is
+broken, and refuses in one line what it cannot compare.
+
+One launch pair proves Llama 3 8B's layout at tp=2 pp=2 under zbv, shrunk (``--shrink``) to the smallest model that
+layout allows; the broken twin is a tensor-parallel run whose column-parallel input gradient is not all-reduced
+(``tests/distributed/breakers.py``, installed in every process of that verify by ``tests/cli/defects``): verify must
+exit 1 naming the grad norm. The refusals start nothing.
+"""
+
+import json
+import os
+
+import pytest
+
+from tests.cli.conftest import REPO
+
+pytestmark = [pytest.mark.cli, pytest.mark.timeout(400)]
+
+
+def _verify(ppctl, tmp_path, *args, env=None):
+    result = ppctl("verify", *args, "--steps", "2", "--json", "--out", str(tmp_path / "verify"), env=env)
+    return result, (json.loads(result.stdout) if result.stdout.strip() else None)
+
+
+def test_a_shrunk_llama3_8b_layout_is_proven_equal_to_one_process(ppctl, tmp_path):
+    result, report = _verify(ppctl, tmp_path, "model=llama3_8b", "parallel.tp=2", "parallel.pp=2", "schedule=zbv",
+                             "--shrink")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert report["equal"] and [row["quantity"] for row in report["rows"]] == [
+        "loss", "grad norm", "validation loss", "parameters"]
+    assert all(row["worst"] <= row["tolerance"] for row in report["rows"])
+    assert report["worst_parameter"]["difference"] <= report["worst_parameter"]["bound"]
+    assert report["shrunk"][0].startswith("hidden 4096 -> 256 (32 heads of 8)")
+    assert any("32 layers" in line for line in report["shrunk"])
+    for name in ("parallel", "single"):
+        assert (tmp_path / "verify" / name / "metrics.jsonl").is_file()
+
+
+def test_a_broken_tensor_parallel_reduction_makes_verify_exit_1_naming_the_grad_norm(ppctl, tmp_path):
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "cli" / "defects"), str(REPO)]),
+           "PPCTL_TEST_DEFECT": "tp_gradient_not_reduced"}
+    result, report = _verify(ppctl, tmp_path, "data=synthetic", "parallel.tp=2", "parallel.pp=1", env=env)
+    assert result.returncode == 1, result.stderr[-2000:]
+    differing = {row["quantity"] for row in report["rows"] if not row["equal"]}
+    assert "grad norm" in differing and not report["equal"]
+
+
+@pytest.mark.parametrize("args, said", [
+    (["model=llama3_8b", "data=synthetic"], "needs"),
+    (["data=synthetic", "--precision", "bf16"], "--precision bf16: choose fp64 or fp32"),
+    (["data=synthetic", "parallel.tp=3"], "parallel.tp"),
+])
+def test_what_verify_cannot_compare_is_refused_in_one_line_before_anything_starts(ppctl, tmp_path, args, said):
+    result = ppctl("verify", *args, "--out", str(tmp_path / "verify"))
+    assert result.returncode == 2 and said in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "verify").exists()
