@@ -13,7 +13,7 @@ TEST_WORKERS ?= 2
 # `test` also compiles ppctl first: the suite starts a few hundred Python processes (CLI, torchrun workers) that
 # each import it, and where PYTHONDONTWRITEBYTECODE is set none would write the bytecode the next could reuse
 # (half a second of CPU each).
-.PHONY: setup test test-fast gpu-check run smoke bench clean slurm-setup
+.PHONY: setup test test-fast gpu-check run smoke bench clean slurm-setup fuzz
 
 setup: $(STAMP)  ## create .venv and install ppctl (editable) with its test extra; quick when done
 
@@ -28,6 +28,13 @@ test: setup  ## the whole suite: unit, multi-process (gloo) and end-to-end CLI t
 
 test-fast: setup  ## unit tests only (no processes)
 	$(BIN)/python -m pytest -q tests/unit
+
+# `fuzz`: N configurations drawn at random from seed SEED, each proven equal to one process (tests/fuzz/run.py);
+# a failure prints the seed and the `ppctl verify` line that reproduces it.
+SEED ?= 0
+N ?= 20
+fuzz: setup  ## the composition fuzzer: make fuzz SEED=1 N=100
+	$(BIN)/python -m tests.fuzz.run --seed $(SEED) --count $(N)
 
 gpu-check: setup  ## on a machine with GPUs: the NCCL path against gloo (tests/gpu; prints gpt_small's bf16 MFU), then the equivalence suite under NCCL (a GPU per rank; worlds larger than the GPUs skip)
 	$(BIN)/python -m pytest -q -rs tests/gpu
