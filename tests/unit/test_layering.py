@@ -15,6 +15,7 @@ PURE = ("ppctl.parallel.layout", "ppctl.parallel.placement", "ppctl.pipeline.sch
         "ppctl.optim.lr", "ppctl.optim.loss_scale", "ppctl.config", "ppctl.checkpoint.files",
         "ppctl.run.interrupt", "ppctl.fileio", "ppctl.bench.rules", "ppctl.model.flops", "ppctl.model.recompute",
         "ppctl.model.family", "ppctl.model.hf_format", "ppctl.model.gpt.hf", "ppctl.model.llama.hf",
+        "ppctl.model.moe.shape",
         "ppctl.plan")
 # The folders are the layers. Each module's level is that of its longest listed prefix (a package covers
 # its modules, a module listed alone overrides its package); a module imports only from its level or below.
