@@ -27,7 +27,7 @@ LEVELS = {
     # 1, the pure core and torch building blocks: layout, schedules and their programs, data, TP/CP layers.
     "ppctl.parallel": 1, "ppctl.pipeline": 1, "ppctl.data": 1, "ppctl.optim.lr": 1, "ppctl.optim.loss_scale": 1,
     "ppctl.checkpoint.files": 1, "ppctl.run.interrupt": 1, "ppctl.bench.rules": 1, "ppctl.model.flops": 1,
-    "ppctl.model.recompute": 1,
+    "ppctl.model.recompute": 1, "ppctl.model.moe.shape": 1,
     # 2, what the core is configured and run with: config, the model, groups, the runtime, the optimizer.
     "ppctl.config": 2, "ppctl.model": 2, "ppctl.data.iterator": 2, "ppctl.parallel.groups": 2,
     "ppctl.pipeline.p2p": 2, "ppctl.pipeline.trace": 2, "ppctl.pipeline.runtime": 2, "ppctl.optim": 2,

@@ -3,9 +3,9 @@
 A microbatch of T tokens routed to ``topk`` experts each makes T * topk assignments, numbered token-major
 (``token * topk + slot``). The dispatch keeps the assignments the capacity allows and lists them sorted by expert
 (a stable sort: within an expert, in assignment order), so that each expert's tokens are one contiguous block of
-the routed rows. The combine puts each expert output back at its assignment (a permutation: every kept row goes
-to its own place, dropped assignments stay zero) and sums each token's outputs weighted by its routing weights.
-Both are gathers and copies to distinct rows, deterministic on every device.
+the routed rows. The combine reads each assignment's expert output back (a gather: a dropped assignment reads a row
+of zeros) and sums each token's outputs weighted by its routing weights. Both are gathers, whose backward keeps
+only their indices and adds each row's gradient where it came from, deterministic on every device.
 
 Capacity (``model.moe.capacity_factor``): an expert takes at most ``capacity`` of the microbatch's assignments;
 ``drop_policy=probs`` keeps those of the highest routing weight (ties: the earlier assignment), ``position`` the
@@ -23,11 +23,13 @@ import torch
 @dataclass
 class Dispatch:
     """Which assignments reach the experts: ``order [N]`` (int64, assignment ids sorted by expert), ``counts`` (the
-    rows of each expert, in expert order) and ``kept [T * topk]`` (bool)."""
+    rows of each expert, in expert order), ``kept [T * topk]`` (bool) and ``source [T * topk]`` (int64: each
+    assignment's routed row, ``N`` for a dropped one)."""
 
     order: torch.Tensor
     counts: tuple[int, ...]
     kept: torch.Tensor
+    source: torch.Tensor
 
 
 def plan_dispatch(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, capacity: int | None,
@@ -41,7 +43,9 @@ def plan_dispatch(experts: torch.Tensor, weights: torch.Tensor, num_experts: int
     assignments = torch.nonzero(kept).flatten()
     order = assignments[torch.argsort(chosen[assignments], stable=True)]
     counts = torch.bincount(chosen[assignments], minlength=num_experts)
-    return Dispatch(order=order, counts=tuple(counts.tolist()), kept=kept)
+    source = torch.full_like(chosen, order.numel())
+    source[order] = torch.arange(order.numel(), device=chosen.device)
+    return Dispatch(order=order, counts=tuple(counts.tolist()), kept=kept, source=source)
 
 
 def _priority(weights: torch.Tensor, drop_policy: str) -> torch.Tensor:
@@ -71,6 +75,7 @@ def unpermute_and_combine(expert_rows: torch.Tensor, dispatch: Dispatch, weights
     """Each token's experts' outputs weighted by ``weights [T, topk]`` and summed, ``[T, hidden]`` (dropped
     assignments add nothing)."""
     tokens, topk = weights.shape
-    placed = expert_rows.new_zeros(tokens * topk, expert_rows.shape[-1]).index_copy(0, dispatch.order, expert_rows)
+    padded = torch.cat([expert_rows, expert_rows.new_zeros(1, expert_rows.shape[-1])])
+    placed = padded[dispatch.source]
     weighted = placed.view(tokens, topk, -1) * weights.to(expert_rows.dtype).unsqueeze(-1)
     return weighted.sum(dim=1)
