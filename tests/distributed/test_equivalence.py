@@ -46,16 +46,23 @@ def test_tp4_with_pipeline_rotary_tied_and_masked_loss():
 PP2 = ["parallel.pp=2", "parallel.dp=1"]
 
 
+# GPT's GELU experts with biases, a capacity that drops tokens (in microbatch order), every layer recomputed.
+GPT_EXPERTS = ["model.moe.num_experts=4", "model.moe.topk=2", "model.moe.capacity_factor=1.0",
+               "model.moe.drop_policy=position", "model.moe.aux_loss_coeff=0.01"]
+
+
+# Three single-process references serve every mixture run (and the twins'): Mixtral's routing in float64,
+# DeepSeek's in float32, GPT's experts in float64.
 @pytest.mark.nccl
 @pytest.mark.timeout(300)
 def test_mixtures_of_experts_at_pp2_match_single_process():
     """Router losses added on whichever stage holds the layer, and the expert bias moved alike, under 1F1B,
     interleaved 1F1B, DualPipeV, ZB-V (a split backward) and full recomputation."""
     runs = [BASE + MIXTRAL + PP2 + ["schedule=1f1b"] + FP64,
-            BASE + MIXTRAL + PP2 + ["parallel.vpp=2", "schedule=interleaved_1f1b"],
-            BASE + MIXTRAL + PP2 + ["schedule=dualpipev"],
-            BASE + DEEPSEEK + PP2 + ["schedule=zbv"] + FP64,
-            BASE + DEEPSEEK + PP2 + ["schedule=1f1b", "model.recompute=full"]]
+            BASE + MIXTRAL + PP2 + ["schedule=dualpipev"] + FP64,
+            BASE + DEEPSEEK + PP2 + ["parallel.vpp=2", "schedule=interleaved_1f1b"],
+            BASE + DEEPSEEK + PP2 + ["schedule=zbv"],
+            BASE + GPT_EXPERTS + PP2 + ["schedule=1f1b", "model.recompute=full"] + FP64]
     assert_equivalent(runs, world_size=2)
 
 

@@ -21,8 +21,10 @@ from ppctl.model.moe.experts import GeluExperts, SwiGLUExperts
 from ppctl.model.moe.layer import MoEMLP
 from ppctl.model.moe.router import balancing_loss, route, z_loss
 from ppctl.model.moe.shape import MoEShape
+from ppctl.model.moe.statistics import routing_statistics, routing_table, update_expert_biases
 from ppctl.parallel.tensor_parallel import TPGroup
 from ppctl.pipeline.stage import PipelineStage, StageIO, TensorSpec
+from ppctl.run.logging import routing_scalars
 
 HIDDEN, FFN, EXPERTS, TOPK = 8, 6, 4, 2
 BATCH, SEQ = 2, 6
@@ -290,3 +292,35 @@ def test_split_backward_equals_whole_backward_bitwise(kind, recompute):
     assert torch.equal(split_input, whole_input)
     for name, grad in whole.items():
         assert grad is not None and torch.equal(split[name], grad), name
+
+
+def test_summed_tables_give_the_steps_statistics_and_move_every_copy_alike():
+    """Two ranks' tables (each one microbatch of the layer) summed: the global load, the mean losses, the imbalance
+    the logger writes; every copy of the layer then moves its bias by the global load."""
+    shape = shape_of(router_score="sigmoid", expert_bias=True, expert_bias_update_rate=0.01, **LOSSES)
+    copies = [built_layer("gelu", shape), built_layer("gelu", shape)]
+    chunks = []
+    for seed, layer in enumerate(copies):
+        chunk = torch.nn.Module()
+        chunk.layers = torch.nn.ModuleDict({"3": torch.nn.Module()})
+        chunk.layers["3"].mlp = layer
+        layer(draw(BATCH, SEQ, HIDDEN, seed=seed).requires_grad_()).sum().backward()
+        chunks.append(chunk)
+    loads = [copy.record.load.clone() for copy in copies]
+    balancing = [float(copy.record.balancing) for copy in copies]
+    table = sum(routing_table([chunk], [1, 3], EXPERTS, "cpu") for chunk in chunks)
+    statistics = routing_statistics(table, [1, 3])
+    total = (loads[0] + loads[1]).tolist()
+    assert statistics.load_of(3) == tuple(total) and statistics.load_of(1) == (0,) * EXPERTS
+    assert statistics.layers[1].balancing == pytest.approx(sum(balancing) / 2, rel=1e-14)
+    assert statistics.imbalance == pytest.approx(max(total) / (sum(total) / EXPERTS))
+    scalars = routing_scalars(statistics)
+    assert scalars["moe/load_imbalance/layer_3"] == statistics.imbalance and "moe/balancing_loss" in scalars
+    before = [copy.router.expert_bias.clone() for copy in copies]
+    update_expert_biases(chunks, statistics)
+    mean = sum(total) / EXPERTS
+    step = torch.tensor([0.01 * math.copysign(1, mean - load) if load != mean else 0.0 for load in total],
+                        dtype=torch.float64)
+    for copy, old in zip(copies, before):
+        torch.testing.assert_close(copy.router.expert_bias - old, step, **TIGHT)
+        assert copy.take_record().microbatches == 0  # the table took the records

@@ -91,7 +91,8 @@ class LlamaChunk(DecoderChunk):
         """Experts as SwiGLU MLPs (Mixtral's); the shared experts as one dense SwiGLU MLP."""
         config, moe = self.config, self.config.moe
         experts = SwiGLUExperts(moe.num_experts, config.hidden_size, moe.expert_ffn_hidden_size, dtype)
-        shared = SwiGLUMLP(config.hidden_size, moe.shared_ffn_hidden_size, self.tp, dtype) if moe.shared_experts else None
+        shared = (SwiGLUMLP(config.hidden_size, moe.shared_ffn_hidden_size, self.tp, dtype)
+                  if moe.shared_experts else None)
         return MoEMLP(config.hidden_size, moe, experts, shared, dtype)
 
     def make_final_norm(self, dtype: torch.dtype) -> nn.Module:
