@@ -93,6 +93,37 @@ class LinearOp(SplitOp):
         return grad_weight, grad_bias
 
 
+@dataclass(frozen=True)
+class GroupedLinearOp(SplitOp):
+    """One linear per group of rows (a mixture's experts): rows ``[start_g, start_g + counts[g])`` of the input go
+    through ``weight[g]`` (``[groups, out, in]``) and ``bias[g]``. dX and dW per group as ``LinearOp``'s; dW is
+    ``[groups, out, in]``, a group without rows gets zeros."""
+
+    counts: tuple[int, ...]
+
+    def forward(self, inputs, weights):
+        """Each group's rows through its own weight, concatenated; keeps X for dW."""
+        weight, bias = weights
+        blocks = inputs.split(self.counts)
+        outputs = [F.linear(block, weight[group], None if bias is None else bias[group])
+                   for group, block in enumerate(blocks)]
+        return torch.cat(outputs), (inputs,)
+
+    def input_grad(self, grad_output, saved, weights):
+        """dX = dY_g W_g for each group's rows."""
+        return torch.cat([grad.matmul(weights[0][group])
+                          for group, grad in enumerate(grad_output.split(self.counts))])
+
+    def weight_grads(self, grad_output, saved, weights, wanted):
+        """dW_g = dY_g^T X_g and db_g = dY_g summed over the group's rows."""
+        (inputs,), (weight, bias) = saved, weights
+        grads, blocks = grad_output.split(self.counts), inputs.split(self.counts)
+        grad_weight = (torch.stack([grad.t().mm(block) for grad, block in zip(grads, blocks)]).to(weight.dtype)
+                       if wanted[0] else None)
+        grad_bias = torch.stack([grad.sum(dim=0) for grad in grads]).to(bias.dtype) if wanted[1] else None
+        return grad_weight, grad_bias
+
+
 class BiasAddOp(SplitOp):
     """``inputs + bias`` (a row-parallel layer's bias, added after its partial outputs are summed).
 
@@ -280,6 +311,17 @@ def linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if store is None:
         return F.linear(inputs, weight, bias)
     return split_op(LinearOp(), inputs, (weight, bias), store)
+
+
+def grouped_linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counts: Sequence[int],
+                   store: "WeightGradStore | None") -> torch.Tensor:
+    """Rows in groups of ``counts`` through ``weight[g]`` and ``bias[g]`` (``GroupedLinearOp``); with a store the
+    weight gradients wait for W (without one, the same linears as PyTorch's own ops)."""
+    if store is None:
+        blocks = inputs.split(list(counts))
+        return torch.cat([F.linear(block, weight[group], None if bias is None else bias[group])
+                          for group, block in enumerate(blocks)])
+    return split_op(GroupedLinearOp(tuple(counts)), inputs, (weight, bias), store)
 
 
 def add_bias(inputs: torch.Tensor, bias: torch.Tensor, store: "WeightGradStore | None") -> torch.Tensor:

@@ -89,6 +89,9 @@ def export_checkpoint(checkpoint: Path, config: PpctlConfig, out_dir: Path,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
     """Write the HF folder of ``checkpoint`` (saved by a run of ``config``) into ``out_dir``; return the notes."""
     refuse_occupied(out_dir)
+    if config.model.moe.num_experts:
+        raise ExportError(f"{checkpoint}: model.moe.num_experts={config.model.moe.num_experts}: ppctl export writes "
+                          f"dense models only (Mixtral's format comes with issue 45's later parts)")
     try:
         hf = hf_format_of(family_of(config))
         model = model_shape(config)

@@ -29,13 +29,13 @@ from ppctl.config.compose import PACKAGE_CONF_DIR, compose_config, load_config_f
 from ppctl.config.derived import (fill_unset, message_seq_length, nproc_per_node, num_microbatches, padded_vocab_size,
                                   parse_endpoint, schedule_spec, tokenizer_vocab_size)
 from ppctl.config.reference import config_reference, config_reference_table, render_default
-from ppctl.config.schema import (SCHEMA_GROUPS, ConfigError, DataConfig, LauncherConfig, ModelConfig,
+from ppctl.config.schema import (SCHEMA_GROUPS, ConfigError, DataConfig, LauncherConfig, ModelConfig, MoEConfig,
                                  OptimizerConfig, ParallelConfig, PpctlConfig, ScheduleConfig, SlurmConfig,
                                  TrainerConfig, freeze, setting)
 from ppctl.config.validate import DerivedSizes, parse_fault, validate, validate_data
 
 __all__ = [
-    "ConfigError", "DataConfig", "DerivedSizes", "LauncherConfig", "ModelConfig", "OptimizerConfig",
+    "ConfigError", "DataConfig", "DerivedSizes", "LauncherConfig", "ModelConfig", "MoEConfig", "OptimizerConfig",
     "PACKAGE_CONF_DIR", "ParallelConfig", "PpctlConfig", "SCHEMA_GROUPS", "ScheduleConfig", "SlurmConfig",
     "TrainerConfig", "compose_config", "fill_unset", "config_reference", "config_reference_table",
     "freeze", "load_config_file", "message_seq_length", "nproc_per_node", "num_microbatches",

@@ -26,6 +26,8 @@ PRECISIONS = ("fp32", "fp64", "bf16", "fp16")
 DATA_SOURCES = ("python_stdlib", "text", "synthetic")
 BACKENDS = ("auto", "gloo", "nccl")
 BALANCE_MODES = ("even", "auto")  # parallel.balance (ppctl.plan.balance)
+ROUTER_SCORES = ("softmax", "sigmoid")  # model.moe.router_score (ppctl.model.moe.router)
+DROP_POLICIES = ("probs", "position")  # model.moe.drop_policy
 LAUNCHERS = ("local", "slurm")  # launcher.kind: ppctl train starts the workers, or ppctl submit hands a job to Slurm
 SYNTHETIC_VOCAB_SIZE = 257  # synthetic data's default vocabulary: the byte tokenizer's
 
@@ -66,6 +68,45 @@ def setting(default: Any, doc: str) -> Any:
     """A schema field with its default and its one-line meaning (``metadata["doc"]``, shown in
     docs/configuration.md)."""
     return field(default=default, metadata={"doc": doc})
+
+
+@dataclass
+class MoEConfig(Section):
+    """Mixture of experts (``model.moe``, Megatron-Core's ``--num-experts`` and ``--moe-*``): which layers' MLP is a
+    routed set of experts, and how tokens are routed (see docs/models.md)."""
+
+    num_experts: int = setting(0, "routed experts of each MoE layer; 0: a dense model (every other `model.moe` key "
+                                  "unread)")
+    topk: int = setting(2, "experts each token is routed to (1 <= topk <= num_experts)")
+    expert_ffn_hidden_size: Optional[int] = setting(
+        None, "inner width of one expert's MLP (and of one shared expert); unset: `model.ffn_hidden_size`")
+    layer_freq: int = setting(
+        1, "every `layer_freq`-th layer after the first `first_dense_layers` is an MoE layer (1: all of them)")
+    first_dense_layers: int = setting(0, "the first layers keep a dense MLP (DeepSeek's first_k_dense_replace)")
+    shared_experts: int = setting(
+        0, "experts every token goes through besides its routed ones, run as one MLP of width "
+        "`shared_experts * expert_ffn_hidden_size` (DeepSeek's n_shared_experts)")
+    router_score: str = setting(
+        "softmax", "the router's scores of its logits: `softmax` (over the experts, Mixtral) or `sigmoid` (each "
+        "expert alone, DeepSeek-V3)")
+    router_topk_norm: bool = setting(
+        False, "divide each token's top-k scores by their sum before weighing the experts' outputs (Mixtral's "
+        "softmax over the chosen ones, DeepSeek-V3's sigmoid router)")
+    aux_loss_coeff: float = setting(
+        0.0, "weight of the load-balancing loss, num_experts * sum_i f_i * P_i per microbatch (Switch/GShard)")
+    z_loss_coeff: float = setting(0.0, "weight of the router z-loss, the mean of logsumexp(logits)^2 per microbatch")
+    expert_bias: bool = setting(
+        False, "aux-loss-free load balancing (DeepSeek-V3): a per-expert bias added to the scores for the top-k "
+        "choice only, moved after each step by `expert_bias_update_rate` towards the mean load; saved in "
+        "checkpoints, not trained")
+    expert_bias_update_rate: float = setting(
+        1e-3, "with `expert_bias`: the step of each update, bias += rate * sign(mean load - expert's load)")
+    capacity_factor: Optional[float] = setting(
+        None, "each expert takes at most ceil(capacity_factor * tokens * topk / num_experts) of a microbatch's "
+        "tokens, the rest dropped by `drop_policy`; unset: dropless")
+    drop_policy: str = setting(
+        "probs", "with `capacity_factor`: which of an expert's tokens it keeps, those of the highest routing "
+        "weight (`probs`) or the first in the microbatch (`position`)")
 
 
 @dataclass
@@ -124,6 +165,7 @@ class ModelConfig(Section):
         "first `recompute_num_layers` layers of each chunk, one by one)")
     recompute_num_layers: int = setting(1, "with `recompute=full`: layers per group (`uniform`) or recomputed "
                                            "layers per chunk (`block`)")
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ppctl.config.derived import (configured_schedule, layout_of, nproc_per_node, num_microbatches,
                                   padded_vocab_size, parse_endpoint, pipeline_layout_of, schedule_spec,
                                   tokenizer_vocab_size)
-from ppctl.config.schema import (ACTIVATIONS, BACKENDS, BALANCE_MODES, DATA_SOURCES, LAUNCHERS, POSITION_EMBEDDINGS,
-                                 PRECISIONS, RECOMPUTE_METHODS, RECOMPUTE_MODES, ConfigError, PpctlConfig, require)
+from ppctl.config.schema import (ACTIVATIONS, BACKENDS, BALANCE_MODES, DATA_SOURCES, DROP_POLICIES, LAUNCHERS,
+                                 POSITION_EMBEDDINGS, PRECISIONS, RECOMPUTE_METHODS, RECOMPUTE_MODES, ROUTER_SCORES,
+                                 ConfigError, MoEConfig, PpctlConfig, require)
 from ppctl.model.family import model_family
 from ppctl.model.hf_format import init_from_problem
 from ppctl.optim.lr import DECAY_STYLES
@@ -231,6 +232,7 @@ def _check_model(config: PpctlConfig) -> None:
     )
     _check_recompute(config)
     _check_context_parallel_attention(config)
+    _check_moe(config)
 
 
 def _check_recompute(config: PpctlConfig) -> None:
@@ -241,6 +243,54 @@ def _check_recompute(config: PpctlConfig) -> None:
     require(model.recompute_method in RECOMPUTE_METHODS,
             f"model.recompute_method={model.recompute_method!r} must be one of {', '.join(RECOMPUTE_METHODS)}")
     require(model.recompute_num_layers >= 1, f"model.recompute_num_layers={model.recompute_num_layers} must be >= 1")
+
+
+def _check_moe(config: PpctlConfig) -> None:
+    """``model.moe``: its keys only with experts, each within its range, and no layout MoE cannot run yet."""
+    moe, num_layers = config.model.moe, config.model.num_layers
+    require(moe.num_experts >= 0, f"model.moe.num_experts={moe.num_experts} must be >= 0 (0: a dense model)")
+    if moe.num_experts == 0:
+        for item in fields(MoEConfig):
+            value = getattr(moe, item.name)
+            require(item.name == "num_experts" or value == item.default,
+                    f"model.moe.{item.name}={value} is read only with experts: set model.moe.num_experts > 0")
+        return
+    require(1 <= moe.topk <= moe.num_experts,
+            f"model.moe.topk={moe.topk} must be between 1 and model.moe.num_experts={moe.num_experts}")
+    require(moe.expert_ffn_hidden_size is None or moe.expert_ffn_hidden_size >= 1,
+            f"model.moe.expert_ffn_hidden_size={moe.expert_ffn_hidden_size} must be a positive integer, or unset")
+    require(moe.layer_freq >= 1, f"model.moe.layer_freq={moe.layer_freq} must be a positive integer")
+    require(0 <= moe.first_dense_layers < num_layers,
+            f"model.moe.first_dense_layers={moe.first_dense_layers} must be in 0..model.num_layers-1={num_layers - 1} "
+            f"(at least one MoE layer)")
+    require(moe.shared_experts >= 0, f"model.moe.shared_experts={moe.shared_experts} must be >= 0")
+    require(moe.router_score in ROUTER_SCORES,
+            f"model.moe.router_score={moe.router_score!r} must be one of {', '.join(ROUTER_SCORES)}")
+    for name in ("aux_loss_coeff", "z_loss_coeff"):
+        require(getattr(moe, name) >= 0, f"model.moe.{name}={getattr(moe, name)} must be >= 0")
+    require(moe.expert_bias_update_rate > 0,
+            f"model.moe.expert_bias_update_rate={moe.expert_bias_update_rate} must be positive")
+    require(moe.capacity_factor is None or moe.capacity_factor > 0,
+            f"model.moe.capacity_factor={moe.capacity_factor} must be positive, or unset (dropless)")
+    require(moe.drop_policy in DROP_POLICIES,
+            f"model.moe.drop_policy={moe.drop_policy!r} must be one of {', '.join(DROP_POLICIES)}")
+    _check_moe_layout(config)
+
+
+def _check_moe_layout(config: PpctlConfig) -> None:
+    """What MoE does not run with yet: TP, CP, SP (their token statistics reduce with expert parallelism), a stream of
+    steps (its per-step routing statistics reduce over every rank), a Hugging Face folder to start from."""
+    parallel, experts = config.parallel, f"model.moe.num_experts={config.model.moe.num_experts}"
+    for name, value, single in (("tp", parallel.tp, 1), ("cp", parallel.cp, 1),
+                                ("sequence_parallel", parallel.sequence_parallel, False)):
+        require(value == single, f"parallel.{name}={value} with {experts}: MoE runs at tp=1 cp=1 until expert "
+                                 f"parallelism lands (issue 45)")
+    require(not schedule_spec(config).streams_steps,
+            f"schedule {config.schedule.name} streams steps with no barrier between them, but {experts} reduces its "
+            f"routing statistics (expert load, bias) over every rank after each step; choose another schedule")
+    require(not config.model.init_from,
+            f"model.init_from with {experts}: ppctl reads dense Hugging Face checkpoints only (Mixtral import comes "
+            f"with issue 45's later parts)")
 
 
 def _check_context_parallel_attention(config: PpctlConfig) -> None:

@@ -145,8 +145,9 @@ def run_tokenizer(config, index: dict, run_dir: Path) -> Tokenizer:
 
 @torch.no_grad()
 def load_dense_model(chunk: torch.nn.Module, dense: dict[str, torch.Tensor], checkpoint: Path) -> None:
-    """Fill every parameter of a whole-model chunk from a checkpoint's dense tensors (a tied output layer reads the
-    word embedding; vocabulary rows beyond the checkpoint's, TP padding, are zero)."""
+    """Fill every parameter (and saved buffer: a mixture's expert biases) of a whole-model chunk from a checkpoint's
+    dense tensors (a tied output layer reads the word embedding; vocabulary rows beyond the checkpoint's, TP padding,
+    are zero)."""
     for name, param in chunk.named_parameters():
         rule = rule_of(param)
         stored = dense.get(rule.tied_to or name)
@@ -159,6 +160,9 @@ def load_dense_model(chunk: torch.nn.Module, dense: dict[str, torch.Tensor], che
                                 f"config.yaml gives {list(target.shape)}")
         param.zero_()
         target.copy_(stored)
+    for name, buffer in chunk.named_buffers():
+        if name in dense:  # a mixture's expert biases: saved like parameters, never trained
+            buffer.copy_(dense[name])
 
 
 # --- a Hugging Face folder ---------------------------------------------------------------------------------------

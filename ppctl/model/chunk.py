@@ -46,7 +46,8 @@ class DecoderChunk(DefersWeightGrads, nn.Module):
     W: a stage hands them its store (``ppctl.autograd.weight_grad.attach_weight_grad_store``).
     ``recompute``: which of its layers run their forward again in the backward
     (``ppctl.model.recompute``; the same numbers, less memory). ``config`` is the family's
-    shape (``num_layers``, ``hidden_size``, ``padded_vocab_size``, ``vocab_size``, ``tie_embeddings``).
+    shape (``num_layers``, ``hidden_size``, ``padded_vocab_size``, ``vocab_size``, ``tie_embeddings``, and ``moe``: the
+    ``MoEShape`` that makes some layers' MLP routed experts, or None).
     """
 
     def __init__(self, config, layer_ids: Sequence[int], pre_process: bool, post_process: bool,
@@ -62,7 +63,8 @@ class DecoderChunk(DefersWeightGrads, nn.Module):
 
         if pre_process:
             self.embedding = self.make_embedding(dtype)
-        self.layers = nn.ModuleDict({str(layer_id): self.make_layer(dtype, recompute.attention_core)
+        self.layers = nn.ModuleDict({str(layer_id): self.make_layer(dtype, recompute.attention_core,
+                                                                    self._moe_mlp_of(layer_id, dtype))
                                      for layer_id in self.layer_ids})
         if post_process:
             self.final_norm = self.make_final_norm(dtype)
@@ -84,8 +86,12 @@ class DecoderChunk(DefersWeightGrads, nn.Module):
         """The embedding: a module with a vocab-parallel ``word`` table, called as ``(token_ids, position_ids)``."""
         raise NotImplementedError
 
-    def make_layer(self, dtype: torch.dtype, recompute_attention_core: bool) -> nn.Module:
-        """One decoder layer, called as ``(hidden, rotary)``."""
+    def make_layer(self, dtype: torch.dtype, recompute_attention_core: bool, mlp: nn.Module | None) -> nn.Module:
+        """One decoder layer, called as ``(hidden, rotary)``; ``mlp``: its MLP when not the family's dense one."""
+        raise NotImplementedError
+
+    def make_moe_mlp(self, dtype: torch.dtype) -> nn.Module:
+        """An MoE layer's MLP (``ppctl.model.moe.layer.MoEMLP``) with the family's experts and shared experts."""
         raise NotImplementedError
 
     def make_final_norm(self, dtype: torch.dtype) -> nn.Module:
@@ -106,6 +112,11 @@ class DecoderChunk(DefersWeightGrads, nn.Module):
         raise NotImplementedError
 
     # --- shared ------------------------------------------------------------------------------------
+
+    def _moe_mlp_of(self, layer_id: int, dtype: torch.dtype) -> nn.Module | None:
+        """The MoE MLP of layer ``layer_id`` when the shape's ``moe`` makes it an MoE layer, else None (dense)."""
+        moe = getattr(self.config, "moe", None)
+        return self.make_moe_mlp(dtype) if moe is not None and moe.is_moe_layer(layer_id) else None
 
     def reset_parameters(self, seed: int) -> None:
         """Fill every parameter with this TP rank's slice of its layout-independent dense value."""

@@ -145,17 +145,18 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm transformer layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm transformer layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; ``mlp``: another MLP than the
+    dense one (an MoE layer's)."""
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, norm_epsilon: float,
                  tp: TPGroup, dtype: torch.dtype, cp: CPGroup | None = None, recompute_attention_core: bool = False,
-                 gelu_approximate: str = "none", qkv_bias: bool = False):
+                 gelu_approximate: str = "none", qkv_bias: bool = False, mlp: nn.Module | None = None):
         super().__init__()
         self.attn_norm = LayerNorm(hidden_size, eps=norm_epsilon, dtype=dtype)
         self.attention = CausalSelfAttention(hidden_size, num_heads, tp, dtype, cp, recompute_attention_core,
                                              qkv_bias)
         self.mlp_norm = LayerNorm(hidden_size, eps=norm_epsilon, dtype=dtype)
-        self.mlp = MLP(hidden_size, ffn_hidden_size, tp, dtype, gelu_approximate)
+        self.mlp = mlp if mlp is not None else MLP(hidden_size, ffn_hidden_size, tp, dtype, gelu_approximate)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
                 cache: LayerCache | None = None) -> torch.Tensor:

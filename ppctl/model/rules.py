@@ -36,7 +36,10 @@ class ParameterRule:
     num_layers)), for projections into the residual stream), ``qkv_normal`` (q, k, v generated
     separately), ``ones`` or ``zeros``. ``tied_to``: the parameter it is a copy of (a tied output layer
     is the word embedding): it starts equal to it and is saved under its name. ``embedding``: a lookup or
-    output table (no weight decay unless ``optimizer.decay_embeddings``).
+    output table (no weight decay unless ``optimizer.decay_embeddings``). ``experts``: dim 0 is a mixture's
+    expert dimension (``ppctl.model.moe``): expert parallelism will split it over the EP ranks and reduce its
+    gradient over the expert-data-parallel group; without it (ep=1) every rank holds every expert and the
+    gradient reduces over data parallelism like a dense weight's.
     """
 
     split: str
@@ -44,6 +47,7 @@ class ParameterRule:
     vocab_rows: bool = False  # dim 0 is the (padded) vocabulary
     tied_to: str | None = None
     embedding: bool = False
+    experts: bool = False
 
     @property
     def tp_replicated(self) -> bool:

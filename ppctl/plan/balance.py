@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
 from ppctl.config.schema import ConfigError
@@ -179,12 +179,20 @@ def _unfit_message(num_layers: int, placement: Placement, limit_gb: float,
 # --- from a config ----------------------------------------------------------------------------
 
 def config_part_costs(config) -> PartCosts:
-    """The ``PartCosts`` of a ``PpctlConfig``'s model at its training sequence length and padded vocabulary."""
+    """The ``PartCosts`` of a ``PpctlConfig``'s model at its training sequence length and padded vocabulary; with
+    experts, a layer costs the mean of the model's layers (the dense ones and the MoE ones weighed alike)."""
     from ppctl.plan.memory import model_shape
 
     shape = model_shape(config)
-    return part_costs(shape.hidden, shape.ffn, config.trainer.seq_length, shape.padded_vocab, shape.attention_width,
-                      shape.kv_width, shape.gated_mlp)
+    costs = part_costs(shape.hidden, shape.ffn, config.trainer.seq_length, shape.padded_vocab, shape.attention_width,
+                       shape.kv_width, shape.gated_mlp)
+    if shape.moe is None:
+        return costs
+    layers = config.model.num_layers
+    total = forward_flops_per_token(layers, shape.hidden, shape.ffn, config.trainer.seq_length, 0,
+                                    shape.attention_width, shape.kv_width, shape.gated_mlp, shape.moe,
+                                    len(shape.moe.layer_ids(layers)))
+    return replace(costs, layer=int(total / layers))
 
 
 @dataclass(frozen=True)

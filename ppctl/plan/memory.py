@@ -25,6 +25,14 @@ Per rank, for its model chunks (``ppctl.parallel.layout.layer_map``) on one TP r
   being received) and the backward's working memory for one microbatch (the gradients of
   the largest layer's tensors, or of the logits on the last stage).
 
+A mixture of experts (``ModelShape.moe``): an MoE layer holds every expert's parameters (their gradients and
+optimizer state with them: at ep=1 every rank that holds the layer holds all its experts), its router and its
+shared experts, exactly as built. Its activations are approximate: per microbatch of T tokens it keeps the routed
+rows (T * topk of them dropless, at most num_experts * capacity with a capacity factor) at the input of the experts
+and after them, each expert MLP's inner activations for its rows, the shared experts' as a dense MLP's, and the
+router's float32 scores over the experts (a few T x num_experts tensors); a chunk's recomputed groups are weighed at
+its mean layer. The split backward's stash counts the router's and the experts' inputs and output gradients alike.
+
 Knowingly left out: the allocator's fragmentation and caching, kernel workspaces
 (cuBLAS, flash attention), CUDA context, and the communication libraries' buffers; the
 s x s attention probabilities of a non-fused attention kernel (ppctl attends through
@@ -39,6 +47,7 @@ from itertools import accumulate, compress, repeat
 from operator import ge, itemgetter
 from typing import Iterable, Sequence
 
+from ppctl.model.moe.shape import MoEShape, moe_shape_of
 from ppctl.model.recompute import Recompute
 
 DTYPE_BYTES = {"fp32": 4, "fp64": 8, "bf16": 2, "fp16": 2}
@@ -77,7 +86,8 @@ class MemoryParts:
 class ModelShape:
     """What the memory of a model depends on (``model.*`` with the vocabulary padded for TP, and its family's
     ``Architecture``: norms with a shift, a gated MLP, linear biases, a fused QKV). ``kv_heads`` and ``head_dim``
-    default to ``heads`` and ``hidden / heads``; ``vocab`` (the real vocabulary) to ``padded_vocab``."""
+    default to ``heads`` and ``hidden / heads``; ``vocab`` (the real vocabulary) to ``padded_vocab``; ``moe``: the
+    experts of the MoE layers, None for a dense model."""
 
     hidden: int
     heads: int
@@ -95,6 +105,7 @@ class ModelShape:
     fused_qkv: bool = True
     qkv_bias: bool = False
     vocab: int | None = None
+    moe: MoEShape | None = None
 
     @property
     def attention_width(self) -> int:
@@ -131,12 +142,14 @@ class Parallelism:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One model chunk of a rank: its global stage, transformer layers, and the embedding / loss it holds."""
+    """One model chunk of a rank: its global stage, transformer layers (``moe_layers`` of them MoE layers), and the
+    embedding / loss it holds."""
 
     stage: int
     layers: int
     pre_process: bool
     post_process: bool
+    moe_layers: int = 0  # how many of its layers are MoE layers
 
 
 # --- parameters, gradients, optimizer state ------------------------------------------------
@@ -151,9 +164,28 @@ def layer_parameters(shape: ModelShape, tp: int) -> int:
     return 2 * shape.norm_parameters + split // tp + (2 * h if shape.linear_biases else 0)
 
 
+def mlp_parameters(shape: ModelShape, ffn: int, tp: int) -> int:
+    """A dense MLP of ``ffn`` features on one TP rank: its matrices (two, or three gated) and column-parallel bias
+    split, its row-parallel bias whole."""
+    h = shape.hidden
+    split = (3 if shape.gated_mlp else 2) * h * ffn + (ffn if shape.linear_biases else 0)
+    return split // tp + (h if shape.linear_biases else 0)
+
+
+def moe_layer_parameters(shape: ModelShape, tp: int) -> int:
+    """One MoE layer's parameters on one TP rank: the dense layer's without its MLP, the router, every expert's MLP
+    (whole: experts run at tp=1) and the shared experts' MLP."""
+    moe = shape.moe
+    shared = mlp_parameters(shape, moe.shared_ffn_hidden_size, tp) if moe.shared_experts else 0
+    experts = moe.num_experts * (shape.hidden + mlp_parameters(shape, moe.expert_ffn_hidden_size, 1))
+    return layer_parameters(shape, tp) - mlp_parameters(shape, shape.ffn, tp) + experts + shared
+
+
 def chunk_parameters(shape: ModelShape, chunk: Chunk, tp: int) -> int:
     """Parameters of one chunk on one TP rank."""
-    count = chunk.layers * layer_parameters(shape, tp)
+    count = (chunk.layers - chunk.moe_layers) * layer_parameters(shape, tp)
+    if chunk.moe_layers:
+        count += chunk.moe_layers * moe_layer_parameters(shape, tp)
     if chunk.pre_process:
         count += shape.padded_vocab * shape.hidden // tp
         count += shape.max_seq_length * shape.hidden if shape.learned_positions else 0
@@ -185,7 +217,7 @@ class Tokens:
 
 
 def layer_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallelism,
-                           attention_core: bool = True, in_backward: bool = False) -> int:
+                           attention_core: bool = True, in_backward: bool = False, moe_layer: bool = False) -> int:
     """What one transformer layer keeps for its backward, per microbatch, on one TP rank.
 
     In units of b*s*h (b sequences of s tokens, hidden h) in the model's dtype: the layer's
@@ -204,7 +236,8 @@ def layer_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallel
     ``in_backward``: the gradients of these tensors while the layer's backward runs, where a gated MLP's four
     activations have about two gradients alive at once (the product's, then an operand's; measured: counting
     three over-predicts a rank holding one microbatch by 8%, two by 4%), and the gathered inputs' copies have one
-    gradient per block (each copy's is summed into the gathered input's as it comes).
+    gradient per block (each copy's is summed into the gathered input's as it comes). ``moe_layer``: its MLP is
+    ``shape.moe``'s experts (``moe_mlp_activation_bytes``).
     """
     b, s, h, f, t = tokens.batch, tokens.seq, shape.hidden, shape.ffn, parallel.tp
     a, k = shape.attention_width, shape.kv_width
@@ -224,11 +257,36 @@ def layer_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallel
     else:
         attention = 4 * b * s * a / t  # queries, repeated keys and values, output
         gathered_width = a
-    mlp = ((2 if in_backward else 4) if shape.gated_mlp else 2) * b * s * f / t
+    mlp = 0 if moe_layer else mlp_activation_units(shape, b * s, f, in_backward) / t
     cp_gathers = parallel.cp > 1 and parallel.cp_comm == "allgather"
     gathered = 2 * b * s * gathered_width * (parallel.cp - 1) / t if cp_gathers else 0
     log_sum_exp = wide * b * s * shape.heads / t if attention_core else 0
-    return round(e * (whole + units + attention + mlp + gathered) + statistics + log_sum_exp)
+    experts = moe_mlp_activation_bytes(shape, tokens, parallel, in_backward) if moe_layer else 0
+    return round(e * (whole + units + attention + mlp + gathered) + statistics + log_sum_exp) + experts
+
+
+def mlp_activation_units(shape: ModelShape, rows: int, ffn: int, in_backward: bool = False) -> float:
+    """The elements a dense MLP of ``ffn`` features keeps for ``rows`` tokens beyond its input: the up projection's
+    output and GELU's, or SwiGLU's gate, up, SiLU and product (about two of them alive in its backward)."""
+    return ((2 if in_backward else 4) if shape.gated_mlp else 2) * rows * ffn
+
+
+def moe_mlp_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallelism,
+                             in_backward: bool = False) -> int:
+    """What an MoE MLP keeps for one microbatch (approximate; the module docstring): the routed rows at the experts'
+    input and the placed outputs before the weighted sum (model dtype), the experts' and the shared experts' inner
+    activations, the router's scores, probabilities and chosen weights (float32 or wider) and the int64 ids that
+    sort and place the rows."""
+    moe, e, wide = shape.moe, DTYPE_BYTES[parallel.precision], float_bytes(parallel.precision)
+    token_count, assignments = tokens.batch * tokens.seq, tokens.batch * tokens.seq * moe.topk
+    capacity = moe.capacity(token_count)
+    rows = assignments if capacity is None else min(assignments, moe.num_experts * capacity)
+    elements = (rows + assignments) * shape.hidden + assignments
+    elements += mlp_activation_units(shape, rows, moe.expert_ffn_hidden_size, in_backward)
+    if moe.shared_experts:
+        elements += mlp_activation_units(shape, token_count, moe.shared_ffn_hidden_size, in_backward)
+    router = wide * (3 * token_count * moe.num_experts + 2 * assignments)
+    return round(e * elements + router + INDEX_BYTES * (rows + 2 * assignments))
 
 
 def keeps_rms_units(shape: ModelShape, parallel: Parallelism) -> bool:
@@ -289,7 +347,7 @@ def recompute_groups(layers: int, parallel: Parallelism) -> list[tuple[int, bool
 
 def chunk_activation_bytes(shape: ModelShape, chunk: Chunk, tokens: Tokens, parallel: Parallelism) -> tuple[int, int]:
     """(kept per microbatch in flight, extra while its backward rebuilds the largest recomputed group)."""
-    per_layer = layer_activation_bytes(shape, tokens, parallel, attention_core=parallel.recompute != "selective")
+    per_layer = mean_layer_activation_bytes(shape, chunk, tokens, parallel)
     kept, rebuilt = 0, 0
     for count, recomputed in recompute_groups(chunk.layers, parallel):
         if recomputed:
@@ -297,22 +355,42 @@ def chunk_activation_bytes(shape: ModelShape, chunk: Chunk, tokens: Tokens, para
             rebuilt = max(rebuilt, count * per_layer)
         else:
             kept += count * per_layer
-    return kept + ends_activation_bytes(shape, chunk, tokens, parallel), rebuilt
+    return round(kept) + ends_activation_bytes(shape, chunk, tokens, parallel), round(rebuilt)
+
+
+def mean_layer_activation_bytes(shape: ModelShape, chunk: Chunk, tokens: Tokens, parallel: Parallelism,
+                                in_backward: bool = False) -> float:
+    """What one of the chunk's layers keeps per microbatch: the dense layer's, or with MoE layers the mean of its
+    layers' (the same for every layer of a dense model)."""
+    attention_core = parallel.recompute != "selective"
+    dense = layer_activation_bytes(shape, tokens, parallel, attention_core, in_backward)
+    if not chunk.moe_layers:
+        return dense
+    routed = layer_activation_bytes(shape, tokens, parallel, attention_core, in_backward, moe_layer=True)
+    return ((chunk.layers - chunk.moe_layers) * dense + chunk.moe_layers * routed) / chunk.layers
 
 
 def stash_bytes(shape: ModelShape, chunk: Chunk, tokens: Tokens, parallel: Parallelism) -> int:
     """What a split backward's B leaves for W per microbatch: each deferred linear's input and output gradient,
-    recomputed or not (the first stage's B defers its whole backward: what its forward kept)."""
+    recomputed or not (the first stage's B defers its whole backward: what its forward kept). An MoE layer's MLP
+    stashes its router's (input and logits' gradient), each expert's for its routed rows, and the shared experts'
+    (their input is the router's)."""
     if chunk.pre_process:
         return chunk_activation_bytes(shape, chunk, tokens, parallel)[0]
     b, s, h, f, t = tokens.batch, tokens.seq, shape.hidden, shape.ffn, parallel.tp
     a, k = shape.attention_width, shape.kv_width
+    e, mlp_width = DTYPE_BYTES[parallel.precision], 3 if shape.gated_mlp else 2
     # The linears' inputs (q, k and v read one; so do gate and up) and output gradients.
-    per_layer = DTYPE_BYTES[parallel.precision] * b * s * (4 * h + (2 * a + 2 * k) / t
-                                                           + (3 if shape.gated_mlp else 2) * f / t)
-    e = DTYPE_BYTES[parallel.precision]
+    per_layer = e * b * s * (4 * h + (2 * a + 2 * k) / t + mlp_width * f / t)
+    layers = (chunk.layers - chunk.moe_layers) * per_layer
+    if chunk.moe_layers:
+        moe = shape.moe
+        shared = h + mlp_width * moe.shared_ffn_hidden_size if moe.shared_experts else 0
+        routed = moe.topk * (2 * h + mlp_width * moe.expert_ffn_hidden_size)
+        per_moe_layer = e * b * s * (2 * h + (2 * a + 2 * k) / t + h + moe.num_experts + routed + shared)
+        layers += chunk.moe_layers * per_moe_layer
     logits = e * b * s * (shape.hidden + shape.padded_vocab / t) if chunk.post_process else 0
-    return round(chunk.layers * per_layer + logits)
+    return round(layers + logits)
 
 
 def held_bytes_change(kind: str, stage: int, kept: dict[int, int], stash: dict[int, int]) -> int:
@@ -409,7 +487,9 @@ def backward_workspace_bytes(shape: ModelShape, chunks: Sequence[Chunk], tokens:
     """The gradients of one microbatch's tensors while its backward runs: the largest layer's, or the logits'."""
     b, s, t = tokens.batch, tokens.seq, parallel.tp
     layer = layer_activation_bytes(shape, tokens, parallel, in_backward=True) if any(
-        chunk.layers for chunk in chunks) else 0
+        chunk.layers > chunk.moe_layers for chunk in chunks) else 0
+    if any(chunk.moe_layers for chunk in chunks):
+        layer = max(layer, layer_activation_bytes(shape, tokens, parallel, in_backward=True, moe_layer=True))
     logits = 2 * float_bytes(parallel.precision) * b * s * shape.padded_vocab // t if any(
         chunk.post_process for chunk in chunks) else 0
     return max(layer, logits)
@@ -468,7 +548,7 @@ def model_shape(config) -> ModelShape:
                       kv_heads=model.num_kv_heads, head_dim=model.head_dim,
                       norm_has_bias=architecture.norm_has_bias, gated_mlp=architecture.gated_mlp,
                       linear_biases=architecture.linear_biases, fused_qkv=architecture.fused_qkv,
-                      qkv_bias=model.qkv_bias, vocab=model.vocab_size)
+                      qkv_bias=model.qkv_bias, vocab=model.vocab_size, moe=moe_shape_of(model))
 
 
 @dataclass(frozen=True)
@@ -508,9 +588,11 @@ def config_memory_inputs(resolved) -> ConfigMemoryInputs:
 
 def rank_chunks(resolved) -> list[list[Chunk]]:
     """The ``Chunk`` of each stage of a ``ResolvedConfig``, per pp rank."""
+    moe = moe_shape_of(resolved.config.model)
     chunks: list[list[Chunk]] = [[] for _ in range(resolved.layout.pp)]
     for (pp_rank, _), stage in resolved.layer_map.items():
-        chunks[pp_rank].append(Chunk(stage.stage, len(stage.layers), stage.pre_process, stage.post_process))
+        moe_layers = sum(map(moe.is_moe_layer, stage.layers)) if moe is not None else 0
+        chunks[pp_rank].append(Chunk(stage.stage, len(stage.layers), stage.pre_process, stage.post_process, moe_layers))
     return chunks
 
 

@@ -36,6 +36,7 @@ from ppctl.config.resolved import ResolvedConfig, resolve
 from ppctl.model.flops import forward_flops_per_token
 from ppctl.pipeline.replay import gc_paused
 from ppctl.pipeline.schedules import ScheduleError
+from ppctl.plan.balance import config_part_costs
 from ppctl.plan.memory import (DTYPE_BYTES, Chunk, MemoryParts, chunk_parameters, config_memory, rank_chunks,
                                model_shape, schedule_in_flight_states)
 
@@ -311,9 +312,7 @@ def forward_flops_per_microbatch(resolved: ResolvedConfig) -> float:
     """FLOPs of one microbatch's forward through the busiest rank's layers (of one model copy) on one device."""
     config = resolved.config
     model, parallel = config.model, config.parallel
-    shape = model_shape(config)
-    layer = forward_flops_per_token(1, model.hidden_size, model.ffn_hidden_size, config.trainer.seq_length, 0,
-                                    shape.attention_width, shape.kv_width, shape.gated_mlp)
+    layer = config_part_costs(config).layer  # with experts, the mean layer's
     layers = max(_rank_layers(resolved)) / resolved.layout.placement.copies
     output = 2 * model.hidden_size * model_shape(config).padded_vocab
     return _microbatch_tokens(config) * (layers * layer + output) / parallel.tp
@@ -337,7 +336,9 @@ def reduction_s(config: PpctlConfig, device: Device) -> float:
     replicas = parallel.dp * parallel.cp
     if replicas == 1:
         return 0.0
-    whole = chunk_parameters(model_shape(config), Chunk(0, config.model.num_layers, True, True), parallel.tp)
+    shape = model_shape(config)
+    moe_layers = len(shape.moe.layer_ids(config.model.num_layers)) if shape.moe is not None else 0
+    whole = chunk_parameters(shape, Chunk(0, config.model.num_layers, True, True, moe_layers), parallel.tp)
     within_node = parallel.tp * replicas <= device.node_size
     bandwidth = device.intra_node_bandwidth if within_node else device.inter_node_bandwidth
     return 2 * (replicas - 1) * (4 * whole / parallel.pp / replicas / bandwidth + device.ring_step_s)
@@ -377,9 +378,10 @@ def _mean_forward_s(config: PpctlConfig, device: Device) -> float:
     """One microbatch's forward through the whole model, shared by tp * pp devices: the least a rank's can take."""
     model, parallel = config.model, config.parallel
     shape = model_shape(config)
+    moe_layers = len(shape.moe.layer_ids(model.num_layers)) if shape.moe is not None else 0
     forward = forward_flops_per_token(model.num_layers, model.hidden_size, model.ffn_hidden_size,
                                       config.trainer.seq_length, shape.padded_vocab, shape.attention_width,
-                                      shape.kv_width, shape.gated_mlp)
+                                      shape.kv_width, shape.gated_mlp, shape.moe, moe_layers)
     return _microbatch_tokens(config) * forward / (parallel.tp * parallel.pp) / device.flops
 
 

@@ -4,6 +4,12 @@
 floats (TensorBoard keeps float32): one JSON object a line, flushed as written (``ppctl verify`` compares two
 runs by it). A run resumed in its own directory drops the lines of steps from its start on, as TensorBoard's
 ``purge_step`` does, so no step is there twice.
+
+With experts, each step's routing statistics (summed over every rank by the trainer, so the logging rank has those
+of the layers other pp ranks hold) go to TensorBoard as ``moe/balancing_loss`` and ``moe/z_loss`` (each layer's mean
+over the global batch's microbatches, unweighted by its coefficient, summed over the MoE layers),
+``moe/load_imbalance`` (the worst layer's busiest expert's tokens over the mean), and per layer
+``moe/balancing_loss/layer_<id>``, ``moe/z_loss/layer_<id>`` and ``moe/load_imbalance/layer_<id>``.
 """
 
 from __future__ import annotations
@@ -97,6 +103,9 @@ class TrainingLogger:
                 value = getattr(result, name)
                 if value is not None:
                     self.writer.add_scalar(f"train/{name}", value, result.step)
+            if result.routing is not None:
+                for name, value in routing_scalars(result.routing).items():
+                    self.writer.add_scalar(name, value, result.step)
         trainer = self.config.trainer
         step = result.step + 1
         self.eta.record(step, result.step_time_s)
@@ -142,6 +151,17 @@ class TrainingLogger:
             from ppctl.pipeline.trace import write_trace_files
 
             write_trace_files(self.all_traces, self.trainer, self.run_dir)
+
+
+def routing_scalars(routing) -> dict[str, float]:
+    """The TensorBoard scalars of a step's ``RoutingStatistics`` by tag (the module docstring)."""
+    scalars = {"moe/balancing_loss": routing.balancing, "moe/z_loss": routing.z,
+               "moe/load_imbalance": routing.imbalance}
+    for layer in routing.layers:
+        scalars.update({f"moe/balancing_loss/layer_{layer.layer}": layer.balancing,
+                        f"moe/z_loss/layer_{layer.layer}": layer.z,
+                        f"moe/load_imbalance/layer_{layer.layer}": layer.imbalance})
+    return scalars
 
 
 def format_step(result, max_steps: int, eta_s: float | None = None) -> str:

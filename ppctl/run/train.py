@@ -22,6 +22,9 @@ from ppctl.config import PpctlConfig
 from ppctl.config.resolved import ResolvedConfig
 from ppctl.data.iterator import PipelineDataIterator
 from ppctl.model.from_config import build_chunk, dataset_of
+from ppctl.model.moe.layer import set_router_loss_scale
+from ppctl.model.moe.shape import moe_shape_of
+from ppctl.model.moe.statistics import RoutingStatistics, routing_statistics, routing_table, update_expert_biases
 from ppctl.model.stages import MaskedTokenLoss, build_stages
 from ppctl.optim.delay import DelayedWeights, WeightVersions
 from ppctl.optim.grads import clip_coefficient
@@ -59,6 +62,7 @@ class StepResult:
     bubble_ratio_measured: float | None = None
     skipped: bool = False      # the gradient norm was not finite: nothing was updated
     skipped_steps: int = 0     # skipped steps so far in this run
+    routing: RoutingStatistics | None = None  # a mixture of experts' routing this step (every rank has it)
 
 
 def to_device(microbatch, device: str):
@@ -210,6 +214,8 @@ class Trainer:
         self._eval_program: Program | None = None
         self.holds_loss = context.pp_rank in layout.placement.loss_pp_ranks
         self.logging_rank = layout.rank(pp=layout.placement.last_stage_rank)
+        self.moe = moe_shape_of(config.model)
+        self.routing: RoutingStatistics | None = None  # the last step's, with experts
 
     def set_tracing(self, on: bool) -> None:
         """Trace the following steps' actions and waits (as ``trainer.trace=true`` does from the start), or stop."""
@@ -281,7 +287,8 @@ class Trainer:
         elapsed = time.perf_counter() - started
         tokens = self.config.trainer.global_batch_size * self.config.trainer.seq_length
         return StepResult(step, loss, grad_norm, self.optimizer.param_groups[0]["lr"], elapsed, tokens / elapsed,
-                          self._measured_bubble(), skipped=not applied, skipped_steps=self.skipped_steps)
+                          self._measured_bubble(), skipped=not applied, skipped_steps=self.skipped_steps,
+                          routing=self.routing)
 
     def compute_gradients(self, step: int) -> tuple[float | None, float]:
         """Forward and backward of global batch ``step``: reduced gradients; returns (loss, global grad norm).
@@ -293,11 +300,33 @@ class Trainer:
         if self.tracer is not None:
             self.tracer.start_step()
         self.loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        self._scale_router_losses()
         with self._gradient_weights():
             state = self.runtime.run(self.program, microbatches, MaskedTokenLoss(normalizer, self.loss_scale))
         self.last_step_state = state
         self.optimizer.finish_grad_sync()
+        self.routing = self._routing_statistics()
         return self._mean_loss(state, normalizer), self.optimizer.grad_norm() / self.loss_scale
+
+    def _scale_router_losses(self) -> None:
+        """Each microbatch's router losses weigh 1 / (the global batch's microbatches), times the loss scale, as
+        the token loss does (``ppctl.model.moe.layer``)."""
+        if self.moe is None:
+            return
+        trainer = self.config.trainer
+        global_microbatches = trainer.global_batch_size // trainer.micro_batch_size
+        for chunk in self.chunks.values():
+            set_router_loss_scale(chunk, self.loss_scale / global_microbatches)
+
+    def _routing_statistics(self) -> RoutingStatistics | None:
+        """The step's routing of every MoE layer, summed over every rank (one all-reduce; None without experts)."""
+        if self.moe is None:
+            return None
+        layer_ids = self.moe.layer_ids(self.config.model.num_layers)
+        table = routing_table(self.chunks.values(), layer_ids, self.moe.num_experts, self.context.device,
+                              contributes=self.context.coords["tp"] == 0)
+        dist.all_reduce(table)
+        return routing_statistics(table, layer_ids)
 
     def _gradient_weights(self):
         """The weights a step's gradients are computed on: the current ones, or with ``optimizer.gradient_delay=1``
@@ -357,6 +386,8 @@ class Trainer:
         self.optimizer.scale_gradients(clip_coefficient(grad_norm, self.config.optimizer.clip_grad) / self.loss_scale)
         set_learning_rate(self.optimizer, learning_rate(step, self.lr_schedule))
         self.optimizer.step()
+        if self.routing is not None:
+            update_expert_biases(self.chunks.values(), self.routing)
         return True
 
     def reduce_loss(self, local_loss: float) -> float:

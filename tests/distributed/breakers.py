@@ -98,6 +98,32 @@ def _stream_on_the_newest_weights():
     return mock.patch.object(WeightVersions, "bind", lambda self, step: original(self, step + 1))
 
 
+def _router_losses_dropped_off_the_loss_stage():
+    """The router losses of MoE layers on a stage without the loss head give no gradient (their scale is never set
+    there): only the last stage's layers are balanced."""
+    from ppctl.run import train
+
+    original = train.set_router_loss_scale
+
+    def only_on_the_loss_stage(chunk, scale):
+        original(chunk, scale if chunk.post_process else 0.0)
+
+    return mock.patch.object(train, "set_router_loss_scale", only_on_the_loss_stage)
+
+
+def _expert_bias_from_local_load():
+    """Each rank moves its expert biases by the load of its own microbatches, not the global batch's (the routing
+    statistics are not summed over the ranks): data-parallel replicas drift apart."""
+    from ppctl.run.train import Trainer, routing_statistics, routing_table
+
+    def local_statistics(self):
+        layer_ids = self.moe.layer_ids(self.config.model.num_layers)
+        table = routing_table(self.chunks.values(), layer_ids, self.moe.num_experts, self.context.device)
+        return routing_statistics(table, layer_ids)
+
+    return mock.patch.object(Trainer, "_routing_statistics", local_statistics)
+
+
 DEFECTS = {
     "drop_microbatch_gradient": _drop_first_microbatch_gradient,
     "loss_scaled_twice": _loss_scaled_twice,
@@ -106,6 +132,8 @@ DEFECTS = {
     "vocab_padding_in_softmax": _vocab_padding_in_softmax,
     "parameter_not_stepped": _parameter_not_stepped,
     "stream_on_the_newest_weights": _stream_on_the_newest_weights,
+    "router_losses_dropped_off_the_loss_stage": _router_losses_dropped_off_the_loss_stage,
+    "expert_bias_from_local_load": _expert_bias_from_local_load,
 }
 
 

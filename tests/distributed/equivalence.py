@@ -36,6 +36,15 @@ STEPS = 3
 # rotary positions; LLAMA_MHA for tp=4 (each TP rank owns whole key/value heads).
 LLAMA = ["model.family=llama", "model.position_embedding=rope", "model.num_kv_heads=2"]
 LLAMA_MHA = ["model.family=llama", "model.position_embedding=rope"]
+# Mixtures of experts on LLAMA's blocks (ppctl.model.moe): Mixtral's routing (softmax, the chosen two renormalised,
+# the balancing and z losses) on every layer; DeepSeek-V3's (the first layer dense, a shared expert, a sigmoid router
+# balanced by the expert bias, moved fast enough to change the routing within STEPS).
+MIXTRAL = LLAMA + ["model.moe.num_experts=4", "model.moe.topk=2", "model.moe.router_topk_norm=true",
+                   "model.moe.aux_loss_coeff=0.02", "model.moe.z_loss_coeff=0.001"]
+DEEPSEEK = LLAMA + ["model.moe.num_experts=4", "model.moe.topk=2", "model.moe.expert_ffn_hidden_size=32",
+                    "model.moe.first_dense_layers=1", "model.moe.shared_experts=1", "model.moe.router_score=sigmoid",
+                    "model.moe.router_topk_norm=true", "model.moe.expert_bias=true",
+                    "model.moe.expert_bias_update_rate=0.01"]
 
 
 # How a run is split over processes, nodes and pipeline ranks, not what it computes: one process

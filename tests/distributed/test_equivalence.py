@@ -9,7 +9,8 @@ losses and grad norms, step-0 gradients and final parameters, within the toleran
 
 import pytest
 
-from tests.distributed.equivalence import BASE, FP64, LLAMA, LLAMA_MHA, MASKED, assert_equivalent
+from tests.distributed.equivalence import (BASE, DEEPSEEK, FP64, LLAMA, LLAMA_MHA, MASKED, MIXTRAL,
+                                           assert_equivalent)
 
 ROPE_TIED = ["model.position_embedding=rope", "model.tie_embeddings=true"]
 LAYOUTS = [  # (tp, pp, dp)
@@ -40,3 +41,36 @@ def test_tp4_with_pipeline_rotary_tied_and_masked_loss():
     runs = [BASE + layout + ROPE_TIED + MASKED, BASE + layout + ROPE_TIED + MASKED + FP64,
             BASE + layout + LLAMA_MHA + ["model.tie_embeddings=true"] + FP64]
     assert_equivalent(runs, world_size=8)
+
+
+PP2 = ["parallel.pp=2", "parallel.dp=1"]
+
+
+# GPT's GELU experts with biases, a capacity that drops tokens (in microbatch order), every layer recomputed.
+GPT_EXPERTS = ["model.moe.num_experts=4", "model.moe.topk=2", "model.moe.capacity_factor=1.0",
+               "model.moe.drop_policy=position", "model.moe.aux_loss_coeff=0.01"]
+
+
+# Three single-process references serve every mixture run (and the twins'): Mixtral's routing in float64,
+# DeepSeek's in float32, GPT's experts in float64.
+@pytest.mark.nccl
+@pytest.mark.timeout(300)
+def test_mixtures_of_experts_at_pp2_match_single_process():
+    """Router losses added on whichever stage holds the layer, and the expert bias moved alike, under 1F1B,
+    interleaved 1F1B, DualPipeV, ZB-V (a split backward) and full recomputation."""
+    runs = [BASE + MIXTRAL + PP2 + ["schedule=1f1b"] + FP64,
+            BASE + MIXTRAL + PP2 + ["schedule=dualpipev"] + FP64,
+            BASE + DEEPSEEK + PP2 + ["parallel.vpp=2", "schedule=interleaved_1f1b"],
+            BASE + DEEPSEEK + PP2 + ["schedule=zbv"],
+            BASE + GPT_EXPERTS + PP2 + ["schedule=1f1b", "model.recompute=full"] + FP64]
+    assert_equivalent(runs, world_size=2)
+
+
+@pytest.mark.nccl
+@pytest.mark.timeout(300)
+def test_mixtures_of_experts_at_pp2_dp2_with_the_distributed_optimizer_match_single_process():
+    """Data-parallel replicas route their own microbatches and keep one expert bias (the global load's)."""
+    sharded = ["parallel.pp=2", "parallel.dp=2", "optimizer.distributed=true"]
+    runs = [BASE + DEEPSEEK + sharded + ["schedule=1f1b"],
+            BASE + MIXTRAL + sharded + ["schedule=zbv"] + FP64]
+    assert_equivalent(runs, world_size=4)

@@ -4,7 +4,8 @@ The tolerances of ``tests/harness/tolerances.py`` admit the roundoff of another 
 nothing more. One launch of 4 workers trains each broken twin, a real bug a parallel run could
 have (a microbatch's gradient dropped, the loss scaled twice, a TP or DP gradient not reduced,
 the vocabulary padding in the softmax, a parameter left out of the step, PipeDream-2BW's steps run on the
-wrong weight version), in float32 (the looser
+wrong weight version, a mixture's router losses dropped on the stage without the loss head, its expert bias moved
+by each rank's own load), in float32 (the looser
 precision) and the subtlest in float64 too. Each comparison of the harness (losses, forward-only
 loss, grad norms, step-0 gradients, final parameters) runs on its own: every twin must fail the
 comparisons its defect reaches, so each of them is shown able to fail.
@@ -12,7 +13,8 @@ comparisons its defect reaches, so each of them is shown able to fail.
 
 import pytest
 
-from tests.distributed.equivalence import BASE, FP64, MASKED, equivalence_checks, train_in_workers
+from tests.distributed.equivalence import (BASE, DEEPSEEK, FP64, MASKED, MIXTRAL, equivalence_checks,
+                                           train_in_workers)
 
 pytestmark = [pytest.mark.dist]
 
@@ -33,6 +35,10 @@ TWINS = [
     ("parameter_not_stepped", BASE + PP2_DP2 + FP64, {"parameter"}),
     # PipeDream-2BW against its delayed single-process run: step 0 is the same on either version (W(-1) = W(0))
     ("stream_on_the_newest_weights", BASE + PP2_DP2 + STREAM, {"loss", "grad norm", "parameter"}),
+    # The first stage's MoE layers lose their balancing and z losses' gradient: their routers' gradients differ.
+    ("router_losses_dropped_off_the_loss_stage", BASE + PP2_DP2 + MIXTRAL + FP64, BEFORE_OPTIMIZER),
+    # Step 0 routes with zero biases everywhere: the replicas' biases differ from step 1 on.
+    ("expert_bias_from_local_load", BASE + PP2_DP2 + DEEPSEEK, {"loss", "parameter"}),
 ]
 
 

@@ -19,6 +19,7 @@ from ppctl.autograd.weight_grad import (
     layer_norm,
     linear,
 )
+from ppctl.model.moe.shape import MoEShape
 from ppctl.model.recompute import Recompute
 from ppctl.parallel.tensor_parallel import TPGroup
 from ppctl.pipeline.stage import PipelineStage, StageIO, TensorSpec, run_backward
@@ -40,9 +41,11 @@ def weighted_loss(losses: torch.Tensor, microbatch):
     return loss, loss.detach()
 
 
-def make_stage(last: bool, dtype=torch.float64, tie_embeddings=False, recompute=Recompute()) -> PipelineStage:
-    """A middle stage (layers 0-1) or a last stage (layer 2, final norm, output layer, loss)."""
-    config = GPTConfig(**CONFIG, tie_embeddings=tie_embeddings)
+def make_stage(last: bool, dtype=torch.float64, tie_embeddings=False, recompute=Recompute(),
+               moe: MoEShape | None = None) -> PipelineStage:
+    """A middle stage (layers 0-1) or a last stage (layer 2, final norm, output layer, loss); ``moe``: its layers'
+    MLPs are experts."""
+    config = GPTConfig(**CONFIG, tie_embeddings=tie_embeddings, moe=moe)
     chunk = GPTChunk(config, [2] if last else [0, 1], False, last, TPGroup.single(), SEED, dtype,
                      recompute=recompute)
     spec = TensorSpec((BATCH, SEQ, config.hidden_size), dtype)
@@ -94,8 +97,12 @@ WHOLE = [("F", 0), ("F", 1), ("BW", 0), ("BW", 1)]
 SPLIT = [("F", 0), ("F", 1), ("B", 0), ("B", 1), ("W", 1), ("W", 0)]
 # "last-tied": the output layer of a last stage holding no embedding is the tied copy (summed with the
 # first stage's after the backward); a weight shared within one chunk is tested further down.
+# With experts: the router's linear and the experts' grouped linears defer too, the router losses join the backward.
+EXPERTS = MoEShape(num_experts=4, topk=2, expert_ffn_hidden_size=24, shared_experts=1, aux_loss_coeff=0.1,
+                   z_loss_coeff=0.01)
 STAGES = {"middle": dict(last=False), "last": dict(last=True), "last-tied": dict(last=True, tie_embeddings=True),
-          "middle-bf16": dict(last=False, dtype=torch.bfloat16)}
+          "middle-bf16": dict(last=False, dtype=torch.bfloat16), "middle-moe": dict(last=False, moe=EXPERTS),
+          "last-moe": dict(last=True, moe=EXPERTS)}
 
 
 @pytest.mark.parametrize("kind", STAGES)

@@ -23,3 +23,17 @@ def test_dominated_by_six_flops_per_parameter_for_a_wide_model():
 def test_mfu_and_peaks():
     assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and peak_flops("NVIDIA GeForce GTX 1080") is None
     assert model_flops_utilisation(tokens_per_s=1000.0, flops_per_token=1e9, devices=2, peak=1e12) == 0.5
+
+
+def test_an_moe_layer_counts_its_active_experts_and_router():
+    """Top-2 of 8 experts of width f plus one shared expert cost a token a dense MLP of width 3f, plus the router's
+    2hE; the other layers stay dense."""
+    from ppctl.model.moe.shape import MoEShape
+
+    layers, hidden, ffn, expert_ffn, seq, vocab = 4, 64, 256, 48, 128, 320
+    moe = MoEShape(num_experts=8, topk=2, expert_ffn_hidden_size=expert_ffn, shared_experts=1)
+    mixed = forward_flops_per_token(layers, hidden, ffn, seq, vocab, gated_mlp=True, moe=moe, moe_layers=3)
+    dense_layer = forward_flops_per_token(1, hidden, ffn, seq, 0, gated_mlp=True)
+    routed_layer = forward_flops_per_token(1, hidden, 3 * expert_ffn, seq, 0, gated_mlp=True) + 2 * hidden * 8
+    assert mixed == dense_layer + 3 * routed_layer + 2 * hidden * vocab
+    assert training_flops_per_token(layers, hidden, ffn, seq, vocab, gated_mlp=True, moe=moe, moe_layers=3) == 3 * mixed

@@ -15,6 +15,7 @@ PURE = ("ppctl.parallel.layout", "ppctl.parallel.placement", "ppctl.pipeline.sch
         "ppctl.optim.lr", "ppctl.optim.loss_scale", "ppctl.config", "ppctl.checkpoint.files",
         "ppctl.run.interrupt", "ppctl.fileio", "ppctl.bench.rules", "ppctl.model.flops", "ppctl.model.recompute",
         "ppctl.model.family", "ppctl.model.hf_format", "ppctl.model.gpt.hf", "ppctl.model.llama.hf",
+        "ppctl.model.moe.shape",
         "ppctl.plan", "ppctl.verify.tolerance", "ppctl.verify.runs", "ppctl.verify.shrink")
 # The folders are the layers. Each module's level is that of its longest listed prefix (a package covers
 # its modules, a module listed alone overrides its package); a module imports only from its level or below.
@@ -26,7 +27,7 @@ LEVELS = {
     # 1, the pure core and torch building blocks: layout, schedules and their programs, data, TP/CP layers.
     "ppctl.parallel": 1, "ppctl.pipeline": 1, "ppctl.data": 1, "ppctl.optim.lr": 1, "ppctl.optim.loss_scale": 1,
     "ppctl.checkpoint.files": 1, "ppctl.run.interrupt": 1, "ppctl.bench.rules": 1, "ppctl.model.flops": 1,
-    "ppctl.model.recompute": 1,
+    "ppctl.model.recompute": 1, "ppctl.model.moe.shape": 1,
     # 2, what the core is configured and run with: config, the model, groups, the runtime, the optimizer.
     "ppctl.config": 2, "ppctl.model": 2, "ppctl.data.iterator": 2, "ppctl.parallel.groups": 2,
     "ppctl.pipeline.p2p": 2, "ppctl.pipeline.trace": 2, "ppctl.pipeline.runtime": 2, "ppctl.optim": 2,

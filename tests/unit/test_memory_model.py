@@ -1,18 +1,21 @@
 """The memory model (``ppctl.plan.memory``) against the modules as built, in one process.
 
 Parameters: the count of every chunk ``GPTChunk`` builds, TP shards included (a TPGroup of
-several ranks builds its shard without communicating), and of chunks built from configs with and
-without QKV biases. Activations: the bytes autograd keeps for one microbatch (distinct storages
-seen by a saved-tensor hook), exactly, for every precision, both position embeddings, the
-embedding and loss ends and each recomputation.
+several ranks builds its shard without communicating), of chunks built from configs with and without QKV
+biases, and of MoE chunks of both families. Activations: the bytes autograd keeps for one microbatch (distinct
+storages seen by a saved-tensor hook), exactly, for every precision, both position embeddings, the embedding and
+loss ends and each recomputation; within 10% with experts.
 """
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from ppctl.model.gpt.model import GPTChunk, GPTConfig
+from ppctl.model.llama.model import LlamaChunk, LlamaConfig
+from ppctl.model.moe.shape import MoEShape
 from ppctl.model.recompute import Recompute
 from ppctl.parallel.tensor_parallel import TPGroup
 from ppctl.plan.memory import (Chunk, ModelShape, Parallelism, Tokens, chunk_activation_bytes, chunk_parameters,
@@ -178,3 +181,33 @@ def test_in_flight_states_are_the_undominated_of_every_state(name, vpp):
             other != state and all(o[1] >= s[1] and o[2] >= s[2] for o, s in zip(other, state)) for other in states)}
         assert in_flight_states([(action.kind, action.stage) for action in rank_actions]) == undominated
     assert in_flight_states([("W", 0)]) == {((0, 0, -1),)}  # a first action's state is kept whatever it is
+
+
+MOE = {"dropless": MoEShape(4, 2, 48), "shared sigmoid": MoEShape(8, 2, 32, shared_experts=1, router_score="sigmoid"),
+       "capacity": MoEShape(4, 1, 48, capacity_factor=1.0)}
+
+
+def built_moe(family: str, moe: MoEShape, layers: int, pre: bool, post: bool):
+    """A chunk of GPT (GELU experts with biases) or Llama (SwiGLU experts) layers, the first dense, and its shape."""
+    moe = dataclasses.replace(moe, first_dense_layers=1)
+    if family == "gpt":
+        config = GPTConfig(num_layers=layers, hidden_size=H, num_heads=N, ffn_hidden_size=F, vocab_size=V,
+                           max_seq_length=S, moe=moe)
+        return GPTChunk(config, range(layers), pre, post, TPGroup.single(), 1), ModelShape(H, N, F, V, S, moe=moe)
+    config = LlamaConfig(num_layers=layers, hidden_size=H, num_heads=N, num_kv_heads=2, head_dim=8, ffn_hidden_size=F,
+                         vocab_size=V, max_seq_length=S, padded_vocab_size=V, moe=moe)
+    shape = ModelShape(H, N, F, V, S, learned_positions=False, rotary=True, kv_heads=2, head_dim=8, norm_has_bias=False,
+                       gated_mlp=True, linear_biases=False, fused_qkv=False, moe=moe)
+    return LlamaChunk(config, range(layers), pre, post, TPGroup.single(), 1), shape
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("case", MOE)
+def test_moe_parameters_are_exact_and_activations_near_what_autograd_saves(family, case):
+    """Every expert's, the router's and the shared experts' parameters, exactly; the kept activations (an estimate
+    for the routed layers, module docstring) within 10% of the saved storages, 1 dense and 2 MoE layers."""
+    chunk, shape = built_moe(family, MOE[case], 3, True, True)
+    planned = Chunk(0, 3, True, True, moe_layers=2)
+    assert chunk_parameters(shape, planned, 1) == sum(param.numel() for param in chunk.parameters())
+    kept, _ = chunk_activation_bytes(shape, planned, Tokens(B, S), Parallelism())
+    assert kept == pytest.approx(chunk_forward_saved_bytes(chunk, B, S, V), rel=0.10)

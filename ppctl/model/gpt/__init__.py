@@ -19,6 +19,7 @@ OTHER_FAMILIES_KEYS = {"num_kv_heads": None, "head_dim": None, "rope_scaling_fac
 def _shape_of(config):
     """The ``GPTConfig`` a ``PpctlConfig`` describes: the tokenizer's vocabulary, its rows padded for TP."""
     from ppctl.config import padded_vocab_size
+    from ppctl.model.moe.shape import moe_shape_of
     from ppctl.model.gpt.model import GPTConfig
 
     model = config.model
@@ -28,7 +29,7 @@ def _shape_of(config):
         padded_vocab_size=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, config.parallel.tp),
         max_seq_length=model.max_seq_length, position_embedding=model.position_embedding,
         tie_embeddings=model.tie_embeddings, norm_epsilon=model.norm_epsilon, init_std=model.init_std,
-        rope_base=model.rope_theta, qkv_bias=model.qkv_bias,
+        rope_base=model.rope_theta, qkv_bias=model.qkv_bias, moe=moe_shape_of(model),
     )
 
 

@@ -15,7 +15,10 @@ from torch import nn
 
 from ppctl.model.chunk import DecoderChunk
 from ppctl.model.gpt.rules import gpt_rule
-from ppctl.model.layers import Embedding, LayerNorm, TransformerLayer, rotary_cos_sin
+from ppctl.model.layers import MLP, Embedding, LayerNorm, TransformerLayer, rotary_cos_sin
+from ppctl.model.moe.experts import GeluExperts
+from ppctl.model.moe.layer import MoEMLP
+from ppctl.model.moe.shape import MoEShape
 
 POSITION_EMBEDDINGS = ("learned", "rope")
 # model.activation -> torch's F.gelu(approximate=...): the exact GELU, or 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))).
@@ -43,6 +46,7 @@ class GPTConfig:
     init_std: standard deviation of the normal weight initialisation.
     rope_base: base of the rotary frequencies.
     qkv_bias: the fused QKV projection has a bias (GPT-2's ``c_attn.bias``), starting at zero.
+    moe: the mixture of experts some layers' MLP is (``ppctl.model.moe``), or None (dense).
     """
 
     num_layers: int
@@ -59,6 +63,7 @@ class GPTConfig:
     rope_base: float = 10000.0
     qkv_bias: bool = False
     padded_vocab_size: int | None = None
+    moe: MoEShape | None = None
 
     def __post_init__(self):
         if self.padded_vocab_size is None:
@@ -106,12 +111,21 @@ class GPTChunk(DecoderChunk):
         return Embedding(config.padded_vocab_size, config.hidden_size, config.max_seq_length,
                          config.position_embedding == "learned", self.tp, dtype)
 
-    def make_layer(self, dtype: torch.dtype, recompute_attention_core: bool) -> nn.Module:
+    def make_layer(self, dtype: torch.dtype, recompute_attention_core: bool, mlp: nn.Module | None) -> nn.Module:
         """A pre-norm GPT layer."""
         config = self.config
         return TransformerLayer(config.hidden_size, config.num_heads, config.ffn_hidden_size, config.norm_epsilon,
                                 self.tp, dtype, self.cp, recompute_attention_core,
-                                GELU_APPROXIMATIONS[config.activation], config.qkv_bias)
+                                GELU_APPROXIMATIONS[config.activation], config.qkv_bias, mlp)
+
+    def make_moe_mlp(self, dtype: torch.dtype) -> nn.Module:
+        """Experts as GELU MLPs with biases; the shared experts as one dense GPT MLP."""
+        config, moe = self.config, self.config.moe
+        approximate = GELU_APPROXIMATIONS[config.activation]
+        experts = GeluExperts(moe.num_experts, config.hidden_size, moe.expert_ffn_hidden_size, dtype, approximate)
+        shared = (MLP(config.hidden_size, moe.shared_ffn_hidden_size, self.tp, dtype, approximate)
+                  if moe.shared_experts else None)
+        return MoEMLP(config.hidden_size, moe, experts, shared, dtype)
 
     def make_final_norm(self, dtype: torch.dtype) -> nn.Module:
         """LayerNorm."""

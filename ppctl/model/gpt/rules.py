@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+from ppctl.model.moe.rules import moe_rules
 from ppctl.model.rules import COLUMNS, QKV_ROWS, REPLICATED, ROWS, ParameterRule, rule_by_role
 
-PARAMETER_RULES = MappingProxyType({
+_DENSE_RULES = {
     "embedding.word.weight": ParameterRule(ROWS, "normal", vocab_rows=True, embedding=True),
     "embedding.position.weight": ParameterRule(REPLICATED, "normal", embedding=True),
     "attn_norm.weight": ParameterRule(REPLICATED, "ones"),
@@ -30,7 +31,9 @@ PARAMETER_RULES = MappingProxyType({
     "final_norm.weight": ParameterRule(REPLICATED, "ones"),
     "final_norm.bias": ParameterRule(REPLICATED, "zeros"),
     "output_layer.weight": ParameterRule(ROWS, "normal", vocab_rows=True, embedding=True),
-})
+}
+# An MoE layer's MLP: the router, the stacked experts and the shared experts (ppctl.model.moe.rules).
+PARAMETER_RULES = MappingProxyType({**_DENSE_RULES, **moe_rules(_DENSE_RULES)})
 
 
 def gpt_rule(name: str, tie_embeddings: bool = False) -> ParameterRule:

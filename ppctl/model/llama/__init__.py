@@ -15,6 +15,7 @@ from ppctl.model.family import Architecture, ModelFamily
 def _shape_of(config):
     """The ``LlamaConfig`` a ``PpctlConfig`` describes: the tokenizer's vocabulary, its rows padded for TP."""
     from ppctl.config import padded_vocab_size
+    from ppctl.model.moe.shape import moe_shape_of
     from ppctl.model.llama.layers import RopeScaling
     from ppctl.model.llama.model import LlamaConfig
 
@@ -29,7 +30,7 @@ def _shape_of(config):
         ffn_hidden_size=model.ffn_hidden_size, vocab_size=model.vocab_size, max_seq_length=model.max_seq_length,
         padded_vocab_size=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, config.parallel.tp),
         tie_embeddings=model.tie_embeddings, norm_epsilon=model.norm_epsilon, init_std=model.init_std,
-        rope_theta=model.rope_theta, rope_scaling=scaling, qkv_bias=model.qkv_bias,
+        rope_theta=model.rope_theta, rope_scaling=scaling, qkv_bias=model.qkv_bias, moe=moe_shape_of(model),
     )
 
 

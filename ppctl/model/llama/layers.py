@@ -188,17 +188,18 @@ class SwiGLUMLP(nn.Module):
 
 
 class LlamaLayer(nn.Module):
-    """Pre-norm Llama decoder layer: ``x + self_attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm Llama decoder layer: ``x + self_attn(norm(x))``, then ``x + mlp(norm(x))``; ``mlp``: another MLP than
+    the dense SwiGLU (an MoE layer's)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, ffn_hidden_size: int,
                  norm_epsilon: float, tp: TPGroup, dtype: torch.dtype, cp: CPGroup | None = None,
-                 qkv_bias: bool = False, recompute_attention_core: bool = False):
+                 qkv_bias: bool = False, recompute_attention_core: bool = False, mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(hidden_size, eps=norm_epsilon, dtype=dtype)
         self.self_attn = GroupedQueryAttention(hidden_size, num_heads, num_kv_heads, head_dim, tp, dtype, cp,
                                                qkv_bias, recompute_attention_core)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps=norm_epsilon, dtype=dtype)
-        self.mlp = SwiGLUMLP(hidden_size, ffn_hidden_size, tp, dtype)
+        self.mlp = mlp if mlp is not None else SwiGLUMLP(hidden_size, ffn_hidden_size, tp, dtype)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
                 cache: LayerCache | None = None) -> torch.Tensor:

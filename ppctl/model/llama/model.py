@@ -13,7 +13,11 @@ import torch
 from torch import nn
 
 from ppctl.model.chunk import DecoderChunk
-from ppctl.model.llama.layers import LlamaLayer, RMSNorm, RopeScaling, check_grouped_heads, llama_rotary_cos_sin
+from ppctl.model.llama.layers import (LlamaLayer, RMSNorm, RopeScaling, SwiGLUMLP, check_grouped_heads,
+                                      llama_rotary_cos_sin)
+from ppctl.model.moe.experts import SwiGLUExperts
+from ppctl.model.moe.layer import MoEMLP
+from ppctl.model.moe.shape import MoEShape
 from ppctl.model.llama.rules import llama_rule
 from ppctl.parallel.tensor_parallel import VocabParallelEmbedding
 
@@ -26,6 +30,7 @@ class LlamaConfig:
     head_dim: width of one head (may differ from ``hidden_size / num_heads``).
     rope_theta: base of the rotary frequencies; rope_scaling: Llama 3's frequency scaling, or None.
     qkv_bias: biases on q, k and v (Qwen2); norm_epsilon: RMSNorm epsilon.
+    moe: the mixture of experts some layers' MLP is (``ppctl.model.moe``; Mixtral's SwiGLU experts), or None.
     """
 
     num_layers: int
@@ -43,6 +48,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     qkv_bias: bool = False
+    moe: MoEShape | None = None
 
 
 def check_tp_divides(config: LlamaConfig, tp_size: int) -> None:
@@ -74,12 +80,20 @@ class LlamaChunk(DecoderChunk):
         """The word embedding (no position table)."""
         return WordEmbedding(self.config.padded_vocab_size, self.config.hidden_size, self.tp, dtype)
 
-    def make_layer(self, dtype: torch.dtype, recompute_attention_core: bool) -> nn.Module:
+    def make_layer(self, dtype: torch.dtype, recompute_attention_core: bool, mlp: nn.Module | None) -> nn.Module:
         """A pre-norm Llama decoder layer."""
         config = self.config
         return LlamaLayer(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                           config.ffn_hidden_size, config.norm_epsilon, self.tp, dtype, self.cp, config.qkv_bias,
-                          recompute_attention_core)
+                          recompute_attention_core, mlp)
+
+    def make_moe_mlp(self, dtype: torch.dtype) -> nn.Module:
+        """Experts as SwiGLU MLPs (Mixtral's); the shared experts as one dense SwiGLU MLP."""
+        config, moe = self.config, self.config.moe
+        experts = SwiGLUExperts(moe.num_experts, config.hidden_size, moe.expert_ffn_hidden_size, dtype)
+        shared = (SwiGLUMLP(config.hidden_size, moe.shared_ffn_hidden_size, self.tp, dtype)
+                  if moe.shared_experts else None)
+        return MoEMLP(config.hidden_size, moe, experts, shared, dtype)
 
     def make_final_norm(self, dtype: torch.dtype) -> nn.Module:
         """RMSNorm."""

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+from ppctl.model.moe.rules import moe_rules
 from ppctl.model.rules import COLUMNS, REPLICATED, ROWS, ParameterRule, rule_by_role
 
-PARAMETER_RULES = MappingProxyType({
+_DENSE_RULES = {
     "embedding.word.weight": ParameterRule(ROWS, "normal", vocab_rows=True, embedding=True),
     "input_layernorm.weight": ParameterRule(REPLICATED, "ones"),
     "self_attn.q_proj.weight": ParameterRule(ROWS, "normal"),
@@ -28,7 +29,9 @@ PARAMETER_RULES = MappingProxyType({
     "mlp.down_proj.weight": ParameterRule(COLUMNS, "scaled_normal"),
     "final_norm.weight": ParameterRule(REPLICATED, "ones"),
     "output_layer.weight": ParameterRule(ROWS, "normal", vocab_rows=True, embedding=True),
-})
+}
+# An MoE layer's MLP: the router, the stacked experts and the shared experts (ppctl.model.moe.rules).
+PARAMETER_RULES = MappingProxyType({**_DENSE_RULES, **moe_rules(_DENSE_RULES)})
 
 
 def llama_rule(name: str, tie_embeddings: bool = False) -> ParameterRule:
