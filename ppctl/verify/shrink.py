@@ -1,9 +1,9 @@
 """``ppctl verify --shrink``: the same layout, schedule and features on the smallest model the layout allows.
 
 What a layout splits keeps its count: layers (the pipeline split and its layout string), attention and
-key/value heads (TP and CP split them), microbatches per step (the schedule), experts. What only makes the
-model large shrinks: each head to ``HEAD_DIM`` channels (hidden = heads x that), the MLP to twice the hidden
-width, the vocabulary to ``VOCAB`` ids of synthetic data (a real tokenizer's ids need its vocabulary), each
+key/value heads (TP and CP split them), microbatches per step (the schedule), experts and their routing. What
+only makes the model large shrinks: each head to ``HEAD_DIM`` channels (hidden = heads x that), the MLP to twice
+the hidden width (an expert's to the hidden width), the vocabulary to ``VOCAB`` ids of synthetic data (a real tokenizer's ids need its vocabulary), each
 microbatch to one sequence of the shortest length CP and sequence parallelism split evenly. Each change is
 returned with the line that says it, so the proof says what it proved.
 """
@@ -32,6 +32,8 @@ def shrink_overrides(config: PpctlConfig) -> tuple[list[str], list[str]]:
                  f"trainer.global_batch_size={batch}"]
     if model.head_dim is not None:
         overrides.append(f"model.head_dim={HEAD_DIM}")
+    if model.moe.num_experts and model.moe.expert_ffn_hidden_size is not None:
+        overrides.append(f"model.moe.expert_ffn_hidden_size={hidden}")  # experts keep their count and routing
     said = [f"hidden {model.hidden_size} -> {hidden} ({model.num_heads} heads of {HEAD_DIM}), MLP "
             f"{model.ffn_hidden_size} -> {2 * hidden}",
             f"vocabulary {model.vocab_size} -> {VOCAB} ids of synthetic data",

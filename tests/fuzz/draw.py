@@ -3,7 +3,7 @@
 ``draw(rng)`` picks every dimension on its own (tp, cp and its mode, sequence parallelism, dp, pp, the
 schedule and its chunks, the distributed optimizer, recomputation, precision, tied embeddings, the model
 family and positions, an uneven layout string or ``balance=auto``, a gradient delay with the schedules that
-stream) within a world of at most ``MAX_WORLD`` CPU workers, and sizes the model and the batch so that most
+stream, a mixture of experts) within a world of at most ``MAX_WORLD`` CPU workers, and sizes the model and the batch so that most
 draws are valid. What validation still refuses is the fuzzer's to count, not to avoid: ``drawn(seed, count)``
 returns the valid draws and the refusals by rule. The same seed draws the same configurations.
 """
@@ -63,6 +63,27 @@ def _model(rng: random.Random, tp: int, cp: int, cp_mode: str) -> list[str]:
             overrides.append("model.activation=gelu_tanh")
     if rng.random() < 0.3:
         overrides.append("model.tie_embeddings=true")
+    if rng.random() < 0.25:
+        overrides += _experts(rng)
+    return overrides
+
+
+def _experts(rng: random.Random) -> list[str]:
+    """A mixture of experts: how many, top-k, the router, its losses or bias, shared experts, dense layers first,
+    a capacity (until expert parallelism lands it runs at tp=1 cp=1: other draws are refused, and counted)."""
+    experts = rng.choice((2, 4))
+    overrides = [f"model.moe.num_experts={experts}", f"model.moe.topk={rng.choice((1, 2))}",
+                 f"model.moe.router_score={rng.choice(('softmax', 'sigmoid'))}",
+                 f"model.moe.router_topk_norm={str(rng.random() < 0.5).lower()}",
+                 f"model.moe.aux_loss_coeff={rng.choice((0.0, 0.01))}", f"model.moe.z_loss_coeff={rng.choice((0.0, 1e-3))}"]
+    if rng.random() < 0.3:
+        overrides.append("model.moe.expert_bias=true")
+    if rng.random() < 0.3:
+        overrides.append("model.moe.shared_experts=1")
+    if rng.random() < 0.3:
+        overrides.append("model.moe.first_dense_layers=1")
+    if rng.random() < 0.2:
+        overrides += ["model.moe.capacity_factor=1.0", f"model.moe.drop_policy={rng.choice(('probs', 'position'))}"]
     return overrides
 
 

@@ -34,6 +34,7 @@ def test_the_single_run_drops_what_only_splits_the_run_and_verify_sets_what_it_c
     ["model=llama3_8b", "parallel.tp=4", "parallel.cp=2", "parallel.sequence_parallel=true", "parallel.pp=2"],
     ["model=gpt_small", "parallel.tp=2", "parallel.cp=2", "parallel.cp_comm=a2a", "parallel.dp=2"],
     ["model=llama3_1b", "parallel.pp=4", "schedule=interleaved_1f1b", "parallel.vpp=2", "parallel.dp=2"],
+    ["model=mixtral_8x7b", "parallel.pp=4", "schedule=zbv", "parallel.dp=2"],
 ], ids=lambda layout: " ".join(layout))
 def test_a_shrunk_layout_keeps_its_split_and_resolves(layout):
     original = resolve(compose_config(["data=synthetic", *layout]), data=False)
