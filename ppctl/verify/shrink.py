@@ -1,10 +1,11 @@
 """``ppctl verify --shrink``: the same layout, schedule and features on the smallest model the layout allows.
 
 What a layout splits keeps its count: layers (the pipeline split and its layout string), attention and
-key/value heads (TP and CP split them), microbatches per step (the schedule), experts and their routing. What
+key/value heads (TP and CP split them), the schedule and its placement, experts and their routing. What
 only makes the model large shrinks: each head to ``HEAD_DIM`` channels (hidden = heads x that), the MLP to twice
 the hidden width (an expert's to the hidden width), the vocabulary to ``VOCAB`` ids of synthetic data (a real tokenizer's ids need its vocabulary), each
-microbatch to one sequence of the shortest length CP and sequence parallelism split evenly. Each change is
+microbatch to one sequence of the shortest length CP and sequence parallelism split evenly, the microbatches
+per step to twice the pipeline ranks (each schedule's fill, steady state and drain, DualPipe's least). Each change is
 returned with the line that says it, so the proof says what it proved.
 """
 
@@ -24,7 +25,8 @@ def shrink_overrides(config: PpctlConfig) -> tuple[list[str], list[str]]:
     model, parallel, trainer = config.model, config.parallel, config.trainer
     hidden = model.num_heads * HEAD_DIM
     sequence = _shortest_sequence(parallel.cp, parallel.tp if parallel.sequence_parallel else 1)
-    microbatches = trainer.global_batch_size // (trainer.micro_batch_size * parallel.dp)
+    before = trainer.global_batch_size // (trainer.micro_batch_size * parallel.dp)
+    microbatches = min(before, max(2 * parallel.pp, 2))  # what every schedule's steady state needs (DualPipe: 2 pp)
     batch = microbatches * parallel.dp
     overrides = [f"model.hidden_size={hidden}", f"model.ffn_hidden_size={2 * hidden}", "data=synthetic",
                  f"model.vocab_size={VOCAB}", "model.make_vocab_size_divisible_by=1", f"trainer.seq_length={sequence}",
@@ -38,8 +40,8 @@ def shrink_overrides(config: PpctlConfig) -> tuple[list[str], list[str]]:
             f"{model.ffn_hidden_size} -> {2 * hidden}",
             f"vocabulary {model.vocab_size} -> {VOCAB} ids of synthetic data",
             f"sequence {trainer.seq_length} -> {sequence} tokens, microbatch {trainer.micro_batch_size} -> 1 "
-            f"sequence, global batch {trainer.global_batch_size} -> {batch} ({microbatches} microbatches per DP rank, "
-            f"as before)",
+            f"sequence, global batch {trainer.global_batch_size} -> {batch} ({before} -> {microbatches} microbatches per "
+            f"DP rank: twice the pipeline ranks, what every schedule needs for its steady state)",
             f"kept: {model.num_layers} layers, the layout, schedule and every other setting"]
     return overrides, said
 

@@ -123,14 +123,17 @@ def draw(rng: random.Random) -> list[str]:
     return overrides + _split(rng, stages, layers)
 
 
-def drawn(seed: int, count: int) -> tuple[list[list[str]], Counter]:
-    """``count`` configurations that validation accepts, drawn from ``seed``, and the refused ones by rule."""
+def drawn(seed: int, count: int, world: int | None = None) -> tuple[list[list[str]], Counter]:
+    """``count`` configurations that validation accepts, drawn from ``seed``, and the refused ones by rule; ``world``:
+    only draws of that many workers are kept (the others are passed over, not counted)."""
     from ppctl.config import ConfigError, compose_config
     from ppctl.config.resolved import resolve
 
     rng, valid, refused = random.Random(seed), [], Counter()
     while len(valid) < count:
         overrides = draw(rng)
+        if world is not None and world_size(overrides) != world:
+            continue
         try:
             resolve(compose_config(overrides))
         except ConfigError as error:

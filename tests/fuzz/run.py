@@ -32,11 +32,13 @@ class Failure:
         return "ppctl verify " + " ".join(shlex.quote(item) for item in self.overrides)
 
 
-def prove(seed: int, count: int, timeout: float = 600) -> tuple[list[list[str]], list[Failure], dict]:
-    """Draw ``count`` configurations from ``seed`` and prove each; (the drawn ones, the failures, the refusals)."""
+def prove(seed: int, count: int, timeout: float = 600,
+          world: int | None = None) -> tuple[list[list[str]], list[Failure], dict]:
+    """Draw ``count`` configurations from ``seed`` (of ``world`` workers only, when given) and prove each; (the
+    drawn ones, the failures, the refusals)."""
     from tests.distributed.equivalence import equivalence_checks, train_in_workers
 
-    runs, refused = drawn(seed, count)
+    runs, refused = drawn(seed, count, world)
     by_world: dict[int, list[int]] = defaultdict(list)
     for index, overrides in enumerate(runs):
         by_world[world_size(overrides)].append(index)
