@@ -1,6 +1,8 @@
 """Session-wide fixtures: the long-lived worker pools of the multi-process tests (tests/harness/pool.py), and the
 backend they run on (tests/harness/backend.py: gloo, or NCCL with ``PPCTL_TEST_BACKEND=nccl``)."""
 
+from pathlib import Path
+
 import pytest
 
 from tests.harness.backend import chosen_backend, gloo_only_reason
@@ -27,9 +29,19 @@ def _folder(item) -> str:
     return item.nodeid.split("/")[1] if item.nodeid.count("/") >= 2 else ""
 
 
+def modules_sharing_a_launch() -> frozenset[str]:
+    """The multi-process and CLI test modules whose tests share a module-scoped fixture (a launch, a worker pool's
+    measurements): each is kept to one pytest process, or every process that runs one of its tests would run the
+    fixture again (``make test`` once launched the Hugging Face round trip and the memory measurements twice)."""
+    root = Path(__file__).resolve().parent
+    return frozenset(str(path.relative_to(root.parent)) for folder in ("cli", "distributed")
+                     for path in (root / folder).glob("test_*.py") if 'scope="module"' in path.read_text())
+
+
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown where it is not installed
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadgroup`` with every test under tests/slurm in one work unit, as their ``xdist_group("slurm")`` asks.
+    """``--dist loadgroup`` with every test under tests/slurm in one work unit, as their ``xdist_group("slurm")`` asks,
+    and each module of ``modules_sharing_a_launch`` in one of its own.
 
     pytest-xdist groups a test by appending ``@group`` to the item's ``_nodeid``, which pytest 9.2 no longer reads
     (a node's id is its ``_id`` there): the group was lost, and each Slurm test went to whichever pytest process was
@@ -38,9 +50,14 @@ def pytest_xdist_make_scheduler(config, log):
         return None  # pytest-xdist's own scheduler
     from xdist.scheduler import LoadGroupScheduling
 
+    together = modules_sharing_a_launch()
+
     class SlurmTogether(LoadGroupScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "slurm" if nodeid.startswith("tests/slurm/") else super()._split_scope(nodeid)
+            if nodeid.startswith("tests/slurm/"):
+                return "slurm"
+            module = nodeid.split("::", 1)[0]
+            return module if module in together else super()._split_scope(nodeid)
 
     return SlurmTogether(config, log)
 

@@ -17,8 +17,8 @@ from tests.cli.conftest import REPO
 pytestmark = [pytest.mark.cli, pytest.mark.timeout(400)]
 
 
-def _verify(ppctl, tmp_path, *args, env=None):
-    result = ppctl("verify", *args, "--steps", "2", "--json", "--out", str(tmp_path / "verify"), env=env)
+def _verify(ppctl, tmp_path, *args, steps=2, env=None):
+    result = ppctl("verify", *args, "--steps", str(steps), "--json", "--out", str(tmp_path / "verify"), env=env)
     return result, (json.loads(result.stdout) if result.stdout.strip() else None)
 
 
@@ -39,7 +39,7 @@ def test_a_shrunk_llama3_8b_layout_is_proven_equal_to_one_process(ppctl, tmp_pat
 def test_a_broken_tensor_parallel_reduction_makes_verify_exit_1_naming_the_grad_norm(ppctl, tmp_path):
     env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "cli" / "defects"), str(REPO)]),
            "PPCTL_TEST_DEFECT": "tp_gradient_not_reduced"}
-    result, report = _verify(ppctl, tmp_path, "data=synthetic", "parallel.tp=2", "parallel.pp=1", env=env)
+    result, report = _verify(ppctl, tmp_path, "data=synthetic", "parallel.tp=2", "parallel.pp=1", steps=1, env=env)
     assert result.returncode == 1, result.stderr[-2000:]
     differing = {row["quantity"] for row in report["rows"] if not row["equal"]}
     assert "grad norm" in differing and not report["equal"]
