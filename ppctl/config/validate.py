@@ -257,6 +257,11 @@ def _check_moe(config: PpctlConfig) -> None:
         return
     require(1 <= moe.topk <= moe.num_experts,
             f"model.moe.topk={moe.topk} must be between 1 and model.moe.num_experts={moe.num_experts}")
+    # s / s is 1 whatever s: the router's gradient is 0, and what it computes is roundoff (fuzz seed 2 found it).
+    require(not (moe.topk == 1 and moe.router_topk_norm and moe.aux_loss_coeff == 0 and moe.z_loss_coeff == 0),
+            "model.moe.router_topk_norm=true with model.moe.topk=1 weighs each token's one expert by 1: without "
+            "model.moe.aux_loss_coeff or z_loss_coeff the router gets no gradient and never trains; set topk >= 2, "
+            "router_topk_norm=false or a router loss")
     require(moe.expert_ffn_hidden_size is None or moe.expert_ffn_hidden_size >= 1,
             f"model.moe.expert_ffn_hidden_size={moe.expert_ffn_hidden_size} must be a positive integer, or unset")
     require(moe.layer_freq >= 1, f"model.moe.layer_freq={moe.layer_freq} must be a positive integer")

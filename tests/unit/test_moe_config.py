@@ -32,6 +32,8 @@ RULES = [
     (dict(model__moe__topk=9), "model.moe.topk=9 must be between 1 and model.moe.num_experts=8"),
     (dict(model__moe__topk=0), "model.moe.topk=0 must be between 1 and model.moe.num_experts=8"),
     (dict(model__moe__num_experts=-1), "model.moe.num_experts=-1 must be >= 0"),
+    (dict(model__moe__topk=1, model__moe__aux_loss_coeff=0.0), "model.moe.router_topk_norm=true with "
+                                                               "model.moe.topk=1 weighs each token's one expert by 1"),
     (dict(model__moe__num_experts=0), "model.moe.router_topk_norm=True is read only with experts: set "
                                       "model.moe.num_experts > 0"),
     (dict(model__moe__expert_ffn_hidden_size=0), "model.moe.expert_ffn_hidden_size=0 must be a positive integer"),
@@ -74,3 +76,21 @@ def test_the_layers_the_settings_route():
     assert shape.layer_ids(8) == (1, 4, 7)
     assert shape.expert_ffn_hidden_size == 48 and shape.shared_ffn_hidden_size == 48
     assert moe_shape_of(compose_config(["model=llama_tiny"]).model) is None
+
+
+@pytest.mark.parametrize("drawn", [
+    # fuzz seed 2 #5 and #15: the router's step-0 gradient was roundoff in both runs (2.5e-1 and 8.2e-1 apart,
+    # relative to a largest element of ~1e-17), as s / s is 1 for a token's one expert
+    ["parallel.dp=2", "model.moe.num_experts=2", "model.moe.shared_experts=1", "optimizer.distributed=true"],
+    ["parallel.pp=4", "schedule=hanayo", "parallel.waves=1", "model.num_layers=16", "model.moe.num_experts=4",
+     "model.moe.expert_bias=true"],
+], ids=["fuzz_seed2_5_dp2_two_experts_top1_normalised", "fuzz_seed2_15_hanayo_pp4_four_experts_top1_normalised"])
+def test_fuzz_seed_2_a_top1_normalised_router_without_a_router_loss_is_refused(drawn):
+    from ppctl.config.resolved import resolve
+
+    overrides = ["model=mixtral_tiny", "data=synthetic", "trainer.global_batch_size=16", *drawn, "model.moe.topk=1",
+                 "model.moe.router_score=sigmoid", "model.moe.router_topk_norm=true", "model.moe.aux_loss_coeff=0.0",
+                 "model.moe.z_loss_coeff=0.0"]
+    with pytest.raises(ConfigError, match="router gets no gradient and never trains"):
+        resolve(compose_config(overrides))
+    resolve(compose_config([*overrides, "model.moe.aux_loss_coeff=0.01"]))  # a router loss trains it: accepted
