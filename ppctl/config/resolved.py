@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Mapping
 
-from ppctl.config.derived import (configured_schedule, layout_of, message_seq_length, nproc_per_node,
-                                  num_microbatches, padded_vocab_size, pipeline_layout_of)
+from ppctl.config.derived import (configured_schedule, layout_of, nproc_per_node, num_microbatches,
+                                  padded_vocab_size, pipeline_layout_of)
 from ppctl.config.schema import ConfigError, PpctlConfig, freeze
 from ppctl.config.validate import validate
 from ppctl.model.family import ModelFamily, model_family
@@ -36,7 +36,6 @@ class Sizes:
     num_microbatches: int      # per DP rank per step
     padded_vocab_size: int     # the embedding's rows, padded for TP (Megatron's rule)
     nproc_per_node: int
-    message_seq_length: int    # tokens of a sequence in one pipeline message (CP's share, SP's share of that)
 
 
 @dataclass(frozen=True)
@@ -109,7 +108,7 @@ def _assemble(config: PpctlConfig, layout: ParallelLayout, split: str | None, la
     sizes = Sizes(world_size=layout.world_size, num_microbatches=num_microbatches(config),
                   padded_vocab_size=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by,
                                                       config.parallel.tp),
-                  nproc_per_node=nproc_per_node(config), message_seq_length=message_seq_length(config))
+                  nproc_per_node=nproc_per_node(config))
     return ResolvedConfig(config=config, layout=layout, pipeline_layout=split,
                           layer_map=MappingProxyType(layers), family=model_family(model.family), sizes=sizes,
                           split_problem=split_problem)
