@@ -14,7 +14,9 @@ tensor into ``tp`` contiguous blocks: rows (dim 0) for column-parallel weights a
 vocabulary, columns (dim 1) for row-parallel weights. The fused QKV weight
 ``[3 * hidden, h]`` is viewed as ``[3, hidden, h]``: each TP rank's heads of q, k and v
 are then one block of dim 1. Vocabulary rows beyond ``vocab_size`` (TP padding) are cut
-off: they are not part of the model.
+off: they are not part of the model. An expert parameter under expert parallelism (``[E / ep, ...]``,
+not split by TP) is block ``ep_rank`` of dim 0, its experts: a checkpoint saved at one ep reads
+back at any other.
 
 A flat range of a row-major tensor is a union of at most ``2 * ndim - 1`` rectangles,
 each itself a contiguous flat range (a partial row, whole rows, a partial row, recursively),
@@ -73,9 +75,12 @@ class CheckpointView:
 
 
 def checkpoint_view(rule: ParameterRule, local_shape: tuple[int, ...], tp_size: int, tp_rank: int,
-                    vocab_size: int) -> CheckpointView:
-    """The checkpoint view of TP rank ``tp_rank``'s shard (shape ``local_shape``) of a parameter of ``rule``."""
+                    vocab_size: int, ep_size: int = 1, ep_rank: int = 0) -> CheckpointView:
+    """The checkpoint view of TP rank ``tp_rank``'s shard (shape ``local_shape``) of a parameter of ``rule``; of an
+    expert parameter, EP rank ``ep_rank``'s experts."""
     view = tuple(local_shape)
+    if rule.experts and ep_size > 1:
+        return CheckpointView(view, (view[0] * ep_size, *view[1:]), 0, ep_rank * view[0])
     if rule.split == QKV_ROWS:
         view = (3, local_shape[0] // 3, *local_shape[1:])
     split_dim = {ROWS: 0, COLUMNS: 1, QKV_ROWS: 1, REPLICATED: None}[rule.split]
@@ -137,12 +142,14 @@ def global_pieces(view: CheckpointView, flat: torch.Tensor, flat_start: int) -> 
 
 
 def parameter_pieces(rule: ParameterRule, tensor: torch.Tensor, tp_size: int, tp_rank: int, vocab_size: int,
-                     flat_start: int = 0, local_shape: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], list[Piece]]:
-    """``(global shape, pieces)`` of a TP shard of a parameter of ``rule``, or of a flat range of it.
+                     flat_start: int = 0, local_shape: tuple[int, ...] | None = None, ep_size: int = 1,
+                     ep_rank: int = 0) -> tuple[tuple[int, ...], list[Piece]]:
+    """``(global shape, pieces)`` of a TP shard (an EP rank's experts) of a parameter of ``rule``, or of a flat range
+    of it.
 
     ``tensor`` is the whole shard (``local_shape`` None), or a 1-D range of its flattened
     elements starting at ``flat_start`` (``local_shape`` is then the shard's shape).
     """
     shape = tuple(tensor.shape) if local_shape is None else tuple(local_shape)
-    view = checkpoint_view(rule, shape, tp_size, tp_rank, vocab_size)
+    view = checkpoint_view(rule, shape, tp_size, tp_rank, vocab_size, ep_size, ep_rank)
     return view.global_shape, global_pieces(view, tensor.view(-1), flat_start)

@@ -106,6 +106,7 @@ def checkpoint_state(trainer, states: dict[str, Any], loading: bool) -> dict[str
     then the objects. ``loading``: every copy of a rectangle is a destination; saving keeps each once."""
     config, context = trainer.config, trainer.context
     tp_size, tp_rank, vocab = context.layout.tp, context.coords["tp"], config.model.vocab_size
+    experts = {"ep_size": context.layout.ep, "ep_rank": context.layout.expert_coords(context.rank)["ep"]}
     rule_for = parameter_rules(config)
     state: dict[str, Any] = {}
     weights = [("model", chunk_state) for chunk_state in states["model"]]
@@ -114,13 +115,13 @@ def checkpoint_state(trainer, states: dict[str, Any], loading: bool) -> dict[str
     for prefix, named in weights:
         for name, tensor in named.items():
             rule = rule_for(name)
-            shape, pieces = parameter_pieces(rule, tensor, tp_size, tp_rank, vocab)
+            shape, pieces = parameter_pieces(rule, tensor, tp_size, tp_rank, vocab, **experts)
             add_pieces(state, f"{prefix}/{checkpoint_name(name, rule)}", shape, pieces, unique=not loading)
     for held in states["optimizer"]["tensors"]:
         for kind, tensor in held.tensors.items():
             rule = rule_for(held.name)
             shape, pieces = parameter_pieces(rule, tensor.detach(), tp_size, tp_rank, vocab,
-                                             flat_start=held.flat_start, local_shape=held.shape)
+                                             flat_start=held.flat_start, local_shape=held.shape, **experts)
             add_pieces(state, f"optimizer/{checkpoint_name(held.name, rule)}/{kind}", shape, pieces,
                        unique=not loading)
     state["optimizer/steps"] = states["optimizer"]["steps"]
@@ -138,6 +139,7 @@ def checkpoint_index(trainer, step: int, reason: str, optimizer_steps: int) -> d
         "saved_at": datetime.datetime.now().isoformat(timespec="seconds"),
         "world_size": layout.world_size,
         "layout": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "dp": layout.dp, "cp": layout.cp,
+                   "ep": layout.ep,
                    "schedule": config.schedule.name, "distributed_optimizer": config.optimizer.distributed},
         "precision": config.trainer.precision,
         "model": {key: getattr(config.model, key) for key in MODEL_KEYS},

@@ -610,6 +610,7 @@ def describe_checkpoint(info, is_latest: bool) -> str:
         return f"step {info.step:>8}  {size:>10}  incomplete: {info.problem}  {info.path}"
     layout = info.index["layout"]
     placement = " ".join(f"{key}={layout[key]}" for key in ("tp", "pp", "vpp", "dp", "cp"))
+    placement += f" ep={layout['ep']}" if layout.get("ep", 1) > 1 else ""
     optimizer = "distributed optimizer" if layout["distributed_optimizer"] else "plain optimizer"
     return (f"step {info.step:>8}  {size:>10}  complete  {placement} {layout['schedule']}, {optimizer}, "
             f"{info.index['precision']}  ({info.index['reason']}){'  latest' if is_latest else ''}  {info.path}")

@@ -13,7 +13,8 @@ import itertools
 
 from ppctl.config import PpctlConfig, message_seq_length, schedule_spec
 from ppctl.config.resolved import ResolvedConfig, stage_counts
-from ppctl.parallel.layout import GROUP_NAMES, ParallelLayout, context_parallel_slices
+from ppctl.model.moe.shape import moe_shape_of
+from ppctl.parallel.layout import ParallelLayout, context_parallel_slices
 from ppctl.plan.balance import balance_summary, layout_string
 from ppctl.plan.memory import config_memory
 
@@ -69,6 +70,7 @@ def layout_report(resolved: ResolvedConfig) -> dict:
         "world_size": layout.world_size,
         "order": layout.order,
         "sizes": {name: layout.sizes[name] for name in ("tp", "cp", "dp", "pp", "vpp")},
+        "experts": experts_report(config, layout),
         "placement": {"stages": list(placement.owners), "copies": placement.copies,
                       "describe": schedule_spec(config).placement_name},
         "sequence": {"seq_length": config.trainer.seq_length, "cp_comm": config.parallel.cp_comm,
@@ -79,6 +81,16 @@ def layout_report(resolved: ResolvedConfig) -> dict:
         "pipeline_layout": layout_string(stage_counts(resolved)),
         "layers": layers,
     }
+
+
+def experts_report(config: PpctlConfig, layout: ParallelLayout) -> dict | None:
+    """The expert view of an MoE model (None for a dense one): the experts per MoE layer, which layers route, and the
+    fold's sizes (``ep``, ``etp``, ``edp``: each rank holds ``num_experts / ep`` consecutive experts)."""
+    moe = moe_shape_of(config.model)
+    if moe is None:
+        return None
+    return {"num_experts": moe.num_experts, "topk": moe.topk, "moe_layers": list(moe.layer_ids(config.model.num_layers)),
+            "ep": layout.ep, "etp": layout.etp, "edp": layout.edp, "per_rank": moe.num_experts // layout.ep}
 
 
 def is_summarised(report: dict) -> bool:
@@ -93,7 +105,12 @@ def rank_entry(layout: ParallelLayout, config: PpctlConfig, rank: int, sequences
     key = coords["cp"], coords["tp"]
     if key not in sequences:
         sequences[key] = sequence_report(config, *key)
-    return {"rank": rank, **coords, **sequences[key], "memory": memory[coords["pp"]]}
+    entry = {"rank": rank, **coords, **sequences[key], "memory": memory[coords["pp"]]}
+    if config.model.moe.num_experts:
+        expert = layout.expert_coords(rank)
+        held = layout.experts_of(rank, config.model.moe.num_experts)
+        entry["expert"] = {"ep": expert["ep"], "edp": expert["edp"], "experts": [held.start, held.stop]}
+    return entry
 
 
 def listed_ranks(layout: ParallelLayout, config: PpctlConfig, memory: list[dict]) -> list[dict]:
@@ -115,7 +132,7 @@ def summarised_groups(layout: ParallelLayout) -> dict:
     """Group name -> ``{count, size, first, last}``: how many groups, their size, and the first and the last
     group, each as ``{head, tail}`` (its first ranks, and its last ones when it has more than fit in head)."""
     summary = {}
-    for name in GROUP_NAMES:
+    for name in layout.group_names:
         first, last = layout.end_group_ranks(name)
         size = layout.group_size(name)
         summary[name] = {"count": layout.group_count(name), "size": size,
@@ -147,6 +164,8 @@ def print_layout(report: dict, resolved: ResolvedConfig) -> None:
     console.print(f"sequence {sequence['seq_length']} tokens  cp={sizes['cp']} (attention: {sequence['cp_comm']})  "
                   f"sequence_parallel={sequence['sequence_parallel']}")
     console.print(f"{sequence['message_tokens']} tokens of each sequence per pipeline message")
+    if report["experts"] is not None:
+        console.print(experts_text(report["experts"]))
     placement = report["placement"]
     copies = f"; {placement['copies']} parameter copies" if placement["copies"] > 1 else ""
     console.print(f"placement ({config.schedule.name}): {placement['describe']}{copies}")
@@ -160,6 +179,17 @@ def print_layout(report: dict, resolved: ResolvedConfig) -> None:
     if report["world_size"] <= MAX_TABLE_RANKS:
         console.print(_ranks_table(report))
     console.print(_layers_table(report))
+
+
+def experts_text(experts: dict) -> str:
+    """``experts: 8 per MoE layer (layers 0-3), top-2; ep=2 etp=1 edp=2: each rank holds 4 ...``."""
+    layers = experts["moe_layers"]
+    span = f"{layers[0]}-{layers[-1]}" if len(layers) > 2 else ", ".join(map(str, layers))
+    folded = (f"; ep={experts['ep']} etp={experts['etp']} edp={experts['edp']} (expert ranks folded etp-ep-edp in "
+              f"each stage): each rank holds {experts['per_rank']} consecutive experts, the ep groups exchange tokens "
+              f"and the edp groups reduce the experts' gradients") if experts["ep"] > 1 else \
+        "; ep=1: every rank holding a layer holds all its experts"
+    return f"experts: {experts['num_experts']} per MoE layer (layers {span}), top-{experts['topk']}{folded}"
 
 
 def pipeline_layout_text(report: dict, resolved: ResolvedConfig) -> str:
@@ -188,8 +218,7 @@ def _groups_table(report: dict):
     table.add_column("group")
     table.add_column("count", justify="right")
     table.add_column("ranks")
-    for name in GROUP_NAMES:
-        groups = report["groups"][name]
+    for name, groups in report["groups"].items():
         shown = " ".join(str(group) for group in groups[:MAX_TABLE_GROUPS])
         if len(groups) > MAX_TABLE_GROUPS:
             shown += f" ... {len(groups) - MAX_TABLE_GROUPS} more"
@@ -205,8 +234,7 @@ def _summarised_groups_table(report: dict):
     table.add_column("count", justify="right")
     table.add_column("size", justify="right")
     table.add_column("first group ... last group")
-    for name in GROUP_NAMES:
-        summary = report["groups"][name]
+    for name, summary in report["groups"].items():
         ends = f"{_ends_text(summary['first'], summary['size'])} ... {_ends_text(summary['last'], summary['size'])}"
         table.add_row(name, f"{summary['count']:,}", f"{summary['size']:,}", ends)
     return table
@@ -225,13 +253,16 @@ def _ranks_table(report: dict):
 
     table = Table(title="rank coordinates",
                   caption="memory: predicted MiB, total (parameters + gradients + optimizer + activations + buffers)")
-    for column in ("rank", "tp", "cp", "dp", "pp"):
+    experts = report["experts"] is not None
+    for column in ("rank", "tp", "cp", "dp", "pp", *(("ep", "edp", "experts") if experts else ())):
         table.add_column(column, justify="right")
     table.add_column("tokens (attention)")
     table.add_column("tokens (norms, residual)")
     table.add_column("memory MiB")
     for entry in report["ranks"]:
-        table.add_row(*(str(entry[key]) for key in ("rank", "tp", "cp", "dp", "pp")),
+        expert = entry.get("expert")
+        held = (str(expert["ep"]), str(expert["edp"]), _ranges_text([expert["experts"]])) if experts else ()
+        table.add_row(*(str(entry[key]) for key in ("rank", "tp", "cp", "dp", "pp")), *held,
                       _ranges_text(entry["tokens"]), _ranges_text(entry["residual_tokens"]),
                       memory_text(entry["memory"]))
     return table

@@ -106,7 +106,7 @@ def layout_of(config: PpctlConfig) -> ParallelLayout:
     try:
         return ParallelLayout(
             tp=parallel.tp, cp=parallel.cp, dp=parallel.dp, pp=parallel.pp, vpp=parallel.vpp, order=parallel.order,
-            placement=placement,
+            placement=placement, ep=parallel.ep, etp=parallel.etp,
         )
     except (LayoutError, PlacementError) as error:
         raise ConfigError(str(error)) from None

@@ -190,6 +190,11 @@ class ParallelConfig(Section):
     sequence_parallel: bool = setting(
         False, "Megatron sequence parallelism (needs tp > 1, seq_length divisible by cp*tp)")
     order: str = setting("tp-cp-dp-pp", "rank order, fastest-varying first (Megatron-Core's convention)")
+    ep: int = setting(
+        1, "expert-parallel size (MoE models): each MoE layer's experts split over `ep` ranks of a pipeline stage, "
+        "tokens exchanged by all-to-all; the stage's tp * cp * dp ranks are folded as etp-ep-edp (Megatron-Core's "
+        "MoE parallel folding), so `ep` divides them and the order ends in pp")
+    etp: int = setting(1, "expert tensor-parallel size (only 1: experts are not split by TP)")
     pipeline_layout: Optional[str] = setting(
         None, "explicit per-stage split in Megatron-LM syntax, e.g. `Ettt|tttt|tttL` or `E(tt|)*3tL` (`t*3` and "
         "`(...)*N` repeat; a stage may be empty); default: even split, `num_layers` divisible by pp*vpp (by pp "

@@ -46,6 +46,7 @@ def validate(config: PpctlConfig, layer_split: bool = True, data: bool = True,
     leaves out the schedule checker (``ppctl plan`` proves only the schedules of the candidates it keeps).
     """
     _check_positive(config)
+    _check_expert_tensor_parallel(config)
     _check_schedule_chunks(config)
     _check_schedule_file(config)
     _check_balance(config)
@@ -179,7 +180,7 @@ def _check_schedule_file(config: PpctlConfig) -> None:
 POSITIVE_FIELDS = {
     "model": ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size", "max_seq_length",
               "make_vocab_size_divisible_by"),
-    "parallel": ("tp", "pp", "vpp", "dp", "cp"),
+    "parallel": ("tp", "pp", "vpp", "dp", "cp", "ep", "etp"),
     "trainer": ("max_steps", "global_batch_size", "micro_batch_size", "seq_length", "log_every", "eval_iters",
                 "keep_last"),
     "launcher": ("nnodes", "timeout_s", "shutdown_timeout_s"),
@@ -249,6 +250,7 @@ def _check_moe(config: PpctlConfig) -> None:
     """``model.moe``: its keys only with experts, each within its range, and no layout MoE cannot run yet."""
     moe, num_layers = config.model.moe, config.model.num_layers
     require(moe.num_experts >= 0, f"model.moe.num_experts={moe.num_experts} must be >= 0 (0: a dense model)")
+    _check_expert_parallel(config)
     if moe.num_experts == 0:
         for item in fields(MoEConfig):
             value = getattr(moe, item.name)
@@ -282,14 +284,33 @@ def _check_moe(config: PpctlConfig) -> None:
     _check_moe_layout(config)
 
 
+def _check_expert_tensor_parallel(config: PpctlConfig) -> None:
+    """``parallel.etp`` is 1 (checked before the layout folds the expert ranks)."""
+    etp = config.parallel.etp
+    require(etp == 1, f"parallel.etp={etp}: expert tensor parallelism is not built; experts run whole on their rank "
+                      "(etp=1)")
+
+
+def _check_expert_parallel(config: PpctlConfig) -> None:
+    """``parallel.ep`` splits a model's experts evenly (the fold of the ranks itself: the layout)."""
+    parallel, experts = config.parallel, config.model.moe.num_experts
+    if parallel.ep == 1:
+        return
+    require(experts > 0, f"parallel.ep={parallel.ep} splits a mixture's experts, but the model has none: set "
+                         "model.moe.num_experts (a preset such as model=mixtral_tiny), or parallel.ep=1")
+    require(experts % parallel.ep == 0, f"model.moe.num_experts={experts} must be divisible by parallel.ep="
+                                        f"{parallel.ep}: each EP rank holds an equal share of every MoE layer's experts")
+
+
 def _check_moe_layout(config: PpctlConfig) -> None:
     """What MoE does not run with yet: TP, CP, SP (their token statistics reduce with expert parallelism), a stream of
     steps (its per-step routing statistics reduce over every rank), a Hugging Face folder to start from."""
     parallel, experts = config.parallel, f"model.moe.num_experts={config.model.moe.num_experts}"
     for name, value, single in (("tp", parallel.tp, 1), ("cp", parallel.cp, 1),
                                 ("sequence_parallel", parallel.sequence_parallel, False)):
-        require(value == single, f"parallel.{name}={value} with {experts}: MoE runs at tp=1 cp=1 until expert "
-                                 f"parallelism lands (issue 45)")
+        require(value == single, f"parallel.{name}={value} with {experts}: MoE runs at tp=1 cp=1 without sequence "
+                                 f"parallelism (their token exchange with the experts is not built); use parallel.ep "
+                                 f"and parallel.dp")
     require(not schedule_spec(config).streams_steps,
             f"schedule {config.schedule.name} streams steps with no barrier between them, but {experts} reduces its "
             f"routing statistics (expert load, bias) over every rank after each step; choose another schedule")

@@ -24,6 +24,7 @@ from ppctl.model.kv_cache import KVCache
 from ppctl.model.recompute import Recompute
 from ppctl.model.rules import attach_rules, initialise
 from ppctl.parallel.context_parallel import CPGroup
+from ppctl.parallel.expert_parallel import EPGroup
 from ppctl.parallel.tensor_parallel import (
     ColumnParallelLinear,
     TPGroup,
@@ -47,16 +48,18 @@ class DecoderChunk(DefersWeightGrads, nn.Module):
     ``recompute``: which of its layers run their forward again in the backward
     (``ppctl.model.recompute``; the same numbers, less memory). ``config`` is the family's
     shape (``num_layers``, ``hidden_size``, ``padded_vocab_size``, ``vocab_size``, ``tie_embeddings``, and ``moe``: the
-    ``MoEShape`` that makes some layers' MLP routed experts, or None).
+    ``MoEShape`` that makes some layers' MLP routed experts, or None). ``ep``: the expert-parallel group its MoE
+    layers split their experts over (one rank by default).
     """
 
     def __init__(self, config, layer_ids: Sequence[int], pre_process: bool, post_process: bool,
                  tp: TPGroup, seed: int | None, dtype: torch.dtype = torch.float32, cp: CPGroup | None = None,
-                 recompute: Recompute = Recompute()):
+                 recompute: Recompute = Recompute(), ep: EPGroup | None = None):
         super().__init__()
         self.check_tp_divides(config, tp.size)
         self.layer_ids = _checked_layer_ids(layer_ids, config.num_layers)
         self.config, self.tp, self.cp = config, tp, cp or CPGroup.single()
+        self.ep = ep or EPGroup.single()
         self.recompute = recompute
         self.pre_process, self.post_process = pre_process, post_process
         self.shares_output_weight = pre_process and post_process and config.tie_embeddings
@@ -119,8 +122,8 @@ class DecoderChunk(DefersWeightGrads, nn.Module):
         return self.make_moe_mlp(dtype) if moe is not None and moe.is_moe_layer(layer_id) else None
 
     def reset_parameters(self, seed: int) -> None:
-        """Fill every parameter with this TP rank's slice of its layout-independent dense value."""
-        initialise(self, seed, self.config, self.tp)
+        """Fill every parameter with this rank's slice (TP, and EP's experts) of its layout-independent dense value."""
+        initialise(self, seed, self.config, self.tp, self.ep)
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None) -> torch.Tensor:

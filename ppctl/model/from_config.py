@@ -30,8 +30,8 @@ def model_shape(config: PpctlConfig):
 
 
 def build_chunk(config: PpctlConfig, layer_ids, pre_process: bool, post_process: bool, tp, cp=None,
-                recompute: Recompute | None = None, load_init_from: bool = True):
-    """One stage chunk of the configured model on this TP (and CP) rank, initialised from ``trainer.seed``, or
+                recompute: Recompute | None = None, load_init_from: bool = True, ep=None):
+    """One stage chunk of the configured model on this TP (and CP, EP) rank, initialised from ``trainer.seed``, or
     from the Hugging Face folder ``model.init_from`` (this rank's slices only) unless ``load_init_from`` is False
     (a run that resumes reads its checkpoint instead); ``recompute``: what it recomputes (default: as
     configured)."""
@@ -40,7 +40,7 @@ def build_chunk(config: PpctlConfig, layer_ids, pre_process: bool, post_process:
     reads_hf = bool(config.model.init_from and load_init_from)
     seed = None if reads_hf else config.trainer.seed  # every parameter is read: no random dense values drawn
     chunk = family.chunk_class()(shape, layer_ids, pre_process, post_process, tp, seed, parameter_dtype(config), cp,
-                                 recompute_of(config) if recompute is None else recompute)
+                                 recompute_of(config) if recompute is None else recompute, ep)
     if reads_hf:
         load_hf_weights(chunk, config.model.init_from, hf_format_of(family), shape, tp)
     return chunk

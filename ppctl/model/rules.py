@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ppctl.parallel.expert_parallel import EPGroup
 from ppctl.parallel.tensor_parallel import TPGroup
 
 REPLICATED = "replicated"   # every TP rank holds the whole tensor (and the same gradient)
@@ -37,9 +38,9 @@ class ParameterRule:
     separately), ``ones`` or ``zeros``. ``tied_to``: the parameter it is a copy of (a tied output layer
     is the word embedding): it starts equal to it and is saved under its name. ``embedding``: a lookup or
     output table (no weight decay unless ``optimizer.decay_embeddings``). ``experts``: dim 0 is a mixture's
-    expert dimension (``ppctl.model.moe``): expert parallelism will split it over the EP ranks and reduce its
-    gradient over the expert-data-parallel group; without it (ep=1) every rank holds every expert and the
-    gradient reduces over data parallelism like a dense weight's.
+    expert dimension (``ppctl.model.moe``): expert parallelism splits it over the EP ranks and reduces its
+    gradient over the expert-data-parallel group (``expert_replica``); at ep=1 every rank holds every expert and
+    the gradient reduces over data parallelism like a dense weight's.
     """
 
     split: str
@@ -95,9 +96,12 @@ def normal_tensor(shape: tuple[int, ...], std: float, seed: int, name: str) -> t
     return torch.randn(shape, generator=generator, dtype=torch.float32) * std
 
 
-def dense_shape(rule: ParameterRule, local_shape: torch.Size, tp: TPGroup) -> tuple[int, ...]:
-    """The tp=1 shape of a parameter whose local shard on a TP rank has ``local_shape``."""
+def dense_shape(rule: ParameterRule, local_shape: torch.Size, tp: TPGroup,
+                ep: EPGroup = EPGroup.single()) -> tuple[int, ...]:
+    """The tp=1 (and ep=1) shape of a parameter whose local shard on a TP (and EP) rank has ``local_shape``."""
     shape = list(local_shape)
+    if rule.experts:
+        shape[0] *= ep.size
     if rule.split in (ROWS, QKV_ROWS):
         shape[0] *= tp.size
     elif rule.split == COLUMNS:
@@ -105,8 +109,13 @@ def dense_shape(rule: ParameterRule, local_shape: torch.Size, tp: TPGroup) -> tu
     return tuple(shape)
 
 
-def dense_to_tp_shard(rule: ParameterRule, dense: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """This TP rank's slice of the dense (tp=1) tensor of a parameter (or of its gradient)."""
+def dense_to_tp_shard(rule: ParameterRule, dense: torch.Tensor, tp: TPGroup,
+                      ep: EPGroup = EPGroup.single()) -> torch.Tensor:
+    """This TP rank's slice of the dense (tp=1) tensor of a parameter (or of its gradient); of an expert
+    parameter, the experts EP rank ``ep.rank`` holds (experts are not split by TP)."""
+    if rule.experts and ep.size > 1:
+        experts = ep.local_experts(dense.shape[0])
+        return dense[experts.start:experts.stop]
     if rule.split == ROWS:
         return tp.shard(dense, dim=0)
     if rule.split == COLUMNS:
@@ -141,9 +150,10 @@ def dense_parameter(name: str, rule: ParameterRule, shape: tuple[int, ...], seed
 
 
 @torch.no_grad()
-def initialise(module: torch.nn.Module, seed: int, model, tp: TPGroup) -> None:
-    """Fill every parameter of ``module`` with this TP rank's slice of its layout-independent dense value."""
+def initialise(module: torch.nn.Module, seed: int, model, tp: TPGroup, ep: EPGroup = EPGroup.single()) -> None:
+    """Fill every parameter of ``module`` with this rank's slice (TP; EP's experts) of its layout-independent
+    dense value."""
     for name, param in module.named_parameters():
         rule = rule_of(param)
-        dense = dense_parameter(name, rule, dense_shape(rule, param.shape, tp), seed, model)
-        param.copy_(dense_to_tp_shard(rule, dense, tp))
+        dense = dense_parameter(name, rule, dense_shape(rule, param.shape, tp, ep), seed, model)
+        param.copy_(dense_to_tp_shard(rule, dense, tp, ep))

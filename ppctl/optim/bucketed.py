@@ -11,9 +11,11 @@ layout: ``grad_data`` (fp32 main gradients) and ``param_data`` (the parameters
 themselves: each ``param.data`` becomes a view into it). Parameters are laid out in
 roughly the order the backward finishes them (last stage first, last layer first) and
 grouped into buckets of about ``bucket_size`` elements, each padded to split evenly over
-the D ranks of the ``replica`` group (``dp_cp``, and with DualPipe's two parameter
-copies the mirror pp rank too: the same parameters, other microbatches); rank i owns
-the i-th of the D equal shards of every bucket (unsharded: D is 1, every rank owns all).
+the D ranks of its reduction group: the ``replica`` group (``dp_cp``, and with DualPipe's two
+parameter copies the mirror pp rank too: the same parameters, other microbatches), or for the
+experts of an expert-parallel run the ``expert_replica`` group (the ranks holding the same
+experts); a bucket holds parameters of one group only. Rank i owns the i-th of the D equal
+shards of every bucket (unsharded: D is 1, every rank owns all).
 
 A step.
 1. Each parameter's gradient is added into its fp32 slot as autograd accumulates it
@@ -50,6 +52,11 @@ from ppctl.optim.grads import (AdamWStateful, StateTensors, adam_state, adamw, a
 from ppctl.parallel.tensor_parallel import all_gather_single, reduce_scatter_single
 
 
+# A bucket's kind -> the context group that reduces it: dense parameters over the replicas, an expert-parallel run's
+# experts over the ranks holding the same experts.
+REDUCTION_GROUPS = {"dense": "replica", "experts": "expert_replica"}
+
+
 def _weakly_bound(method):
     """``method`` called through a weak reference to its object: a no-op once the object is gone.
 
@@ -80,21 +87,35 @@ class Slot:
     microbatches_seen: int = 0
 
 
+@dataclass(frozen=True)
+class ReductionGroup:
+    """The ranks a bucket's gradients are summed over: ``group`` (None: this rank alone), and this rank's shard of
+    each bucket, ``shard_rank`` of ``num_shards`` (1 unsharded)."""
+
+    group: object | None
+    num_shards: int
+    shard_rank: int
+
+
 @dataclass
 class Bucket:
-    """Buffer elements ``[start, end)`` (padded to a multiple of the ``replica`` size) and the parameters in it."""
+    """Buffer elements ``[start, end)`` (padded to a multiple of its group's shards), the parameters in it, and the
+    group that reduces them (``ReductionGroup``)."""
 
     index: int
     start: int
     end: int
     slots: list[Slot]
+    reduction: ReductionGroup = ReductionGroup(None, 1, 0)
     pending: int = 0                 # parameters still waiting for a microbatch's gradient this step
     grad_work: object | None = None  # the reduce-scatter in flight
     param_work: object | None = None  # the all-gather in flight
     launched: bool = False
 
-    def shard(self, shard_rank: int, num_shards: int) -> tuple[int, int]:
-        """The buffer range this bucket's shard ``shard_rank`` covers."""
+    def shard(self, shard_rank: int | None = None, num_shards: int | None = None) -> tuple[int, int]:
+        """The buffer range this bucket's shard ``shard_rank`` of ``num_shards`` covers (default: this rank's)."""
+        if shard_rank is None:
+            shard_rank, num_shards = self.reduction.shard_rank, self.reduction.num_shards
         size = (self.end - self.start) // num_shards
         return self.start + shard_rank * size, self.start + (shard_rank + 1) * size
 
@@ -135,16 +156,23 @@ def tied_copies(chunks: Mapping[int, torch.nn.Module], context) -> list[torch.nn
     return copies if len(copies) > 1 or context.size("embedding") > 1 else []
 
 
-def plan_buckets(sizes: list[int], late: list[bool], bucket_size: int, num_shards: int) -> list[tuple[int, int, list[int]]]:
-    """Group parameters (in order) into buckets: ``(start, end, parameter indices)``, each padded to ``num_shards``.
+def plan_buckets(sizes: list[int], late: list[bool], bucket_size: int, num_shards: int | Mapping[str, int],
+                 kinds: list[str] | None = None) -> list[tuple[int, int, list[int]]]:
+    """Group parameters (in order) into buckets: ``(start, end, parameter indices)``, each padded to ``num_shards``
+    (with ``kinds``, each parameter's reduction group: a bucket holds one kind, padded to ``num_shards[kind]``).
 
-    A bucket closes once it holds ``bucket_size`` elements; the ``late`` parameters
-    (tied embedding copies) form the last bucket on their own.
+    A bucket closes once it holds ``bucket_size`` elements, or before a parameter of another kind; the ``late``
+    parameters (tied embedding copies) form the last bucket on their own.
     """
+    kinds = kinds or [""] * len(sizes)
+    shards = num_shards if isinstance(num_shards, Mapping) else {kind: num_shards for kind in kinds}
     groups, current, current_size = [], [], 0
     for index, size in enumerate(sizes):
         if late[index]:
             continue
+        if current and kinds[current[-1]] != kinds[index]:
+            groups.append(current)
+            current, current_size = [], 0
         current.append(index)
         current_size += size
         if current_size >= bucket_size:
@@ -153,8 +181,8 @@ def plan_buckets(sizes: list[int], late: list[bool], bucket_size: int, num_shard
     groups += [group for group in (current, [i for i, is_late in enumerate(late) if is_late]) if group]
     buckets, start = [], 0
     for group in groups:
-        used = sum(sizes[index] for index in group)
-        end = start + math.ceil(used / num_shards) * num_shards
+        used, group_shards = sum(sizes[index] for index in group), shards[kinds[group[0]]]
+        end = start + math.ceil(used / group_shards) * group_shards
         buckets.append((start, end, group))
         start = end
     return buckets
@@ -173,10 +201,8 @@ class BucketedOptimizer(AdamWStateful):
                  sharded: bool, decays=None):
         self.chunks, self.context, self.settings = chunks, context, settings
         self.num_microbatches = num_microbatches
-        self.group = context.groups["replica"] if context.size("replica") > 1 else None
         self.sharded = sharded
-        self.num_shards, self.shard_rank = ((max(context.size("replica"), 1), context.index("replica")) if sharded
-                                            else (1, 0))
+        self.reductions = {kind: self._reduction_group(name) for kind, name in REDUCTION_GROUPS.items()}
         # DualPipe's second parameter copy: its elements are the first copy's, counted once in the norm.
         copy_of = context.layout.placement.copy_of
         self.second_copy = {id(param) for stage, chunk in chunks.items() if copy_of(stage)
@@ -194,18 +220,33 @@ class BucketedOptimizer(AdamWStateful):
 
     # --- layout ---------------------------------------------------------------------------
 
+    def _reduction_group(self, name: str) -> ReductionGroup:
+        """The ``ReductionGroup`` of the context's group ``name`` (``replica`` or ``expert_replica``)."""
+        if name not in self.context.group_ranks or self.context.size(name) <= 1:
+            return ReductionGroup(None, 1, 0)
+        group = self.context.groups[name]
+        return ReductionGroup(group, self.context.size(name), self.context.index(name)) if self.sharded else \
+            ReductionGroup(group, 1, 0)
+
+    def _kind_of(self, param: torch.nn.Parameter) -> str:
+        """``experts`` for an expert parameter split by expert parallelism (reduced over its edp ranks), else
+        ``dense``."""
+        return "experts" if rule_of(param).experts and self.context.layout.ep > 1 else "dense"
+
     def _build_buffers(self, named: list[tuple[str, torch.nn.Parameter, bool]]) -> None:
         """Lay the parameters out in buckets; move every parameter into ``param_data``."""
         tied_ids = {id(param) for param in self.tied}
+        kinds = [self._kind_of(param) for _, param, _ in named]
         plan = plan_buckets([param.numel() for _, param, _ in named], [id(param) in tied_ids for _, param, _ in named],
-                            self.settings.bucket_size, self.num_shards)
+                            self.settings.bucket_size,
+                            {kind: reduction.num_shards for kind, reduction in self.reductions.items()}, kinds)
         total = plan[-1][1] if plan else 0
         device, dtype = named[0][1].device, named[0][1].dtype
         self.grad_data = torch.zeros(total, dtype=torch.float32 if dtype != torch.float64 else dtype, device=device)
         self.param_data = torch.zeros(total, dtype=dtype, device=device)
         self.slots, self.buckets, self.slot_of = [], [], {}
         for index, (start, end, members) in enumerate(plan):
-            bucket = Bucket(index, start, end, [])
+            bucket = Bucket(index, start, end, [], self.reductions[kinds[members[0]]])
             offset = start
             for member in members:
                 name, param, sequence_parallel = named[member]
@@ -222,7 +263,7 @@ class BucketedOptimizer(AdamWStateful):
         """This rank's shard of every bucket, cut at parameter boundaries, each with an fp32 main copy."""
         pieces = []
         for bucket in self.buckets:
-            shard_start, shard_end = bucket.shard(self.shard_rank, self.num_shards)
+            shard_start, shard_end = bucket.shard()
             for slot in bucket.slots:
                 start, end = max(slot.start, shard_start), min(slot.end, shard_end)
                 if start < end:
@@ -275,14 +316,13 @@ class BucketedOptimizer(AdamWStateful):
             self.next_launch += 1
 
     def _reduce_scatter(self, bucket: Bucket) -> None:
-        """Sum the bucket over the replicas in the background: into this rank's shard, or all of it unsharded."""
-        data = self.grad_data[bucket.start:bucket.end]
-        if self.group is not None and self.sharded:
-            start, end = bucket.shard(self.shard_rank, self.num_shards)
-            bucket.grad_work = reduce_scatter_single(self.grad_data[start:end], data, group=self.group,
-                                                     async_op=True)
-        elif self.group is not None:
-            bucket.grad_work = dist.all_reduce(data, group=self.group, async_op=True)
+        """Sum the bucket over its replicas in the background: into this rank's shard, or all of it unsharded."""
+        data, group = self.grad_data[bucket.start:bucket.end], bucket.reduction.group
+        if group is not None and self.sharded:
+            start, end = bucket.shard()
+            bucket.grad_work = reduce_scatter_single(self.grad_data[start:end], data, group=group, async_op=True)
+        elif group is not None:
+            bucket.grad_work = dist.all_reduce(data, group=group, async_op=True)
         bucket.launched = True
 
     def finish_grad_sync(self) -> None:
@@ -322,16 +362,22 @@ class BucketedOptimizer(AdamWStateful):
         return math.sqrt(float(squares.item()))
 
     def local_grad_squares(self) -> torch.Tensor:
-        """The sum of squares of this rank's share of the gradient (float64 scalar; no communication)."""
-        return sum_of_squares([piece.main.grad for piece in self.pieces if self._counted(piece.slot)],
-                              self.grad_data.device)
+        """The sum of squares of this rank's share of the gradient (float64 scalar; unsharded with expert
+        parallelism, the experts' squares are first summed over the ep group, whose ranks hold different ones)."""
+        dense, experts = (sum_of_squares([piece.main.grad for piece in self.pieces
+                                          if self._counted(piece.slot) and self._kind_of(piece.slot.param) == kind],
+                                         self.grad_data.device) for kind in REDUCTION_GROUPS)
+        if not self.sharded and self.context.layout.ep > 1:
+            experts = experts.reshape(1)
+            dist.all_reduce(experts, group=self.context.groups["ep"])
+        return dense + experts.reshape(())
 
     def sum_grad_squares(self, squares: torch.Tensor) -> None:
         """Sum ``local_grad_squares`` values (any shape, float64) over the ranks that share the model, in place."""
         if self.sharded:
             dist.all_reduce(squares)  # the shards partition the whole model over all ranks
         elif self.context.size("tp_pp") > 1:
-            dist.all_reduce(squares, group=self.context.groups["tp_pp"])  # every dp_cp replica holds it all
+            dist.all_reduce(squares, group=self.context.groups["tp_pp"])  # every dp_cp replica holds the rest
 
     def _counted(self, slot: Slot) -> bool:
         if rule_of(slot.param).tp_replicated and self.context.coords["tp"] != 0:
@@ -355,10 +401,11 @@ class BucketedOptimizer(AdamWStateful):
         for piece in self.pieces:
             self.param_data[piece.start:piece.end].copy_(piece.main)
         for bucket in self.buckets:
-            start, end = bucket.shard(self.shard_rank, self.num_shards)
-            if self.group is not None and self.sharded:
+            start, end = bucket.shard()
+            if bucket.reduction.group is not None and self.sharded:
                 bucket.param_work = all_gather_single(self.param_data[bucket.start:bucket.end],
-                                                      self.param_data[start:end], group=self.group, async_op=True)
+                                                      self.param_data[start:end], group=bucket.reduction.group,
+                                                      async_op=True)
         if not self.settings.overlap_param_gather:
             self.sync_parameters()
 
@@ -399,16 +446,18 @@ class BucketedOptimizer(AdamWStateful):
                                          ("parameter all-gather", self.settings.overlap_param_gather)) if on]
         copies = self.context.layout.placement.copies
         over = "dp*cp ranks" if copies == 1 else f"ranks (dp*cp x {copies} parameter copies)"
-        return (f"optimizer: distributed over {self.num_shards} {over}, {buckets}"
+        if self.context.layout.ep > 1:
+            over += f", experts over {self.reductions['experts'].num_shards} edp ranks"
+        return (f"optimizer: distributed over {self.reductions['dense'].num_shards} {over}, {buckets}"
                 + (f", overlapped {' and '.join(overlap)}" if overlap else ""))
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's reduced gradient, gathered from the shards (for tests and debugging; collective)."""
         full = self.grad_data.clone()
-        if self.group is not None and self.sharded:
-            for bucket in self.buckets:
-                start, end = bucket.shard(self.shard_rank, self.num_shards)
-                all_gather_single(full[bucket.start:bucket.end], full[start:end].clone(), group=self.group)
+        for bucket in self.buckets:
+            if bucket.reduction.group is not None and self.sharded:
+                start, end = bucket.shard()
+                all_gather_single(full[bucket.start:bucket.end], full[start:end].clone(), group=bucket.reduction.group)
         return {slot.name: full[slot.start:slot.end].view_as(slot.param).to(slot.param.dtype) for slot in self.slots}
 
     def state_bytes(self) -> int:

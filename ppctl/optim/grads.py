@@ -6,11 +6,13 @@ TP rank saw only its tokens), once per step over the ``replica`` group (each ran
 is already divided by the global batch's token count, so a SUM gives the full-batch
 gradient: CP ranks hold different tokens of the same sequences, DP ranks different
 sequences, DualPipe's mirror pp rank the other parameter copy, fed the other half of
-the microbatches), and across the ``embedding`` group for word embeddings tied between the
-first and last stage.
+the microbatches), expert-parallel experts over ``expert_replica`` instead (the ranks holding the
+same experts: the token exchange already brought each expert every gradient of its ep group's
+tokens), and across the ``embedding`` group for word embeddings tied between the first and last stage.
 The global norm counts every parameter exactly once: TP-replicated parameters on TP
 rank 0 only, a tied output weight only on the first stage, every PP stage included,
-DualPipe's second copy left out.
+DualPipe's second copy left out, expert-parallel experts summed over the ep group (each of its
+ranks holds other experts).
 """
 
 from __future__ import annotations
@@ -167,10 +169,18 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
 def finalize_gradients(chunks: Mapping[int, torch.nn.Module], context) -> None:
     """Reduce gradients once per step: SP's token shares, DP/CP replicas, then the copies of tied embeddings."""
     reduce_sequence_parallel_gradients(chunks, context)
-    grads = [param.grad for chunk in chunks.values() for param in chunk.parameters() if param.grad is not None]
-    if context.size("replica") > 1:  # dp x cp (and DualPipe's mirror rank: the other parameter copy)
-        all_reduce_coalesced(grads, context.groups["replica"])
+    grads = [param for chunk in chunks.values() for param in chunk.parameters() if param.grad is not None]
+    for name in ("replica", "expert_replica"):  # dp x cp (and DualPipe's mirror rank: the other parameter copy)
+        reduced = [param.grad for param in grads if reduction_group_name(param, context) == name]
+        if reduced and context.size(name) > 1:
+            all_reduce_coalesced(reduced, context.groups[name])
     reduce_tied_embeddings(chunks, context)
+
+
+def reduction_group_name(param: torch.Tensor, context) -> str:
+    """The group that sums ``param``'s gradient over its copies: ``expert_replica`` for an expert split by expert
+    parallelism, else ``replica``."""
+    return "expert_replica" if rule_of(param).experts and context.layout.ep > 1 else "replica"
 
 
 def reduce_sequence_parallel_gradients(chunks: Mapping[int, torch.nn.Module], context) -> None:
@@ -211,8 +221,8 @@ def tied_output_copy(chunk: torch.nn.Module) -> torch.nn.Parameter | None:
     return None if chunk.pre_process else chunk.embedding_weight_for_tying()
 
 
-def counted_once(chunks: Mapping[int, torch.nn.Module], context) -> list[torch.Tensor]:
-    """The gradients this rank contributes to the global norm (each parameter counted once).
+def counted_once(chunks: Mapping[int, torch.nn.Module], context) -> list[torch.nn.Parameter]:
+    """The parameters whose gradients this rank contributes to the global norm (each counted once).
 
     Left out: TP-replicated parameters off TP rank 0, the tied output copy of the word
     embedding, and DualPipe's second parameter copy.
@@ -229,13 +239,20 @@ def counted_once(chunks: Mapping[int, torch.nn.Module], context) -> list[torch.T
                 continue
             if param is tied_copy:
                 continue  # the tied copy of the word embedding: counted on the first stage
-            grads.append(param.grad)
+            grads.append(param)
     return grads
 
 
 def global_grad_norm(chunks: Mapping[int, torch.nn.Module], context) -> float:
     """L2 norm of the full model's gradient, identical on every rank."""
-    squares = sum_of_squares(counted_once(chunks, context), context.device).to(context.device).reshape(1)
+    counted = counted_once(chunks, context)
+    dense, experts = ([param.grad for param in counted if reduction_group_name(param, context) == name]
+                      for name in ("replica", "expert_replica"))
+    squares = sum_of_squares(dense, context.device).to(context.device).reshape(1)
+    if context.layout.ep > 1:
+        expert_squares = sum_of_squares(experts, context.device).to(context.device).reshape(1)
+        dist.all_reduce(expert_squares, group=context.groups["ep"])
+        squares += expert_squares
     if context.size("tp_pp") > 1:
         dist.all_reduce(squares, group=context.groups["tp_pp"])
     return math.sqrt(float(squares.item()))

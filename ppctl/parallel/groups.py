@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from ppctl.parallel.layout import DIMENSIONS, GROUP_NAMES, ParallelLayout
+from ppctl.parallel.layout import ParallelLayout
 
 
 @dataclass
@@ -58,10 +58,11 @@ def build_parallel_context(layout: ParallelLayout, timeout_s: float, device: str
         )
     timeout = datetime.timedelta(seconds=timeout_s)
     groups, group_ranks = {}, {}
-    for name in GROUP_NAMES:
+    for name in layout.group_names:
         group_ranks[name] = layout.group_of(name, rank)
-        if name == "replica" and layout.placement.copies == 1:
-            groups[name] = groups["dp_cp"]  # one model copy: the replicas are dp x cp; no second group
+        if name in ("replica", "expert_replica") and layout.placement.copies == 1:
+            # one model copy: the replicas are dp x cp (the experts' edp); no second group
+            groups[name] = groups["dp_cp" if name == "replica" else "edp"]
             continue
         groups[name] = _new_groups(layout.groups(name), rank, timeout)
     context = ParallelContext(layout, rank, layout.coords(rank), groups, group_ranks,
@@ -103,7 +104,7 @@ def verify_group_membership(context: ParallelContext) -> None:
 
 
 def warm_up_communicators(context: ParallelContext) -> None:
-    """One collective on each of this rank's groups, in ``GROUP_NAMES`` order on every rank, then one batched
+    """One collective on each of this rank's groups, in ``group_names`` order on every rank, then one batched
     exchange with each pipeline neighbour.
 
     NCCL creates a communicator lazily at its first use; done here, before step 0, every one
@@ -114,7 +115,7 @@ def warm_up_communicators(context: ParallelContext) -> None:
     import torch
 
     done = set()
-    for name in GROUP_NAMES:
+    for name in context.layout.group_names:
         group = context.groups[name]
         if group is None or id(group) in done or context.size(name) <= 1:
             continue

@@ -13,6 +13,12 @@ pipeline stage -> pp rank, and the model copies), which the schedule decides and
 The layout builds on it what depends on where a stage runs: the layer map, the
 ``embedding`` group (the ranks holding the embedding and the output layer) and the
 ``replica`` group (with DualPipe's two copies, the mirror pp rank too).
+
+With expert parallelism (``ep > 1``) the same ranks have a second view for the experts, Megatron-Core's "MoE
+parallel folding": the ranks of each pipeline stage, in the dense order, are re-read as ``etp-ep-edp`` (expert
+tensor parallel fastest), so the pipeline groups are the dense ones. The ``ep`` groups exchange tokens; the ``edp``
+groups (``expert_replica`` with DualPipe's mirror rank) hold the same experts and reduce their gradients. A stage's
+ranks must be consecutive for the fold: with ``ep > 1`` the order must end in ``pp``.
 """
 
 from __future__ import annotations
@@ -42,6 +48,11 @@ GROUP_DIMENSIONS: dict[str, tuple[str, ...]] = {
 # ``embedding``: the ranks holding copies of a tied word embedding; ``replica``: the ranks holding
 # the same parameters (dp x cp, and with DualPipe's two model copies the mirror pp rank too).
 GROUP_NAMES = (*GROUP_DIMENSIONS, "embedding", "replica")
+# The expert view's groups (only with ep > 1): ``ep`` (the ranks a layer's experts are split over, which exchange
+# tokens), ``edp`` (the ranks holding the same experts) and ``expert_replica`` (edp, and with DualPipe's two model
+# copies the mirror pp rank's edp group too: every rank holding those experts' parameters).
+EXPERT_GROUP_NAMES = ("ep", "edp", "expert_replica")
+EXPERT_FOLD = ("etp", "ep", "edp")  # fastest first, within a pipeline stage
 
 
 class LayoutError(ValueError):
@@ -74,9 +85,11 @@ class ParallelLayout:
     vpp: int = 1
     order: str = DEFAULT_ORDER
     placement: Placement | None = None
+    ep: int = 1
+    etp: int = 1
 
     def __post_init__(self) -> None:
-        for name in (*DIMENSIONS, "vpp"):
+        for name in (*DIMENSIONS, "vpp", "ep", "etp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"parallel.{name}={value!r} must be a positive integer")
@@ -88,6 +101,74 @@ class ParallelLayout:
         problem = self.placement.problem(self.pp, self.vpp)
         if problem is not None:
             raise LayoutError(problem)
+        self._check_expert_fold()
+
+    def _check_expert_fold(self) -> None:
+        """The expert view exists: each stage's ranks consecutive, and ``etp * ep`` dividing them."""
+        if self.ep * self.etp == 1:
+            return
+        if self.dims[-1] != "pp":
+            raise LayoutError(f"parallel.order={self.order!r} must end in pp with parallel.ep={self.ep}: expert groups "
+                              "fold each pipeline stage's ranks (etp-ep-edp, as Megatron-Core), which must be consecutive")
+        if self.stage_ranks % (self.ep * self.etp):
+            raise LayoutError(f"parallel.ep={self.ep} * parallel.etp={self.etp} must divide the {self.stage_ranks} ranks "
+                              f"of a pipeline stage (tp * cp * dp) it folds over")
+
+    @property
+    def group_names(self) -> tuple[str, ...]:
+        """The kinds of group this layout has: ``GROUP_NAMES``, and with ``ep > 1`` the expert view's."""
+        return GROUP_NAMES + EXPERT_GROUP_NAMES if self.ep > 1 else GROUP_NAMES
+
+    @property
+    def stage_ranks(self) -> int:
+        """The ranks of one pipeline stage: tp * cp * dp."""
+        return self.tp * self.cp * self.dp
+
+    @property
+    def edp(self) -> int:
+        """The expert-data-parallel size: the ranks of a stage holding the same experts."""
+        return self.stage_ranks // (self.ep * self.etp)
+
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        """Coordinates ``{etp, ep, edp, pp}`` of a global rank in the expert view."""
+        index, pp_rank = rank % self.stage_ranks, self.coords(rank)["pp"]
+        return {"etp": index % self.etp, "ep": index // self.etp % self.ep, "edp": index // (self.etp * self.ep),
+                "pp": pp_rank}
+
+    def expert_rank(self, etp: int = 0, ep: int = 0, edp: int = 0, pp: int = 0) -> int:
+        """Global rank of the given expert-view coordinates."""
+        return pp * self.stage_ranks + etp + self.etp * (ep + self.ep * edp)
+
+    def _expert_sizes(self) -> dict[str, int]:
+        return {"etp": self.etp, "ep": self.ep, "edp": self.edp, "pp": self.pp}
+
+    def _expert_group_of(self, name: str, rank: int) -> list[int]:
+        coords = self.expert_coords(rank)
+        if name == "expert_replica":
+            return sorted(member for pp_rank in self.replica_pp_ranks(coords["pp"])
+                          for member in self._expert_group_of("edp", self.expert_rank(**{**coords, "pp": pp_rank})))
+        return [self.expert_rank(**{**coords, name: index}) for index in range(self._expert_sizes()[name])]
+
+    def _expert_groups(self, name: str) -> list[list[int]]:
+        """Every group of an expert-view kind, listed as the dense kinds are (the fixed coordinates fastest first)."""
+        if name == "expert_replica" and self.placement.copies == 1:
+            name = "edp"
+        if name == "expert_replica":
+            return [self._expert_group_of(name, self.expert_rank(etp=etp, ep=ep, pp=pp_rank))
+                    for pp_rank in self._lead_pp_ranks("replica") for ep in range(self.ep) for etp in range(self.etp)]
+        fixed = [dim for dim in (*EXPERT_FOLD, "pp") if dim != name]
+        sizes = self._expert_sizes()
+        listed = []
+        for values in itertools.product(*(range(sizes[dim]) for dim in reversed(fixed))):
+            coords = dict(zip(reversed(fixed), values))
+            listed.append(self._expert_group_of(name, self.expert_rank(**coords)))
+        return listed
+
+    def experts_of(self, rank: int, num_experts: int) -> range:
+        """The experts (global ids) of each MoE layer that ``rank`` holds: its ``ep`` coordinate's equal share."""
+        per_rank = num_experts // self.ep
+        start = self.expert_coords(rank)["ep"] * per_rank
+        return range(start, start + per_rank)
 
     def replica_pp_ranks(self, pp_rank: int) -> list[int]:
         """The pp ranks holding the same model stages as ``pp_rank`` (itself, and DualPipe's mirror rank)."""
@@ -154,6 +235,8 @@ class ParallelLayout:
         Within a group ranks are listed with the fastest dimension varying fastest; groups
         are listed in the same way over the dimensions they do not span (Megatron's order).
         """
+        if name in EXPERT_GROUP_NAMES:
+            return self._expert_groups(self._known_expert_group(name))
         if name == "embedding":
             return [[pp_group[other] for other in self.tied_pp_ranks(pp_rank)]
                     for pp_group in self.groups("pp") for pp_rank in self.placement.embedding_pp_ranks
@@ -172,6 +255,8 @@ class ParallelLayout:
 
     def group_of(self, name: str, rank: int) -> list[int]:
         """The group of kind ``name`` that contains ``rank`` (``[]`` for a middle stage and ``embedding``)."""
+        if name in EXPERT_GROUP_NAMES:
+            return self._expert_group_of(self._known_expert_group(name), rank)
         coords = self.coords(rank)
         if name == "embedding":
             pp_group = self.group_of("pp", rank)
@@ -188,6 +273,8 @@ class ParallelLayout:
 
     def group_size(self, name: str) -> int:
         """The number of ranks in each group of kind ``name`` (the groups of a kind are all alike)."""
+        if name in EXPERT_GROUP_NAMES:
+            return len(self.group_of(name, 0))
         if name == "embedding":
             return len(self.tied_pp_ranks(self._lead_pp_ranks(name)[0]))
         if name == "replica":
@@ -196,6 +283,8 @@ class ParallelLayout:
 
     def group_count(self, name: str) -> int:
         """How many groups of kind ``name`` there are, without listing them."""
+        if name in EXPERT_GROUP_NAMES:
+            return self.world_size // self.group_size(name)
         if name == "embedding":
             return self.world_size // self.pp * len(self._lead_pp_ranks(name))
         if name == "replica" and self.placement.copies > 1:
@@ -206,8 +295,11 @@ class ParallelLayout:
         """A rank of the first and one of the last group of kind ``name``, in ``groups(name)``'s order."""
         if name == "replica" and self.placement.copies == 1:
             name = "dp_cp"
-        if name in GROUP_DIMENSIONS:
+        if name in GROUP_DIMENSIONS or name in ("ep", "edp"):
             return 0, self.world_size - 1
+        if name == "expert_replica":
+            leads = self._lead_pp_ranks("replica")
+            return 0, self.expert_rank(etp=self.etp - 1, ep=self.ep - 1, pp=leads[-1])
         leads = self._lead_pp_ranks(name)
         last = {"tp": self.tp - 1} if name == "replica" else {"tp": self.tp - 1, "cp": self.cp - 1, "dp": self.dp - 1}
         return self.rank(pp=leads[0]), self.rank(**last, pp=leads[-1])
@@ -216,8 +308,8 @@ class ParallelLayout:
         """The members of ``rank``'s group of kind ``name`` one by one, ascending (or descending): as
         ``group_of`` lists them, without building the list (a dp group may hold millions of ranks)."""
         coords = self.coords(rank)
-        if name == "embedding":
-            members = self.group_of(name, rank)  # one rank per pp rank at most: small
+        if name == "embedding" or name in EXPERT_GROUP_NAMES:
+            members = self.group_of(name, rank)  # one rank per pp rank at most, or one stage's ranks at most
             yield from reversed(members) if descending else members
             return
         if name == "replica":
@@ -229,6 +321,11 @@ class ParallelLayout:
         spanned = [dim for dim in self.dims if dim in GROUP_DIMENSIONS[name]]
         for offset in _iter_offsets(spanned, self._strides(), self, descending):
             yield base + offset
+
+    def _known_expert_group(self, name: str) -> str:
+        if self.ep == 1:
+            raise LayoutError(f"group {name!r} exists only with expert parallelism (parallel.ep > 1)")
+        return name
 
     def _spanned(self, name: str) -> tuple[str, ...]:
         if name not in GROUP_DIMENSIONS:
@@ -251,7 +348,7 @@ class ParallelLayout:
 
     def all_groups(self) -> dict[str, list[list[int]]]:
         """Every group kind -> its list of rank lists."""
-        return {name: self.groups(name) for name in GROUP_NAMES}
+        return {name: self.groups(name) for name in self.group_names}
 
     def layer_map(self, num_layers: int, pipeline_layout: str | None = None) -> dict[tuple[int, int], "StageLayers"]:
         """``{(pp_rank, chunk): StageLayers}``: the model split into stages, placed by this layout."""

@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 from ppctl.config import PpctlConfig
 from ppctl.parallel.groups import ParallelContext
-from ppctl.parallel.layout import GROUP_NAMES
 
 LATENCY_ROUND_TRIPS = 20
 BANDWIDTH_BYTES = 4 * 1024 * 1024
@@ -33,7 +32,7 @@ ALLREDUCE_REPEATS = 5
 def prove_groups(context: ParallelContext) -> dict[str, str]:
     """For every group kind: 'ok', or what the collectives returned instead of the layout's answer."""
     results = {}
-    for name in GROUP_NAMES:
+    for name in context.layout.group_names:
         group, expected = context.groups[name], context.group_ranks[name]
         if not expected:
             results[name] = "ok"  # this rank belongs to no group of this kind (embedding, middle stage)
@@ -179,7 +178,7 @@ def print_cluster_table(reports: list[dict], config: PpctlConfig) -> None:
                         f"dp={parallel.dp} pp={parallel.pp}")
     for column in ("check", "where", "result"):
         table.add_column(column)
-    for name in GROUP_NAMES:
+    for name in reports[0]["proofs"]:
         bad = [r["rank"] for r in reports if r["proofs"][name] != "ok"]
         table.add_row(f"group {name}", "all ranks", "[green]ok[/]" if not bad else f"[red]wrong on ranks {bad}[/]")
     for link in (link for r in reports for link in r["links"]):

@@ -32,6 +32,7 @@ from ppctl.optim.loss_scale import DynamicLossScaler
 from ppctl.optim.optimizer import build_trainer_optimizer
 from ppctl.optim.lr import learning_rate, lr_schedule_of, set_learning_rate
 from ppctl.parallel.context_parallel import CPGroup
+from ppctl.parallel.expert_parallel import EPGroup
 from ppctl.parallel.groups import ParallelContext
 from ppctl.parallel.tensor_parallel import TPGroup
 from ppctl.pipeline.check import check_program, check_schedule
@@ -120,6 +121,13 @@ def cp_group_of(context: ParallelContext, comm: str) -> CPGroup:
                    tuple(context.group_ranks["cp"]), comm)
 
 
+def ep_group_of(context: ParallelContext) -> EPGroup:
+    """The expert-parallel group object the MoE layers use."""
+    if context.layout.ep == 1:
+        return EPGroup.single()
+    return EPGroup(context.groups["ep"], context.size("ep"), context.index("ep"))
+
+
 def build_chunks(resolved: ResolvedConfig, context: ParallelContext,
                  load_init_from: bool = True) -> dict[int, torch.nn.Module]:
     """This rank's model chunks, keyed by global stage, from the resolved layer map (its placement); their weights
@@ -127,10 +135,11 @@ def build_chunks(resolved: ResolvedConfig, context: ParallelContext,
     config = resolved.config
     tp = tp_group_of(context, config.parallel.sequence_parallel)
     cp = cp_group_of(context, config.parallel.cp_comm)
+    ep = ep_group_of(context)
     chunks = {}
     for stage in resolved.rank_stages(context.pp_rank):
         chunk = build_chunk(config, stage.layers, stage.pre_process, stage.post_process, tp, cp,
-                            load_init_from=load_init_from)
+                            load_init_from=load_init_from, ep=ep)
         chunks[stage.stage] = chunk.to(context.device)
     # Model-stage order: DualPipe's mirror ranks then list the same parameters in the same order.
     return dict(sorted(chunks.items(), key=lambda item: context.layout.placement.model_stage(item[0])))

@@ -13,8 +13,8 @@ def test_inspect_layout_json_matches_layout(ppctl):
                    "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert set(report) == {"world_size", "order", "sizes", "placement", "sequence", "groups", "ranks", "pipeline_layout",
-                           "layers"}
+    assert set(report) == {"world_size", "order", "sizes", "experts", "placement", "sequence", "groups", "ranks",
+                           "pipeline_layout", "layers"}
     layout = ParallelLayout(tp=2, pp=4, dp=2)
     assert report["world_size"] == 16 and report["order"] == "tp-cp-dp-pp"
     assert report["sizes"] == {"tp": 2, "cp": 1, "dp": 2, "pp": 4, "vpp": 1}

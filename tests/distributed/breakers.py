@@ -124,6 +124,49 @@ def _expert_bias_from_local_load():
     return mock.patch.object(Trainer, "_routing_statistics", local_statistics)
 
 
+def _router_losses_dropped_on_middle_stages():
+    """The router losses of MoE layers on a stage with neither the embedding nor the loss head give no gradient."""
+    from ppctl.run import train
+
+    original = train.set_router_loss_scale
+
+    def not_in_the_middle(chunk, scale):
+        original(chunk, scale if chunk.pre_process or chunk.post_process else 0.0)
+
+    return mock.patch.object(train, "set_router_loss_scale", not_in_the_middle)
+
+
+def _expert_gradient_not_reduced_over_edp():
+    """Expert-parallel experts step on their own rank's gradient: the expert-data-parallel all-reduce is skipped."""
+    from ppctl.optim import grads, optimizer
+
+    def finalize_without_expert_replicas(chunks, context):
+        grads.reduce_sequence_parallel_gradients(chunks, context)
+        dense = [param.grad for chunk in chunks.values() for param in chunk.parameters()
+                 if param.grad is not None and grads.reduction_group_name(param, context) == "replica"]
+        if context.size("replica") > 1:
+            grads.all_reduce_coalesced(dense, context.groups["replica"])
+        grads.reduce_tied_embeddings(chunks, context)
+
+    return mock.patch.object(optimizer, "finalize_gradients", finalize_without_expert_replicas)
+
+
+def _token_sent_to_the_wrong_rank():
+    """The last row for EP rank 0's last expert is sent to EP rank 1 (its first expert runs it), and comes back."""
+    from ppctl.parallel.expert_parallel import ExpertExchange
+
+    original = ExpertExchange.plan
+
+    def off_by_one(counts, group, device):
+        counts, boundary = list(counts), len(counts) // group.size
+        if counts[boundary - 1]:
+            counts[boundary - 1] -= 1
+            counts[boundary] += 1
+        return original(counts, group, device)
+
+    return mock.patch.object(ExpertExchange, "plan", staticmethod(off_by_one))
+
+
 DEFECTS = {
     "drop_microbatch_gradient": _drop_first_microbatch_gradient,
     "loss_scaled_twice": _loss_scaled_twice,
@@ -134,6 +177,9 @@ DEFECTS = {
     "stream_on_the_newest_weights": _stream_on_the_newest_weights,
     "router_losses_dropped_off_the_loss_stage": _router_losses_dropped_off_the_loss_stage,
     "expert_bias_from_local_load": _expert_bias_from_local_load,
+    "router_losses_dropped_on_middle_stages": _router_losses_dropped_on_middle_stages,
+    "expert_gradient_not_reduced_over_edp": _expert_gradient_not_reduced_over_edp,
+    "token_sent_to_the_wrong_rank": _token_sent_to_the_wrong_rank,
 }
 
 

@@ -153,24 +153,27 @@ def _train_one(run, context, schedule) -> dict:
             "eval_loss": eval_loss, "message_bytes": message_bytes,
             "optimizer_bytes": trainer.optimizer.state_bytes(),
             "tp_rank": context.coords["tp"], "tp": context.layout.tp, "pp_rank": context.pp_rank,
+            "ep": context.layout.ep, "ep_rank": context.layout.expert_coords(context.rank)["ep"],
             "traced": traced}
 
 
 def expected_shard(name: str, rule, dense: torch.Tensor, shard: torch.Tensor, tp_size: int, tp_rank: int,
-                   vocab_size: int) -> torch.Tensor:
-    """The TP shard of a single-process tensor, vocabulary padding rebuilt as zeros for the parallel run.
+                   vocab_size: int, ep_size: int = 1, ep_rank: int = 0) -> torch.Tensor:
+    """The TP shard (an expert's: the EP rank's experts) of a single-process tensor, vocabulary padding rebuilt as
+    zeros for the parallel run.
 
     The single process pads its vocabulary for tp=1 and the parallel run for its own tp;
     padded rows never enter the math, so they must hold exactly zero in both.
     """
     from ppctl.model.rules import dense_to_tp_shard
+    from ppctl.parallel.expert_parallel import EPGroup
     from ppctl.parallel.tensor_parallel import TPGroup
 
     if rule.vocab_rows:
         assert not dense[vocab_size:].any(), f"{name}: the single process's padded rows are not zero"
         real = dense[:vocab_size]
         dense = torch.cat([real, real.new_zeros((shard.shape[0] * tp_size - vocab_size, *real.shape[1:]))])
-    return dense_to_tp_shard(rule, dense, TPGroup(None, tp_size, tp_rank))
+    return dense_to_tp_shard(rule, dense, TPGroup(None, tp_size, tp_rank), EPGroup(None, ep_size, ep_rank))
 
 
 @dataclass(frozen=True)
@@ -219,7 +222,7 @@ def _dense_and_expected(run: dict, name: str, shard: torch.Tensor, tensors: dict
     # A tied output layer on the last stage is a copy of the single process's word embedding.
     dense_name = rule.tied_to if name not in tensors else name
     return dense_name, expected_shard(name, rule, tensors[dense_name], shard, run["tp"], run["tp_rank"],
-                                      reference.vocab_size)
+                                      reference.vocab_size, run["ep"], run["ep_rank"])
 
 
 def compare_gradients(label: str, overrides, per_rank, index, reference: Reference) -> None:

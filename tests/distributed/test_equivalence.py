@@ -68,9 +68,19 @@ def test_mixtures_of_experts_at_pp2_match_single_process():
 
 @pytest.mark.nccl
 @pytest.mark.timeout(300)
-def test_mixtures_of_experts_at_pp2_dp2_with_the_distributed_optimizer_match_single_process():
-    """Data-parallel replicas route their own microbatches and keep one expert bias (the global load's)."""
-    sharded = ["parallel.pp=2", "parallel.dp=2", "optimizer.distributed=true"]
-    runs = [BASE + DEEPSEEK + sharded + ["schedule=1f1b"],
-            BASE + MIXTRAL + sharded + ["schedule=zbv"] + FP64]
+def test_mixtures_of_experts_with_expert_parallelism_match_single_process():
+    """Data-parallel replicas route their own microbatches and keep one expert bias (the global load's); with
+    expert parallelism each rank holds ep's share of the experts, the tokens travel to them by all-to-all and back
+    (through every schedule's split and paired backwards), and the experts' gradients reduce over their edp ranks,
+    plain or sharded by the distributed optimizer."""
+    pp2_dp2 = ["parallel.pp=2", "parallel.dp=2"]
+    sharded = ["optimizer.distributed=true"]
+    ep2 = pp2_dp2 + ["parallel.ep=2"]
+    runs = [BASE + DEEPSEEK + pp2_dp2 + sharded + ["schedule=1f1b"],  # ep=1
+            BASE + MIXTRAL + ep2 + ["schedule=dualpipev"] + FP64,
+            BASE + MIXTRAL + ep2 + sharded + ["schedule=zbv"] + FP64,
+            BASE + DEEPSEEK + ep2 + ["parallel.vpp=2", "schedule=interleaved_1f1b"],
+            BASE + GPT_EXPERTS + ep2 + ["schedule=1f1b", "model.recompute=full"] + FP64,
+            BASE + MIXTRAL + ["parallel.pp=1", "parallel.dp=4", "parallel.ep=4"] + FP64,
+            BASE + DEEPSEEK + ["parallel.pp=1", "parallel.dp=4", "parallel.ep=2"] + sharded]  # edp=2
     assert_equivalent(runs, world_size=4)

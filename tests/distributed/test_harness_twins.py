@@ -4,8 +4,9 @@ The tolerances of ``tests/harness/tolerances.py`` admit the roundoff of another 
 nothing more. One launch of 4 workers trains each broken twin, a real bug a parallel run could
 have (a microbatch's gradient dropped, the loss scaled twice, a TP or DP gradient not reduced,
 the vocabulary padding in the softmax, a parameter left out of the step, PipeDream-2BW's steps run on the
-wrong weight version, a mixture's router losses dropped on the stage without the loss head, its expert bias moved
-by each rank's own load), in float32 (the looser
+wrong weight version, a mixture's router losses dropped on the stage without the loss head or on the middle
+stages, its expert bias moved by each rank's own load, its expert gradients not reduced over expert data
+parallelism, a token sent to the wrong expert-parallel rank), in float32 (the looser
 precision) and the subtlest in float64 too. Each comparison of the harness (losses, forward-only
 loss, grad norms, step-0 gradients, final parameters) runs on its own: every twin must fail the
 comparisons its defect reaches, so each of them is shown able to fail.
@@ -39,6 +40,14 @@ TWINS = [
     ("router_losses_dropped_off_the_loss_stage", BASE + PP2_DP2 + MIXTRAL + FP64, BEFORE_OPTIMIZER),
     # Step 0 routes with zero biases everywhere: the replicas' biases differ from step 1 on.
     ("expert_bias_from_local_load", BASE + PP2_DP2 + DEEPSEEK, {"loss", "parameter"}),
+    # Stages 1 and 2 of 4 (one layer each) hold only MoE layers and no loss head.
+    ("router_losses_dropped_on_middle_stages", BASE + MIXTRAL + FP64 + ["parallel.pp=4", "schedule=1f1b"],
+     BEFORE_OPTIMIZER),
+    # ep=2 over dp=4: two ranks hold each expert; each steps on its own half of the gradient.
+    ("expert_gradient_not_reduced_over_edp", BASE + MIXTRAL + FP64 + ["parallel.pp=1", "parallel.dp=4",
+                                                                     "parallel.ep=2"], BEFORE_OPTIMIZER),
+    ("token_sent_to_the_wrong_rank", BASE + MIXTRAL + FP64 + ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2"],
+     {"loss", "forward-only loss", *BEFORE_OPTIMIZER}),
 ]
 
 

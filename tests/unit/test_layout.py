@@ -1,6 +1,7 @@
 """Layout math: coordinates, every group kind, order variants and the layer map."""
 
 import itertools
+import re
 
 import pytest
 
@@ -291,3 +292,72 @@ def test_a_huge_group_is_met_lazily():
     assert [next(members) for _ in range(3)] == [39_999_999, 39_999_997, 39_999_995]
     assert layout.group_count("dp") == 4 and layout.group_size("dp") == 10_000_000
     assert time.monotonic() - started < 0.1
+
+
+# --- the expert view (MoE parallel folding) ---------------------------------------------------------------------------
+
+EXPERT_SHAPES = [  # (tp, cp, dp, pp, ep, etp)
+    (1, 1, 2, 2, 2, 1), (1, 1, 4, 2, 2, 1), (1, 1, 4, 1, 4, 1), (2, 1, 2, 2, 2, 1), (2, 2, 2, 2, 4, 1),
+    (2, 1, 4, 3, 2, 2), (1, 2, 3, 2, 3, 1),
+]
+
+
+@pytest.mark.parametrize("shape", EXPERT_SHAPES)
+def test_expert_groups_fold_each_stage_and_keep_the_pipeline_groups(shape):
+    tp, cp, dp, pp, ep, etp = shape
+    layout = ParallelLayout(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp)
+    world = layout.world_size
+    assert layout.edp == tp * cp * dp // (ep * etp)
+    for name, size in (("ep", ep), ("edp", layout.edp), ("expert_replica", layout.edp)):
+        groups = layout.groups(name)
+        assert sorted(itertools.chain(*groups)) == list(range(world)), name  # a partition
+        assert all(len(group) == size == layout.group_size(name) for group in groups), name
+        assert layout.group_count(name) == len(groups)
+        for group in groups:
+            assert len({layout.coords(rank)["pp"] for rank in group}) == 1, name  # inside one stage
+            for rank in group:
+                assert layout.group_of(name, rank) == group
+        first, last = layout.end_group_ranks(name)
+        assert list(layout.iter_group(name, first)) == groups[0] and list(layout.iter_group(name, last)) == groups[-1]
+    for rank in range(world):
+        coords = layout.expert_coords(rank)
+        assert layout.expert_rank(**coords) == rank
+        # a stage's ranks, read in the dense order, enumerate etp fastest, then ep, then edp (Megatron's fold)
+        index = rank % (tp * cp * dp)
+        assert index == coords["etp"] + etp * (coords["ep"] + ep * coords["edp"])
+        # ranks of one ep group hold different experts; of one edp group the same
+        assert [layout.experts_of(other, 8 * ep)[0] for other in layout.group_of("ep", rank)] == \
+            [8 * index for index in range(ep)]
+        assert {layout.experts_of(other, 8 * ep) for other in layout.group_of("edp", rank)} == \
+            {layout.experts_of(rank, 8 * ep)}
+    assert set(layout.group_names) == set(GROUP_NAMES) | {"ep", "edp", "expert_replica"}
+
+
+def test_expert_groups_megatron_example():
+    # 8 ranks, dp=4 pp=2, ep=2: EP groups of consecutive data-parallel ranks, EDP groups strided by ep.
+    layout = ParallelLayout(dp=4, pp=2, ep=2)
+    assert layout.groups("ep") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.groups("edp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert ParallelLayout(dp=4, pp=2).group_names == GROUP_NAMES
+
+
+def test_expert_replica_joins_dualpipe_mirror_ranks():
+    placement = Placement(owners=(0, 1, 1, 0), copies=2)
+    layout = ParallelLayout(dp=4, pp=2, vpp=2, placement=placement, ep=2)
+    assert layout.group_of("expert_replica", 0) == [0, 2, 4, 6]
+    assert layout.group_of("expert_replica", 5) == [1, 3, 5, 7]
+    assert layout.groups("expert_replica") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert layout.end_group_ranks("expert_replica") == (0, 1)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dp=4, pp=2, ep=2, order="tp-cp-pp-dp"), "must end in pp with parallel.ep=2"),
+    (dict(dp=3, pp=2, ep=2), "parallel.ep=2 * parallel.etp=1 must divide the 3 ranks"),
+    (dict(dp=2, ep=0), "parallel.ep=0 must be a positive integer"),
+])
+def test_expert_fold_refusals(kwargs, message):
+    with pytest.raises(LayoutError, match=re.escape(message)):
+        ParallelLayout(**kwargs)
+    with pytest.raises(LayoutError, match="only with expert parallelism"):
+        ParallelLayout(dp=2).groups("ep")

@@ -41,8 +41,8 @@ def test_validation_and_the_json_report_of_twenty_million_ranks_are_quick_and_sm
     text = json.dumps(report)
     assert seconds < QUICK_S and peak < 10 << 20 and len(text) < 64 << 10
     assert is_summarised(report) and report["world_size"] == 20_000_000
-    assert set(report) == {"world_size", "order", "sizes", "placement", "sequence", "groups", "ranks", "pipeline_layout",
-                           "layers"}
+    assert set(report) == {"world_size", "order", "sizes", "experts", "placement", "sequence", "groups", "ranks",
+                           "pipeline_layout", "layers"}
     dp = report["groups"]["dp"]
     assert (dp["count"], dp["size"]) == (2, 10_000_000)
     assert dp["first"] == {"head": list(range(SUMMARY_MEMBERS)),

@@ -47,8 +47,18 @@ RULES = [
     (dict(model__moe__expert_bias_update_rate=0.0), "model.moe.expert_bias_update_rate=0.0 must be positive"),
     (dict(model__moe__capacity_factor=0.0), "model.moe.capacity_factor=0.0 must be positive, or unset"),
     (dict(model__moe__drop_policy="random"), "model.moe.drop_policy='random' must be one of probs, position"),
-    (dict(parallel__tp=2), "parallel.tp=2 with model.moe.num_experts=8: MoE runs at tp=1 cp=1 until expert "
-                           "parallelism lands (issue 45)"),
+    (dict(parallel__tp=2), "parallel.tp=2 with model.moe.num_experts=8: MoE runs at tp=1 cp=1 without sequence "
+                           "parallelism"),
+    # expert parallelism: the experts split evenly, the fold of each stage's ranks exists, etp is 1
+    (dict(parallel__dp=3, parallel__ep=3), "model.moe.num_experts=8 must be divisible by parallel.ep=3"),
+    (dict(parallel__dp=3, parallel__ep=2), "parallel.ep=2 * parallel.etp=1 must divide the 3 ranks of a pipeline "
+                                           "stage"),
+    (dict(parallel__dp=4, parallel__pp=2, parallel__ep=2, parallel__order="tp-cp-pp-dp"),
+     "parallel.order='tp-cp-pp-dp' must end in pp with parallel.ep=2"),
+    (dict(parallel__etp=2), "parallel.etp=2: expert tensor parallelism is not built"),
+    (dict(parallel__dp=2, parallel__ep=2, model__moe__num_experts=0, model__moe__topk=1),
+     "parallel.ep=2 splits a mixture's experts, but the model has none"),
+    (dict(parallel__ep=0), "parallel.ep=0 must be a positive integer"),
     (dict(parallel__cp=2), "parallel.cp=2 with model.moe.num_experts=8: MoE runs at tp=1 cp=1"),
     (dict(model__init_from="/some/mixtral"), "model.init_from with model.moe.num_experts=8: ppctl reads dense"),
 ]

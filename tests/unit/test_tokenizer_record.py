@@ -52,7 +52,7 @@ def test_the_vocabulary_digest_tells_tokens_apart_and_not_the_files_bytes(tmp_pa
 
 def test_a_checkpoint_records_the_tokenizer_of_its_data():
     config = compose_config(["data=text", "data.path=/corpora/any.txt"])
-    layout = SimpleNamespace(world_size=1, tp=1, pp=1, vpp=1, dp=1, cp=1)
+    layout = SimpleNamespace(world_size=1, tp=1, pp=1, vpp=1, dp=1, cp=1, ep=1)
     trainer = SimpleNamespace(config=config, context=SimpleNamespace(layout=layout))
     index = checkpoint_index(trainer, 3, "end", 3)
     byte = build_tokenizer("byte")

@@ -122,10 +122,11 @@ class GPTChunk(DecoderChunk):
         """Experts as GELU MLPs with biases; the shared experts as one dense GPT MLP."""
         config, moe = self.config, self.config.moe
         approximate = GELU_APPROXIMATIONS[config.activation]
-        experts = GeluExperts(moe.num_experts, config.hidden_size, moe.expert_ffn_hidden_size, dtype, approximate)
+        local_experts = len(self.ep.local_experts(moe.num_experts))  # this EP rank's share
+        experts = GeluExperts(local_experts, config.hidden_size, moe.expert_ffn_hidden_size, dtype, approximate)
         shared = (MLP(config.hidden_size, moe.shared_ffn_hidden_size, self.tp, dtype, approximate)
                   if moe.shared_experts else None)
-        return MoEMLP(config.hidden_size, moe, experts, shared, dtype)
+        return MoEMLP(config.hidden_size, moe, experts, shared, dtype, self.ep)
 
     def make_final_norm(self, dtype: torch.dtype) -> nn.Module:
         """LayerNorm."""

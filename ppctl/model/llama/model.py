@@ -90,10 +90,11 @@ class LlamaChunk(DecoderChunk):
     def make_moe_mlp(self, dtype: torch.dtype) -> nn.Module:
         """Experts as SwiGLU MLPs (Mixtral's); the shared experts as one dense SwiGLU MLP."""
         config, moe = self.config, self.config.moe
-        experts = SwiGLUExperts(moe.num_experts, config.hidden_size, moe.expert_ffn_hidden_size, dtype)
+        local_experts = len(self.ep.local_experts(moe.num_experts))  # this EP rank's share
+        experts = SwiGLUExperts(local_experts, config.hidden_size, moe.expert_ffn_hidden_size, dtype)
         shared = (SwiGLUMLP(config.hidden_size, moe.shared_ffn_hidden_size, self.tp, dtype)
                   if moe.shared_experts else None)
-        return MoEMLP(config.hidden_size, moe, experts, shared, dtype)
+        return MoEMLP(config.hidden_size, moe, experts, shared, dtype, self.ep)
 
     def make_final_norm(self, dtype: torch.dtype) -> nn.Module:
         """RMSNorm."""

@@ -3,7 +3,9 @@
 ``MoEMLP`` replaces a layer's dense MLP: each token goes to its top-k experts (``ppctl.model.moe.router``), the
 tokens are sorted by expert and dropped past the capacity (``dispatch``), each expert's MLP runs on its block,
 the outputs come back weighted by the routing weights, and the shared experts' MLP (a family's dense MLP) is
-added for every token.
+added for every token. With expert parallelism this rank holds only its EP rank's experts: the sorted rows travel
+to their experts' ranks and back (``ppctl.parallel.expert_parallel``) around the experts; routing, the capacity
+drop and the router losses stay with the tokens' own rank, as one process computes them.
 
 The objective of a step with M = global_batch_size / micro_batch_size microbatches (the same M at every layout
 with the same micro_batch_size) is the mean token loss plus, for each MoE layer and each microbatch m,
@@ -26,6 +28,7 @@ from torch import nn
 from ppctl.model.moe.dispatch import permute, plan_dispatch, unpermute_and_combine
 from ppctl.model.moe.router import Router, Routing, balancing_loss, z_loss
 from ppctl.model.moe.shape import MoEShape
+from ppctl.parallel.expert_parallel import EPGroup, ExpertExchange
 
 
 class RoutingRecord:
@@ -69,14 +72,15 @@ class _RouterLossesToBackward(torch.autograd.Function):
 class MoEMLP(nn.Module):
     """A layer's MLP as routed experts (module docstring).
 
-    ``experts``: the family's stacked experts (``ppctl.model.moe.experts``), called as ``(rows, counts)``;
-    ``shared_experts``: the family's dense MLP of ``shape.shared_ffn_hidden_size`` features, or None.
+    ``experts``: the family's stacked experts (``ppctl.model.moe.experts``) of this rank's share of ``ep``'s,
+    called as ``(rows, counts)``; ``shared_experts``: the family's dense MLP of ``shape.shared_ffn_hidden_size``
+    features, or None; ``ep``: the expert-parallel group (default: one rank, every expert here).
     """
 
     def __init__(self, hidden_size: int, shape: MoEShape, experts: nn.Module, shared_experts: nn.Module | None,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, ep: EPGroup = EPGroup.single()):
         super().__init__()
-        self.shape = shape
+        self.shape, self.ep = shape, ep
         self.router = Router(hidden_size, shape, dtype)
         self.experts = experts
         self.shared_experts = shared_experts
@@ -89,7 +93,7 @@ class MoEMLP(nn.Module):
         routing = self.router(tokens)
         dispatch = plan_dispatch(routing.experts, routing.weights, self.shape.num_experts,
                                  self.shape.capacity(tokens.shape[0]), self.shape.drop_policy)
-        rows = self.experts(permute(tokens, dispatch, self.shape.topk), dispatch.counts)
+        rows = self._run_experts(permute(tokens, dispatch, self.shape.topk), dispatch.counts)
         output = unpermute_and_combine(rows, dispatch, routing.weights)
         if self.shared_experts is not None:
             output = output + self.shared_experts(hidden).reshape(output.shape)
@@ -97,6 +101,13 @@ class MoEMLP(nn.Module):
         if torch.is_grad_enabled() and output.requires_grad:
             output = self._with_router_losses(output, routing)
         return output
+
+    def _run_experts(self, rows: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+        """Rows sorted by expert (``counts[e]`` for expert e) through their experts, here or on their EP ranks."""
+        if self.ep.size == 1:
+            return self.experts(rows, counts)
+        exchange = ExpertExchange.plan(counts, self.ep, rows.device)
+        return exchange.combine(self.experts(exchange.dispatch(rows), exchange.local_counts))
 
     def _with_router_losses(self, output: torch.Tensor, routing: Routing) -> torch.Tensor:
         """``output`` through the identity that adds the router losses' gradient and records the statistics."""

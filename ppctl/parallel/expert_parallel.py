@@ -1,0 +1,114 @@
+"""Expert parallelism: an MoE layer's routed rows sent to the ranks that hold their experts, and back.
+
+An ``EPGroup`` is one rank's expert-parallel group (the layout's ``ep`` groups): ``size`` ranks of one pipeline
+stage, EP rank r holding experts ``[r * E / size, (r + 1) * E / size)`` of every MoE layer. A microbatch's routed
+rows arrive sorted by global expert (``ppctl.model.moe.dispatch``). ``ExpertExchange.plan`` first exchanges the row
+counts per expert (one small all-to-all), then ``dispatch`` sends each rank the rows of its experts (an all-to-all
+with uneven splits) and regroups what arrived, source-major, into one block per local expert (sources in rank
+order within it), which the grouped experts run; ``combine`` undoes the regrouping and sends each row back to its
+token's rank, in the order it left. Every exchange is an autograd function whose backward is the reverse exchange,
+so the rows' gradients travel back through the same ranks, and the experts' weight gradients stay local (a
+pipeline W computes them with no communication). Every rank of the group calls the exchanges in the same order:
+its members are data-parallel peers running the same pipeline program.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class EPGroup:
+    """The expert-parallel group of one rank: a ``torch.distributed`` ProcessGroup (None when ``size`` is 1),
+    ``size`` ranks, this rank's index ``rank``."""
+
+    group: object | None
+    size: int
+    rank: int
+
+    def __post_init__(self):
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"EPGroup: rank must be in [0, size) and size >= 1, got rank={self.rank} size={self.size}")
+
+    @staticmethod
+    def single() -> "EPGroup":
+        """The trivial group (ep=1): this rank holds every expert and exchanges nothing."""
+        return EPGroup(group=None, size=1, rank=0)
+
+    def local_experts(self, num_experts: int) -> range:
+        """The global ids of the experts this rank holds (``num_experts`` divisible by ``size``)."""
+        if num_experts % self.size:
+            raise ValueError(f"{num_experts} experts do not split evenly over ep={self.size}")
+        per_rank = num_experts // self.size
+        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows ``[sum(send), ...]`` sent in blocks of ``send[j]`` rows to rank j of ``group``; returns the
+    ``recv[j]`` rows from each rank j, in rank order. The backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, rows, send, recv, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return all_to_all_rows(rows, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all_rows(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def all_to_all_rows(rows: torch.Tensor, send: Sequence[int], recv: Sequence[int], group) -> torch.Tensor:
+    """``rows``' blocks of ``send[j]`` rows to rank j of ``group``; the ``recv[j]`` rows from each rank j (no graph)."""
+    received = rows.new_empty((sum(recv), *rows.shape[1:]))
+    dist.all_to_all_single(received, rows.contiguous(), list(recv), list(send), group=group)
+    return received
+
+
+@dataclass(frozen=True)
+class ExpertExchange:
+    """How one microbatch's routed rows travel (``plan``): ``send[j]`` rows to EP rank j, ``recv[j]`` from it;
+    ``local_counts[l]``: the rows local expert l receives from every rank together; ``regroup``: for each row of
+    the regrouped (expert-major) order, its index in the arrival (source-major) order."""
+
+    group: EPGroup
+    send: tuple[int, ...]
+    recv: tuple[int, ...]
+    local_counts: tuple[int, ...]
+    regroup: torch.Tensor
+
+    @staticmethod
+    def plan(counts: Sequence[int], group: EPGroup, device) -> "ExpertExchange":
+        """The exchange of rows sorted by global expert, ``counts[e]`` of them for expert e (every expert, in order)."""
+        per_rank = len(counts) // group.size
+        mine = torch.tensor(list(counts), dtype=torch.int64, device=device)
+        theirs = all_to_all_rows(mine, [per_rank] * group.size, [per_rank] * group.size, group.group)
+        arriving = theirs.view(group.size, per_rank).cpu()  # [source, local expert]: one sync for every size
+        send = tuple(sum(counts[rank * per_rank:(rank + 1) * per_rank]) for rank in range(group.size))
+        recv = tuple(int(total) for total in arriving.sum(dim=1))
+        return ExpertExchange(group, send, recv, tuple(int(total) for total in arriving.sum(dim=0)),
+                              expert_major_order(arriving).to(device))
+
+    def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by global expert -> this rank's experts' rows, one block per local expert."""
+        arrived = _AllToAll.apply(rows, self.send, self.recv, self.group.group)
+        return arrived[self.regroup]
+
+    def combine(self, expert_rows: torch.Tensor) -> torch.Tensor:
+        """The experts' output rows (``dispatch``'s order) -> each row back on its token's rank, in its sent order."""
+        arrival_order = torch.empty_like(self.regroup)
+        arrival_order[self.regroup] = torch.arange(self.regroup.numel(), device=self.regroup.device)
+        return _AllToAll.apply(expert_rows[arrival_order], self.recv, self.send, self.group.group)
+
+
+def expert_major_order(arriving: torch.Tensor) -> torch.Tensor:
+    """For rows that arrived source-major, ``arriving[s, l]`` of them from source s for local expert l: the arrival
+    index of each row of the expert-major order (local expert, then source, then arrival order)."""
+    sources, experts = arriving.shape
+    starts = (torch.cumsum(arriving.flatten(), dim=0) - arriving.flatten()).view(sources, experts)
+    blocks = [torch.arange(int(starts[source, expert]), int(starts[source, expert] + arriving[source, expert]))
+              for expert in range(experts) for source in range(sources)]
+    return torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.int64)
