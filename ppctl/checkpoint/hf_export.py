@@ -94,10 +94,11 @@ def export_checkpoint(checkpoint: Path, config: PpctlConfig, out_dir: Path,
         hf = hf_format_of(family_of(config))
         _check_experts_writable(config, hf)
         model = model_shape(config)
+        architecture = hf.hf_config(model)  # refuses what the format cannot express before anything is read
         dense = read_dense_model(checkpoint, parameter_rules(config))
         dtype = next(iter(dense.values())).dtype
         tokenizer, notes = tokenizer_files(config, read_index(checkpoint))
-        hf_config = {**hf.hf_config(model), "dtype": DTYPE_NAMES[dtype], **_special_tokens(tokenizer)}
+        hf_config = {**architecture, "dtype": DTYPE_NAMES[dtype], **_special_tokens(tokenizer)}
         tensors = to_hf_tensors(hf, model, hf_config, dense)
     except HFError as error:
         raise ExportError(f"{checkpoint}: {error}") from None

@@ -50,7 +50,9 @@ RULES = [
     (dict(parallel__tp=2), "parallel.tp=2 with model.moe.num_experts=8: MoE runs at tp=1 cp=1 until expert "
                            "parallelism lands (issue 45)"),
     (dict(parallel__cp=2), "parallel.cp=2 with model.moe.num_experts=8: MoE runs at tp=1 cp=1"),
-    (dict(model__init_from="/some/mixtral"), "model.init_from with model.moe.num_experts=8: ppctl reads dense"),
+    (dict(model__init_from="/some/mixtral", model__family="gpt", model__num_kv_heads=None),
+     "model.init_from with model.moe.num_experts=8 and model.family=gpt: ppctl reads a mixture of experts from "
+     "Mixtral folders only"),
 ]
 
 
