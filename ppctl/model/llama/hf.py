@@ -106,15 +106,16 @@ class LlamaHuggingFace:
         each MoE layer's experts one HF tensor per expert (Mixtral's)."""
         tensors = {"embedding.word.weight": HFTensor(("model.embed_tokens.weight",)),
                    "final_norm.weight": HFTensor(("model.norm.weight",))}
-        roles = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight"]
-        roles += [f"self_attn.{part}_proj.{kind}" for part in "qkv"
-                  for kind in (("weight", "bias") if model.qkv_bias else ("weight",))]
+        around = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight"]
+        qkv = [f"self_attn.{part}_proj.{kind}" for part in "qkv"
+               for kind in (("weight", "bias") if model.qkv_bias else ("weight",))]
         moe = _moe_of(model)
         for layer in range(model.num_layers):
-            for role in roles:
-                tensors[f"layers.{layer}.{role}"] = HFTensor((f"model.layers.{layer}.{role}",))
+            # In this order (a dense export's shards, hence its bytes, follow it): norms and o_proj, MLP, q/k/v.
+            tensors.update({f"layers.{layer}.{role}": HFTensor((f"model.layers.{layer}.{role}",)) for role in around})
             routed = moe is not None and moe.is_moe_layer(layer)
             tensors.update(_mixtral_mlp(layer, moe.num_experts) if routed else _dense_mlp(layer))
+            tensors.update({f"layers.{layer}.{role}": HFTensor((f"model.layers.{layer}.{role}",)) for role in qkv})
         if not model.tie_embeddings:
             tensors["output_layer.weight"] = HFTensor(("lm_head.weight",))
         return tensors
