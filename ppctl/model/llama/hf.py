@@ -78,7 +78,8 @@ class LlamaHuggingFace:
                 "mlp_bias": False, "pretraining_tp": 1}
 
     def shape_from_hf(self, hf_config: dict[str, Any]) -> dict[str, Any]:
-        """The ``model.*`` settings of a Llama or Qwen2 ``config.json``; ``HFError`` for what ppctl cannot compute."""
+        """The ``model.*`` settings of a Llama, Qwen2 or Mixtral ``config.json`` (Mixtral's mixture as dotted
+        ``moe.*`` keys; the others' ``moe.num_experts=0``); ``HFError`` for what ppctl cannot compute."""
         architecture = architecture_of(hf_config)
         if architecture not in self.architectures:
             raise HFError(f"its {architecture} is no architecture model.family=llama reads "
@@ -86,7 +87,7 @@ class LlamaHuggingFace:
         qwen2, mixtral = architecture == QWEN2, architecture == MIXTRAL
         defaults = QWEN2_DEFAULTS if qwen2 else MIXTRAL_DEFAULTS if mixtral else LLAMA_DEFAULTS
         hf = {**defaults, **hf_config}
-        _check_computable(hf, qwen2)
+        _check_computable(hf, qwen2, mixtral)
         heads = hf["num_attention_heads"]
         shape = {"family": "llama", "position_embedding": "rope", "num_layers": hf["num_hidden_layers"],
                  "hidden_size": hf["hidden_size"], "num_heads": heads,
@@ -174,7 +175,7 @@ def _mixtral_moe(hf: dict[str, Any]) -> dict[str, Any]:
             **{f"moe.{key}": value for key, (value, _reason) in MIXTRAL_MOE.items()}}
 
 
-def _check_computable(hf: dict[str, Any], qwen2: bool) -> None:
+def _check_computable(hf: dict[str, Any], qwen2: bool, mixtral: bool) -> None:
     """``HFError`` for what ppctl's Llama layers do not compute."""
     _require(hf["hidden_act"] == "silu", f"its hidden_act={hf['hidden_act']!r}: ppctl's llama computes SwiGLU with "
                                          f"SiLU only")
@@ -185,7 +186,8 @@ def _check_computable(hf: dict[str, Any], qwen2: bool) -> None:
                                                f"the unsplit model only")
     _require(not hf.get("use_sliding_window", False), "its use_sliding_window=true: ppctl attends to the whole "
                                                       "sequence")
-    window = hf.get("sliding_window")  # Mixtral's: None, or a window no sequence reaches past
+    # Mixtral's window applies whenever set (Qwen2's only with use_sliding_window): none, or one no sequence passes.
+    window = hf.get("sliding_window") if mixtral else None
     _require(window is None or window >= hf["max_position_embeddings"],
              f"its sliding_window={window} is shorter than its max_position_embeddings="
              f"{hf['max_position_embeddings']}: ppctl attends to the whole sequence")
