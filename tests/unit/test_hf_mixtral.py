@@ -3,10 +3,11 @@
 A tiny random Mixtral (4 layers, 4 experts, top-2, grouped-query attention; ``tests/harness/hf_models.py``) saved
 by ``save_pretrained`` (the hub's per-expert ``block_sparse_moe.experts.<j>.w1/w2/w3``) starts ppctl's
 single-process model in float64 (``model.init_from``): its logits are transformers' to 1e-10 relative with
-transformers' router softmax, rotary angles and RMSNorm taken in float64 (measured 2e-15), within 1e-6 with its
-own float32 ones (measured 4e-7). The other way, a random ppctl MoE Llama written by ``ppctl export``'s own
-function from a checkpoint is loaded by ``from_pretrained`` and gives ppctl's logits to 1e-10. Broken twins of the
-mapping (w1 and w3 swapped, the experts reversed) fail both comparisons by far. Every ``model.moe`` setting Mixtral
+transformers' router softmax, rotary angles and RMSNorm taken in float64 (measured 1.7e-15), within 1e-6 with its
+own float32 ones (measured 4e-7); two pipeline stages' chunks read their own layers' experts. The other way, a
+random ppctl MoE Llama written by ``ppctl export``'s own function from a checkpoint is loaded by
+``from_pretrained`` and gives ppctl's logits to 1e-10 (measured 2.8e-15). Broken twins of the mapping (w1 and w3
+swapped, the experts reversed) fail both comparisons by far (0.98 to 1.1). Every ``model.moe`` setting Mixtral
 cannot express is refused by the export in one line naming it, and a run that does not match a folder (or a dense
 folder for a run with experts, and the other way round) is refused before anything starts.
 """
@@ -92,6 +93,22 @@ def test_the_dense_tensors_map_back_to_the_folders_bit_for_bit(folder):
         assert torch.equal(written[key], tensor), key
     exported = FORMAT.hf_config(model_shape(config))
     assert FORMAT.shape_from_hf(exported) == FORMAT.shape_from_hf(read_hf_config(folder))
+
+
+def test_each_pipeline_stage_reads_its_own_layers_experts(folder):
+    """Two stages' chunks (layers 0-1 with the embedding, 2-3 with the output layer) hold the single process's
+    parameters, every expert of every layer read from its own tensor."""
+    from ppctl.model.from_config import build_chunk
+    from ppctl.parallel.tensor_parallel import TPGroup
+
+    config = _config(folder)
+    whole = dict(_ppctl(config).named_parameters())
+    for layer_ids, first, last in (([0, 1], True, False), ([2, 3], False, True)):
+        chunk = build_chunk(config, layer_ids, first, last, TPGroup(None, 1, 0))
+        names = [name for name, _param in chunk.named_parameters()]
+        assert f"layers.{layer_ids[0]}.mlp.experts.down_proj.weight" in names
+        for name, param in chunk.named_parameters():
+            assert torch.equal(param, whole[name]), name
 
 
 def _swap_gate_and_up(name, spec):
