@@ -203,18 +203,42 @@ def read_index(checkpoint: Path) -> dict[str, Any]:
 # What must match for a checkpoint's tensors to fit this run's model.
 MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size", "max_seq_length",
               "position_embedding", "tie_embeddings")
+# The same of model.moe, and what the weights computed when they learnt: which layers have experts, how many, how
+# wide, how tokens are routed to them (the router losses, the capacity and the bias's rate are training choices a
+# resume may change).
+MOE_KEYS = ("num_experts", "topk", "expert_ffn_hidden_size", "layer_freq", "first_dense_layers", "shared_experts",
+            "router_score", "router_topk_norm", "expert_bias")
+# Model settings checkpoints record since issue 45 (an older one is taken as it is): the activation (what the
+# weights computed), the mixture.
+RECORDED_LATER = ("activation", *(f"moe.{key}" for key in MOE_KEYS))
 # What must match for the data to go on where it stopped: the sample order is a function of (seed, step)
 # for a given global batch size and window length.
 DATA_KEYS = ("seed", "global_batch_size", "seq_length")
 
 
+def model_record(model: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint records of the model (``vars`` of a ``ModelConfig``): its ``MODEL_KEYS``, its activation,
+    and ``model.moe``'s ``MOE_KEYS`` as ``moe.<key>`` (with experts, an unset expert width is ``ffn_hidden_size``)."""
+    record = {key: model[key] for key in (*MODEL_KEYS, "activation")}
+    moe = model["moe"]
+    record.update({f"moe.{key}": getattr(moe, key) for key in MOE_KEYS})
+    if moe.num_experts and moe.expert_ffn_hidden_size is None:
+        record["moe.expert_ffn_hidden_size"] = model["ffn_hidden_size"]
+    return record
+
+
 def resume_problem(index: dict[str, Any], model: dict[str, Any], data: dict[str, Any], precision: str,
                    max_steps: int, gradient_delay: int = 0, tokenizer: dict[str, Any] | None = None) -> str | None:
-    """Why a run with this model, data position, precision, ``max_steps``, ``optimizer.gradient_delay`` and
-    ``tokenizer`` (``ppctl.data.tokenizer.tokenizer_record``) cannot resume from a checkpoint whose ``ppctl.json``
-    is ``index`` (None when it can). The layout, schedule and optimizer sharding may change."""
-    for section, keys, current in (("model", MODEL_KEYS, model), ("data", DATA_KEYS, data)):
+    """Why a run with this model (``vars`` of its ``ModelConfig``, or its ``model_record``), data position,
+    precision, ``max_steps``, ``optimizer.gradient_delay`` and ``tokenizer``
+    (``ppctl.data.tokenizer.tokenizer_record``) cannot resume from a checkpoint whose ``ppctl.json`` is ``index``
+    (None when it can). The layout, schedule and optimizer sharding may change. A setting the checkpoint does not
+    record (saved before ppctl recorded it) is taken as it is."""
+    model = model_record(model) if "moe" in model else model
+    for section, keys, current in (("model", MODEL_KEYS + RECORDED_LATER, model), ("data", DATA_KEYS, data)):
         for key in keys:
+            if key in RECORDED_LATER and key not in index[section]:
+                continue
             saved = index[section].get(key)
             if saved != current[key]:
                 setting = f"model.{key}" if section == "model" else f"trainer.{key}"

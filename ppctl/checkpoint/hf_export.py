@@ -3,11 +3,12 @@
 A checkpoint holds every parameter as the dense tensor of one process, by global name, the vocabulary
 unpadded (``model/<name>``): this module reads those in one process (DCP, no process group), whatever
 layout saved them, and writes what ``transformers`` loads: ``config.json`` (the family's architecture for the
-run's shape, ``ppctl.model.hf_format``), ``model.safetensors`` (or shards of at most ``max_shard_bytes`` and
-``model.safetensors.index.json``), ``generation_config.json`` and, when the run read a tokenizer file, that file
-as ``tokenizer.json`` with a ``tokenizer_config.json`` (the byte tokenizer has no HF form: a note says so). The
-weights keep the checkpoint's dtype (``model/``: the run's precision). The folder is written under a hidden name beside ``out_dir`` and renamed into place, so
-it is complete or absent; an ``out_dir`` that exists and is not empty is refused.
+run's shape, ``ppctl.model.hf_format``; a model with experts as Mixtral, ``ppctl.model.llama.hf``),
+``model.safetensors`` (or shards of at most ``max_shard_bytes`` and ``model.safetensors.index.json``),
+``generation_config.json`` and, when the run read a tokenizer file, that file as ``tokenizer.json`` with a
+``tokenizer_config.json`` (the byte tokenizer has no HF form: a note says so). The weights keep the checkpoint's
+dtype (``model/``: the run's precision). The folder is written under a hidden name beside ``out_dir`` and renamed
+into place, so it is complete or absent; an ``out_dir`` that exists and is not empty is refused.
 """
 
 from __future__ import annotations
@@ -89,21 +90,29 @@ def export_checkpoint(checkpoint: Path, config: PpctlConfig, out_dir: Path,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
     """Write the HF folder of ``checkpoint`` (saved by a run of ``config``) into ``out_dir``; return the notes."""
     refuse_occupied(out_dir)
-    if config.model.moe.num_experts:
-        raise ExportError(f"{checkpoint}: model.moe.num_experts={config.model.moe.num_experts}: ppctl export writes "
-                          f"dense models only (Mixtral's format comes with issue 45's later parts)")
     try:
         hf = hf_format_of(family_of(config))
+        _check_experts_writable(config, hf)
         model = model_shape(config)
+        architecture = hf.hf_config(model)  # refuses what the format cannot express before anything is read
         dense = read_dense_model(checkpoint, parameter_rules(config))
         dtype = next(iter(dense.values())).dtype
         tokenizer, notes = tokenizer_files(config, read_index(checkpoint))
-        hf_config = {**hf.hf_config(model), "dtype": DTYPE_NAMES[dtype], **_special_tokens(tokenizer)}
+        hf_config = {**architecture, "dtype": DTYPE_NAMES[dtype], **_special_tokens(tokenizer)}
         tensors = to_hf_tensors(hf, model, hf_config, dense)
     except HFError as error:
         raise ExportError(f"{checkpoint}: {error}") from None
     _write_folder(out_dir, hf_config, tensors, tokenizer, max_shard_bytes)
     return notes
+
+
+def _check_experts_writable(config: PpctlConfig, hf) -> None:
+    """``HFError`` for a model with experts whose family's format writes none (GPT's GELU experts: Hugging Face's
+    mixtures are Mixtral's SwiGLU ones, ``model.family=llama``)."""
+    experts = config.model.moe.num_experts
+    if experts and getattr(hf, "moe_architecture", None) is None:
+        raise HFError(f"model.moe.num_experts={experts} with model.family={config.model.family}: ppctl writes a "
+                      f"mixture of experts as Mixtral only, whose experts are SwiGLU MLPs (model.family=llama)")
 
 
 def read_dense_model(checkpoint: Path, rule_for) -> dict[str, torch.Tensor]:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ppctl.checkpoint.files import DATA_KEYS, MODEL_KEYS, commit, read_index, temporary_dir
+from ppctl.checkpoint.files import DATA_KEYS, commit, model_record, read_index, temporary_dir
 from ppctl.checkpoint.pieces import parameter_pieces
 from ppctl.checkpoint.store import add_pieces, load_state, save_state
 from ppctl.data.tokenizer import tokenizer_record
@@ -142,7 +142,7 @@ def checkpoint_index(trainer, step: int, reason: str, optimizer_steps: int) -> d
                    "ep": layout.ep,
                    "schedule": config.schedule.name, "distributed_optimizer": config.optimizer.distributed},
         "precision": config.trainer.precision,
-        "model": {key: getattr(config.model, key) for key in MODEL_KEYS},
+        "model": model_record(vars(config.model)),
         "data": {**{key: getattr(config.trainer, key) for key in DATA_KEYS}, "source": config.data.source,
                  "tokenizer": _tokenizer_of(config)},
         "optimizer_steps": optimizer_steps,

@@ -304,7 +304,8 @@ def _check_expert_parallel(config: PpctlConfig) -> None:
 
 def _check_moe_layout(config: PpctlConfig) -> None:
     """What MoE does not run with yet: TP, CP, SP (their token statistics reduce with expert parallelism), a stream of
-    steps (its per-step routing statistics reduce over every rank), a Hugging Face folder to start from."""
+    steps (its per-step routing statistics reduce over every rank), a Hugging Face folder to start from other than
+    a Mixtral one (``init_from_problem`` checks that it is one, of this run's shape)."""
     parallel, experts = config.parallel, f"model.moe.num_experts={config.model.moe.num_experts}"
     for name, value, single in (("tp", parallel.tp, 1), ("cp", parallel.cp, 1),
                                 ("sequence_parallel", parallel.sequence_parallel, False)):
@@ -314,9 +315,9 @@ def _check_moe_layout(config: PpctlConfig) -> None:
     require(not schedule_spec(config).streams_steps,
             f"schedule {config.schedule.name} streams steps with no barrier between them, but {experts} reduces its "
             f"routing statistics (expert load, bias) over every rank after each step; choose another schedule")
-    require(not config.model.init_from,
-            f"model.init_from with {experts}: ppctl reads dense Hugging Face checkpoints only (Mixtral import comes "
-            f"with issue 45's later parts)")
+    require(not config.model.init_from or config.model.family == "llama",
+            f"model.init_from with {experts} and model.family={config.model.family}: ppctl reads a mixture of "
+            f"experts from Mixtral folders only (SwiGLU experts: model.family=llama)")
 
 
 def _check_context_parallel_attention(config: PpctlConfig) -> None:

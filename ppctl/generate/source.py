@@ -24,7 +24,7 @@ from ppctl.data.tokenizer import Tokenizer, TokenizerFile, build_tokenizer, toke
 from ppctl.model.family import family_names, model_family
 from ppctl.model.from_config import build_chunk, parameter_rules
 from ppctl.model.hf_format import (CONFIG_FILE, GENERATION_FILE, HFError, architecture_of, hf_format_of,
-                                   init_from_problem, read_hf_config)
+                                   init_from_problem, read_hf_config, set_setting)
 from ppctl.model.recompute import Recompute
 from ppctl.model.rules import rule_of
 from ppctl.parallel.tensor_parallel import TPGroup
@@ -175,7 +175,7 @@ def _from_hf(folder: Path, precision: str) -> Model:
         family = _family_reading(architecture_of(hf_config))
         config = compose_config(["parallel=single", "data=synthetic", f"trainer.precision={precision}"])
         for key, value in hf_format_of(family).shape_from_hf(hf_config).items():
-            setattr(config.model, key, value)
+            set_setting(config.model, key, value)
         config.model.name, config.model.init_from = folder.name, str(folder)
         family.check(config)
         problem = init_from_problem(config.model, family)

@@ -8,10 +8,12 @@ A family that reads and writes Hugging Face (``transformers``) checkpoints names
   GPT-2, ``model`` for Llama): a folder may store every tensor under it or without it (``stored_name``);
 * ``hf_config(model)``: the ``config.json`` of a ppctl model (``model`` holds the ``model.*`` settings by
   name: a ``ModelConfig`` or the family's shape);
-* ``shape_from_hf(hf_config)``: the ``model.*`` settings a ``config.json`` describes, or ``HFError`` in one
-  line for what ppctl cannot compute exactly;
+* ``shape_from_hf(hf_config)``: the ``model.*`` settings a ``config.json`` describes (a dotted key such as
+  ``moe.topk`` names a key of a section: ``run_setting``, ``set_setting``), or ``HFError`` in one line for what
+  ppctl cannot compute exactly;
 * ``tensors(model, hf_config)``: every ppctl global parameter name (as checkpoints store it; a tied output layer
   is the word embedding) -> its ``HFTensor``;
+* ``moe_architecture`` (optional): the architecture a model with experts (``model.moe``) is written as;
 * ``zero_tensors(model, hf_config)``: the HF tensors the architecture always has and a run may lack (GPT-2's
   ``c_attn.bias`` without ``model.qkv_bias``): written as zeros on export. A folder that holds them gives a
   shape with them (``shape_from_hf``), so a run that reads it has them.
@@ -48,12 +50,14 @@ class HFTensor:
     ``names``: the HF tensors whose rows, one after the other, are the ppctl tensor's rows (one name: a rename;
     several: a split, such as q, k and v); empty: HF has no such tensor and ppctl's is zero. ``transpose``: HF
     stores each ``[in, out]`` (GPT-2's ``Conv1D``) where ppctl stores ``[out, in]``. ``rows``: each part's ppctl
-    rows (None: equal parts).
+    rows (None: equal parts). ``stacked``: each name is one slice of the ppctl tensor's first dimension instead
+    (the experts of stacked expert weights, in order: Mixtral's ``experts.<j>.w1``).
     """
 
     names: tuple[str, ...]
     transpose: bool = False
     rows: tuple[int, ...] | None = None
+    stacked: bool = False
 
 
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
@@ -162,14 +166,31 @@ def init_from_problem(model, family) -> str | None:
         _check_architecture(architecture_of(hf_config), family)
         shape = hf_format_of(family).shape_from_hf(hf_config)
         for key, value in shape.items():
-            if getattr(model, key) != value:
+            if run_setting(model, key) != value:
                 gives = (f"is {architecture_of(hf_config)} (model.{key}={value})" if key in ARCHITECTURE_KEYS
                          else f"gives model.{key}={value}")
-                raise HFError(f"its {CONFIG_FILE} {gives}, this run has model.{key}={getattr(model, key)}")
+                raise HFError(f"its {CONFIG_FILE} {gives}, this run has model.{key}={run_setting(model, key)}")
         _check_tensors(folder, model, family, hf_config)
     except HFError as error:
         return f"model.init_from={folder}: {error}"
     return None
+
+
+def run_setting(model, key: str) -> Any:
+    """Setting ``key`` of ``model`` (a ``ModelConfig``); ``moe.<key>`` reads the resolved mixture (``MoEShape``: an
+    unset expert width is ``ffn_hidden_size``), or ``model.moe`` itself for a dense model."""
+    from ppctl.model.moe.shape import moe_shape_of
+
+    section, _, name = key.rpartition(".")
+    if section != "moe":
+        return getattr(model, key)
+    return getattr(moe_shape_of(model) or model.moe, name)
+
+
+def set_setting(model, key: str, value: Any) -> None:
+    """Set ``key`` of ``model`` (a ``ModelConfig``), a dotted key in its section."""
+    section, _, name = key.rpartition(".")
+    setattr(getattr(model, section) if section else model, name, value)
 
 
 def _check_architecture(architecture: str, family) -> None:

@@ -8,9 +8,10 @@ a ``ROWS`` shard, the columns of a ``COLUMNS`` one, its heads' rows of q, k and 
 for ``REPLICATED``; on a transposed HF tensor rows are read as columns and the other way round. Vocabulary
 rows beyond the HF vocabulary (TP padding) stay zero. A tied output layer reads the word embedding. A tensor
 stored without the base model's prefix (``h.0.attn.c_attn.weight`` for ``transformer.h.0.attn.c_attn.weight``)
-is found under that name (``ppctl.model.hf_format.stored_name``). Each shard is planned as blocks
-(``shard_blocks``) and read straight into its parameter a few MiB at a time, so a rank holds its own share and
-one such read, never a whole tensor (``benchmarks/hf_load.py`` measures it).
+is found under that name (``ppctl.model.hf_format.stored_name``). Stacked experts (``HFTensor.stacked``) are
+one HF tensor per expert both ways: expert j's slice is written as, and read from, the j-th name. Each shard is
+planned as blocks (``shard_blocks``) and read straight into its parameter a few MiB at a time, so a rank holds
+its own share and one such read, never a whole tensor (``benchmarks/hf_load.py`` measures it).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def _split(name: str, spec: HFTensor, tensor: torch.Tensor) -> dict[str, torch.T
         if torch.count_nonzero(tensor):
             raise HFError(f"ppctl's {name} is not zero and the HF architecture has no such tensor")
         return {}
+    if spec.stacked:
+        return {hf_name: part.contiguous() for hf_name, part in zip(spec.names, tensor.unbind(0), strict=True)}
     rows = spec.rows or [tensor.shape[0] // len(spec.names)] * len(spec.names)
     parts = tensor.split(list(rows), dim=0)
     return {hf_name: (part.t() if spec.transpose and part.dim() == 2 else part).contiguous()
@@ -203,5 +206,17 @@ def _load(module: torch.nn.Module, folder: str | Path, hf, model, tp: TPGroup) -
             if not spec.names:
                 param.zero_()
                 continue
+            if spec.stacked:
+                _copy_stacked(param, spec, weights, name)
+                continue
             blocks = shard_blocks(weights, spec, rule.split, dense_shape(rule, param.shape, tp), tp, rule.vocab_rows)
             copy_shard(param, blocks, weights, spec.transpose, name)
+
+
+def _copy_stacked(param: torch.Tensor, spec: HFTensor, weights: HFWeights, name: str) -> None:
+    """Fill stacked expert weights (``[E, out, in]``, every expert on this rank) with one HF tensor per expert."""
+    if len(spec.names) != param.shape[0]:
+        raise HFError(f"ppctl's {name} stacks {param.shape[0]} experts, the mapping names {len(spec.names)}")
+    for expert, hf_name in enumerate(spec.names):
+        rows = (0, weights.ppctl_shape(hf_name, spec.transpose)[0])
+        copy_shard(param[expert], [Block(hf_name, rows)], weights, spec.transpose, f"{name}[{expert}]")

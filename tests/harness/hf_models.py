@@ -2,13 +2,15 @@
 
 ``save_tiny(folder, architecture, tie, activation=..., rope_scaling=...)`` writes a GPT-2 or StarCoder2 (every
 bias random, the QKV biases included, as in real checkpoints; the exact ``gelu`` unless ``activation`` names
-another transformers activation), Llama or Qwen2 (grouped-query attention, 4 query heads on 2 key/value heads;
-Qwen2's q/k/v biases drawn; optionally Llama 3's rotary scaling) model of the shape ``OVERRIDES`` gives ppctl, its
+another transformers activation), Llama, Qwen2 or Mixtral (grouped-query attention, 4 query heads on 2 key/value
+heads; Qwen2's q/k/v biases drawn; optionally Llama 3's rotary scaling; Mixtral's ``EXPERTS`` experts, top-``TOPK``)
+model of the shape ``OVERRIDES`` gives ppctl, its
 weights drawn wide enough that a wrong mapping moves the logits by far more than rounding; ``overrides(folder,
 architecture, tie)`` is the ppctl config that starts from it (``model.qkv_bias=true`` for GPT-2 and StarCoder2:
 both have the bias). ``hf_model`` loads one in float64 with what
 transformers computes in float32 whatever the model's dtype computed in float64 too: the rotary angles (alone
-~1e-8 in the logits) and Llama's RMSNorm.
+~1e-8 in the logits), Llama's RMSNorm and Mixtral's router softmax (its experts in transformers' plain loop: its
+grouped kernels take no float64).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-GPT2, STARCODER2, LLAMA, QWEN2 = "gpt2", "starcoder2", "llama", "qwen2"
-LLAMA_FAMILY = (LLAMA, QWEN2)
+GPT2, STARCODER2, LLAMA, QWEN2, MIXTRAL = "gpt2", "starcoder2", "llama", "qwen2", "mixtral"
+LLAMA_FAMILY = (LLAMA, QWEN2, MIXTRAL)
+EXPERTS, TOPK = 4, 2
 VOCAB, LAYERS, HIDDEN, HEADS, KV_HEADS, FFN, POSITIONS, NORM_EPSILON = 50, 4, 32, 4, 2, 64, 16, 1e-5
 OVERRIDES = ["data=synthetic", f"model.vocab_size={VOCAB}", f"model.num_layers={LAYERS}",
              f"model.hidden_size={HIDDEN}", f"model.num_heads={HEADS}", f"model.ffn_hidden_size={FFN}",
@@ -29,7 +32,7 @@ OVERRIDES = ["data=synthetic", f"model.vocab_size={VOCAB}", f"model.num_layers={
 def hf_config(architecture: str, tie: bool, activation: str = "gelu", rope_scaling: dict | None = None):
     """The transformers config of the tiny model (``activation``: transformers' name, for GPT-2 and StarCoder2;
     ``rope_scaling``: Llama 3's ``rope_parameters`` keys)."""
-    from transformers import GPT2Config, LlamaConfig, Qwen2Config, Starcoder2Config
+    from transformers import GPT2Config, LlamaConfig, MixtralConfig, Qwen2Config, Starcoder2Config
 
     if architecture == GPT2:
         return GPT2Config(vocab_size=VOCAB, n_positions=POSITIONS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
@@ -41,6 +44,9 @@ def hf_config(architecture: str, tie: bool, activation: str = "gelu", rope_scali
     if architecture == STARCODER2:
         return Starcoder2Config(**shape, num_key_value_heads=HEADS, hidden_act=activation)
     rope = {"rope_type": "default", "rope_theta": 10000.0, **(rope_scaling or {})}
+    if architecture == MIXTRAL:
+        return MixtralConfig(**shape, num_key_value_heads=KV_HEADS, rms_norm_eps=NORM_EPSILON, rope_parameters=rope,
+                             num_local_experts=EXPERTS, num_experts_per_tok=TOPK)
     return (LlamaConfig if architecture == LLAMA else Qwen2Config)(**shape, num_key_value_heads=KV_HEADS,
                                                                    rms_norm_eps=NORM_EPSILON, rope_parameters=rope)
 
@@ -70,6 +76,8 @@ def overrides(folder: Path, architecture: str = GPT2, tie: bool = False, rope_sc
         return [*OVERRIDES, f"model.position_embedding={position}", "model.qkv_bias=true", *common]
     llama = ["model=llama_tiny", *OVERRIDES, f"model.num_kv_heads={KV_HEADS}", f"model.norm_epsilon={NORM_EPSILON}",
              f"model.qkv_bias={str(architecture == QWEN2).lower()}", *common]
+    if architecture == MIXTRAL:
+        llama += [f"model.moe.num_experts={EXPERTS}", f"model.moe.topk={TOPK}", "model.moe.router_topk_norm=true"]
     if rope_scaling:
         llama += [f"model.rope_scaling_factor={rope_scaling['factor']}",
                   f"model.rope_low_freq_factor={rope_scaling['low_freq_factor']}",
@@ -87,6 +95,8 @@ def _in_float64(model) -> None:
         if type(module).__name__.endswith("RMSNorm"):
             module.forward = (lambda norm: lambda hidden: norm.weight * hidden * torch.rsqrt(
                 hidden.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))(module)
+        if type(module).__name__ == "MixtralTopKRouter":
+            module.forward = (lambda router: lambda hidden: _route_in_float64(router, hidden))(module)
     config, rotary = model.config, model.model.rotary_emb
     rope = config.rope_parameters
     scaling = None
@@ -104,12 +114,21 @@ def _in_float64(model) -> None:
     rotary.forward = forward
 
 
+def _route_in_float64(router, hidden: torch.Tensor):
+    """Mixtral's router as transformers computes it (logits, softmax, top-k, the top-k renormalised), the softmax in
+    the logits' dtype rather than float32."""
+    logits = torch.nn.functional.linear(hidden.reshape(-1, router.hidden_dim), router.weight)
+    top, experts = torch.topk(torch.softmax(logits, dim=-1), router.top_k, dim=-1)
+    return logits, top / top.sum(dim=-1, keepdim=True), experts
+
+
 def hf_model(folder: Path, exact: bool = True):
     """The model in ``folder`` loaded by ``AutoModelForCausalLM``, in float64, eval mode; ``exact``: its float32
     parts (rotary angles, RMSNorm) in float64 too."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    experts = {"experts_implementation": "eager"} if "Mixtral" in (folder / "config.json").read_text() else {}
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, **experts).eval()
     if exact and hasattr(model, "model") and hasattr(model.model, "rotary_emb"):
         _in_float64(model)
     return model

@@ -82,6 +82,64 @@ def test_resume_rules_name_the_setting_that_changed():
     assert resume_problem({**index, "gradient_delay": 1}, model, data, "fp32", 10, 1) is None
 
 
+def _saved_by(overrides: list[str]) -> dict:
+    """The ``ppctl.json`` of a step-4 checkpoint of a run with these model overrides, as ``checkpoint_index``
+    writes it (through JSON)."""
+    import json
+    from types import SimpleNamespace
+
+    from ppctl.checkpoint.state import checkpoint_index
+    from ppctl.config import compose_config
+
+    layout = SimpleNamespace(world_size=1, tp=1, pp=1, vpp=1, dp=1, cp=1)
+    trainer = SimpleNamespace(config=compose_config(["data=synthetic", *overrides]),
+                              context=SimpleNamespace(layout=layout))
+    return json.loads(json.dumps(checkpoint_index(trainer, 4, "end", 4)))
+
+
+MIXTRAL = ["model=mixtral_tiny"]
+CHANGED_MODELS = [
+    (MIXTRAL + ["model.moe.num_experts=4"], "model.moe.num_experts=8, this run has 4"),
+    (MIXTRAL + ["model.moe.topk=1"], "model.moe.topk=2, this run has 1"),
+    (MIXTRAL + ["model.moe.layer_freq=2"], "model.moe.layer_freq=1, this run has 2"),
+    (MIXTRAL + ["model.moe.first_dense_layers=1"], "model.moe.first_dense_layers=0, this run has 1"),
+    (MIXTRAL + ["model.moe.shared_experts=1"], "model.moe.shared_experts=0, this run has 1"),
+    (MIXTRAL + ["model.moe.expert_ffn_hidden_size=64"], "model.moe.expert_ffn_hidden_size=128, this run has 64"),
+    (MIXTRAL + ["model.moe.router_score=sigmoid"], "model.moe.router_score=softmax, this run has sigmoid"),
+    (MIXTRAL + ["model.moe.router_topk_norm=false"], "model.moe.router_topk_norm=True, this run has False"),
+    (MIXTRAL + ["model.moe.expert_bias=true"], "model.moe.expert_bias=False, this run has True"),
+    (["model=llama_tiny", "model.moe.num_experts=8"], "model.moe.num_experts=0, this run has 8"),
+    (["model=gpt_tiny", "model.activation=gelu_tanh"], "model.activation=gelu, this run has gelu_tanh"),
+]
+
+
+@pytest.mark.parametrize("overrides, fragment", CHANGED_MODELS, ids=[case[0][-1] for case in CHANGED_MODELS])
+def test_a_resume_with_another_mixture_or_activation_is_refused_naming_it(overrides, fragment):
+    """The checkpoint of ``overrides[0]``'s model (Mixtral's; Llama's; GPT's) refuses a run that changed one setting."""
+    from ppctl.config import compose_config
+
+    saved = _saved_by(overrides[:1])
+    config = compose_config(["data=synthetic", *overrides])
+    problem = resume_problem(saved, vars(config.model), vars(config.trainer), "fp32", 10)
+    assert problem == f"it was saved with {fragment}", problem
+
+
+def test_what_a_resume_may_change_of_a_mixture_and_what_an_older_checkpoint_lacks():
+    """Router losses, the capacity and the bias's rate are training choices; an expert width set to the width it
+    had unset is the same model; a checkpoint saved before the mixture was recorded is taken as it is."""
+    from ppctl.config import compose_config
+
+    saved = _saved_by(MIXTRAL)
+    for overrides in (["model.moe.aux_loss_coeff=0.1", "model.moe.z_loss_coeff=0.01"],
+                      ["model.moe.capacity_factor=1.25"], ["model.moe.expert_ffn_hidden_size=128"]):
+        config = compose_config(["data=synthetic", *MIXTRAL, *overrides])
+        assert resume_problem(saved, vars(config.model), vars(config.trainer), "fp32", 10) is None, overrides
+    older = {**saved, "model": {key: value for key, value in saved["model"].items()
+                                if not key.startswith("moe.") and key != "activation"}}
+    config = compose_config(["data=synthetic", *MIXTRAL, "model.moe.topk=1"])
+    assert resume_problem(older, vars(config.model), vars(config.trainer), "fp32", 10) is None
+
+
 def edit_index(checkpoint, **changes):
     """Write other values into a checkpoint's ppctl.json, as a hand (or a tool) would."""
     index = json.loads((checkpoint / "ppctl.json").read_text())

@@ -145,6 +145,25 @@ def test_llama_greedy_equals_transformers_generate_through_init_from(tmp_path):
     assert relative_error(logits, expected_logits) < FLOAT32_LOGITS
 
 
+def test_mixtral_greedy_equals_transformers_generate_through_init_from(tmp_path):
+    """A Mixtral folder (``config.json``'s mixture set as ``model.moe``) decodes as transformers does."""
+    from tests.harness.hf_models import MIXTRAL
+
+    folder = save_tiny(tmp_path / "mixtral", MIXTRAL, seed=3)
+    save_char_tokenizer(folder, VOCAB)
+    model = load_model(folder, precision="fp64")
+    from ppctl.model.moe.layer import moe_mlps
+
+    assert sorted(moe_mlps(model.chunk)) == [0, 1, 2, 3]  # every layer routes, to the folder's 4 experts
+    assert {mlp.shape.num_experts for mlp in moe_mlps(model.chunk).values()} == {4}
+    prompt = model.prompt_ids("Mix", 8)
+    ids, logits = _ppctl_greedy(model.chunk, prompt, 8)
+    with torch.no_grad():
+        expected_ids, expected_logits = _hf_greedy(hf_model(folder), prompt, 8)
+    assert ids == expected_ids
+    assert relative_error(logits, expected_logits) < FLOAT32_LOGITS
+
+
 # --- sampling ------------------------------------------------------------------------------------------------------
 
 def _sampled(model, seed, sampling=Sampling(temperature=1.0)):

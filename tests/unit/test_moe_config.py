@@ -60,7 +60,9 @@ RULES = [
      "parallel.ep=2 splits a mixture's experts, but the model has none"),
     (dict(parallel__ep=0), "parallel.ep=0 must be a positive integer"),
     (dict(parallel__cp=2), "parallel.cp=2 with model.moe.num_experts=8: MoE runs at tp=1 cp=1"),
-    (dict(model__init_from="/some/mixtral"), "model.init_from with model.moe.num_experts=8: ppctl reads dense"),
+    (dict(model__init_from="/some/mixtral", model__family="gpt", model__num_kv_heads=None),
+     "model.init_from with model.moe.num_experts=8 and model.family=gpt: ppctl reads a mixture of experts from "
+     "Mixtral folders only"),
 ]
 
 

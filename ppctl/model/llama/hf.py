@@ -1,4 +1,5 @@
-"""The Llama family in Hugging Face format: ``LlamaForCausalLM``, and ``Qwen2ForCausalLM`` for q/k/v biases, both ways.
+"""The Llama family in Hugging Face format: ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` for q/k/v biases and
+``MixtralForCausalLM`` for experts, both ways.
 
 ppctl's Llama layers carry Hugging Face's names (``self_attn.q_proj``, ``mlp.gate_proj``,
 ``input_layernorm``...) under ``layers.<i>.``, so the mapping is a rename: ``embed_tokens`` is
@@ -6,8 +7,16 @@ ppctl's Llama layers carry Hugging Face's names (``self_attn.q_proj``, ``mlp.gat
 ``nn.Linear``'s ``[out, in]`` on both sides. Both compute RMSNorm in float32, SwiGLU with SiLU and
 rotate-half rotary over the whole head (``rope_type`` ``default``, or ``llama3``'s frequency scaling).
 Refused, as not computed by ppctl: an activation other than SiLU, biases on the output projection or the
-MLP (``attention_bias``, ``mlp_bias``), other rotary types, a sliding window. Checked against
-``transformers`` in ``tests/unit/test_hf_llama.py``. Pure: names and numbers only.
+MLP (``attention_bias``, ``mlp_bias``), other rotary types, a sliding window.
+
+Mixtral (a model with ``model.moe``): each layer's MLP is ``block_sparse_moe``, as the hub's files and
+``save_pretrained`` store it (``from_pretrained`` fuses the experts itself): ``gate`` is ``mlp.router``, and
+expert j's ``w1``, ``w3``, ``w2`` are slice j of the stacked ``mlp.experts.gate_proj``, ``up_proj``,
+``down_proj``. Its router is ppctl's softmax router renormalised over the top-k (``router_topk_norm``; with
+top-1 the weight is 1), every layer routed, dropless. Refused both ways, as Mixtral does not compute them:
+shared experts, a sigmoid router, ``router_topk_norm=false``, the expert bias, dense layers
+(``layer_freq``, ``first_dense_layers``), a capacity, q/k/v biases. Checked against ``transformers`` in
+``tests/unit/test_hf_llama.py`` and ``tests/unit/test_hf_mixtral.py``. Pure: names and numbers only.
 """
 
 from __future__ import annotations
@@ -15,10 +24,14 @@ from __future__ import annotations
 from typing import Any
 
 from ppctl.model.hf_format import HFError, HFTensor, architecture_of
+from ppctl.model.moe.shape import MoEShape, moe_shape_of
 
 LLAMA = "LlamaForCausalLM"
 QWEN2 = "Qwen2ForCausalLM"
-# transformers' defaults for the keys a config.json may leave out (LlamaConfig, Qwen2Config).
+MIXTRAL = "MixtralForCausalLM"
+# Mixtral's expert weights, by ppctl's role: w1 (gate), w3 (up), w2 (down).
+MIXTRAL_EXPERTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+# transformers' defaults for the keys a config.json may leave out (LlamaConfig, Qwen2Config, MixtralConfig).
 LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
                   "num_attention_heads": 32, "num_key_value_heads": None, "head_dim": None, "hidden_act": "silu",
                   "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
@@ -26,16 +39,29 @@ LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size":
                   "rope_scaling": None}
 QWEN2_DEFAULTS = {**LLAMA_DEFAULTS, "vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
                   "max_position_embeddings": 32768, "use_sliding_window": False}
+MIXTRAL_DEFAULTS = {**LLAMA_DEFAULTS, "intermediate_size": 14336, "num_key_value_heads": 8,
+                    "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+                    "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2}
+# The model.moe settings of every Mixtral (what else ppctl's mixture can be, Mixtral does not compute), and why.
+MIXTRAL_MOE = {"layer_freq": (1, "every layer of a Mixtral routes"),
+               "first_dense_layers": (0, "every layer of a Mixtral routes"),
+               "shared_experts": (0, "Mixtral has no shared experts"),
+               "router_score": ("softmax", "Mixtral's router scores by a softmax over the experts"),
+               "router_topk_norm": (True, "Mixtral divides each token's top-k weights by their sum (with top-1: 1)"),
+               "expert_bias": (False, "Mixtral's top-k choice has no expert bias"),
+               "capacity_factor": (None, "Mixtral drops no tokens")}
 
 
 class LlamaHuggingFace:
     """The Llama family's HF format (see ``ppctl.model.hf_format``)."""
 
-    architectures = (LLAMA, QWEN2)
-    base_model_prefixes = {LLAMA: "model", QWEN2: "model"}  # transformers' base_model_prefix
+    architectures = (LLAMA, QWEN2, MIXTRAL)
+    base_model_prefixes = {LLAMA: "model", QWEN2: "model", MIXTRAL: "model"}  # transformers' base_model_prefix
+    moe_architecture = MIXTRAL  # what a model with experts is written as
 
     def hf_config(self, model) -> dict[str, Any]:
-        """``config.json`` of a Llama model (a ``LlamaConfig``): Llama's, or Qwen2's when it has q/k/v biases."""
+        """``config.json`` of a Llama model (a ``LlamaConfig``): Llama's, Qwen2's when it has q/k/v biases, Mixtral's
+        when it has experts (``HFError`` for a mixture Mixtral does not compute)."""
         rope = _rope_parameters(model)
         config = {"vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
                   "intermediate_size": model.ffn_hidden_size, "num_hidden_layers": model.num_layers,
@@ -44,19 +70,24 @@ class LlamaHuggingFace:
                   "rms_norm_eps": model.norm_epsilon, "initializer_range": model.init_std,
                   "tie_word_embeddings": model.tie_embeddings, "rope_theta": float(model.rope_theta),
                   "rope_parameters": rope, "attention_dropout": 0.0, "use_cache": True}
+        if model.moe is not None:
+            return _mixtral_config(model, config)
         if model.qkv_bias:
             return {"architectures": [QWEN2], "model_type": "qwen2", **config, "use_sliding_window": False}
         return {"architectures": [LLAMA], "model_type": "llama", **config, "attention_bias": False,
                 "mlp_bias": False, "pretraining_tp": 1}
 
     def shape_from_hf(self, hf_config: dict[str, Any]) -> dict[str, Any]:
-        """The ``model.*`` settings of a Llama or Qwen2 ``config.json``; ``HFError`` for what ppctl cannot compute."""
+        """The ``model.*`` settings of a Llama, Qwen2 or Mixtral ``config.json`` (Mixtral's mixture as dotted
+        ``moe.*`` keys; the others' ``moe.num_experts=0``); ``HFError`` for what ppctl cannot compute."""
         architecture = architecture_of(hf_config)
         if architecture not in self.architectures:
-            raise HFError(f"its {architecture} is no architecture model.family=llama reads ({LLAMA}, {QWEN2})")
-        qwen2 = architecture == QWEN2
-        hf = {**(QWEN2_DEFAULTS if qwen2 else LLAMA_DEFAULTS), **hf_config}
-        _check_computable(hf, qwen2)
+            raise HFError(f"its {architecture} is no architecture model.family=llama reads "
+                          f"({', '.join(self.architectures)})")
+        qwen2, mixtral = architecture == QWEN2, architecture == MIXTRAL
+        defaults = QWEN2_DEFAULTS if qwen2 else MIXTRAL_DEFAULTS if mixtral else LLAMA_DEFAULTS
+        hf = {**defaults, **hf_config}
+        _check_computable(hf, qwen2, mixtral)
         heads = hf["num_attention_heads"]
         shape = {"family": "llama", "position_embedding": "rope", "num_layers": hf["num_hidden_layers"],
                  "hidden_size": hf["hidden_size"], "num_heads": heads,
@@ -64,22 +95,28 @@ class LlamaHuggingFace:
                  "vocab_size": hf["vocab_size"], "max_seq_length": hf["max_position_embeddings"],
                  "tie_embeddings": bool(hf["tie_word_embeddings"]), "norm_epsilon": hf["rms_norm_eps"],
                  "qkv_bias": qwen2}
+        if mixtral:  # every layer routes: its intermediate_size is the experts' (model.ffn_hidden_size by default)
+            del shape["ffn_hidden_size"]
         head_dim = hf["head_dim"] or hf["hidden_size"] // heads
         if head_dim != hf["hidden_size"] // heads or hf["hidden_size"] % heads:
             shape["head_dim"] = head_dim
-        return {**shape, **_rope_settings(hf)}
+        return {**shape, **_rope_settings(hf), **(_mixtral_moe(hf) if mixtral else {"moe.num_experts": 0})}
 
     def tensors(self, model, hf_config: dict[str, Any]) -> dict[str, HFTensor]:
-        """Every ppctl Llama parameter (a tied output layer is the word embedding) -> its HF tensor: renames."""
+        """Every ppctl Llama parameter (a tied output layer is the word embedding) -> its HF tensor: renames, and
+        each MoE layer's experts one HF tensor per expert (Mixtral's)."""
         tensors = {"embedding.word.weight": HFTensor(("model.embed_tokens.weight",)),
                    "final_norm.weight": HFTensor(("model.norm.weight",))}
-        roles = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
-                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
-        roles += [f"self_attn.{part}_proj.{kind}" for part in "qkv"
-                  for kind in (("weight", "bias") if model.qkv_bias else ("weight",))]
+        around = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight"]
+        qkv = [f"self_attn.{part}_proj.{kind}" for part in "qkv"
+               for kind in (("weight", "bias") if model.qkv_bias else ("weight",))]
+        moe = _moe_of(model)
         for layer in range(model.num_layers):
-            for role in roles:
-                tensors[f"layers.{layer}.{role}"] = HFTensor((f"model.layers.{layer}.{role}",))
+            # In this order (a dense export's shards, hence its bytes, follow it): norms and o_proj, MLP, q/k/v.
+            tensors.update({f"layers.{layer}.{role}": HFTensor((f"model.layers.{layer}.{role}",)) for role in around})
+            routed = moe is not None and moe.is_moe_layer(layer)
+            tensors.update(_mixtral_mlp(layer, moe.num_experts) if routed else _dense_mlp(layer))
+            tensors.update({f"layers.{layer}.{role}": HFTensor((f"model.layers.{layer}.{role}",)) for role in qkv})
         if not model.tie_embeddings:
             tensors["output_layer.weight"] = HFTensor(("lm_head.weight",))
         return tensors
@@ -94,7 +131,51 @@ def _require(condition: bool, message: str) -> None:
         raise HFError(message)
 
 
-def _check_computable(hf: dict[str, Any], qwen2: bool) -> None:
+def _moe_of(model) -> MoEShape | None:
+    """The mixture of ``model`` (a ``LlamaConfig``, its ``moe`` resolved, or a ``ModelConfig``); None: dense."""
+    moe = getattr(model, "moe", None)
+    return moe if moe is None or isinstance(moe, MoEShape) else moe_shape_of(model)
+
+
+def _dense_mlp(layer: int) -> dict[str, HFTensor]:
+    """A dense layer's MLP: renames."""
+    return {f"layers.{layer}.mlp.{part}.weight": HFTensor((f"model.layers.{layer}.mlp.{part}.weight",))
+            for part in ("gate_proj", "up_proj", "down_proj")}
+
+
+def _mixtral_mlp(layer: int, num_experts: int) -> dict[str, HFTensor]:
+    """An MoE layer's MLP as Mixtral stores it: the router is ``gate``; each stacked expert weight is one tensor per
+    expert, in expert order."""
+    moe = f"model.layers.{layer}.block_sparse_moe"
+    tensors = {f"layers.{layer}.mlp.router.weight": HFTensor((f"{moe}.gate.weight",))}
+    for part, mixtral in MIXTRAL_EXPERTS.items():
+        names = tuple(f"{moe}.experts.{expert}.{mixtral}.weight" for expert in range(num_experts))
+        tensors[f"layers.{layer}.mlp.experts.{part}.weight"] = HFTensor(names, stacked=True)
+    return tensors
+
+
+def _mixtral_config(model, config: dict[str, Any]) -> dict[str, Any]:
+    """``config.json`` of a Llama model with experts (a ``MixtralConfig``); ``HFError`` naming the first setting of
+    its mixture Mixtral does not compute."""
+    moe = model.moe
+    for key, (mixtral, reason) in MIXTRAL_MOE.items():
+        _require(getattr(moe, key) == mixtral, f"model.moe.{key}={getattr(moe, key)}: {MIXTRAL} cannot express it "
+                                               f"({reason}: model.moe.{key}={mixtral})")
+    _require(not model.qkv_bias, f"model.qkv_bias=true: {MIXTRAL} has no q/k/v biases")
+    return {"architectures": [MIXTRAL], "model_type": "mixtral", **config,
+            "intermediate_size": moe.expert_ffn_hidden_size, "num_local_experts": moe.num_experts,
+            "num_experts_per_tok": moe.topk, "router_aux_loss_coef": moe.aux_loss_coeff,
+            "router_jitter_noise": 0.0, "output_router_logits": False, "sliding_window": None}
+
+
+def _mixtral_moe(hf: dict[str, Any]) -> dict[str, Any]:
+    """The ``model.moe`` settings of a Mixtral ``config.json`` (dotted keys); its FFN width is the experts'."""
+    return {"moe.num_experts": hf["num_local_experts"], "moe.topk": hf["num_experts_per_tok"],
+            "moe.expert_ffn_hidden_size": hf["intermediate_size"],
+            **{f"moe.{key}": value for key, (value, _reason) in MIXTRAL_MOE.items()}}
+
+
+def _check_computable(hf: dict[str, Any], qwen2: bool, mixtral: bool) -> None:
     """``HFError`` for what ppctl's Llama layers do not compute."""
     _require(hf["hidden_act"] == "silu", f"its hidden_act={hf['hidden_act']!r}: ppctl's llama computes SwiGLU with "
                                          f"SiLU only")
@@ -105,6 +186,11 @@ def _check_computable(hf: dict[str, Any], qwen2: bool) -> None:
                                                f"the unsplit model only")
     _require(not hf.get("use_sliding_window", False), "its use_sliding_window=true: ppctl attends to the whole "
                                                       "sequence")
+    # Mixtral's window applies whenever set (Qwen2's only with use_sliding_window): none, or one no sequence passes.
+    window = hf.get("sliding_window") if mixtral else None
+    _require(window is None or window >= hf["max_position_embeddings"],
+             f"its sliding_window={window} is shorter than its max_position_embeddings="
+             f"{hf['max_position_embeddings']}: ppctl attends to the whole sequence")
 
 
 def _rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
