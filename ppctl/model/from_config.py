@@ -42,7 +42,7 @@ def build_chunk(config: PpctlConfig, layer_ids, pre_process: bool, post_process:
     chunk = family.chunk_class()(shape, layer_ids, pre_process, post_process, tp, seed, parameter_dtype(config), cp,
                                  recompute_of(config) if recompute is None else recompute, ep)
     if reads_hf:
-        load_hf_weights(chunk, config.model.init_from, hf_format_of(family), shape, tp)
+        load_hf_weights(chunk, config.model.init_from, hf_format_of(family), shape, tp, chunk.ep)
     return chunk
 
 

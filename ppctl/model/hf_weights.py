@@ -26,6 +26,7 @@ import torch
 from ppctl.model.hf_format import (HFError, HFTensor, INDEX_FILE, WEIGHTS_FILE, base_model_prefix, read_hf_config,
                                    spellings, stored_name, weight_files)
 from ppctl.model.rules import COLUMNS, QKV_ROWS, ROWS, dense_shape, rule_of
+from ppctl.parallel.expert_parallel import EPGroup
 from ppctl.parallel.tensor_parallel import TPGroup
 
 READ_ELEMENTS = 2**22  # the most elements one read holds (16 MiB in float32): a rank loads in its share plus this
@@ -185,18 +186,20 @@ def _width(weights: HFWeights, block: Block, transpose: bool) -> tuple[int, ...]
     return (block.columns[1] - block.columns[0],) if block.columns else width
 
 
-def load_hf_weights(module: torch.nn.Module, folder: str | Path, hf, model, tp: TPGroup) -> None:
+def load_hf_weights(module: torch.nn.Module, folder: str | Path, hf, model, tp: TPGroup,
+                    ep: EPGroup = EPGroup.single()) -> None:
     """Fill every parameter of ``module`` (a chunk: global names, rules attached) with this TP rank's slice of the
-    HF folder's tensors; ``model`` is the family's shape. ``HFError`` (one line naming ``model.init_from``) when the
-    folder lacks a tensor or a slice does not fit its parameter."""
+    HF folder's tensors (of stacked experts, EP rank ``ep.rank``'s experts); ``model`` is the family's shape.
+    ``HFError`` (one line naming ``model.init_from``) when the folder lacks a tensor or a slice does not fit its
+    parameter."""
     try:
-        _load(module, folder, hf, model, tp)
+        _load(module, folder, hf, model, tp, ep)
     except HFError as error:
         raise HFError(f"model.init_from={folder}: {error}") from None
 
 
 @torch.no_grad()
-def _load(module: torch.nn.Module, folder: str | Path, hf, model, tp: TPGroup) -> None:
+def _load(module: torch.nn.Module, folder: str | Path, hf, model, tp: TPGroup, ep: EPGroup) -> None:
     hf_config = read_hf_config(folder)
     specs = hf.tensors(model, hf_config)
     with HFWeights(folder, base_model_prefix(hf, hf_config)) as weights:
@@ -207,16 +210,18 @@ def _load(module: torch.nn.Module, folder: str | Path, hf, model, tp: TPGroup) -
                 param.zero_()
                 continue
             if spec.stacked:
-                _copy_stacked(param, spec, weights, name)
+                _copy_stacked(param, spec, weights, name, ep)
                 continue
             blocks = shard_blocks(weights, spec, rule.split, dense_shape(rule, param.shape, tp), tp, rule.vocab_rows)
             copy_shard(param, blocks, weights, spec.transpose, name)
 
 
-def _copy_stacked(param: torch.Tensor, spec: HFTensor, weights: HFWeights, name: str) -> None:
-    """Fill stacked expert weights (``[E, out, in]``, every expert on this rank) with one HF tensor per expert."""
-    if len(spec.names) != param.shape[0]:
-        raise HFError(f"ppctl's {name} stacks {param.shape[0]} experts, the mapping names {len(spec.names)}")
-    for expert, hf_name in enumerate(spec.names):
+def _copy_stacked(param: torch.Tensor, spec: HFTensor, weights: HFWeights, name: str, ep: EPGroup) -> None:
+    """Fill stacked expert weights (``[E / ep, out, in]``: EP rank ``ep.rank``'s experts) with one HF tensor per
+    expert."""
+    if len(spec.names) != param.shape[0] * ep.size:
+        raise HFError(f"ppctl's {name} stacks {param.shape[0] * ep.size} experts, the mapping names {len(spec.names)}")
+    for local, expert in enumerate(ep.local_experts(len(spec.names))):
+        hf_name = spec.names[expert]
         rows = (0, weights.ppctl_shape(hf_name, spec.transpose)[0])
-        copy_shard(param[expert], [Block(hf_name, rows)], weights, spec.transpose, f"{name}[{expert}]")
+        copy_shard(param[local], [Block(hf_name, rows)], weights, spec.transpose, f"{name}[{expert}]")

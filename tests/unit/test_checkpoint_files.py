@@ -91,7 +91,7 @@ def _saved_by(overrides: list[str]) -> dict:
     from ppctl.checkpoint.state import checkpoint_index
     from ppctl.config import compose_config
 
-    layout = SimpleNamespace(world_size=1, tp=1, pp=1, vpp=1, dp=1, cp=1)
+    layout = SimpleNamespace(world_size=1, tp=1, pp=1, vpp=1, dp=1, cp=1, ep=1)
     trainer = SimpleNamespace(config=compose_config(["data=synthetic", *overrides]),
                               context=SimpleNamespace(layout=layout))
     return json.loads(json.dumps(checkpoint_index(trainer, 4, "end", 4)))

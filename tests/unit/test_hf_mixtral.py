@@ -111,6 +111,25 @@ def test_each_pipeline_stage_reads_its_own_layers_experts(folder):
             assert torch.equal(param, whole[name]), name
 
 
+@pytest.mark.parametrize("ep", [2, 4])
+def test_each_expert_parallel_rank_reads_its_own_experts(folder, ep):
+    """Under expert parallelism each EP rank's chunk holds its share of every layer's experts (``E / ep`` of them,
+    from its own hub tensors) and every other parameter whole."""
+    from ppctl.model.from_config import build_chunk
+    from ppctl.model.rules import rule_of
+    from ppctl.parallel.expert_parallel import EPGroup
+    from ppctl.parallel.tensor_parallel import TPGroup
+
+    config = _config(folder)
+    whole = dict(_ppctl(config).named_parameters())
+    per_rank = EXPERTS // ep
+    for rank in range(ep):
+        chunk = build_chunk(config, [0, 1, 2, 3], True, True, TPGroup(None, 1, 0), ep=EPGroup(None, ep, rank))
+        for name, param in chunk.named_parameters():
+            expected = whole[name][rank * per_rank:(rank + 1) * per_rank] if rule_of(param).experts else whole[name]
+            assert torch.equal(param, expected), (name, rank)
+
+
 def _swap_gate_and_up(name, spec):
     return replace(spec, names=tuple(hf.replace(".w1.", "#").replace(".w3.", ".w1.").replace("#", ".w3.")
                                      for hf in spec.names))
