@@ -4,7 +4,7 @@ Each case trains steps 0-1 at the saving layout, saves after step 2, builds a tr
 the loading layout (other tp, pp, dp, cp, schedule, optimizer sharding, world size),
 loads the checkpoint and trains steps 2-3. Compared in float64 with the single-process
 run of all four steps as a user would launch it (``parallel=single``): the losses and
-grad norms of steps 2-3 and every final parameter. A bf16, an fp16, a delayed-gradient
+grad norms of steps 2-3 and every final parameter. A mixture of experts saved at ep=2 resumes at ep=1 and ep=4. A bf16, an fp16, a delayed-gradient
 (``optimizer.gradient_delay=1``) and a PipeDream-2BW run resumed at their own layout are
 compared bitwise with their own uninterrupted runs (fp32 main parameters, AdamW state, the
 fp16 loss scaler and the previous weight version must come back exactly); a 2BW checkpoint
@@ -16,8 +16,8 @@ import functools
 import pytest
 
 from tests.harness.pool import run_workers
-from tests.distributed.equivalence import (BASE, FP64, LLAMA, compare_parameters, compare_scalars, composed_runs,
-                                          single_process_reference)
+from tests.distributed.equivalence import (BASE, FP64, LLAMA, MIXTRAL, compare_parameters, compare_scalars,
+                                          composed_runs, single_process_reference)
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 
@@ -42,6 +42,11 @@ PAIRS_4 = [
     # Llama: separate q/k/v and gate/up weights, RMSNorm scales, resharded over tp and the optimizer's shards.
     (["parallel.tp=2", "parallel.pp=2", *LLAMA], ["parallel.pp=2", "parallel.dp=2", "schedule=zbv", *DIST, *LLAMA]),
 ]
+# A mixture saved at ep=2 (experts and their sharded AdamW state split over two EP ranks) resumed at ep=1 (every
+# rank all experts, a plain optimizer) and at ep=4.
+EXPERTS_SAVED = ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", *DIST, *MIXTRAL]
+EXPERTS_LOADED = [["parallel.pp=2", "parallel.dp=2", "schedule=zbv", *MIXTRAL],
+                  ["parallel.pp=1", "parallel.dp=4", "parallel.ep=4", *DIST, *MIXTRAL]]
 # Saved by 2 workers, loaded by 4 into DualPipe's two parameter copies (each copy reads the same tensors).
 ACROSS_WORLDS = (["parallel.pp=2", "schedule=gpipe"], ["parallel.pp=2", "parallel.dp=2", "schedule=dualpipe", *DIST])
 # Half precision resumed at its own layout: bitwise its uninterrupted run (fp16 also brings back its loss scaler).
@@ -80,8 +85,10 @@ def _resumed(trainer, checkpoint):
     start = load_checkpoint(trainer, checkpoint)
     losses, norms = _steps(trainer, range(start, STEPS))
     shards = {name: param.detach().clone() for name, param in trainer.named_parameters().items()}
+    context = trainer.context
     return {"losses": losses, "norms": norms, "shards": shards, "start": start,
-            "tp_rank": trainer.context.coords["tp"], "tp": trainer.context.layout.tp}
+            "tp_rank": context.coords["tp"], "tp": context.layout.tp,
+            "ep": context.layout.ep, "ep_rank": context.layout.expert_coords(context.rank)["ep"]}
 
 
 def _save(trainer, root, name):
@@ -111,11 +118,14 @@ def _launch_2(rank, world_size, root, configs):
 
 
 def _launch_4(rank, world_size, root, across, configs):
-    """Every pair saved and loaded here, then the checkpoint 2 workers saved."""
+    """Every pair saved and loaded here, the mixture at each of its expert layouts, then the checkpoint 2 workers
+    saved."""
     contexts, results = {}, []
     for index, (saving, loading) in enumerate(PAIRS_4):
         checkpoint = _save(_trainer(EXACT + saving, contexts, configs), root, f"pair{index}")
         results.append(_resumed(_trainer(EXACT + loading, contexts, configs), checkpoint))
+    checkpoint = _save(_trainer(EXACT + EXPERTS_SAVED, contexts, configs), root, "experts")
+    results += [_resumed(_trainer(EXACT + loading, contexts, configs), checkpoint) for loading in EXPERTS_LOADED]
     results.append(_resumed(_trainer(EXACT + ACROSS_WORLDS[1], contexts, configs), across))
     return results
 
@@ -149,7 +159,8 @@ def test_resume_at_other_layouts_and_world_sizes_equals_one_process(tmp_path):
             assert all(torch.equal(resumed["shards"][name], value) for name, value in params.items()), overrides
             assert resumed_scaler == scaler and ((scaler is not None) == ("trainer.precision=fp16" in overrides))
     four_runs = [EXACT + layout for pair in PAIRS_4 for layout in pair] + [EXACT + ACROSS_WORLDS[1]]
+    four_runs += [EXACT + layout for layout in (EXPERTS_SAVED, *EXPERTS_LOADED)]
     four = run_workers(_launch_4, 4, str(tmp_path), two[0][0], _composed(four_runs), timeout=300)
-    for index, (saving, loading) in enumerate(PAIRS_4):
+    loaded = [loading for _saving, loading in PAIRS_4] + EXPERTS_LOADED + [ACROSS_WORLDS[1]]
+    for index, loading in enumerate(loaded):
         _assert_matches_single_process(four, index, EXACT + loading)
-    _assert_matches_single_process(four, len(PAIRS_4), EXACT + ACROSS_WORLDS[1])
