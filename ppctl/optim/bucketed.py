@@ -57,7 +57,7 @@ from ppctl.parallel.tensor_parallel import all_gather_single, reduce_scatter_sin
 REDUCTION_GROUPS = {"dense": "replica", "experts": "expert_replica"}
 
 
-def _weakly_bound(method):
+def weakly_bound(method):
     """``method`` called through a weak reference to its object: a no-op once the object is gone.
 
     A gradient hook lives in autograd's C++ graph node, where Python's garbage collector
@@ -212,7 +212,7 @@ class BucketedOptimizer(AdamWStateful):
         self._build_buffers(ordered_parameters(chunks))
         self.pieces = self._shard_pieces()
         self.optimizer = self._build_adamw(decays or (lambda name, param: param.dim() >= 2))
-        accumulate = _weakly_bound(self._accumulate)
+        accumulate = weakly_bound(self._accumulate)
         self._hooks = [slot.param.register_post_accumulate_grad_hook(accumulate) for slot in self.slots]
         self._hooks += self._register_gather_waits()
         self.next_launch = 0

@@ -10,25 +10,37 @@ token's rank, in the order it left. Every exchange is an autograd function whose
 so the rows' gradients travel back through the same ranks, and the experts' weight gradients stay local (a
 pipeline W computes them with no communication). Every rank of the group calls the exchanges in the same order:
 its members are data-parallel peers running the same pipeline program.
+
+Two communicators over the same ranks: the forward's exchanges use ``group``, the backward's (a recomputed
+forward inside a backward included) ``backward_group``. Each one's sequence of exchanges is then the same on every
+rank whatever runs at once, so an overlapped pair (DualPipe's F&B, ``ppctl.pipeline.runtime``) can run its
+forward and its backward in two threads, one's all-to-all waiting while the other computes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+FORWARD_LANE, BACKWARD_LANE = 0, 1
 
 
 @dataclass(frozen=True)
 class EPGroup:
     """The expert-parallel group of one rank: a ``torch.distributed`` ProcessGroup (None when ``size`` is 1),
-    ``size`` ranks, this rank's index ``rank``."""
+    ``size`` ranks, this rank's index ``rank``; ``backward_group``: the second communicator of the same ranks, for
+    the backward's exchanges (None: ``group``); ``on_exchange(start, end, lane)``: told the ``perf_counter`` span
+    of each exchange (a tracer's), or None."""
 
     group: object | None
     size: int
     rank: int
+    backward_group: object | None = None
+    on_exchange: Optional[Callable[[float, float, int], None]] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -39,6 +51,10 @@ class EPGroup:
         """The trivial group (ep=1): this rank holds every expert and exchanges nothing."""
         return EPGroup(group=None, size=1, rank=0)
 
+    def lane_group(self, lane: int):
+        """The communicator of ``lane`` (``FORWARD_LANE`` or ``BACKWARD_LANE``)."""
+        return self.backward_group if lane == BACKWARD_LANE and self.backward_group is not None else self.group
+
     def local_experts(self, num_experts: int) -> range:
         """The global ids of the experts this rank holds (``num_experts`` divisible by ``size``)."""
         if num_experts % self.size:
@@ -47,24 +63,34 @@ class EPGroup:
         return range(self.rank * per_rank, (self.rank + 1) * per_rank)
 
 
+def current_lane() -> int:
+    """``BACKWARD_LANE`` inside a backward (a recomputed forward too), else ``FORWARD_LANE``."""
+    return BACKWARD_LANE if torch._C._current_graph_task_id() != -1 else FORWARD_LANE
+
+
 class _AllToAll(torch.autograd.Function):
-    """Rows ``[sum(send), ...]`` sent in blocks of ``send[j]`` rows to rank j of ``group``; returns the
+    """Rows ``[sum(send), ...]`` sent in blocks of ``send[j]`` rows to rank j of ``ep``; returns the
     ``recv[j]`` rows from each rank j, in rank order. The backward sends the gradients back the same way."""
 
     @staticmethod
-    def forward(ctx, rows, send, recv, group):
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return all_to_all_rows(rows, send, recv, group)
+    def forward(ctx, rows, send, recv, ep):
+        ctx.send, ctx.recv, ctx.ep = send, recv, ep
+        return all_to_all_rows(rows, send, recv, ep, current_lane())
 
     @staticmethod
     def backward(ctx, grad):
-        return all_to_all_rows(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+        return all_to_all_rows(grad, ctx.recv, ctx.send, ctx.ep, BACKWARD_LANE), None, None, None
 
 
-def all_to_all_rows(rows: torch.Tensor, send: Sequence[int], recv: Sequence[int], group) -> torch.Tensor:
-    """``rows``' blocks of ``send[j]`` rows to rank j of ``group``; the ``recv[j]`` rows from each rank j (no graph)."""
+def all_to_all_rows(rows: torch.Tensor, send: Sequence[int], recv: Sequence[int], ep: EPGroup,
+                    lane: int) -> torch.Tensor:
+    """``rows``' blocks of ``send[j]`` rows to rank j of ``ep``; the ``recv[j]`` rows from each rank j (no graph),
+    through ``lane``'s communicator."""
     received = rows.new_empty((sum(recv), *rows.shape[1:]))
-    dist.all_to_all_single(received, rows.contiguous(), list(recv), list(send), group=group)
+    started = time.perf_counter()
+    dist.all_to_all_single(received, rows.contiguous(), list(recv), list(send), group=ep.lane_group(lane))
+    if ep.on_exchange is not None:
+        ep.on_exchange(started, time.perf_counter(), lane)
     return received
 
 
@@ -85,7 +111,7 @@ class ExpertExchange:
         """The exchange of rows sorted by global expert, ``counts[e]`` of them for expert e (every expert, in order)."""
         per_rank = len(counts) // group.size
         mine = torch.tensor(list(counts), dtype=torch.int64, device=device)
-        theirs = all_to_all_rows(mine, [per_rank] * group.size, [per_rank] * group.size, group.group)
+        theirs = all_to_all_rows(mine, [per_rank] * group.size, [per_rank] * group.size, group, current_lane())
         arriving = theirs.view(group.size, per_rank).cpu()  # [source, local expert]: one sync for every size
         send = tuple(sum(counts[rank * per_rank:(rank + 1) * per_rank]) for rank in range(group.size))
         recv = tuple(int(total) for total in arriving.sum(dim=1))
@@ -94,14 +120,14 @@ class ExpertExchange:
 
     def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows sorted by global expert -> this rank's experts' rows, one block per local expert."""
-        arrived = _AllToAll.apply(rows, self.send, self.recv, self.group.group)
+        arrived = _AllToAll.apply(rows, self.send, self.recv, self.group)
         return arrived[self.regroup]
 
     def combine(self, expert_rows: torch.Tensor) -> torch.Tensor:
         """The experts' output rows (``dispatch``'s order) -> each row back on its token's rank, in its sent order."""
         arrival_order = torch.empty_like(self.regroup)
         arrival_order[self.regroup] = torch.arange(self.regroup.numel(), device=self.regroup.device)
-        return _AllToAll.apply(expert_rows[arrival_order], self.recv, self.send, self.group.group)
+        return _AllToAll.apply(expert_rows[arrival_order], self.recv, self.send, self.group)
 
 
 def expert_major_order(arriving: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from ppctl.parallel.layout import ParallelLayout
 
+EP_BACKWARD = "ep_backward"
+
 
 @dataclass
 class ParallelContext:
@@ -65,6 +67,9 @@ def build_parallel_context(layout: ParallelLayout, timeout_s: float, device: str
             groups[name] = groups["dp_cp" if name == "replica" else "edp"]
             continue
         groups[name] = _new_groups(layout.groups(name), rank, timeout)
+    if layout.ep > 1:  # a second communicator of each ep group: the backward's exchanges (expert_parallel.py)
+        group_ranks[EP_BACKWARD] = group_ranks["ep"]
+        groups[EP_BACKWARD] = _new_groups(layout.groups("ep"), rank, timeout)
     context = ParallelContext(layout, rank, layout.coords(rank), groups, group_ranks,
                               _device_mesh(layout, groups, device), device)
     verify_group_membership(context)
@@ -115,7 +120,7 @@ def warm_up_communicators(context: ParallelContext) -> None:
     import torch
 
     done = set()
-    for name in context.layout.group_names:
+    for name in (*context.layout.group_names, *((EP_BACKWARD,) if EP_BACKWARD in context.groups else ())):
         group = context.groups[name]
         if group is None or id(group) in done or context.size(name) <= 1:
             continue

@@ -9,11 +9,20 @@ Per step (``ppctl.pipeline.program`` gives the protocol): take the inputs (recei
 handed over on this rank), run the handler, then post the step's sends together with
 its receives. A remotely sent activation is released right after sending, keeping
 only its autograd node (Megatron's ``deallocate_output_tensor``).
+
+With ``overlap_pairs`` an overlapped pair (DualPipe's F&B) runs its two halves at once: the
+backward in a second thread (it takes its inputs there, once the batch that receives them is
+posted), the forward here, whose batch is posted as soon as it ends; then the backward's batch.
+The batches go out in the program's order, so the checked program's proof holds; what changes is
+that one half computes while the other waits (the expert-parallel all-to-all: each half exchanges
+on its own communicator, ``ppctl.parallel.expert_parallel``).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
@@ -61,8 +70,11 @@ class PipelineRuntime:
     """Runs rank ``pp_rank``'s steps of programs over ``stages`` (global stage -> ``PipelineStage``)."""
 
     def __init__(self, pp_rank: int, stages: dict[int, PipelineStage], transport: PipelineTransport,
-                 tracer: Tracer | None = None, release_outputs: bool = True, track_memory: bool = False):
+                 tracer: Tracer | None = None, release_outputs: bool = True, track_memory: bool = False,
+                 overlap_pairs: bool = False):
         self.pp_rank = pp_rank
+        # the second thread of overlapped pairs (module docstring); made on first use
+        self.overlap_pairs, self._pair_thread = overlap_pairs, None
         self.stages = stages
         self.transport = transport
         self.tracer = tracer
@@ -92,11 +104,17 @@ class PipelineRuntime:
         self.microbatches, self.messages = microbatches, program.messages
         handlers = self.forward_only_handlers if forward_only else self.handlers
         self.transport.post([], [self.messages[number] for number in program.initial_receives[self.pp_rank]])
-        for step in program.steps[self.pp_rank]:
+        steps = program.steps[self.pp_rank]
+        pairs = set(program.schedule.pair_starts(self.pp_rank)) if self.overlap_pairs and not forward_only else set()
+        index = 0
+        while index < len(steps):
+            if index in pairs:
+                self._run_pair(steps[index], steps[index + 1], handlers, state, hooks)
+                index += 2
+                continue
+            step = steps[index]
             inputs = [self._input(number, state) for number in step.inputs]
-            handler = handlers.get(step.action.kind)
-            if handler is None:
-                raise ValueError(f"the runtime has no handler for action kind {step.action.kind!r}")
+            handler = self._handler(handlers, step)
             if hooks is not None:
                 hooks.before(step.action)
             started = self.tracer.mark() if self.tracer is not None else None
@@ -104,13 +122,66 @@ class PipelineRuntime:
             if self.tracer is not None:
                 self.tracer.action(step.action, started)
             self._hand_over(step, produced, state)
-            if hooks is not None:
-                hooks.after(step.action)
-            if self.track_memory:
-                state.peak_held_bytes = max(state.peak_held_bytes, self.held_bytes())
+            self._after(step, state, hooks)
+            index += 1
         self.transport.finish()
         self._check_drained(state)
         return state
+
+    @staticmethod
+    def _handler(handlers: dict[str, Handler], step: Step) -> Handler:
+        handler = handlers.get(step.action.kind)
+        if handler is None:
+            raise ValueError(f"the runtime has no handler for action kind {step.action.kind!r}")
+        return handler
+
+    def _after(self, step: Step, state: StepState, hooks: ActionHooks | None) -> None:
+        if hooks is not None:
+            hooks.after(step.action)
+        if self.track_memory:
+            state.peak_held_bytes = max(state.peak_held_bytes, self.held_bytes())
+
+    def _run_pair(self, forward: Step, backward: Step, handlers: dict[str, Handler], state: StepState,
+                  hooks: ActionHooks | None) -> None:
+        """An overlapped pair's halves at once (module docstring): the backward in the pair thread."""
+        if self._pair_thread is None:
+            self._pair_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppctl-pair")
+        forward_posted = threading.Event()
+        if not set(backward.inputs) & set(forward.receives):
+            forward_posted.set()  # its receives were posted by an earlier batch
+
+        def run_backward():
+            forward_posted.wait()
+            inputs = [self._input(number, state) for number in backward.inputs]
+            started = self.tracer.mark() if self.tracer is not None else None
+            produced = self._handler(handlers, backward)(backward, inputs, state)
+            return produced, started, Tracer.mark() if self.tracer is not None else None
+
+        inputs = [self._input(number, state) for number in forward.inputs]
+        if hooks is not None:
+            hooks.before(forward.action)
+            hooks.before(backward.action)
+        running = self._pair_thread.submit(run_backward)
+        started = self.tracer.mark() if self.tracer is not None else None
+        try:
+            produced = self._handler(handlers, forward)(forward, inputs, state)
+            if self.tracer is not None:
+                self.tracer.action(forward.action, started)
+            self._hand_over(forward, produced, state)
+        finally:
+            forward_posted.set()
+            backward_produced, backward_started, backward_end = running.result()
+        if self.tracer is not None:
+            self.tracer.action(backward.action, backward_started, backward_end)
+        self._hand_over(backward, backward_produced, state)
+        self._after(forward, state, hooks)
+        self._after(backward, state, hooks)
+
+    def close(self) -> None:
+        """Stop the pair thread, if one was started."""
+        if self._pair_thread is not None:
+            self._pair_thread.shutdown()
+            self._pair_thread = None
 
     def _input(self, number: int, state: StepState) -> torch.Tensor:
         """Input message ``number``: handed over on this rank, or received."""

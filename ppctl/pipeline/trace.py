@@ -26,6 +26,7 @@ class Tracer:
     step_start: float = field(default_factory=time.perf_counter)
     actions: list[tuple[str, int, int, float, float]] = field(default_factory=list)
     waits: list[tuple[float, float]] = field(default_factory=list)
+    exchanges: list[tuple[float, float, int]] = field(default_factory=list)  # expert-parallel all-to-alls
     step_cpu_start: float = field(default_factory=time.thread_time)
     # the thread's CPU clock at each action's start and end, in order, relative to the step's start
     cpu_spans: list[tuple[float, float]] = field(default_factory=list)
@@ -36,18 +37,32 @@ class Tracer:
         self.actions.clear()
         self.waits.clear()
         self.cpu_spans.clear()
+        self.exchanges.clear()
 
     @staticmethod
     def mark() -> tuple[float, float]:
         """(wall, thread CPU) seconds now: an action's start, for ``action``."""
         return time.perf_counter(), time.thread_time()
 
-    def action(self, action: Action, started: tuple[float, float]) -> None:
-        """Record one computed action that began at ``started`` (``mark``) and ends now."""
+    def action(self, action: Action, started: tuple[float, float], ended: tuple[float, float] | None = None) -> None:
+        """Record one computed action that began at ``started`` (``mark``) and ends now; or, for the backward half of
+        an overlapped pair (run in another thread), ended at ``ended`` (a ``mark`` in that thread): its CPU span is
+        that thread's, placed to end at this thread's present CPU time."""
         cpu_end, end = time.thread_time(), time.perf_counter()
+        cpu_start = started[1]
+        if ended is not None:
+            end, cpu_start = ended[0], cpu_end - (ended[1] - started[1])
         self.actions.append((action.kind, action.stage, action.microbatch,
                              started[0] - self.step_start, end - self.step_start))
-        self.cpu_spans.append((started[1] - self.step_cpu_start, cpu_end - self.step_cpu_start))
+        self.cpu_spans.append((cpu_start - self.step_cpu_start, cpu_end - self.step_cpu_start))
+
+    def exchange(self, start: float, end: float, lane: int) -> None:
+        """Record one expert-parallel all-to-all (``perf_counter`` span; ``lane``: 0 forward, 1 backward)."""
+        self.exchanges.append((start - self.step_start, end - self.step_start, lane))
+
+    def exchange_seconds(self) -> float:
+        """Total time spent in expert-parallel all-to-alls this step (both lanes)."""
+        return sum(end - start for start, end, _lane in self.exchanges)
 
     def wait(self, start: float, end: float) -> None:
         """Record time spent waiting for a message."""
@@ -64,7 +79,7 @@ class Tracer:
     def snapshot(self) -> dict:
         """A picklable record of this step for gathering to one rank."""
         return {"rank": self.rank, "actions": list(self.actions), "waits": list(self.waits),
-                "cpu_spans": list(self.cpu_spans)}
+                "cpu_spans": list(self.cpu_spans), "exchanges": list(self.exchanges)}
 
 
 def chrome_trace(snapshots: list[dict], step: int) -> dict:
@@ -83,6 +98,9 @@ def chrome_trace(snapshots: list[dict], step: int) -> dict:
         for start, end in snapshot["waits"]:
             events.append({"name": "wait", "cat": "wait", "ph": "X", "pid": 0, "tid": rank,
                            "ts": start * 1e6, "dur": (end - start) * 1e6, "args": {"step": step}})
+        for start, end, lane in snapshot.get("exchanges", []):  # on a track of their own below the rank's
+            events.append({"name": "a2a", "cat": "a2a", "ph": "X", "pid": 1, "tid": rank, "ts": start * 1e6,
+                           "dur": (end - start) * 1e6, "args": {"lane": "backward" if lane else "forward"}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -94,8 +112,9 @@ def _laid_out_in_sequence(all_traces: list[tuple[int, list[dict]]]) -> list[tupl
         for snapshot in snapshots:
             actions = [(k, s, m, start + offset, end + offset) for k, s, m, start, end in snapshot["actions"]]
             waits = [(start + offset, end + offset) for start, end in snapshot["waits"]]
+            exchanges = [(start + offset, end + offset, lane) for start, end, lane in snapshot.get("exchanges", [])]
             moved.append({"rank": snapshot["rank"], "actions": actions, "waits": waits,
-                          "cpu_spans": snapshot.get("cpu_spans", [])})
+                          "cpu_spans": snapshot.get("cpu_spans", []), "exchanges": exchanges})
         shifted.append((step, moved))
         offset += max((end for snap in snapshots for *_, end in snap["actions"]), default=0.0) * 1.02
     return shifted

@@ -26,6 +26,7 @@ from ppctl.model.moe.layer import set_router_loss_scale
 from ppctl.model.moe.shape import moe_shape_of
 from ppctl.model.moe.statistics import RoutingStatistics, routing_statistics, routing_table, update_expert_biases
 from ppctl.model.stages import MaskedTokenLoss, build_stages
+from ppctl.optim.bucketed import weakly_bound
 from ppctl.optim.delay import DelayedWeights, WeightVersions
 from ppctl.optim.grads import clip_coefficient
 from ppctl.optim.loss_scale import DynamicLossScaler
@@ -33,7 +34,7 @@ from ppctl.optim.optimizer import build_trainer_optimizer
 from ppctl.optim.lr import learning_rate, lr_schedule_of, set_learning_rate
 from ppctl.parallel.context_parallel import CPGroup
 from ppctl.parallel.expert_parallel import EPGroup
-from ppctl.parallel.groups import ParallelContext
+from ppctl.parallel.groups import EP_BACKWARD, ParallelContext
 from ppctl.parallel.tensor_parallel import TPGroup
 from ppctl.pipeline.check import check_program, check_schedule
 from ppctl.pipeline.program import Message, Program, lower
@@ -121,21 +122,23 @@ def cp_group_of(context: ParallelContext, comm: str) -> CPGroup:
                    tuple(context.group_ranks["cp"]), comm)
 
 
-def ep_group_of(context: ParallelContext) -> EPGroup:
-    """The expert-parallel group object the MoE layers use."""
+def ep_group_of(context: ParallelContext, on_exchange=None) -> EPGroup:
+    """The expert-parallel group object the MoE layers use (``on_exchange``: told each exchange's span)."""
     if context.layout.ep == 1:
         return EPGroup.single()
-    return EPGroup(context.groups["ep"], context.size("ep"), context.index("ep"))
+    return EPGroup(context.groups["ep"], context.size("ep"), context.index("ep"), context.groups[EP_BACKWARD],
+                   on_exchange)
 
 
-def build_chunks(resolved: ResolvedConfig, context: ParallelContext,
-                 load_init_from: bool = True) -> dict[int, torch.nn.Module]:
+def build_chunks(resolved: ResolvedConfig, context: ParallelContext, load_init_from: bool = True,
+                 on_exchange=None) -> dict[int, torch.nn.Module]:
     """This rank's model chunks, keyed by global stage, from the resolved layer map (its placement); their weights
-    read from ``model.init_from`` unless ``load_init_from`` is False (a resumed run reads its checkpoint)."""
+    read from ``model.init_from`` unless ``load_init_from`` is False (a resumed run reads its checkpoint);
+    ``on_exchange``: told the span of each expert-parallel all-to-all."""
     config = resolved.config
     tp = tp_group_of(context, config.parallel.sequence_parallel)
     cp = cp_group_of(context, config.parallel.cp_comm)
-    ep = ep_group_of(context)
+    ep = ep_group_of(context, on_exchange)
     chunks = {}
     for stage in resolved.rank_stages(context.pp_rank):
         chunk = build_chunk(config, stage.layers, stage.pre_process, stage.post_process, tp, cp,
@@ -194,7 +197,9 @@ class Trainer:
                                f"({schedule.placement.copies} model copies) but the layout says "
                                f"{layout.placement.owners} ({layout.placement.copies})")
         self.schedule = schedule
-        self.chunks = build_chunks(resolved, context, load_init_from=not resuming)
+        self.tracer = Tracer(context.rank) if config.trainer.trace else None
+        self.chunks = build_chunks(resolved, context, load_init_from=not resuming,
+                                   on_exchange=weakly_bound(self._note_exchange))
         self.stages = build_stages(self.chunks, config, schedule.splits_backward)
         self.padded_vocab_size = resolved.sizes.padded_vocab_size
         self.fields = tuple(sorted({name for stage in self.stages.values() for name in stage.io.fields}))
@@ -213,11 +218,11 @@ class Trainer:
         self.stream = StepStream(self, self.delayed) if streams else None
         self.loss_scaler = loss_scaler_of(config)
         self.loss_scale = 1.0  # the scale the current step's gradients carry
-        self.tracer = Tracer(context.rank) if config.trainer.trace else None
         transport = PipelineTransport(context.pp_peer, self._receive_spec, context.device,
                                       timeout_s=config.launcher.timeout_s)
+        overlap_pairs = config.parallel.overlap_ep_comm and layout.ep > 1
         self.runtime = PipelineRuntime(context.pp_rank, self.stages, transport, self.tracer, release_outputs,
-                                       track_memory)
+                                       track_memory, overlap_pairs)
         self.program = program
         self.last_program = program  # what the last training run walked (a stream's, for PipeDream-2BW)
         self._eval_program: Program | None = None
@@ -230,6 +235,11 @@ class Trainer:
         """Trace the following steps' actions and waits (as ``trainer.trace=true`` does from the start), or stop."""
         self.tracer = Tracer(self.context.rank) if on else None
         self.runtime.tracer = self.tracer
+
+    def _note_exchange(self, start: float, end: float, lane: int) -> None:
+        """An expert-parallel all-to-all's span, for the tracer when tracing."""
+        if self.tracer is not None:
+            self.tracer.exchange(start, end, lane)
 
     def _receive_spec(self, message: Message) -> TensorSpec:
         return self.stages[message.dst_stage].receive_spec(message.kind)

@@ -71,8 +71,8 @@ def test_mixtures_of_experts_at_pp2_match_single_process():
 def test_mixtures_of_experts_with_expert_parallelism_match_single_process():
     """Data-parallel replicas route their own microbatches and keep one expert bias (the global load's); with
     expert parallelism each rank holds ep's share of the experts, the tokens travel to them by all-to-all and back
-    (through every schedule's split and paired backwards), and the experts' gradients reduce over their edp ranks,
-    plain or sharded by the distributed optimizer."""
+    (through every schedule's split backwards, and DualPipeV's pairs run at once: parallel.overlap_ep_comm), and the
+    experts' gradients reduce over their edp ranks, plain or sharded by the distributed optimizer."""
     pp2_dp2 = ["parallel.pp=2", "parallel.dp=2"]
     sharded = ["optimizer.distributed=true"]
     ep2 = pp2_dp2 + ["parallel.ep=2"]
@@ -80,7 +80,8 @@ def test_mixtures_of_experts_with_expert_parallelism_match_single_process():
             BASE + MIXTRAL + ep2 + ["schedule=dualpipev"] + FP64,
             BASE + MIXTRAL + ep2 + sharded + ["schedule=zbv"] + FP64,
             BASE + DEEPSEEK + ep2 + ["parallel.vpp=2", "schedule=interleaved_1f1b"],
-            BASE + GPT_EXPERTS + ep2 + ["schedule=1f1b", "model.recompute=full"] + FP64,
+            # DualPipeV's pairs overlapped (two threads, one communicator each) and a recomputed forward's exchange
+            BASE + GPT_EXPERTS + ep2 + ["schedule=dualpipev", "model.recompute=full"] + FP64,
             BASE + MIXTRAL + ["parallel.pp=1", "parallel.dp=4", "parallel.ep=4"] + FP64,
             BASE + DEEPSEEK + ["parallel.pp=1", "parallel.dp=4", "parallel.ep=2"] + sharded]  # edp=2
     assert_equivalent(runs, world_size=4)
