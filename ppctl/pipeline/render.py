@@ -77,17 +77,27 @@ def simulation_lines(result: SimResult) -> list[str]:
     """Subtitle lines describing a simulation: sizes, costs, makespan, bubble, peak activations, parameters."""
     costs = result.costs
     overlapped = "" if costs.FB is None else f" FB={_number(costs.FB)}"
+    exchange = "" if not costs.A2A else f" A2A={_number(costs.A2A)}"
     return [
         f"pp={result.pp} · vpp={result.vpp} · microbatches={result.num_microbatches} · "
-        f"costs F={_number(costs.F)} B={_number(costs.B)} W={_number(costs.W)}{overlapped} "
+        f"costs F={_number(costs.F)} B={_number(costs.B)} W={_number(costs.W)}{overlapped}{exchange} "
         f"comm={_number(costs.comm)}",
         f"makespan {_number(result.makespan)} · bubble ratio {result.bubble_ratio:.1%}",
+        *_exposed_line(result),
         *_steps_line(result),
         _idle_line(result),
         *_fill_line(result),
         _peaks_line(result.ranks),
         _parameters_line(result),
     ]
+
+
+def _exposed_line(result: SimResult) -> list[str]:
+    """With an all-to-all cost: each rank's all-to-all time not hidden behind compute."""
+    if not result.costs.A2A:
+        return []
+    exposed = " ".join(_number(time) for time in result.exposed_exchanges())
+    return [f"exposed all-to-all per rank: {exposed} (of {_number(result.costs.A2A)} per microbatch each way)"]
 
 
 def _fill_line(result: SimResult) -> list[str]:

@@ -77,6 +77,13 @@ class Costs:
     ``FB`` is the time of one overlapped pair of a forward and a whole backward
     (DualPipe's F&B) in the same unit; None: no overlap, the halves run as two plain
     actions (F, then B + W), as the runtime runs them.
+
+    ``A2A`` is the expert-parallel all-to-all time of one microbatch through the rank's layers
+    (dispatch and combine of every MoE layer): a forward and an input-gradient backward (B, BW) each
+    wait that long on top of their compute (F, B), a W not at all. An overlapped pair then runs its
+    halves at once (``parallel.overlap_ep_comm``): one's all-to-all waits while the other computes,
+    so without ``FB`` it lasts ``max(f + b, f + a, b + a)`` (f, b its halves' compute, a the
+    all-to-all), and the all-to-all shows only where it exceeds the other half's compute.
     """
 
     F: float = 1.0
@@ -84,22 +91,30 @@ class Costs:
     W: float = 1.0
     comm: float = 0.0
     FB: Optional[float] = None
+    A2A: float = 0.0
 
     def to_json(self) -> dict:
-        """The costs as a plain dict (keys F, B, W, comm; and FB when it is set)."""
+        """The costs as a plain dict (keys F, B, W, comm; FB when it is set; A2A when not zero)."""
         costs = {"F": self.F, "B": self.B, "W": self.W, "comm": self.comm}
         if self.FB is not None:
             costs["FB"] = self.FB
+        if self.A2A:
+            costs["A2A"] = self.A2A
         return costs
+
+    @property
+    def times_pairs(self) -> bool:
+        """Whether an overlapped pair runs differently from its two halves in turn (``FB`` or ``A2A`` given)."""
+        return self.FB is not None or self.A2A > 0
 
 
 def action_durations(chunks_per_copy: int, costs: Costs) -> dict[str, float]:
     """Action kind -> the time one chunk-level action of that kind takes (``chunks_per_copy``: see the docstring)."""
     return {
-        FORWARD: costs.F / chunks_per_copy,
-        BACKWARD_INPUT: costs.B / chunks_per_copy,
+        FORWARD: (costs.F + costs.A2A) / chunks_per_copy,
+        BACKWARD_INPUT: (costs.B + costs.A2A) / chunks_per_copy,
         BACKWARD_WEIGHT: costs.W / chunks_per_copy,
-        BACKWARD: (costs.B + costs.W) / chunks_per_copy,
+        BACKWARD: (costs.B + costs.W + costs.A2A) / chunks_per_copy,
     }
 
 
@@ -110,10 +125,15 @@ def pair_durations(chunks_per_copy: int, costs: Costs, backward_kind: str) -> tu
     sum to the pair's time: ``FB`` for a forward with a whole backward; with a B,
     ``FB - W``, the pair less the weight gradient that runs later on its own (a rank's
     total compute then does not depend on whether the paired backward is split).
-    With ``FB`` None the halves keep their own times.
+    With ``FB`` None the halves keep their own times, or with an ``A2A`` cost share the
+    pair's ``max(f + b, f + a, b + a)`` (``Costs``).
     """
     durations = action_durations(chunks_per_copy, costs)
     forward, backward = durations[FORWARD], durations[backward_kind]
+    if costs.FB is None and costs.A2A and forward + backward > 0:
+        exchange = costs.A2A / chunks_per_copy
+        pair = max(forward + backward - 2 * exchange, forward, backward)
+        return forward * pair / (forward + backward), backward * pair / (forward + backward)
     if costs.FB is None or forward + backward == 0:
         return forward, backward
     pair = costs.FB - (costs.W if backward_kind == BACKWARD_INPUT else 0.0)
@@ -171,7 +191,7 @@ class TimedProgram:
         for rank_actions, (inputs, local_outputs, sends, receives) in zip(schedule.actions, columns):
             kinds = [action.kind for action in rank_actions]
             steps.append(list(zip(inputs, map(durations.__getitem__, kinds), local_outputs, sends, receives)))
-        if costs.FB is not None:
+        if costs.times_pairs:
             for pp_rank, rank_steps in enumerate(steps):
                 _time_pairs(schedule, pp_rank, rank_steps, costs, pairs_as_one)
         return cls(schedule.actions, steps, initial, messages)

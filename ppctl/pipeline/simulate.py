@@ -15,7 +15,7 @@ chunk-level activation in flight counts ``1 / chunks_per_copy``.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import itemgetter
 from typing import Optional, Sequence, Union
 
@@ -30,7 +30,8 @@ __all__ = ["MAX_COST", "Costs", "RankTimeline", "Replay", "SimResult", "TimedAct
 
 
 def parse_costs(text: str) -> Costs:
-    """Parse ``"F=1,B=2,W=1,FB=2.5,comm=0.1"`` (any subset, any order) into ``Costs``; ValueError if malformed."""
+    """Parse ``"F=1,B=2,W=1,FB=2.5,A2A=0.5,comm=0.1"`` (any subset, any order) into ``Costs``; ValueError if
+    malformed."""
     return Costs(**parse_cost_values(text))
 
 
@@ -46,7 +47,7 @@ def parse_cost_values(text: str) -> dict[str, float]:
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or key not in Costs.__dataclass_fields__:
-            raise ValueError(f"{item!r} is not KEY=NUMBER with KEY one of F, B, W, FB, comm")
+            raise ValueError(f"{item!r} is not KEY=NUMBER with KEY one of F, B, W, FB, A2A, comm")
         try:
             values[key] = float(value)
         except ValueError:
@@ -109,6 +110,15 @@ class SimResult:
     steps: int = 1  # consecutive steps shown; step k's microbatches are k*num_microbatches onwards
     weight_versions: int = 1  # weight versions each rank keeps (PipeDream-2BW: 2)
 
+    def exposed_exchanges(self) -> list[float]:
+        """Per rank, the expert all-to-all time (``Costs.A2A``) its actions spend beyond their compute: all of it
+        in a plain forward or backward, what the other half's compute does not cover in an overlapped pair."""
+        if self.program is None:
+            return []  # a measured timeline: its costs are not split
+        compute = action_durations(self.program.schedule.chunks_per_copy, replace(self.costs, A2A=0.0, FB=None))
+        return [sum(action.end - action.start - compute[action.kind] for action in timeline.actions)
+                for timeline in self.ranks]
+
     def idle_times(self) -> list[float]:
         """Per rank, the makespan less the rank's compute time: its bubble (what DualPipe's table calls one)."""
         return [self.makespan - sum(action.end - action.start for action in timeline.actions)
@@ -167,6 +177,7 @@ class SimResult:
             "steady_bubble_ratio": step_bubble,
             "weight_versions": self.weight_versions,
             "ranks": [_rank_json(timeline) for timeline in self.ranks],
+            **({"exposed_a2a": self.exposed_exchanges()} if self.costs.A2A else {}),
             **({"program": self.program.to_json()} if self.program is not None else {}),
         }
 
@@ -231,7 +242,7 @@ def simulate_makespan(program: Union[Program, SendsOnly], costs: Costs = Costs()
     lowering of the thousands of candidates it only times. Without ``FB`` the replay walks the
     program's ``StepGraph`` (made once per program), the same times at a fraction of the cost.
     """
-    graph = program.graph if costs.FB is None else None  # with FB, a pair's steps share its time: the engine runs it
+    graph = program.graph if not costs.times_pairs else None  # a pair's steps share its time: the engine runs it
     if graph is None:
         timed = program.timed(costs, pairs_as_one=True)
         return _makespan_and_bubble(timed, _replayed(program.schedule, timed, costs))
@@ -246,7 +257,7 @@ def simulate_shared_makespan(program: Union[Program, SendsOnly], costs: Costs, w
     (``ppctl.pipeline.shared_cores``): each step's cost less its ``waits`` (F, B, W: the part on no core) is
     compute that the computing processes share; the bubble against the busiest rank's whole costs. Never below
     ``simulate_makespan`` at the same costs: sharing only slows steps. ScheduleError without a step graph."""
-    graph = program.graph if costs.FB is None else None
+    graph = program.graph if not costs.times_pairs else None
     if graph is None:
         raise ScheduleError(f"{program.schedule.name}: no step graph (a deadlock, or overlapped pairs timed as one) "
                             "to share cores on")

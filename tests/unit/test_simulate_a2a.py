@@ -1,0 +1,47 @@
+"""The simulator's expert all-to-all cost (``Costs.A2A``): every plain forward and input-gradient backward waits it
+out, an overlapped pair hides one half's behind the other's compute, and each rank's exposed share is reported.
+
+The figures are small enough to check by hand: with F=B=W=1, one microbatch's all-to-all of ``a`` each way, a rank
+of 1F1B (pp=2, 8 microbatches, one chunk) exposes 16 * a; DualPipeV's pairs (a forward of one microbatch with the
+whole backward of another, f = 0.5, b = 1 per chunk) last max(f + b, f + a, b + a) and expose only what exceeds
+the other half's compute.
+"""
+
+import pytest
+
+from ppctl.pipeline.replay import action_durations, pair_durations
+from ppctl.pipeline.schedules import build_schedule
+from ppctl.pipeline.schedules.base import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+from ppctl.pipeline.simulate import Costs, parse_costs, simulate
+
+
+def test_plain_actions_wait_out_the_all_to_all_and_a_weight_gradient_does_not():
+    durations = action_durations(2, Costs(F=1, B=2, W=1, A2A=0.5))
+    assert durations == {FORWARD: 0.75, BACKWARD_INPUT: 1.25, BACKWARD_WEIGHT: 0.5, BACKWARD: 1.75}
+
+
+@pytest.mark.parametrize("exchange, pair", [(0.25, 2.0), (1.0, 2.5), (3.0, 4.5)])
+def test_a_pair_lasts_the_longest_of_both_computes_and_each_half_with_its_exchange(exchange, pair):
+    # per chunk (2 chunks): forward compute 0.5, whole backward compute 1.5, all-to-all exchange / 2 each way
+    forward, backward = pair_durations(2, Costs(F=1, B=2, W=1, A2A=2 * exchange), BACKWARD)
+    assert forward + backward == pytest.approx(pair)
+    assert forward / backward == pytest.approx((0.5 + exchange) / (1.5 + exchange))  # shares kept
+
+
+def test_1f1b_exposes_every_all_to_all_and_dualpipev_hides_most():
+    costs = Costs(F=1, B=1, W=1, A2A=0.5)
+    plain = simulate(build_schedule("1f1b", 2, 1, 8), costs)
+    assert plain.exposed_exchanges() == pytest.approx([16 * 0.5, 16 * 0.5])
+    assert plain.to_json()["exposed_a2a"] == pytest.approx([8.0, 8.0])
+    paired = simulate(build_schedule("dualpipev", 2, 2, 8), costs)
+    exposed = paired.exposed_exchanges()
+    assert all(0 < time < 8.0 for time in exposed), exposed  # the unpaired actions still expose theirs
+    # the same schedule with its pairs run one half after the other (FB = both halves with their exchanges)
+    sequential = simulate(build_schedule("dualpipev", 2, 2, 8), Costs(F=1, B=1, W=1, A2A=0.5, FB=4.0))
+    assert paired.makespan < sequential.makespan
+
+
+def test_no_all_to_all_cost_leaves_every_timeline_as_it_was():
+    schedule = build_schedule("dualpipev", 2, 2, 8)
+    assert simulate(schedule, Costs()).makespan == simulate(schedule, parse_costs("A2A=0")).makespan
+    assert "exposed_a2a" not in simulate(schedule, Costs()).to_json()
