@@ -99,9 +99,48 @@ def chrome_trace(snapshots: list[dict], step: int) -> dict:
             events.append({"name": "wait", "cat": "wait", "ph": "X", "pid": 0, "tid": rank,
                            "ts": start * 1e6, "dur": (end - start) * 1e6, "args": {"step": step}})
         for start, end, lane in snapshot.get("exchanges", []):  # on a track of their own below the rank's
-            events.append({"name": "a2a", "cat": "a2a", "ph": "X", "pid": 1, "tid": rank, "ts": start * 1e6,
-                           "dur": (end - start) * 1e6, "args": {"lane": "backward" if lane else "forward"}})
+            events.append({"name": "a2a", "cat": EXCHANGE_CATEGORY, "ph": "X", "pid": 1, "tid": rank,
+                           "ts": start * 1e6, "dur": (end - start) * 1e6,
+                           "args": {"lane": "backward" if lane else "forward", "step": step}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+EXCHANGE_CATEGORY = "a2a"
+
+
+def exposed_exchange_seconds(actions, exchanges) -> float:
+    """The time one rank spent in expert all-to-alls while it computed nothing: ``actions`` are ``(kind, start,
+    end)``, ``exchanges`` ``(start, end, lane)``. An action computes over its span less its own lane's exchanges
+    (a forward's are the forward lane's, a backward's the backward lane's, a W has none); an exchange is exposed where no
+    action computes. Run one after another, every exchange is exposed; in an overlapped pair, the part the other
+    half's compute covers is not."""
+    computing = []
+    for kind, start, end in actions:
+        lane = {"F": 0, "B": 1, "BW": 1}.get(kind)  # a W exchanges nothing
+        own = [(max(s, start), min(e, end)) for s, e, exchange_lane in exchanges
+               if exchange_lane == lane and s < end and e > start]
+        computing += _minus([(start, end)], own)
+    return sum(stop - begin for begin, stop in _minus(_union([(s, e) for s, e, _ in exchanges]), computing))
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Disjoint sorted spans covering exactly ``spans``."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        elif end > start:
+            merged.append((start, end))
+    return merged
+
+
+def _minus(spans: list[tuple[float, float]], removed: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``spans`` less every span of ``removed``."""
+    left = _union(spans)
+    for cut_start, cut_end in _union(removed):
+        left = [piece for start, end in left
+                for piece in ((start, min(end, cut_start)), (max(start, cut_end), end)) if piece[1] > piece[0]]
+    return left
 
 
 def _laid_out_in_sequence(all_traces: list[tuple[int, list[dict]]]) -> list[tuple[int, list[dict]]]:
@@ -147,7 +186,8 @@ def rows_from_chrome_trace(trace: dict) -> tuple[int, list]:
     ``trace.json`` that ``write_trace_files`` wrote; ValueError when it holds no step."""
     from ppctl.pipeline.simulate import RankTimeline, TimedAction
 
-    events = [event for event in trace.get("traceEvents", []) if event.get("ph") == "X" and "step" in event.get("args", {})]
+    events = [event for event in trace.get("traceEvents", []) if event.get("ph") == "X" and "step" in event.get("args", {})
+              and event.get("cat") != EXCHANGE_CATEGORY]
     if not events:
         raise ValueError("it holds no traced step (was it written by a run with trainer.trace=true?)")
     step = max(event["args"]["step"] for event in events)

@@ -45,3 +45,17 @@ def test_no_all_to_all_cost_leaves_every_timeline_as_it_was():
     schedule = build_schedule("dualpipev", 2, 2, 8)
     assert simulate(schedule, Costs()).makespan == simulate(schedule, parse_costs("A2A=0")).makespan
     assert "exposed_a2a" not in simulate(schedule, Costs()).to_json()
+
+
+def test_measured_exposed_all_to_all_counts_only_what_no_compute_covers():
+    from ppctl.pipeline.trace import exposed_exchange_seconds
+
+    # one after another: a forward (exchange 1-2 inside 0-3), then a backward (exchange 4-5 inside 3-6)
+    assert exposed_exchange_seconds([("F", 0, 3), ("BW", 3, 6)], [(1, 2, 0), (4, 5, 1)]) == 2
+    # a pair at once: the forward's exchange 1-2 while the backward computes (its own exchange is 4-5, after the
+    # forward ended): only 4-5 is exposed
+    assert exposed_exchange_seconds([("F", 0, 3), ("BW", 0.5, 6)], [(1, 2, 0), (4, 5, 1)]) == 1
+    # both halves exchanging at once: 1.5-2 is covered by neither
+    assert exposed_exchange_seconds([("F", 0, 3), ("BW", 0, 3)], [(1, 2, 0), (1.5, 2.5, 1)]) == 0.5
+    # a weight gradient computes over its whole span
+    assert exposed_exchange_seconds([("W", 0, 2)], [(0.5, 1, 1)]) == 0
