@@ -134,6 +134,8 @@ class Parallelism:
     precision: str = "fp32"
     bucketed_optimizer: bool = False
     optimizer_shards: int = 1  # ranks sharing the optimizer state (dp*cp, times DualPipe's 2 copies), or 1
+    ep: int = 1  # expert parallelism: each rank holds num_experts / ep of every MoE layer's experts
+    expert_optimizer_shards: int = 1  # with ep > 1: ranks sharing the experts' optimizer state (edp, times copies)
     recompute: str = "none"
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
@@ -172,20 +174,28 @@ def mlp_parameters(shape: ModelShape, ffn: int, tp: int) -> int:
     return split // tp + (h if shape.linear_biases else 0)
 
 
-def moe_layer_parameters(shape: ModelShape, tp: int) -> int:
-    """One MoE layer's parameters on one TP rank: the dense layer's without its MLP, the router, every expert's MLP
-    (whole: experts run at tp=1) and the shared experts' MLP."""
+def moe_layer_parameters(shape: ModelShape, tp: int, ep: int = 1) -> int:
+    """One MoE layer's parameters on one TP rank: the dense layer's without its MLP, the router (a row per expert),
+    the MLPs of this EP rank's ``num_experts / ep`` experts (whole: experts run at tp=1) and the shared experts'
+    MLP."""
     moe = shape.moe
     shared = mlp_parameters(shape, moe.shared_ffn_hidden_size, tp) if moe.shared_experts else 0
-    experts = moe.num_experts * (shape.hidden + mlp_parameters(shape, moe.expert_ffn_hidden_size, 1))
-    return layer_parameters(shape, tp) - mlp_parameters(shape, shape.ffn, tp) + experts + shared
+    router = moe.num_experts * shape.hidden
+    return layer_parameters(shape, tp) - mlp_parameters(shape, shape.ffn, tp) + router + shared + \
+        expert_layer_parameters(shape, ep)
 
 
-def chunk_parameters(shape: ModelShape, chunk: Chunk, tp: int) -> int:
-    """Parameters of one chunk on one TP rank."""
+def expert_layer_parameters(shape: ModelShape, ep: int = 1) -> int:
+    """The routed experts' parameters of one MoE layer on one EP rank: ``num_experts / ep`` expert MLPs."""
+    moe = shape.moe
+    return moe.num_experts // ep * mlp_parameters(shape, moe.expert_ffn_hidden_size, 1)
+
+
+def chunk_parameters(shape: ModelShape, chunk: Chunk, tp: int, ep: int = 1) -> int:
+    """Parameters of one chunk on one TP (and EP) rank."""
     count = (chunk.layers - chunk.moe_layers) * layer_parameters(shape, tp)
     if chunk.moe_layers:
-        count += chunk.moe_layers * moe_layer_parameters(shape, tp)
+        count += chunk.moe_layers * moe_layer_parameters(shape, tp, ep)
     if chunk.pre_process:
         count += shape.padded_vocab * shape.hidden // tp
         count += shape.max_seq_length * shape.hidden if shape.learned_positions else 0
@@ -196,13 +206,16 @@ def chunk_parameters(shape: ModelShape, chunk: Chunk, tp: int) -> int:
     return count
 
 
-def state_parts(parameters: int, parallel: Parallelism) -> tuple[int, int, int]:
-    """(parameter, gradient, optimizer) bytes of ``parameters`` elements on one rank."""
+def state_parts(parameters: int, parallel: Parallelism, expert_parameters: int = 0) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes of ``parameters`` elements on one rank, ``expert_parameters`` of them
+    experts split by expert parallelism (ep > 1): the distributed optimizer shards those over
+    ``expert_optimizer_shards`` (their own buckets), the rest over ``optimizer_shards``."""
     model_bytes = DTYPE_BYTES[parallel.precision]
     main_bytes = float_bytes(parallel.precision)
     if not parallel.bucketed_optimizer:
         return parameters * model_bytes, parameters * model_bytes, 2 * parameters * model_bytes
-    shard = -(-parameters // parallel.optimizer_shards)
+    shard = -(-(parameters - expert_parameters) // parallel.optimizer_shards)
+    shard += -(-expert_parameters // parallel.expert_optimizer_shards)
     return parameters * model_bytes, parameters * main_bytes, 3 * shard * main_bytes
 
 
@@ -521,8 +534,11 @@ def rank_memory(shape: ModelShape, chunks: Sequence[Chunk], in_flight: Iterable[
                 parallel: Parallelism) -> MemoryParts:
     """One pipeline rank's predicted memory (one TP rank of it; every TP and DP rank alike); ``in_flight``: the
     ``in_flight_states`` of its actions."""
-    parameters, gradients, optimizer = state_parts(sum(chunk_parameters(shape, chunk, parallel.tp) for chunk in chunks),
-                                                   parallel)
+    parameters = sum(chunk_parameters(shape, chunk, parallel.tp, parallel.ep) for chunk in chunks)
+    # at ep=1 the experts are dense parameters to the optimizer: reduced and sharded over the same replicas
+    experts = sum(chunk.moe_layers for chunk in chunks) * expert_layer_parameters(shape, parallel.ep) \
+        if parallel.ep > 1 else 0
+    parameters, gradients, optimizer = state_parts(parameters, parallel, experts)
     tables = activation_tables(shape, chunks, tokens, parallel)
     activations = in_flight_peak(in_flight, tables.kept, tables.stash) + tables.rebuilt
     message = DTYPE_BYTES[parallel.precision] * tokens.batch * tokens.seq * shape.hidden
@@ -577,7 +593,8 @@ def config_memory_inputs(resolved) -> ConfigMemoryInputs:
         tp=parallel_config.tp, cp=parallel_config.cp, sequence_parallel=parallel_config.sequence_parallel,
         cp_comm=parallel_config.cp_comm, precision=trainer.precision,
         bucketed_optimizer=config.optimizer.distributed or half or streams,
-        optimizer_shards=replicas if config.optimizer.distributed else 1,
+        optimizer_shards=replicas if config.optimizer.distributed else 1, ep=layout.ep,
+        expert_optimizer_shards=layout.edp * layout.placement.copies if config.optimizer.distributed else 1,
         recompute=model.recompute, recompute_method=model.recompute_method,
         recompute_num_layers=model.recompute_num_layers, split_backward=resolved.schedule.splits_backward)
     return ConfigMemoryInputs(shape=model_shape(config),
