@@ -289,7 +289,12 @@ def moe_mlp_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parall
     """What an MoE MLP keeps for one microbatch (approximate; the module docstring): the routed rows at the experts'
     input and the placed outputs before the weighted sum (model dtype), the experts' and the shared experts' inner
     activations, the router's scores, probabilities and chosen weights (float32 or wider) and the int64 ids that
-    sort and place the rows."""
+    sort and place the rows.
+
+    With expert parallelism (ep > 1) the experts' rows are those their EP rank received, ``rows`` on average over
+    the EP group (the same rows travel, each to one rank), which the model keeps. The exchange's two gathers (into
+    expert-major order and back) keep their int64 indices of the received rows; in the backward the received
+    rows' gradient, gathered back to arrival order, and the all-to-all's buffer are in flight besides."""
     moe, e, wide = shape.moe, DTYPE_BYTES[parallel.precision], float_bytes(parallel.precision)
     token_count, assignments = tokens.batch * tokens.seq, tokens.batch * tokens.seq * moe.topk
     capacity = moe.capacity(token_count)
@@ -299,7 +304,11 @@ def moe_mlp_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parall
     if moe.shared_experts:
         elements += mlp_activation_units(shape, token_count, moe.shared_ffn_hidden_size, in_backward)
     router = wide * (3 * token_count * moe.num_experts + 2 * assignments)
-    return round(e * elements + router + INDEX_BYTES * (rows + 2 * assignments))
+    indices = rows + 2 * assignments
+    if parallel.ep > 1:
+        indices += 2 * rows
+        elements += 2 * rows * shape.hidden if in_backward else 0
+    return round(e * elements + router + INDEX_BYTES * indices)
 
 
 def keeps_rms_units(shape: ModelShape, parallel: Parallelism) -> bool:
