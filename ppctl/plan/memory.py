@@ -25,13 +25,19 @@ Per rank, for its model chunks (``ppctl.parallel.layout.layer_map``) on one TP r
   being received) and the backward's working memory for one microbatch (the gradients of
   the largest layer's tensors, or of the logits on the last stage).
 
-A mixture of experts (``ModelShape.moe``): an MoE layer holds every expert's parameters (their gradients and
-optimizer state with them: at ep=1 every rank that holds the layer holds all its experts), its router and its
-shared experts, exactly as built. Its activations are approximate: per microbatch of T tokens it keeps the routed
-rows (T * topk of them dropless, at most num_experts * capacity with a capacity factor) at the input of the experts
-and after them, each expert MLP's inner activations for its rows, the shared experts' as a dense MLP's, and the
-router's float32 scores over the experts (a few T x num_experts tensors); a chunk's recomputed groups are weighed at
-its mean layer. The split backward's stash counts the router's and the experts' inputs and output gradients alike.
+A mixture of experts (``ModelShape.moe``): an MoE layer holds its router, its shared experts and its EP rank's
+``num_experts / ep`` experts (all of them at ep=1), exactly as built, their gradients and optimizer state with them;
+with ep > 1 the distributed optimizer shards the experts' state over their edp ranks (``expert_replica``: edp,
+times DualPipe's 2 copies) in buckets of their own, the rest over dp*cp as a dense model's. Its activations are
+approximate: per microbatch of T tokens it keeps the routed rows (T * topk of them dropless, at most
+num_experts * capacity with a capacity factor) at the input of the experts and after them, each expert MLP's inner
+activations for its rows, the shared experts' as a dense MLP's, and the router's float32 scores over the experts (a
+few T x num_experts tensors); a chunk's recomputed groups are weighed at its mean layer. With ep > 1 a rank's
+experts run the rows every rank of its EP group routed to them, which differ between EP ranks with the routing: the
+model keeps their mean (T * topk dropless, as at ep=1), plus the int64 indices of the exchange's two gathers, and
+counts the received rows' gradient and the all-to-all's buffer in the backward's working memory (measured at ep=2:
+each pp rank's mean of its EP ranks within 7%). The split backward's stash counts the router's and the experts'
+inputs and output gradients alike.
 
 Knowingly left out: the allocator's fragmentation and caching, kernel workspaces
 (cuBLAS, flash attention), CUDA context, and the communication libraries' buffers; the
