@@ -251,9 +251,12 @@ def _ends_text(ends: dict, size: int, shown: int = 4) -> str:
 def _ranks_table(report: dict):
     from rich.table import Table
 
-    table = Table(title="rank coordinates",
-                  caption="memory: predicted MiB, total (parameters + gradients + optimizer + activations + buffers)")
     experts = report["experts"] is not None
+    split = experts and report["experts"]["ep"] > 1
+    table = Table(title="rank coordinates",
+                  caption="memory: predicted MiB, total (parameters + gradients + optimizer + activations + buffers)"
+                  + ("; the parameters hold the rank's own experts, the activations the mean of its ep group's routed "
+                     "rows" if split else ""))
     for column in ("rank", "tp", "cp", "dp", "pp", *(("ep", "edp", "experts") if experts else ())):
         table.add_column(column, justify="right")
     table.add_column("tokens (attention)")

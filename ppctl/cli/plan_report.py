@@ -30,13 +30,15 @@ def print_plan(plan: Plan, user_overrides: Sequence[str], devices: int, memory_b
 
     console = _console()
     table = Table(title=f"ppctl plan: {devices} devices of {memory_bytes / GIB:.0f} GiB ({device_text}), fastest first")
-    for column in ("#", "tp", "cp", "pp", "vpp", "dp", "schedule", "mbs", "recompute", "dist. opt.", "step ms",
-                   "bubble", "GiB (max rank)"):
+    experts = any(prediction.candidate.ep is not None for prediction in plan.candidates)  # a mixture: its ep too
+    for column in ("#", "tp", "cp", "pp", "vpp", "dp", *(("ep",) if experts else ()), "schedule", "mbs", "recompute",
+                   "dist. opt.", "step ms", "bubble", "GiB (max rank)"):
         table.add_column(column, justify="right" if column not in ("schedule", "recompute") else "left")
     for index, prediction in enumerate(plan.candidates, 1):
         candidate = prediction.candidate
+        ep = (str(candidate.ep),) if experts else ()
         table.add_row(str(index), str(candidate.tp), str(candidate.cp), str(candidate.pp), str(candidate.vpp),
-                      str(candidate.dp), candidate.schedule, str(candidate.micro_batch_size), candidate.recompute,
+                      str(candidate.dp), *ep, candidate.schedule, str(candidate.micro_batch_size), candidate.recompute,
                       "yes" if candidate.distributed_optimizer else "no", f"{prediction.step_time_s * 1e3:.2f}",
                       f"{prediction.bubble_ratio:.1%}", f"{prediction.peak_memory_bytes / GIB:.2f}")
     console.print(table)

@@ -25,13 +25,19 @@ Per rank, for its model chunks (``ppctl.parallel.layout.layer_map``) on one TP r
   being received) and the backward's working memory for one microbatch (the gradients of
   the largest layer's tensors, or of the logits on the last stage).
 
-A mixture of experts (``ModelShape.moe``): an MoE layer holds every expert's parameters (their gradients and
-optimizer state with them: at ep=1 every rank that holds the layer holds all its experts), its router and its
-shared experts, exactly as built. Its activations are approximate: per microbatch of T tokens it keeps the routed
-rows (T * topk of them dropless, at most num_experts * capacity with a capacity factor) at the input of the experts
-and after them, each expert MLP's inner activations for its rows, the shared experts' as a dense MLP's, and the
-router's float32 scores over the experts (a few T x num_experts tensors); a chunk's recomputed groups are weighed at
-its mean layer. The split backward's stash counts the router's and the experts' inputs and output gradients alike.
+A mixture of experts (``ModelShape.moe``): an MoE layer holds its router, its shared experts and its EP rank's
+``num_experts / ep`` experts (all of them at ep=1), exactly as built, their gradients and optimizer state with them;
+with ep > 1 the distributed optimizer shards the experts' state over their edp ranks (``expert_replica``: edp,
+times DualPipe's 2 copies) in buckets of their own, the rest over dp*cp as a dense model's. Its activations are
+approximate: per microbatch of T tokens it keeps the routed rows (T * topk of them dropless, at most
+num_experts * capacity with a capacity factor) at the input of the experts and after them, each expert MLP's inner
+activations for its rows, the shared experts' as a dense MLP's, and the router's float32 scores over the experts (a
+few T x num_experts tensors); a chunk's recomputed groups are weighed at its mean layer. With ep > 1 a rank's
+experts run the rows every rank of its EP group routed to them, which differ between EP ranks with the routing: the
+model keeps their mean (T * topk dropless, as at ep=1), plus the int64 indices of the exchange's two gathers, and
+counts the received rows' gradient and the all-to-all's buffer in the backward's working memory (measured at ep=2:
+each pp rank's mean of its EP ranks within 7%). The split backward's stash counts the router's and the experts'
+inputs and output gradients alike.
 
 Knowingly left out: the allocator's fragmentation and caching, kernel workspaces
 (cuBLAS, flash attention), CUDA context, and the communication libraries' buffers; the
@@ -134,6 +140,8 @@ class Parallelism:
     precision: str = "fp32"
     bucketed_optimizer: bool = False
     optimizer_shards: int = 1  # ranks sharing the optimizer state (dp*cp, times DualPipe's 2 copies), or 1
+    ep: int = 1  # expert parallelism: each rank holds num_experts / ep of every MoE layer's experts
+    expert_optimizer_shards: int = 1  # with ep > 1: ranks sharing the experts' optimizer state (edp, times copies)
     recompute: str = "none"
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
@@ -172,20 +180,28 @@ def mlp_parameters(shape: ModelShape, ffn: int, tp: int) -> int:
     return split // tp + (h if shape.linear_biases else 0)
 
 
-def moe_layer_parameters(shape: ModelShape, tp: int) -> int:
-    """One MoE layer's parameters on one TP rank: the dense layer's without its MLP, the router, every expert's MLP
-    (whole: experts run at tp=1) and the shared experts' MLP."""
+def moe_layer_parameters(shape: ModelShape, tp: int, ep: int = 1) -> int:
+    """One MoE layer's parameters on one TP rank: the dense layer's without its MLP, the router (a row per expert),
+    the MLPs of this EP rank's ``num_experts / ep`` experts (whole: experts run at tp=1) and the shared experts'
+    MLP."""
     moe = shape.moe
     shared = mlp_parameters(shape, moe.shared_ffn_hidden_size, tp) if moe.shared_experts else 0
-    experts = moe.num_experts * (shape.hidden + mlp_parameters(shape, moe.expert_ffn_hidden_size, 1))
-    return layer_parameters(shape, tp) - mlp_parameters(shape, shape.ffn, tp) + experts + shared
+    router = moe.num_experts * shape.hidden
+    return layer_parameters(shape, tp) - mlp_parameters(shape, shape.ffn, tp) + router + shared + \
+        expert_layer_parameters(shape, ep)
 
 
-def chunk_parameters(shape: ModelShape, chunk: Chunk, tp: int) -> int:
-    """Parameters of one chunk on one TP rank."""
+def expert_layer_parameters(shape: ModelShape, ep: int = 1) -> int:
+    """The routed experts' parameters of one MoE layer on one EP rank: ``num_experts / ep`` expert MLPs."""
+    moe = shape.moe
+    return moe.num_experts // ep * mlp_parameters(shape, moe.expert_ffn_hidden_size, 1)
+
+
+def chunk_parameters(shape: ModelShape, chunk: Chunk, tp: int, ep: int = 1) -> int:
+    """Parameters of one chunk on one TP (and EP) rank."""
     count = (chunk.layers - chunk.moe_layers) * layer_parameters(shape, tp)
     if chunk.moe_layers:
-        count += chunk.moe_layers * moe_layer_parameters(shape, tp)
+        count += chunk.moe_layers * moe_layer_parameters(shape, tp, ep)
     if chunk.pre_process:
         count += shape.padded_vocab * shape.hidden // tp
         count += shape.max_seq_length * shape.hidden if shape.learned_positions else 0
@@ -196,13 +212,16 @@ def chunk_parameters(shape: ModelShape, chunk: Chunk, tp: int) -> int:
     return count
 
 
-def state_parts(parameters: int, parallel: Parallelism) -> tuple[int, int, int]:
-    """(parameter, gradient, optimizer) bytes of ``parameters`` elements on one rank."""
+def state_parts(parameters: int, parallel: Parallelism, expert_parameters: int = 0) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes of ``parameters`` elements on one rank, ``expert_parameters`` of them
+    experts split by expert parallelism (ep > 1): the distributed optimizer shards those over
+    ``expert_optimizer_shards`` (their own buckets), the rest over ``optimizer_shards``."""
     model_bytes = DTYPE_BYTES[parallel.precision]
     main_bytes = float_bytes(parallel.precision)
     if not parallel.bucketed_optimizer:
         return parameters * model_bytes, parameters * model_bytes, 2 * parameters * model_bytes
-    shard = -(-parameters // parallel.optimizer_shards)
+    shard = -(-(parameters - expert_parameters) // parallel.optimizer_shards)
+    shard += -(-expert_parameters // parallel.expert_optimizer_shards)
     return parameters * model_bytes, parameters * main_bytes, 3 * shard * main_bytes
 
 
@@ -276,7 +295,12 @@ def moe_mlp_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parall
     """What an MoE MLP keeps for one microbatch (approximate; the module docstring): the routed rows at the experts'
     input and the placed outputs before the weighted sum (model dtype), the experts' and the shared experts' inner
     activations, the router's scores, probabilities and chosen weights (float32 or wider) and the int64 ids that
-    sort and place the rows."""
+    sort and place the rows.
+
+    With expert parallelism (ep > 1) the experts' rows are those their EP rank received, ``rows`` on average over
+    the EP group (the same rows travel, each to one rank), which the model keeps. The exchange's two gathers (into
+    expert-major order and back) keep their int64 indices of the received rows; in the backward the received
+    rows' gradient, gathered back to arrival order, and the all-to-all's buffer are in flight besides."""
     moe, e, wide = shape.moe, DTYPE_BYTES[parallel.precision], float_bytes(parallel.precision)
     token_count, assignments = tokens.batch * tokens.seq, tokens.batch * tokens.seq * moe.topk
     capacity = moe.capacity(token_count)
@@ -286,7 +310,11 @@ def moe_mlp_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parall
     if moe.shared_experts:
         elements += mlp_activation_units(shape, token_count, moe.shared_ffn_hidden_size, in_backward)
     router = wide * (3 * token_count * moe.num_experts + 2 * assignments)
-    return round(e * elements + router + INDEX_BYTES * (rows + 2 * assignments))
+    indices = rows + 2 * assignments
+    if parallel.ep > 1:
+        indices += 2 * rows
+        elements += 2 * rows * shape.hidden if in_backward else 0
+    return round(e * elements + router + INDEX_BYTES * indices)
 
 
 def keeps_rms_units(shape: ModelShape, parallel: Parallelism) -> bool:
@@ -521,8 +549,11 @@ def rank_memory(shape: ModelShape, chunks: Sequence[Chunk], in_flight: Iterable[
                 parallel: Parallelism) -> MemoryParts:
     """One pipeline rank's predicted memory (one TP rank of it; every TP and DP rank alike); ``in_flight``: the
     ``in_flight_states`` of its actions."""
-    parameters, gradients, optimizer = state_parts(sum(chunk_parameters(shape, chunk, parallel.tp) for chunk in chunks),
-                                                   parallel)
+    parameters = sum(chunk_parameters(shape, chunk, parallel.tp, parallel.ep) for chunk in chunks)
+    # at ep=1 the experts are dense parameters to the optimizer: reduced and sharded over the same replicas
+    experts = sum(chunk.moe_layers for chunk in chunks) * expert_layer_parameters(shape, parallel.ep) \
+        if parallel.ep > 1 else 0
+    parameters, gradients, optimizer = state_parts(parameters, parallel, experts)
     tables = activation_tables(shape, chunks, tokens, parallel)
     activations = in_flight_peak(in_flight, tables.kept, tables.stash) + tables.rebuilt
     message = DTYPE_BYTES[parallel.precision] * tokens.batch * tokens.seq * shape.hidden
@@ -577,7 +608,8 @@ def config_memory_inputs(resolved) -> ConfigMemoryInputs:
         tp=parallel_config.tp, cp=parallel_config.cp, sequence_parallel=parallel_config.sequence_parallel,
         cp_comm=parallel_config.cp_comm, precision=trainer.precision,
         bucketed_optimizer=config.optimizer.distributed or half or streams,
-        optimizer_shards=replicas if config.optimizer.distributed else 1,
+        optimizer_shards=replicas if config.optimizer.distributed else 1, ep=layout.ep,
+        expert_optimizer_shards=layout.edp * layout.placement.copies if config.optimizer.distributed else 1,
         recompute=model.recompute, recompute_method=model.recompute_method,
         recompute_num_layers=model.recompute_num_layers, split_backward=resolved.schedule.splits_backward)
     return ConfigMemoryInputs(shape=model_shape(config),

@@ -1,9 +1,9 @@
 """``ppctl plan``: the layouts that fit, ranked by predicted step time (pure: no torch, no process).
 
 For a model and global batch on N devices the planner enumerates the layouts (tp, cp, pp,
-vpp, dp, schedule, micro-batch size), each with its memory-saving variants in the order
-they are tried (the distributed optimizer, free in time; then selective and full
-recomputation), and:
+vpp, dp, schedule, micro-batch size, and for a mixture of experts ep at etp=1), each with its
+memory-saving variants in the order they are tried (the distributed optimizer, free in time;
+then selective and full recomputation), and:
 
 1. orders the layouts by a lower bound on their step time that needs no validation
    (``compute_bound_s``: every rank's mean compute and collectives after the fill, plus the reduction);
@@ -18,7 +18,10 @@ recomputation), and:
 The cost model (``StepCosts``) follows Megatron-LM's FLOP count (``ppctl.model.flops``): a
 backward is twice a forward (B and W one forward each), full recomputation adds a forward
 to B, selective the attention core's share; TP and CP collectives, pipeline messages and
-the data-parallel reduction come from the device's links. ``--calibrate RUN_DIR`` replaces
+the data-parallel reduction come from the device's links. Expert parallelism trades memory (each
+rank holds ``num_experts / ep`` experts) for the experts' all-to-alls: two in the forward and two
+in the backward per MoE layer and microbatch, each moving the ``(ep - 1) / ep`` of the routed rows
+that leave the rank; the experts' gradients reduce over their edp ranks. ``--calibrate RUN_DIR`` replaces
 the device's figures with those a measured run achieved (``calibrated_device``).
 """
 
@@ -34,11 +37,13 @@ from typing import NamedTuple
 from ppctl.config import ConfigError, PpctlConfig, num_microbatches
 from ppctl.config.resolved import ResolvedConfig, resolve
 from ppctl.model.flops import forward_flops_per_token
+from ppctl.parallel.layout import parse_order
 from ppctl.pipeline.replay import gc_paused
 from ppctl.pipeline.schedules import ScheduleError
 from ppctl.plan.balance import config_part_costs
-from ppctl.plan.memory import (DTYPE_BYTES, Chunk, MemoryParts, chunk_parameters, config_memory, rank_chunks,
-                               model_shape, schedule_in_flight_states)
+from ppctl.model.moe.shape import moe_shape_of
+from ppctl.plan.memory import (DTYPE_BYTES, Chunk, MemoryParts, chunk_parameters, config_memory,
+                               expert_layer_parameters, model_shape, rank_chunks, schedule_in_flight_states)
 
 # (schedule, its vpp) tried for each pp; gpipe and 1f1b at vpp 1, the looped and V schedules at 2
 SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2), ("dualpipev", 2))
@@ -113,24 +118,28 @@ class Candidate:
     recompute: str
     distributed_optimizer: bool
     balance: str = "even"  # auto where the layers do not divide evenly into the stages
+    ep: int | None = None  # a mixture of experts' expert parallelism (etp is 1); None for a dense model
 
     def overrides(self) -> list[str]:
         """The overrides to paste into ``ppctl train``."""
         balance = ["parallel.balance=auto"] if self.balance == "auto" else []
+        ep = [f"parallel.ep={self.ep}"] if self.ep is not None else []
         return [f"parallel.tp={self.tp}", f"parallel.cp={self.cp}", f"parallel.pp={self.pp}",
-                f"parallel.vpp={self.vpp}", f"parallel.dp={self.dp}", *balance, f"schedule={self.schedule}",
+                f"parallel.vpp={self.vpp}", f"parallel.dp={self.dp}", *ep, *balance, f"schedule={self.schedule}",
                 f"trainer.micro_batch_size={self.micro_batch_size}", f"model.recompute={self.recompute}",
                 f"optimizer.distributed={str(self.distributed_optimizer).lower()}"]
 
     @property
     def layout_key(self) -> tuple:
         """What the step time depends on beyond the memory savers (recomputation, the distributed optimizer)."""
-        return self.tp, self.cp, self.pp, self.vpp, self.dp, self.schedule, self.micro_batch_size
+        return self.tp, self.cp, self.pp, self.vpp, self.dp, self.schedule, self.micro_batch_size, self.ep
 
     def apply(self, base: PpctlConfig) -> PpctlConfig:
         """``base`` with this candidate's settings (the sections it changes copied, the rest shared)."""
         parallel = replace(base.parallel, tp=self.tp, cp=self.cp, pp=self.pp, vpp=self.vpp, dp=self.dp,
                            sequence_parallel=base.parallel.sequence_parallel and self.tp > 1)
+        if self.ep is not None:
+            parallel = replace(parallel, ep=self.ep, etp=1)
         if self.balance == "auto":
             parallel = replace(parallel, balance="auto", pipeline_layout=None, account_for_embedding_in_split=False,
                                account_for_loss_in_split=False)
@@ -204,7 +213,8 @@ def candidates(config: PpctlConfig, devices: int) -> list[list[Candidate]]:
 def search_space(config: PpctlConfig, devices: int) -> tuple[list[list[Candidate]], Counter]:
     """``candidates``, and the variants of the layouts of ``devices`` left out before validation (a tp that does
     not divide the heads, a dp that does not divide the batch, stages that outnumber the layers), counted by
-    reason: so a search that finds nothing says why of every layout."""
+    reason: so a search that finds nothing says why of every layout. A mixture of experts' layouts each come at
+    every ``expert_parallel_sizes``."""
     found, left_out = [], Counter()
     for tp, cp in itertools.product(POWERS_OF_TWO, repeat=2):
         if devices % (tp * cp):
@@ -216,14 +226,27 @@ def search_space(config: PpctlConfig, devices: int) -> tuple[list[list[Candidate
             if pp == 1 and schedule != "1f1b":  # at pp=1 every schedule is 1f1b's
                 continue
             sharded = (True, False) if dp * cp > 1 else (False,)
+            ep_sizes = expert_parallel_sizes(config, tp * cp * dp)
             reason = _left_out_because(config, tp, pp * vpp, micro * dp)
             if reason is not None:
-                left_out[reason] += len(RECOMPUTE) * len(sharded)
+                left_out[reason] += len(RECOMPUTE) * len(sharded) * len(ep_sizes)
                 continue
             balance = "even" if config.model.num_layers % (pp * vpp) == 0 else "auto"
-            found.append([Candidate(tp, cp, pp, vpp, dp, schedule, micro, recompute, distributed, balance)
-                          for recompute, distributed in itertools.product(RECOMPUTE, sharded)])
+            found += [[Candidate(tp, cp, pp, vpp, dp, schedule, micro, recompute, distributed, balance, ep)
+                       for recompute, distributed in itertools.product(RECOMPUTE, sharded)] for ep in ep_sizes]
     return found, left_out
+
+
+def expert_parallel_sizes(config: PpctlConfig, stage_ranks: int) -> list[int | None]:
+    """The ep sizes a layout of ``stage_ranks`` ranks per pipeline stage is tried at: for a mixture of experts the
+    divisors of ``stage_ranks`` that divide its experts (at etp=1), where ``parallel.order`` ends in pp (the fold of
+    each stage's ranks needs them consecutive; else ep=1 alone); ``[None]`` for a dense model (no ep to set)."""
+    moe = moe_shape_of(config.model)
+    if moe is None:
+        return [None]
+    if parse_order(config.parallel.order)[-1] != "pp":
+        return [1]
+    return [ep for ep in _divisors(stage_ranks) if moe.num_experts % ep == 0]
 
 
 def _left_out_because(config: PpctlConfig, tp: int, stages: int, replica_sequences: int) -> str | None:
@@ -275,6 +298,9 @@ def step_costs(resolved: ResolvedConfig, device: Device) -> StepCosts:
     forward = forward_flops_per_microbatch(resolved) / device.flops
     element = DTYPE_BYTES[trainer.precision]
     collective = _tp_cp_seconds(config, device, tokens, element) * layers
+    if parallel.ep > 1:  # the experts' exchanges, on the rank with the most MoE layers
+        moe_layers = max(_rank_layers(resolved, moe_only=True)) / resolved.layout.placement.copies
+        collective += _all_to_all_seconds(config, device, tokens, element) * moe_layers
     # full recomputation runs the layers' forward again, their TP and CP collectives included
     recompute = {"none": 0.0, "full": forward + collective,
                  "selective": tokens * layers * attention_core / parallel.tp / device.flops}
@@ -338,21 +364,35 @@ def reduction_s(config: PpctlConfig, device: Device) -> float:
         return 0.0
     shape = model_shape(config)
     moe_layers = len(shape.moe.layer_ids(config.model.num_layers)) if shape.moe is not None else 0
-    whole = chunk_parameters(shape, Chunk(0, config.model.num_layers, True, True, moe_layers), parallel.tp)
+    whole = chunk_parameters(shape, Chunk(0, config.model.num_layers, True, True, moe_layers), parallel.tp,
+                             parallel.ep)
     within_node = parallel.tp * replicas <= device.node_size
     bandwidth = device.intra_node_bandwidth if within_node else device.inter_node_bandwidth
-    return 2 * (replicas - 1) * (4 * whole / parallel.pp / replicas / bandwidth + device.ring_step_s)
+    if parallel.ep == 1:
+        return 2 * (replicas - 1) * (4 * whole / parallel.pp / replicas / bandwidth + device.ring_step_s)
+    # expert parallelism: a rank's experts reduce over their edp ranks, the rest over the replicas
+    experts, edp = moe_layers * expert_layer_parameters(shape, parallel.ep), replicas * parallel.tp // parallel.ep
+    return sum(2 * (ranks - 1) * (4 * count / parallel.pp / ranks / bandwidth + device.ring_step_s)
+               for count, ranks in ((whole - experts, replicas), (experts, edp)) if ranks > 1)
 
 
 def update_s(resolved: ResolvedConfig, device: Device) -> float:
     """The step's update after the reduction (clipping and AdamW) on the rank with the most parameters: each rank
     steps its own (the distributed optimizer: its 1 / (dp * cp) shard of them)."""
-    config = resolved.config
+    config, layout = resolved.config, resolved.layout
     shape, parallel = model_shape(config), config.parallel
-    stepped = max(sum(chunk_parameters(shape, chunk, parallel.tp) for chunk in chunks)
-                  for chunks in rank_chunks(resolved))
-    if config.optimizer.distributed:  # sharded over the replicas (with DualPipe's two copies, over both)
-        stepped /= parallel.dp * parallel.cp * resolved.layout.placement.copies
+    if not config.optimizer.distributed or layout.ep == 1:
+        stepped = max(sum(chunk_parameters(shape, chunk, parallel.tp, layout.ep) for chunk in chunks)
+                      for chunks in rank_chunks(resolved))
+        if config.optimizer.distributed:  # sharded over the replicas (with DualPipe's two copies, over both)
+            stepped /= parallel.dp * parallel.cp * layout.placement.copies
+        return stepped * device.update_s_per_parameter
+    # expert parallelism, sharded: the experts over their edp ranks, the rest over the replicas (times the copies)
+    stepped = 0.0
+    for chunks in rank_chunks(resolved):
+        experts = sum(chunk.moe_layers for chunk in chunks) * expert_layer_parameters(shape, layout.ep)
+        dense = sum(chunk_parameters(shape, chunk, parallel.tp, layout.ep) for chunk in chunks) - experts
+        stepped = max(stepped, (dense / (parallel.dp * parallel.cp) + experts / layout.edp) / layout.placement.copies)
     return stepped * device.update_s_per_parameter
 
 
@@ -368,9 +408,12 @@ def compute_bound_s(resolved: ResolvedConfig, device: Device) -> float:
     microbatch to reach it (the fill), then the data-parallel reduction."""
     config = resolved.config
     forward_s, microbatches = _mean_forward_s(config, device), resolved.sizes.num_microbatches
-    collectives = _tp_cp_seconds(config, device, _microbatch_tokens(config), DTYPE_BYTES[config.trainer.precision])
-    mean_layers = config.model.num_layers / config.parallel.pp
-    return (3 * microbatches * forward_s + 2 * microbatches * collectives * mean_layers
+    tokens, element = _microbatch_tokens(config), DTYPE_BYTES[config.trainer.precision]
+    collectives = _tp_cp_seconds(config, device, tokens, element) * config.model.num_layers / config.parallel.pp
+    if config.parallel.ep > 1:  # the experts' exchanges of the mean rank's MoE layers
+        moe_layers = len(moe_shape_of(config.model).layer_ids(config.model.num_layers)) / config.parallel.pp
+        collectives += _all_to_all_seconds(config, device, tokens, element) * moe_layers
+    return (3 * microbatches * forward_s + 2 * microbatches * collectives
             + _fill_stages(resolved) * forward_s + after_pipeline_s(resolved, device))
 
 
@@ -415,12 +458,26 @@ def _fill_stages(resolved: ResolvedConfig) -> float:
                for pp_rank in range(resolved.layout.pp)) / _chunks_per_copy(resolved)
 
 
-def _rank_layers(resolved: ResolvedConfig) -> list[int]:
-    """Transformer layers per pp rank."""
+def _rank_layers(resolved: ResolvedConfig, moe_only: bool = False) -> list[int]:
+    """Transformer layers per pp rank (``moe_only``: its MoE layers)."""
+    moe = moe_shape_of(resolved.config.model)
     counts = [0] * resolved.layout.pp
     for (pp_rank, _), stage in resolved.layer_map.items():
-        counts[pp_rank] += len(stage.layers)
+        counts[pp_rank] += sum(map(moe.is_moe_layer, stage.layers)) if moe_only else len(stage.layers)
     return counts
+
+
+def _all_to_all_seconds(config: PpctlConfig, device: Device, tokens: int, element: int) -> float:
+    """Per MoE layer and microbatch, one way (forward, or backward): the exchange's two all-to-alls over the ep
+    ranks (dispatch, combine), each sending the ``(ep - 1) / ep`` of a rank's routed rows that leave it (dropless:
+    tokens x topk; with a capacity, at most the experts' capacity), a latency per peer; in a node where the ep
+    group's consecutive ranks fit one, and each waits ``collective_wait_s`` for its slowest member."""
+    moe, ep = moe_shape_of(config.model), config.parallel.ep
+    capacity = moe.capacity(tokens)
+    rows = tokens * moe.topk if capacity is None else min(tokens * moe.topk, moe.num_experts * capacity)
+    bandwidth = device.intra_node_bandwidth if device.node_size % ep == 0 else device.inter_node_bandwidth
+    sent = rows * config.model.hidden_size * element * (ep - 1) / ep
+    return 2 * (sent / bandwidth + (ep - 1) * device.ring_step_s + device.collective_wait_s)
 
 
 def _tp_cp_seconds(config: PpctlConfig, device: Device, tokens: int, element: int) -> float:

@@ -68,3 +68,18 @@ def test_refusals_are_one_line():
         assert result.exit_code == 2, (args, result.output)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (args, lines)
+
+
+def test_a_mixtures_plan_shows_ep_and_pastes_it():
+    """A mixture's table has an ep column and its line to paste sets parallel.ep (validated); a dense one has neither."""
+    mixture = ["model=mixtral_8x7b", "data=synthetic", "model.num_layers=4"]
+    result = invoke(["plan", *mixture, "--gpus", "8", "--top", "3"])
+    assert result.exit_code == 0, result.output
+    header = next(line for line in result.output.splitlines() if "schedule" in line and "tp" in line)
+    assert " ep " in header
+    pasted = next(line for line in result.output.splitlines() if line.startswith("the fastest, to paste: "))
+    words = pasted.removeprefix("the fastest, to paste: ").split()
+    assert any(word.startswith("parallel.ep=") for word in words)
+    assert validate(compose_config(words[2:])).world_size == 8
+    dense = invoke(["plan", *BASE, "--gpus", "8", "--top", "3"])
+    assert " ep " not in dense.output and "parallel.ep" not in dense.output

@@ -98,3 +98,27 @@ def test_up_to_the_limit_everything_is_listed():
                                   "model.num_heads=8", "trainer.global_batch_size=1024"]))
     report, seconds, _ = timed(layout_report, run)
     assert not is_summarised(report) and len(report["ranks"]) == MAX_LISTED_RANKS and seconds < LISTED_S
+
+
+def test_each_ranks_memory_holds_its_share_of_the_experts(capsys):
+    """With ep=2 every rank's predicted parameters are those of the chunks it builds (its EP rank's experts),
+    exactly, and the table says so; at ep=1 (the twin: experts whole) each rank holds every expert."""
+    from ppctl.model.from_config import build_chunk
+    from ppctl.parallel.expert_parallel import EPGroup
+    from ppctl.parallel.tensor_parallel import TPGroup
+
+    overrides = ["model=mixtral_tiny", "data=synthetic", "parallel.pp=2", "parallel.dp=2"]
+    split, whole = (resolve(compose_config(overrides + [f"parallel.ep={ep}"])) for ep in (2, 1))
+    report = layout_report(split)
+    assert report["experts"]["per_rank"] == 4
+    for entry in report["ranks"]:
+        group = EPGroup(None, 2, entry["expert"]["ep"])
+        built = sum(param.numel() for stage in report["layers"] if stage["pp_rank"] == entry["pp"]
+                    for param in build_chunk(split.config, stage["layers"], stage["pre_process"],
+                                             stage["post_process"], TPGroup.single(), ep=group).parameters())
+        assert entry["memory"]["parameters"] == 4 * built  # fp32
+        assert layout_report(whole)["ranks"][entry["rank"]]["memory"]["parameters"] > entry["memory"]["parameters"]
+    print_layout(report, split)
+    out = capsys.readouterr().out
+    assert "the parameters hold the rank's own experts" in out
+    assert all(f"{entry['memory']['total'] / 2**20:.1f}" in out for entry in report["ranks"])

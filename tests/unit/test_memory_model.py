@@ -211,3 +211,27 @@ def test_moe_parameters_are_exact_and_activations_near_what_autograd_saves(famil
     assert chunk_parameters(shape, planned, 1) == sum(param.numel() for param in chunk.parameters())
     kept, _ = chunk_activation_bytes(shape, planned, Tokens(B, S), Parallelism())
     assert kept == pytest.approx(chunk_forward_saved_bytes(chunk, B, S, V), rel=0.10)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("family", [["model=mixtral_tiny"], ["model=deepseek_tiny"]])
+def test_expert_parallel_parameter_count_is_each_ep_ranks_built_chunk(family, ep):
+    """Each EP rank builds ``num_experts / ep`` experts of every MoE layer (the router and shared experts whole):
+    the count per rank exactly, and the optimizer's expert share sharded over its own replicas. Broken twin: the
+    experts counted whole regardless of ep."""
+    from ppctl.config import compose_config
+    from ppctl.model.from_config import build_chunk
+    from ppctl.parallel.expert_parallel import EPGroup
+    from ppctl.plan.memory import model_shape
+
+    config = compose_config([*family, "data=synthetic", f"parallel.dp={ep}", f"parallel.ep={ep}"])
+    shape, layers = model_shape(config), config.model.num_layers
+    moe_layers = sum(map(shape.moe.is_moe_layer, range(layers)))
+    planned = Chunk(0, layers, True, True, moe_layers)
+    for ep_rank in range(ep):
+        chunk = build_chunk(config, range(layers), True, True, TPGroup.single(), ep=EPGroup(None, ep, ep_rank))
+        assert chunk_parameters(shape, planned, 1, ep) == sum(param.numel() for param in chunk.parameters())
+    whole = sum(param.numel() for param in build_chunk(config, range(layers), True, True, TPGroup.single()).parameters())
+    assert chunk_parameters(shape, planned, 1) == whole != chunk_parameters(shape, planned, 1, ep)  # the twin
+    sharded = Parallelism(precision="bf16", bucketed_optimizer=True, optimizer_shards=4, ep=2, expert_optimizer_shards=2)
+    assert state_parts(1000, sharded, 600) == (2000, 4000, 3 * (100 + 300) * 4)
