@@ -112,7 +112,8 @@ class ParallelLayout:
                               "fold each pipeline stage's ranks (etp-ep-edp, as Megatron-Core), which must be consecutive")
         if self.stage_ranks % (self.ep * self.etp):
             raise LayoutError(f"parallel.ep={self.ep} * parallel.etp={self.etp} must divide the {self.stage_ranks} ranks "
-                              f"of a pipeline stage (tp * cp * dp) it folds over")
+                              f"of a pipeline stage (tp * cp * dp) it folds over: the experts split over those ranks "
+                              f"(e.g. parallel.dp={self.ep * self.etp})")
 
     @property
     def group_names(self) -> tuple[str, ...]:

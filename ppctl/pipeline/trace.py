@@ -111,12 +111,13 @@ EXCHANGE_CATEGORY = "a2a"
 def exposed_exchange_seconds(actions, exchanges) -> float:
     """The time one rank spent in expert all-to-alls while it computed nothing: ``actions`` are ``(kind, start,
     end)``, ``exchanges`` ``(start, end, lane)``. An action computes over its span less its own lane's exchanges
-    (a forward's are the forward lane's, a backward's the backward lane's, a W has none); an exchange is exposed where no
+    (a forward's are the forward lane's, a backward's and a W's the backward lane's: the first stage's W runs its
+    whole backward); an exchange is exposed where no
     action computes. Run one after another, every exchange is exposed; in an overlapped pair, the part the other
     half's compute covers is not."""
     computing = []
     for kind, start, end in actions:
-        lane = {"F": 0, "B": 1, "BW": 1}.get(kind)  # a W exchanges nothing
+        lane = 0 if kind == "F" else 1  # a W of the first stage runs its whole backward
         own = [(max(s, start), min(e, end)) for s, e, exchange_lane in exchanges
                if exchange_lane == lane and s < end and e > start]
         computing += _minus([(start, end)], own)

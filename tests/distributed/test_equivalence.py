@@ -77,11 +77,12 @@ def test_mixtures_of_experts_with_expert_parallelism_match_single_process():
     sharded = ["optimizer.distributed=true"]
     ep2 = pp2_dp2 + ["parallel.ep=2"]
     runs = [BASE + DEEPSEEK + pp2_dp2 + sharded + ["schedule=1f1b"],  # ep=1
-            BASE + MIXTRAL + ep2 + ["schedule=dualpipev"] + FP64,
+            BASE + MIXTRAL + ep2 + ["schedule=dualpipev", "parallel.overlap_ep_comm=true"] + FP64,
             BASE + MIXTRAL + ep2 + sharded + ["schedule=zbv"] + FP64,
             BASE + DEEPSEEK + ep2 + ["parallel.vpp=2", "schedule=interleaved_1f1b"],
             # DualPipeV's pairs overlapped (two threads, one communicator each) and a recomputed forward's exchange
-            BASE + GPT_EXPERTS + ep2 + ["schedule=dualpipev", "model.recompute=full"] + FP64,
+            BASE + GPT_EXPERTS + ep2 + ["schedule=dualpipev", "model.recompute=full",
+                                        "parallel.overlap_ep_comm=true"] + FP64,
             BASE + MIXTRAL + ["parallel.pp=1", "parallel.dp=4", "parallel.ep=4"] + FP64,
             BASE + DEEPSEEK + ["parallel.pp=1", "parallel.dp=4", "parallel.ep=2"] + sharded]  # edp=2
     assert_equivalent(runs, world_size=4)

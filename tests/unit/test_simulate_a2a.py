@@ -57,5 +57,5 @@ def test_measured_exposed_all_to_all_counts_only_what_no_compute_covers():
     assert exposed_exchange_seconds([("F", 0, 3), ("BW", 0.5, 6)], [(1, 2, 0), (4, 5, 1)]) == 1
     # both halves exchanging at once: 1.5-2 is covered by neither
     assert exposed_exchange_seconds([("F", 0, 3), ("BW", 0, 3)], [(1, 2, 0), (1.5, 2.5, 1)]) == 0.5
-    # a weight gradient computes over its whole span
-    assert exposed_exchange_seconds([("W", 0, 2)], [(0.5, 1, 1)]) == 0
+    # the first stage's W runs its whole backward: its exchanges are its own
+    assert exposed_exchange_seconds([("W", 0, 2)], [(0.5, 1, 1)]) == 0.5
