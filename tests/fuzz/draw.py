@@ -70,7 +70,7 @@ def _model(rng: random.Random, tp: int, cp: int, cp_mode: str) -> list[str]:
 
 def _experts(rng: random.Random) -> list[str]:
     """A mixture of experts: how many, top-k, the router, its losses or bias, shared experts, dense layers first,
-    a capacity (until expert parallelism lands it runs at tp=1 cp=1: other draws are refused, and counted)."""
+    a capacity (it runs at tp=1 cp=1: other draws are refused, and counted; ``_expert_parallel`` splits it)."""
     experts = rng.choice((2, 4))
     overrides = [f"model.moe.num_experts={experts}", f"model.moe.topk={rng.choice((1, 2))}",
                  f"model.moe.router_score={rng.choice(('softmax', 'sigmoid'))}",
@@ -120,7 +120,20 @@ def draw(rng: random.Random) -> list[str]:
     overrides.append(f"model.recompute={rng.choice(('none', 'none', 'full', 'selective'))}")
     if name == "pipedream_2bw" or (rng.random() < 0.1 and name not in V_SHAPED):
         overrides += ["optimizer.gradient_delay=1", "optimizer.clip_grad=0"]
-    return overrides + _split(rng, stages, layers)
+    return overrides + _split(rng, stages, layers) + _expert_parallel(rng, overrides, dp, name)
+
+
+def _expert_parallel(rng: random.Random, overrides: list[str], dp: int, schedule: str) -> list[str]:
+    """With experts and data parallelism, often an ep dividing both dp and the experts; under DualPipe's pairs,
+    sometimes run at once."""
+    experts = next((int(item.split("=")[1]) for item in overrides if item.startswith("model.moe.num_experts=")), 0)
+    choices = [ep for ep in range(2, dp + 1) if experts and dp % ep == 0 and experts % ep == 0]
+    if not choices or rng.random() < 0.3:
+        return []
+    drawn = [f"parallel.ep={rng.choice(choices)}"]
+    if schedule in ("dualpipe", "dualpipev") and rng.random() < 0.5:
+        drawn.append("parallel.overlap_ep_comm=true")
+    return drawn
 
 
 def drawn(seed: int, count: int, world: int | None = None) -> tuple[list[list[str]], Counter]:
