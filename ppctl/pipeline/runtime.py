@@ -73,7 +73,8 @@ class PipelineRuntime:
                  tracer: Tracer | None = None, release_outputs: bool = True, track_memory: bool = False,
                  overlap_pairs: bool = False):
         self.pp_rank = pp_rank
-        # the second thread of overlapped pairs (module docstring); made on first use
+        # the second thread of overlapped pairs (module docstring): made on first use, it ends when the runtime is
+        # collected (the executor's own weak reference wakes it)
         self.overlap_pairs, self._pair_thread = overlap_pairs, None
         self.stages = stages
         self.transport = transport
@@ -176,12 +177,6 @@ class PipelineRuntime:
         self._hand_over(backward, backward_produced, state)
         self._after(forward, state, hooks)
         self._after(backward, state, hooks)
-
-    def close(self) -> None:
-        """Stop the pair thread, if one was started."""
-        if self._pair_thread is not None:
-            self._pair_thread.shutdown()
-            self._pair_thread = None
 
     def _input(self, number: int, state: StepState) -> torch.Tensor:
         """Input message ``number``: handed over on this rank, or received."""

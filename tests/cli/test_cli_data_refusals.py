@@ -138,7 +138,7 @@ def saved_run(run_dir, overrides: list[str], with_record: bool = True):
     from ppctl.config import compose_config
 
     config = compose_config(overrides)
-    layout = SimpleNamespace(world_size=1, tp=1, pp=1, vpp=1, dp=1, cp=1)
+    layout = SimpleNamespace(world_size=1, tp=1, pp=1, vpp=1, dp=1, cp=1, ep=1)
     index = checkpoint_index(SimpleNamespace(config=config, context=SimpleNamespace(layout=layout)), 3, "end", 3)
     if not with_record:
         del index["data"]["tokenizer"]
