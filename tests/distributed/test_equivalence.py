@@ -83,5 +83,7 @@ def test_mixtures_of_experts_with_expert_parallelism_match_single_process():
             BASE + GPT_EXPERTS + ep2 + ["schedule=dualpipev", "model.recompute=full",
                                         "parallel.overlap_ep_comm=true"] + FP64,
             BASE + MIXTRAL + ["parallel.pp=1", "parallel.dp=4", "parallel.ep=4"] + FP64,
-            BASE + DEEPSEEK + ["parallel.pp=1", "parallel.dp=4", "parallel.ep=2"] + sharded]  # edp=2
+            BASE + DEEPSEEK + ["parallel.pp=1", "parallel.dp=4", "parallel.ep=2"] + sharded,  # edp=2
+            # pp rank 0 holds DeepSeek's first layer alone: dense, no router, yet in the routing statistics' sum
+            BASE + DEEPSEEK + ["parallel.pp=4", "schedule=1f1b"]]
     assert_equivalent(runs, world_size=4)
