@@ -89,8 +89,8 @@ def experts_report(config: PpctlConfig, layout: ParallelLayout) -> dict | None:
     moe = moe_shape_of(config.model)
     if moe is None:
         return None
-    return {"num_experts": moe.num_experts, "topk": moe.topk, "moe_layers": list(moe.layer_ids(config.model.num_layers)),
-            "ep": layout.ep, "etp": layout.etp, "edp": layout.edp, "per_rank": moe.num_experts // layout.ep}
+    return {"num_experts": moe.num_experts, "topk": moe.topk,
+            "moe_layers": list(moe.layer_ids(config.model.num_layers)), "ep": layout.ep, "etp": layout.etp, "edp": layout.edp, "per_rank": moe.num_experts // layout.ep}
 
 
 def is_summarised(report: dict) -> bool:

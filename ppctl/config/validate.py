@@ -299,7 +299,8 @@ def _check_expert_parallel(config: PpctlConfig) -> None:
     require(experts > 0, f"parallel.ep={parallel.ep} splits a mixture's experts, but the model has none: set "
                          "model.moe.num_experts (a preset such as model=mixtral_tiny), or parallel.ep=1")
     require(experts % parallel.ep == 0, f"model.moe.num_experts={experts} must be divisible by parallel.ep="
-                                        f"{parallel.ep}: each EP rank holds an equal share of every MoE layer's experts")
+                                        f"{parallel.ep}: each EP rank holds an equal share of every MoE layer's "
+                                        "experts")
 
 
 def _check_moe_layout(config: PpctlConfig) -> None:

@@ -109,10 +109,11 @@ class ParallelLayout:
             return
         if self.dims[-1] != "pp":
             raise LayoutError(f"parallel.order={self.order!r} must end in pp with parallel.ep={self.ep}: expert groups "
-                              "fold each pipeline stage's ranks (etp-ep-edp, as Megatron-Core), which must be consecutive")
+                              "fold each pipeline stage's ranks (etp-ep-edp, as Megatron-Core), which must be "
+                              "consecutive")
         if self.stage_ranks % (self.ep * self.etp):
-            raise LayoutError(f"parallel.ep={self.ep} * parallel.etp={self.etp} must divide the {self.stage_ranks} ranks "
-                              f"of a pipeline stage (tp * cp * dp) it folds over: the experts split over those ranks "
+            raise LayoutError(f"parallel.ep={self.ep} * parallel.etp={self.etp} must divide the {self.stage_ranks} "
+                              f"ranks of a pipeline stage (tp * cp * dp) it folds over: the experts split over those ranks "
                               f"(e.g. parallel.dp={self.ep * self.etp})")
 
     @property

@@ -187,8 +187,8 @@ def rows_from_chrome_trace(trace: dict) -> tuple[int, list]:
     ``trace.json`` that ``write_trace_files`` wrote; ValueError when it holds no step."""
     from ppctl.pipeline.simulate import RankTimeline, TimedAction
 
-    events = [event for event in trace.get("traceEvents", []) if event.get("ph") == "X" and "step" in event.get("args", {})
-              and event.get("cat") != EXCHANGE_CATEGORY]
+    events = [event for event in trace.get("traceEvents", [])
+              if event.get("ph") == "X" and "step" in event.get("args", {}) and event.get("cat") != EXCHANGE_CATEGORY]
     if not events:
         raise ValueError("it holds no traced step (was it written by a run with trainer.trace=true?)")
     step = max(event["args"]["step"] for event in events)
