@@ -414,6 +414,10 @@ def verify(
         fail(f"--precision {precision}: choose fp64 or fp32 (half precision is compared by trajectory, not proven "
              f"equal)")
     user = list(overrides or [])
+    nodes = load_resolved(user, config_dir, config_name, data=False).config.launcher.nnodes
+    if nodes > 1 and out is None:
+        fail(f"verify on launcher.nnodes={nodes} needs --out DIR, the same on every node and on a filesystem they "
+             f"share: each node's part of the parallel run writes there, and node 0 compares")
     shrunk: list[str] = []
     if shrink:
         extra, shrunk = shrink_overrides(load_resolved(user, config_dir, config_name, data=False).config)

@@ -56,3 +56,12 @@ def test_what_verify_cannot_compare_is_refused_in_one_line_before_anything_start
     assert result.returncode == 2 and said in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "verify").exists()
+
+
+def test_verify_on_several_nodes_needs_one_shared_out_directory(ppctl, tmp_path):
+    """Each node's part of the parallel run writes into ``--out``: without one every node would pick its own."""
+    result = ppctl("verify", "data=synthetic", "launcher.nnodes=2", "launcher.rdzv_endpoint=localhost:29500",
+                   cwd=tmp_path)
+    assert result.returncode == 2 and "verify on launcher.nnodes=2 needs --out DIR" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "runs").exists()
