@@ -16,7 +16,7 @@ CI_SEED, CI_COUNT, CI_WORLD = 0, 3, 4  # one launch of four workers
 
 def test_a_seed_draws_the_same_valid_configurations_across_the_space():
     runs, _ = drawn(7, 12)
-    assert drawn(7, 12)[0] == runs
+    assert drawn(7, 6)[0] == runs[:6]  # the same seed, the same draws in the same order
     assert len({world_size(overrides) for overrides in runs}) >= 2
     assert len({item for overrides in runs for item in overrides if item.startswith("schedule=")}) >= 4
     assert {world_size(overrides) for overrides in drawn(7, 3, world=4)[0]} == {4}
