@@ -86,23 +86,10 @@ def measured(step: dict[int, dict]) -> dict[str, float]:
 
 
 def fitted_costs(step: dict[int, dict], chunks_per_copy: int):
-    """Costs (ms per microbatch through a rank's layers) of one step: each kind's mean time less the all-to-all
-    its actions waited (their own lane's exchanges inside them), and that all-to-all as ``A2A``."""
-    from ppctl.pipeline.simulate import Costs
+    """Costs (ms per microbatch through a rank's layers) of one step (``ppctl.pipeline.trace.exchange_costs``)."""
+    from ppctl.pipeline.trace import exchange_costs
 
-    computing: dict[str, list[float]] = {}
-    waited: list[float] = []
-    for rank in step.values():
-        for kind, start, end in rank["actions"]:
-            lane = 0 if kind == "F" else 1
-            own = sum(min(e, end) - max(s, start) for s, e, exchange_lane in rank["exchanges"]
-                      if exchange_lane == lane and s < end and e > start)
-            computing.setdefault(kind, []).append((end - start - own) * 1e3)
-            if kind == "F":
-                waited.append(own * 1e3)
-    mean = {kind: statistics.mean(values) * chunks_per_copy for kind, values in computing.items()}
-    backward = mean["B"] if "B" in mean else mean.get("BW", 0.0)
-    return Costs(F=mean["F"], B=backward, W=mean.get("W", 0.0), A2A=statistics.mean(waited) * chunks_per_copy)
+    return exchange_costs([(rank["actions"], rank["exchanges"]) for rank in step.values()], chunks_per_copy)
 
 
 def predicted_exposed_ms(schedule, costs) -> float:

@@ -26,8 +26,9 @@ from ppctl.config import load_config_file
 from ppctl.config.resolved import ResolvedConfig, resolve
 from ppctl.parallel.groups import ParallelContext, build_parallel_context
 from ppctl.pipeline.simulate import simulate
-from ppctl.pipeline.trace import (costs_from_measurement, measured_makespan_and_bubble, measured_timelines,
-                                  on_core_shares, overhead_per_action, posting_fit, simulate_with_posting)
+from ppctl.pipeline.trace import (costs_from_measurement, exchange_costs, exposed_exchange_seconds,
+                                  measured_makespan_and_bubble, measured_timelines, on_core_shares,
+                                  overhead_per_action, posting_fit, simulate_with_posting)
 from ppctl.run.memory import step_peak_bytes
 from ppctl.run.train import Trainer
 
@@ -276,7 +277,28 @@ def bubble_figures(trainer: Trainer, gathered: list[dict], comm: float) -> dict:
             "makespan_simulated_with_overhead_s": charged.makespan / 1e3,
             "posting_ms": dataclasses.asdict(posting), "makespan_simulated_with_posting_s": posted_makespan / 1e3,
             "bubble_simulated_with_posting": posted_bubble,
-            "on_core_share": _on_core_by_pipeline_rank(gathered, pipeline_ranks)}
+            "on_core_share": _on_core_by_pipeline_rank(gathered, pipeline_ranks),
+            "all_to_all": _all_to_all_figures(trainer, gathered, pipeline_ranks, comm)}
+
+
+def _all_to_all_figures(trainer: Trainer, gathered: list[dict], pipeline_ranks: list[int], comm: float) -> dict | None:
+    """With expert parallelism, the traced pipeline's ranks' mean all-to-all time per step, its exposed part
+    (``exposed_exchange_seconds``) and the simulator's exposed part at the costs fitted with ``A2A``, in ms;
+    None without exchanges."""
+    by_rank = {entry["rank"]: entry["snapshot"] for entry in gathered}
+    ranks = [([(kind, start, end) for kind, _stage, _mb, start, end in by_rank[rank]["actions"]],
+              by_rank[rank].get("exchanges", [])) for rank in pipeline_ranks]
+    if not any(exchanges for _actions, exchanges in ranks):
+        return None
+    program = trainer.last_program
+    costs = dataclasses.replace(exchange_costs(ranks, program.schedule.chunks_per_copy), comm=comm * 1e3)
+    if not trainer.runtime.overlap_pairs:  # pairs run one half after the other: each pair is both, in turn
+        costs = dataclasses.replace(costs, FB=costs.F + costs.B + costs.W + 2 * costs.A2A)
+    simulated = simulate(program, costs).exposed_exchanges()
+    return {"total_ms": statistics.mean(sum(end - start for start, end, _ in exchanges) * 1e3
+                                        for _actions, exchanges in ranks),
+            "exposed_measured_ms": statistics.mean(exposed_exchange_seconds(*rank) * 1e3 for rank in ranks),
+            "exposed_simulated_ms": statistics.mean(simulated), "fitted_costs_ms": costs.to_json()}
 
 
 def _on_core_by_pipeline_rank(gathered: list[dict], pipeline_ranks: list[int]) -> dict[str, list[float]] | None:

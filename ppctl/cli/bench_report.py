@@ -62,6 +62,12 @@ def print_bench(results: list[dict], run_dir: Path) -> None:
                       _on_core_cell(result), _memory_cell(result), "-" if difference is None else f"{difference:.1e}")
     console = Console(width=None if sys.stdout.isatty() else 150)  # a file or pipe gets the whole table
     console.print(table)
+    for result in results:
+        exchanged = result.get("all_to_all")
+        if exchanged:
+            console.print(f"{result['schedule']}: expert all-to-all {exchanged['total_ms']:.1f} ms per step and rank, "
+                          f"exposed {exchanged['exposed_measured_ms']:.1f} ms measured, "
+                          f"{exchanged['exposed_simulated_ms']:.1f} ms simulated at the fitted costs")
     console.print("ms: median step time of each side; ratio: ppctl / other, per block in brackets (below 1: ppctl "
                   "is faster). bubble: (makespan - busiest rank's compute) / that compute in one traced step; sim.: "
                   "the simulator's, given that step's mean F, B, W and the measured message time. on core: the "

@@ -124,6 +124,33 @@ def exposed_exchange_seconds(actions, exchanges) -> float:
     return sum(stop - begin for begin, stop in _minus(_union([(s, e) for s, e, _ in exchanges]), computing))
 
 
+def _own_exchange_seconds(kind: str, start: float, end: float, exchanges) -> float:
+    """The time of an action's own lane's exchanges inside its span (a forward's: the forward lane's)."""
+    lane = 0 if kind == "F" else 1
+    return sum(min(e, end) - max(s, start) for s, e, exchange_lane in exchanges
+               if exchange_lane == lane and s < end and e > start)
+
+
+def exchange_costs(ranks, chunks_per_copy: int):
+    """Costs in ms (per microbatch through a rank's layers of one copy) of traced ranks, each ``(actions,
+    exchanges)`` as ``exposed_exchange_seconds`` takes them (seconds): each kind's mean time less the all-to-all its
+    actions waited (their own lane's), and the mean all-to-all a forward waited as ``A2A``."""
+    from ppctl.pipeline.simulate import Costs
+
+    computing: dict[str, list[float]] = {}
+    waited: list[float] = []
+    for actions, exchanges in ranks:
+        for kind, start, end in actions:
+            own = _own_exchange_seconds(kind, start, end, exchanges)
+            computing.setdefault(kind, []).append((end - start - own) * 1e3)
+            if kind == "F":
+                waited.append(own * 1e3)
+    mean = {kind: sum(values) / len(values) * chunks_per_copy for kind, values in computing.items()}
+    backward = mean["B"] if "B" in mean else mean.get("BW", 0.0)
+    return Costs(F=mean.get("F", 0.0), B=backward, W=mean.get("W", 0.0),
+                 A2A=sum(waited) / len(waited) * chunks_per_copy if waited else 0.0)
+
+
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """Disjoint sorted spans covering exactly ``spans``."""
     merged: list[tuple[float, float]] = []

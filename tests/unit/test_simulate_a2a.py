@@ -59,3 +59,16 @@ def test_measured_exposed_all_to_all_counts_only_what_no_compute_covers():
     assert exposed_exchange_seconds([("F", 0, 3), ("BW", 0, 3)], [(1, 2, 0), (1.5, 2.5, 1)]) == 0.5
     # the first stage's W runs its whole backward: its exchanges are its own
     assert exposed_exchange_seconds([("W", 0, 2)], [(0.5, 1, 1)]) == 0.5
+
+
+def test_costs_fitted_from_a_trace_split_each_action_into_compute_and_its_own_all_to_all():
+    from ppctl.pipeline.trace import exchange_costs
+
+    # one rank, two chunks: forwards of 3 ms waiting 1 ms each, whole backwards of 5 ms waiting 1 ms each
+    actions = [("F", 0.000, 0.003), ("F", 0.003, 0.006), ("BW", 0.006, 0.011), ("BW", 0.011, 0.016)]
+    exchanges = [(0.001, 0.002, 0), (0.004, 0.005, 0), (0.007, 0.008, 1), (0.012, 0.013, 1)]
+    costs = exchange_costs([(actions, exchanges)], chunks_per_copy=2)
+    assert (costs.F, costs.B, costs.W, costs.A2A) == pytest.approx((4.0, 8.0, 0.0, 2.0))
+    # the forward lane's exchange inside a backward is the other half's, not the backward's own
+    paired = exchange_costs([([("F", 0, 0.003), ("BW", 0, 0.005)], [(0.001, 0.002, 0)])], chunks_per_copy=1)
+    assert (paired.F, paired.B, paired.A2A) == pytest.approx((2.0, 5.0, 1.0))
