@@ -414,13 +414,13 @@ def verify(
         fail(f"--precision {precision}: choose fp64 or fp32 (half precision is compared by trajectory, not proven "
              f"equal)")
     user = list(overrides or [])
-    nodes = load_resolved(user, config_dir, config_name, data=False).config.launcher.nnodes
-    if nodes > 1 and out is None:
-        fail(f"verify on launcher.nnodes={nodes} needs --out DIR, the same on every node and on a filesystem they "
-             f"share: each node's part of the parallel run writes there, and node 0 compares")
+    given = load_resolved(user, config_dir, config_name, data=False).config
+    if given.launcher.nnodes > 1 and out is None:
+        fail(f"verify on launcher.nnodes={given.launcher.nnodes} needs --out DIR, the same on every node and on a "
+             f"filesystem they share: each node's part of the parallel run writes there, and node 0 compares")
     shrunk: list[str] = []
     if shrink:
-        extra, shrunk = shrink_overrides(load_resolved(user, config_dir, config_name, data=False).config)
+        extra, shrunk = shrink_overrides(given)
         user += extra
     plan = verify_plan(user, steps, precision, (out or _verify_dir()).resolve())
     runs = {name: load_resolved(plan.overrides[name], config_dir, config_name) for name in (PARALLEL, SINGLE)}
