@@ -85,11 +85,12 @@ def measured(step: dict[int, dict]) -> dict[str, float]:
     return {"a2a_ms": total * 1e3, "exposed_ms": exposed * 1e3, "step_ms": time * 1e3}
 
 
-def fitted_costs(step: dict[int, dict], chunks_per_copy: int):
+def fitted_costs(step: dict[int, dict], chunks_per_copy: int, pairs_at_once: bool):
     """Costs (ms per microbatch through a rank's layers) of one step (``ppctl.pipeline.trace.exchange_costs``)."""
     from ppctl.pipeline.trace import exchange_costs
 
-    return exchange_costs([(rank["actions"], rank["exchanges"]) for rank in step.values()], chunks_per_copy)
+    return exchange_costs([(rank["actions"], rank["exchanges"]) for rank in step.values()], chunks_per_copy,
+                          pairs_at_once)
 
 
 def predicted_exposed_ms(schedule, costs) -> float:
@@ -115,22 +116,13 @@ def run_variant(args, label: str, variant: list[str], root: Path) -> dict:
     figures = [measured(step) for step in kept]
     predictions = []
     for step in kept:
-        costs = fitted_costs(step, schedule.chunks_per_copy)
-        if "overlap_ep_comm=true" not in variant:  # pairs in turn: FB is both halves with their exchanges
-            costs = replace_fb(costs)
+        costs = fitted_costs(step, schedule.chunks_per_copy, "parallel.overlap_ep_comm=true" in variant)
         predictions.append(predicted_exposed_ms(schedule, costs))
     median = {key: statistics.median(figure[key] for figure in figures) for key in figures[0]}
     spread = {key: (min(figure[key] for figure in figures), max(figure[key] for figure in figures))
               for key in figures[0]}
     return {"variant": label, **median, "spread": spread, "predicted_exposed_ms": statistics.median(predictions),
             "steps": len(figures)}
-
-
-def replace_fb(costs):
-    """The costs of pairs run one half after the other: ``FB`` = both halves, each with its all-to-all."""
-    from dataclasses import replace
-
-    return replace(costs, FB=costs.F + costs.B + costs.W + 2 * costs.A2A)
 
 
 def main() -> None:

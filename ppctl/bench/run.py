@@ -291,9 +291,8 @@ def _all_to_all_figures(trainer: Trainer, gathered: list[dict], pipeline_ranks: 
     if not any(exchanges for _actions, exchanges in ranks):
         return None
     program = trainer.last_program
-    costs = dataclasses.replace(exchange_costs(ranks, program.schedule.chunks_per_copy), comm=comm * 1e3)
-    if not trainer.runtime.overlap_pairs:  # pairs run one half after the other: each pair is both, in turn
-        costs = dataclasses.replace(costs, FB=costs.F + costs.B + costs.W + 2 * costs.A2A)
+    costs = dataclasses.replace(exchange_costs(ranks, program.schedule.chunks_per_copy, trainer.runtime.overlap_pairs),
+                                comm=comm * 1e3)
     simulated = simulate(program, costs).exposed_exchanges()
     return {"total_ms": statistics.mean(sum(end - start for start, end, _ in exchanges) * 1e3
                                         for _actions, exchanges in ranks),

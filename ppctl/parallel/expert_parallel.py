@@ -134,7 +134,5 @@ def expert_major_order(arriving: torch.Tensor) -> torch.Tensor:
     """For rows that arrived source-major, ``arriving[s, l]`` of them from source s for local expert l: the arrival
     index of each row of the expert-major order (local expert, then source, then arrival order)."""
     sources, experts = arriving.shape
-    starts = (torch.cumsum(arriving.flatten(), dim=0) - arriving.flatten()).view(sources, experts)
-    blocks = [torch.arange(int(starts[source, expert]), int(starts[source, expert] + arriving[source, expert]))
-              for expert in range(experts) for source in range(sources)]
-    return torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.int64)
+    expert_of_row = torch.arange(experts).repeat(sources).repeat_interleave(arriving.flatten())
+    return torch.argsort(expert_of_row, stable=True)  # arrival order (source, then row) kept within an expert

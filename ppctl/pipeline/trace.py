@@ -110,45 +110,44 @@ EXCHANGE_CATEGORY = "a2a"
 
 def exposed_exchange_seconds(actions, exchanges) -> float:
     """The time one rank spent in expert all-to-alls while it computed nothing: ``actions`` are ``(kind, start,
-    end)``, ``exchanges`` ``(start, end, lane)``. An action computes over its span less its own lane's exchanges
-    (a forward's are the forward lane's, a backward's and a W's the backward lane's: the first stage's W runs its
-    whole backward); an exchange is exposed where no
-    action computes. Run one after another, every exchange is exposed; in an overlapped pair, the part the other
-    half's compute covers is not."""
+    end)``, ``exchanges`` ``(start, end, lane)``. An action computes over its span less its own exchanges
+    (``_own_exchanges``); an exchange is exposed where no action computes. Run one after another, every exchange is
+    exposed; in an overlapped pair, the part the other half's compute covers is not."""
     computing = []
     for kind, start, end in actions:
-        lane = 0 if kind == "F" else 1  # a W of the first stage runs its whole backward
-        own = [(max(s, start), min(e, end)) for s, e, exchange_lane in exchanges
-               if exchange_lane == lane and s < end and e > start]
-        computing += _minus([(start, end)], own)
+        computing += _minus([(start, end)], _own_exchanges(kind, start, end, exchanges))
     return sum(stop - begin for begin, stop in _minus(_union([(s, e) for s, e, _ in exchanges]), computing))
 
 
-def _own_exchange_seconds(kind: str, start: float, end: float, exchanges) -> float:
-    """The time of an action's own lane's exchanges inside its span (a forward's: the forward lane's)."""
+def _own_exchanges(kind: str, start: float, end: float, exchanges) -> list[tuple[float, float]]:
+    """The spans of an action's own lane's exchanges inside its span: a forward's are the forward lane's, a
+    backward's and a W's the backward lane's (the first stage's W runs its whole backward)."""
     lane = 0 if kind == "F" else 1
-    return sum(min(e, end) - max(s, start) for s, e, exchange_lane in exchanges
-               if exchange_lane == lane and s < end and e > start)
+    return [(max(s, start), min(e, end)) for s, e, exchange_lane in exchanges
+            if exchange_lane == lane and s < end and e > start]
 
 
-def exchange_costs(ranks, chunks_per_copy: int):
+def exchange_costs(ranks, chunks_per_copy: int, pairs_at_once: bool):
     """Costs in ms (per microbatch through a rank's layers of one copy) of traced ranks, each ``(actions,
     exchanges)`` as ``exposed_exchange_seconds`` takes them (seconds): each kind's mean time less the all-to-all its
-    actions waited (their own lane's), and the mean all-to-all a forward waited as ``A2A``."""
+    actions waited (their own lane's), and the mean all-to-all a forward waited as ``A2A``; unless the run had its
+    overlapped pairs ``pairs_at_once``, ``FB`` is both halves in turn, each with its all-to-all."""
     from ppctl.pipeline.simulate import Costs
 
     computing: dict[str, list[float]] = {}
     waited: list[float] = []
     for actions, exchanges in ranks:
         for kind, start, end in actions:
-            own = _own_exchange_seconds(kind, start, end, exchanges)
+            own = sum(stop - begin for begin, stop in _own_exchanges(kind, start, end, exchanges))
             computing.setdefault(kind, []).append((end - start - own) * 1e3)
             if kind == "F":
                 waited.append(own * 1e3)
     mean = {kind: sum(values) / len(values) * chunks_per_copy for kind, values in computing.items()}
     backward = mean["B"] if "B" in mean else mean.get("BW", 0.0)
-    return Costs(F=mean.get("F", 0.0), B=backward, W=mean.get("W", 0.0),
-                 A2A=sum(waited) / len(waited) * chunks_per_copy if waited else 0.0)
+    forward, weight = mean.get("F", 0.0), mean.get("W", 0.0)
+    exchange = sum(waited) / len(waited) * chunks_per_copy if waited else 0.0
+    in_turn = None if pairs_at_once else forward + backward + weight + 2 * exchange
+    return Costs(F=forward, B=backward, W=weight, A2A=exchange, FB=in_turn)
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -67,8 +67,27 @@ def test_costs_fitted_from_a_trace_split_each_action_into_compute_and_its_own_al
     # one rank, two chunks: forwards of 3 ms waiting 1 ms each, whole backwards of 5 ms waiting 1 ms each
     actions = [("F", 0.000, 0.003), ("F", 0.003, 0.006), ("BW", 0.006, 0.011), ("BW", 0.011, 0.016)]
     exchanges = [(0.001, 0.002, 0), (0.004, 0.005, 0), (0.007, 0.008, 1), (0.012, 0.013, 1)]
-    costs = exchange_costs([(actions, exchanges)], chunks_per_copy=2)
-    assert (costs.F, costs.B, costs.W, costs.A2A) == pytest.approx((4.0, 8.0, 0.0, 2.0))
+    costs = exchange_costs([(actions, exchanges)], chunks_per_copy=2, pairs_at_once=True)
+    assert (costs.F, costs.B, costs.W, costs.A2A) == pytest.approx((4.0, 8.0, 0.0, 2.0)) and costs.FB is None
+    # pairs run one half after the other: a pair lasts both halves, each with its all-to-all
+    assert exchange_costs([(actions, exchanges)], 2, pairs_at_once=False).FB == pytest.approx(4 + 8 + 0 + 2 * 2)
     # the forward lane's exchange inside a backward is the other half's, not the backward's own
-    paired = exchange_costs([([("F", 0, 0.003), ("BW", 0, 0.005)], [(0.001, 0.002, 0)])], chunks_per_copy=1)
+    paired = exchange_costs([([("F", 0, 0.003), ("BW", 0, 0.005)], [(0.001, 0.002, 0)])], chunks_per_copy=1,
+                            pairs_at_once=True)
     assert (paired.F, paired.B, paired.A2A) == pytest.approx((2.0, 5.0, 1.0))
+
+
+@pytest.mark.parametrize("arriving", [[[2, 0, 1], [1, 3, 0]], [[0, 0], [0, 0]], [[1], [2], [0], [4]]])
+def test_arrived_rows_regroup_expert_major_as_a_plain_loop_orders_them(arriving):
+    import torch
+
+    from ppctl.parallel.expert_parallel import expert_major_order
+
+    counts = torch.tensor(arriving)
+    starts, start = {}, 0
+    for source, row in enumerate(arriving):  # rows arrive source-major, each source's sorted by local expert
+        for expert, count in enumerate(row):
+            starts[source, expert], start = start, start + count
+    expected = [starts[source, expert] + index for expert in range(counts.shape[1])
+                for source in range(counts.shape[0]) for index in range(arriving[source][expert])]
+    assert expert_major_order(counts).tolist() == expected
