@@ -48,13 +48,12 @@ import torch.distributed as dist
 
 from ppctl.model.rules import rule_of
 from ppctl.optim.grads import (AdamWStateful, StateTensors, adam_state, adamw, all_reduce_coalesced,
-                              optimizer_state_bytes, sum_of_squares, tied_output_copy)
+                              optimizer_state_bytes, reduction_group_name, sum_of_squares, tied_output_copy)
 from ppctl.parallel.tensor_parallel import all_gather_single, reduce_scatter_single
 
-
-# A bucket's kind -> the context group that reduces it: dense parameters over the replicas, an expert-parallel run's
-# experts over the ranks holding the same experts.
-REDUCTION_GROUPS = {"dense": "replica", "experts": "expert_replica"}
+# The context groups a bucket's gradients reduce over (``grads.reduction_group_name`` picks a parameter's): dense
+# parameters over the replicas, an expert-parallel run's experts over the ranks holding the same experts.
+REDUCTION_GROUPS = ("replica", "expert_replica")
 
 
 def weakly_bound(method):
@@ -202,7 +201,7 @@ class BucketedOptimizer(AdamWStateful):
         self.chunks, self.context, self.settings = chunks, context, settings
         self.num_microbatches = num_microbatches
         self.sharded = sharded
-        self.reductions = {kind: self._reduction_group(name) for kind, name in REDUCTION_GROUPS.items()}
+        self.reductions = {name: self._reduction_group(name) for name in REDUCTION_GROUPS}
         # DualPipe's second parameter copy: its elements are the first copy's, counted once in the norm.
         copy_of = context.layout.placement.copy_of
         self.second_copy = {id(param) for stage, chunk in chunks.items() if copy_of(stage)
@@ -228,15 +227,10 @@ class BucketedOptimizer(AdamWStateful):
         return ReductionGroup(group, self.context.size(name), self.context.index(name)) if self.sharded else \
             ReductionGroup(group, 1, 0)
 
-    def _kind_of(self, param: torch.nn.Parameter) -> str:
-        """``experts`` for an expert parameter split by expert parallelism (reduced over its edp ranks), else
-        ``dense``."""
-        return "experts" if rule_of(param).experts and self.context.layout.ep > 1 else "dense"
-
     def _build_buffers(self, named: list[tuple[str, torch.nn.Parameter, bool]]) -> None:
         """Lay the parameters out in buckets; move every parameter into ``param_data``."""
         tied_ids = {id(param) for param in self.tied}
-        kinds = [self._kind_of(param) for _, param, _ in named]
+        kinds = [reduction_group_name(param, self.context) for _, param, _ in named]
         plan = plan_buckets([param.numel() for _, param, _ in named], [id(param) in tied_ids for _, param, _ in named],
                             self.settings.bucket_size,
                             {kind: reduction.num_shards for kind, reduction in self.reductions.items()}, kinds)
@@ -364,9 +358,10 @@ class BucketedOptimizer(AdamWStateful):
     def local_grad_squares(self) -> torch.Tensor:
         """The sum of squares of this rank's share of the gradient (float64 scalar; unsharded with expert
         parallelism, the experts' squares are first summed over the ep group, whose ranks hold different ones)."""
-        dense, experts = (sum_of_squares([piece.main.grad for piece in self.pieces
-                                          if self._counted(piece.slot) and self._kind_of(piece.slot.param) == kind],
-                                         self.grad_data.device) for kind in REDUCTION_GROUPS)
+        counted = [piece for piece in self.pieces if self._counted(piece.slot)]
+        dense, experts = (sum_of_squares([piece.main.grad for piece in counted
+                                          if reduction_group_name(piece.slot.param, self.context) == name],
+                                         self.grad_data.device) for name in REDUCTION_GROUPS)
         if not self.sharded and self.context.layout.ep > 1:
             experts = experts.reshape(1)
             dist.all_reduce(experts, group=self.context.groups["ep"])
@@ -447,8 +442,8 @@ class BucketedOptimizer(AdamWStateful):
         copies = self.context.layout.placement.copies
         over = "dp*cp ranks" if copies == 1 else f"ranks (dp*cp x {copies} parameter copies)"
         if self.context.layout.ep > 1:
-            over += f", experts over {self.reductions['experts'].num_shards} edp ranks"
-        return (f"optimizer: distributed over {self.reductions['dense'].num_shards} {over}, {buckets}"
+            over += f", experts over {self.reductions['expert_replica'].num_shards} edp ranks"
+        return (f"optimizer: distributed over {self.reductions['replica'].num_shards} {over}, {buckets}"
                 + (f", overlapped {' and '.join(overlap)}" if overlap else ""))
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
