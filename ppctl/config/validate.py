@@ -304,21 +304,33 @@ def _check_expert_parallel(config: PpctlConfig) -> None:
 
 
 def _check_moe_layout(config: PpctlConfig) -> None:
-    """What MoE does not run with yet: TP, CP, SP (their token statistics reduce with expert parallelism), a stream of
-    steps (its per-step routing statistics reduce over every rank), a Hugging Face folder to start from other than
-    a Mixtral one (``init_from_problem`` checks that it is one, of this run's shape)."""
-    parallel, experts = config.parallel, f"model.moe.num_experts={config.model.moe.num_experts}"
-    for name, value, single in (("tp", parallel.tp, 1), ("cp", parallel.cp, 1),
-                                ("sequence_parallel", parallel.sequence_parallel, False)):
-        require(value == single, f"parallel.{name}={value} with {experts}: MoE runs at tp=1 cp=1 without sequence "
-                                 f"parallelism (their token exchange with the experts is not built); use parallel.ep "
-                                 f"and parallel.dp")
+    """What MoE runs with: TP only with sequence parallelism (each TP rank routes its own tokens, as Megatron-Core
+    asks), a capacity only on unsplit microbatches (its drop ranks a microbatch's tokens together), DualPipe's pairs
+    at once only without TP and CP (their collectives would run in two threads), no stream of steps (its per-step
+    routing statistics reduce over every rank), a Hugging Face folder to start from only a Mixtral one
+    (``init_from_problem`` checks that it is one, of this run's shape)."""
+    parallel, moe = config.parallel, config.model.moe
+    experts = f"model.moe.num_experts={moe.num_experts}"
+    require(parallel.tp == 1 or parallel.sequence_parallel,
+            f"parallel.tp={parallel.tp} with {experts} needs parallel.sequence_parallel=true: each TP rank routes its "
+            f"own share of the tokens to the experts (as Megatron-Core asks)")
+    split = parallel.tp * parallel.cp
+    require(moe.capacity_factor is None or split == 1,
+            f"model.moe.capacity_factor={moe.capacity_factor} with parallel.tp*cp={split}: the capacity drop ranks a "
+            f"microbatch's tokens together, which TP and CP split over ranks; unset it (dropless) or run at tp=cp=1")
+    require(not parallel.overlap_ep_comm or split == 1,
+            f"parallel.overlap_ep_comm=true with parallel.tp*cp={split}: a pair's two halves would run TP and CP "
+            f"collectives in two threads, in no fixed order; set it false or run at tp=cp=1")
     require(not schedule_spec(config).streams_steps,
             f"schedule {config.schedule.name} streams steps with no barrier between them, but {experts} reduces its "
             f"routing statistics (expert load, bias) over every rank after each step; choose another schedule")
     require(not config.model.init_from or config.model.family == "llama",
             f"model.init_from with {experts} and model.family={config.model.family}: ppctl reads a mixture of "
             f"experts from Mixtral folders only (SwiGLU experts: model.family=llama)")
+    shared_width = moe.shared_experts * (moe.expert_ffn_hidden_size or config.model.ffn_hidden_size)
+    require(shared_width % parallel.tp == 0,
+            f"model.moe.shared_experts={moe.shared_experts} gives a shared MLP {shared_width} wide, which must be a "
+            f"multiple of parallel.tp={parallel.tp}")
 
 
 def _check_context_parallel_attention(config: PpctlConfig) -> None:

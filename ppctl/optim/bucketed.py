@@ -46,9 +46,9 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from ppctl.model.rules import rule_of
 from ppctl.optim.grads import (AdamWStateful, StateTensors, adam_state, adamw, all_reduce_coalesced,
-                              optimizer_state_bytes, reduction_group_name, sum_of_squares, tied_output_copy)
+                              optimizer_state_bytes, reduction_group_name, stage_expert_squares, sum_of_squares,
+                              tied_output_copy, tp_replicated)
 from ppctl.parallel.tensor_parallel import all_gather_single, reduce_scatter_single
 
 # The context groups a bucket's gradients reduce over (``grads.reduction_group_name`` picks a parameter's): dense
@@ -129,7 +129,7 @@ class Piece:
     main: torch.Tensor = field(repr=False)
 
 
-def ordered_parameters(chunks: Mapping[int, torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter, bool]]:
+def ordered_parameters(chunks: Mapping[int, torch.nn.Module], context) -> list[tuple[str, torch.nn.Parameter, bool]]:
     """``(name, param, sequence_parallel)`` of every chunk, last chunk and last parameter first.
 
     ``chunks`` come in model-stage order (the trainer builds them so): reversed, that is
@@ -144,7 +144,7 @@ def ordered_parameters(chunks: Mapping[int, torch.nn.Module]) -> list[tuple[str,
         for name, param in reversed(list(chunk.named_parameters())):
             if id(param) not in seen:
                 seen.add(id(param))
-                ordered.append((name, param, chunk.tp.sequence_parallel and rule_of(param).tp_replicated))
+                ordered.append((name, param, chunk.tp.sequence_parallel and tp_replicated(param, context)))
     return ordered
 
 
@@ -208,7 +208,7 @@ class BucketedOptimizer(AdamWStateful):
                             for param in chunk.parameters()}
         self.tied = tied_copies(chunks, context)
         self.tied_outputs = [copy for copy in map(tied_output_copy, chunks.values()) if any(copy is t for t in self.tied)]
-        self._build_buffers(ordered_parameters(chunks))
+        self._build_buffers(ordered_parameters(chunks, context))
         self.pieces = self._shard_pieces()
         self.optimizer = self._build_adamw(decays or (lambda name, param: param.dim() >= 2))
         accumulate = weakly_bound(self._accumulate)
@@ -363,8 +363,7 @@ class BucketedOptimizer(AdamWStateful):
                                           if reduction_group_name(piece.slot.param, self.context) == name],
                                          self.grad_data.device) for name in REDUCTION_GROUPS)
         if not self.sharded and self.context.layout.ep > 1:
-            experts = experts.reshape(1)
-            dist.all_reduce(experts, group=self.context.groups["ep"])
+            experts = stage_expert_squares(experts, self.context)
         return dense + experts.reshape(())
 
     def sum_grad_squares(self, squares: torch.Tensor) -> None:
@@ -375,7 +374,7 @@ class BucketedOptimizer(AdamWStateful):
             dist.all_reduce(squares, group=self.context.groups["tp_pp"])  # every dp_cp replica holds the rest
 
     def _counted(self, slot: Slot) -> bool:
-        if rule_of(slot.param).tp_replicated and self.context.coords["tp"] != 0:
+        if tp_replicated(slot.param, self.context) and self.context.coords["tp"] != 0:
             return False
         if not self.sharded and id(slot.param) in self.second_copy:
             return False  # sharded, the replica group's shards cover each element of both copies once

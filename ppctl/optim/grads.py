@@ -12,7 +12,7 @@ tokens), and across the ``embedding`` group for word embeddings tied between the
 The global norm counts every parameter exactly once: TP-replicated parameters on TP
 rank 0 only, a tied output weight only on the first stage, every PP stage included,
 DualPipe's second copy left out, expert-parallel experts summed over the ep group (each of its
-ranks holds other experts).
+ranks holds other experts; its ranks may be TP ranks, so experts are never TP-replicated).
 """
 
 from __future__ import annotations
@@ -183,6 +183,21 @@ def reduction_group_name(param: torch.Tensor, context) -> str:
     return "expert_replica" if rule_of(param).experts and context.layout.ep > 1 else "replica"
 
 
+def tp_replicated(param: torch.Tensor, context) -> bool:
+    """Whether every TP rank holds the same ``param`` (summed over TP under SP, counted on TP rank 0 in a norm). An
+    expert split by expert parallelism is not: its EP group may be made of TP ranks, each holding other experts."""
+    return rule_of(param).tp_replicated and reduction_group_name(param, context) == "replica"
+
+
+def stage_expert_squares(experts: torch.Tensor, context) -> torch.Tensor:
+    """This rank's experts' squared gradient sum -> this rank's share of its stage's in a norm summed over ``tp_pp``:
+    summed over the ep group (whose ranks hold the stage's other experts), kept on TP rank 0 only (TP ranks may be
+    in one ep group; every rank of it then holds the stage's sum)."""
+    experts = experts.reshape(1).clone()
+    dist.all_reduce(experts, group=context.groups["ep"])
+    return experts if context.coords["tp"] == 0 else torch.zeros_like(experts)
+
+
 def reduce_sequence_parallel_gradients(chunks: Mapping[int, torch.nn.Module], context) -> None:
     """Sum over TP the gradients of TP-replicated parameters (norms, row-parallel biases, positions) under SP.
 
@@ -190,7 +205,7 @@ def reduce_sequence_parallel_gradients(chunks: Mapping[int, torch.nn.Module], co
     gradient is a partial sum (Megatron-LM all-reduces its layer-norm gradients the same way).
     """
     grads = [param.grad for chunk in chunks.values() if chunk.tp.sequence_parallel
-             for param in chunk.parameters() if rule_of(param).tp_replicated and param.grad is not None]
+             for param in chunk.parameters() if tp_replicated(param, context) and param.grad is not None]
     if grads:
         all_reduce_coalesced(grads, context.groups["tp"])
 
@@ -235,7 +250,7 @@ def counted_once(chunks: Mapping[int, torch.nn.Module], context) -> list[torch.n
         for param in chunk.parameters():
             if param.grad is None:
                 continue
-            if tp_rank != 0 and rule_of(param).tp_replicated:
+            if tp_rank != 0 and tp_replicated(param, context):
                 continue
             if param is tied_copy:
                 continue  # the tied copy of the word embedding: counted on the first stage
@@ -250,9 +265,7 @@ def global_grad_norm(chunks: Mapping[int, torch.nn.Module], context) -> float:
                       for name in ("replica", "expert_replica"))
     squares = sum_of_squares(dense, context.device).to(context.device).reshape(1)
     if context.layout.ep > 1:
-        expert_squares = sum_of_squares(experts, context.device).to(context.device).reshape(1)
-        dist.all_reduce(expert_squares, group=context.groups["ep"])
-        squares += expert_squares
+        squares += stage_expert_squares(sum_of_squares(experts, context.device).to(context.device), context)
     if context.size("tp_pp") > 1:
         dist.all_reduce(squares, group=context.groups["tp_pp"])
     return math.sqrt(float(squares.item()))

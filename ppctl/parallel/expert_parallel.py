@@ -15,6 +15,10 @@ Two communicators over the same ranks: the forward's exchanges use ``group``, th
 forward inside a backward included) ``backward_group``. Each one's sequence of exchanges is then the same on every
 rank whatever runs at once, so an overlapped pair (DualPipe's F&B, ``ppctl.pipeline.runtime``) can run its
 forward and its backward in two threads, one's all-to-all waiting while the other computes.
+
+A ``TokenSplit`` is the other group an MoE layer talks to: the ranks that hold one microbatch's tokens between
+them (the TP ranks under sequence parallelism, times the CP ranks: the layout's ``tp_cp`` group), an equal share
+each. The router's statistics of a microbatch (its load per expert, its token count) are summed over it.
 """
 
 from __future__ import annotations
@@ -30,16 +34,35 @@ FORWARD_LANE, BACKWARD_LANE = 0, 1
 
 
 @dataclass(frozen=True)
+class TokenSplit:
+    """The ranks that hold one microbatch's tokens between them, an equal share each (module docstring): a
+    ``torch.distributed`` ProcessGroup (None for one rank), ``size`` ranks, this rank's index ``rank``."""
+
+    group: object | None = None
+    size: int = 1
+    rank: int = 0
+
+    def total(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the split's ranks (a new tensor, no graph; itself for one rank)."""
+        if self.size == 1:
+            return tensor
+        summed = tensor.detach().clone()
+        dist.all_reduce(summed, group=self.group)
+        return summed
+
+
+@dataclass(frozen=True)
 class EPGroup:
     """The expert-parallel group of one rank: a ``torch.distributed`` ProcessGroup (None when ``size`` is 1),
     ``size`` ranks, this rank's index ``rank``; ``backward_group``: the second communicator of the same ranks, for
     the backward's exchanges (None: ``group``); ``on_exchange(start, end, lane)``: told the ``perf_counter`` span
-    of each exchange (a tracer's), or None."""
+    of each exchange (a tracer's), or None; ``tokens``: the ``TokenSplit`` of this rank's microbatches."""
 
     group: object | None
     size: int
     rank: int
     backward_group: object | None = None
+    tokens: TokenSplit = TokenSplit()
     on_exchange: Optional[Callable[[float, float, int], None]] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -47,9 +70,10 @@ class EPGroup:
             raise ValueError(f"EPGroup: rank must be in [0, size) and size >= 1, got rank={self.rank} size={self.size}")
 
     @staticmethod
-    def single() -> "EPGroup":
-        """The trivial group (ep=1): this rank holds every expert and exchanges nothing."""
-        return EPGroup(group=None, size=1, rank=0)
+    def single(tokens: TokenSplit = TokenSplit()) -> "EPGroup":
+        """The trivial group (ep=1): this rank holds every expert and exchanges nothing (``tokens``: its microbatches'
+        ``TokenSplit``)."""
+        return EPGroup(group=None, size=1, rank=0, tokens=tokens)
 
     def lane_group(self, lane: int):
         """The communicator of ``lane`` (``FORWARD_LANE`` or ``BACKWARD_LANE``)."""

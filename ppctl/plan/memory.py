@@ -29,7 +29,8 @@ A mixture of experts (``ModelShape.moe``): an MoE layer holds its router, its sh
 ``num_experts / ep`` experts (all of them at ep=1), exactly as built, their gradients and optimizer state with them;
 with ep > 1 the distributed optimizer shards the experts' state over their edp ranks (``expert_replica``: edp,
 times DualPipe's 2 copies) in buckets of their own, the rest over dp*cp as a dense model's. Its activations are
-approximate: per microbatch of T tokens it keeps the routed rows (T * topk of them dropless, at most
+approximate: per microbatch of T tokens (a TP rank's T / tp under the sequence parallelism TP needs with experts) it
+keeps the routed rows (T * topk of them dropless, at most
 num_experts * capacity with a capacity factor) at the input of the experts and after them, each expert MLP's inner
 activations for its rows, the shared experts' as a dense MLP's, and the router's float32 scores over the experts (a
 few T x num_experts tensors); a chunk's recomputed groups are weighed at its mean layer. With ep > 1 a rank's
@@ -267,6 +268,10 @@ def layer_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallel
     if parallel.sequence_parallel:
         gathered_outputs = 2 if in_backward else gathered_norm_outputs(shape, parallel)
         whole = 2 * bsh / t + gathered_outputs * bsh  # layer input, residual (s/tp tokens); gathered norm outputs
+        if moe_layer:  # the router and the experts read the MLP norm's own s/tp tokens; only shared experts gather
+            mlp_gathers = (1 if in_backward else mlp_gathered_copies(shape, parallel)) if not shape.moe.shared_experts \
+                else 0
+            whole += bsh / t - mlp_gathers * bsh
     else:
         whole = 4 * bsh
     statistics = e * 4 * norm_tokens if shape.norm_has_bias else wide * 2 * norm_tokens
@@ -302,13 +307,15 @@ def moe_mlp_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parall
     expert-major order and back) keep their int64 indices of the received rows; in the backward the received
     rows' gradient, gathered back to arrival order, and the all-to-all's buffer are in flight besides."""
     moe, e, wide = shape.moe, DTYPE_BYTES[parallel.precision], float_bytes(parallel.precision)
-    token_count, assignments = tokens.batch * tokens.seq, tokens.batch * tokens.seq * moe.topk
+    sequence = tokens.batch * tokens.seq  # the shared experts' (a TP-split dense MLP's) tokens
+    token_count = sequence // parallel.tp if parallel.sequence_parallel else sequence  # this TP rank's to route
+    assignments = token_count * moe.topk
     capacity = moe.capacity(token_count)
     rows = assignments if capacity is None else min(assignments, moe.num_experts * capacity)
     elements = (rows + assignments) * shape.hidden + assignments
     elements += mlp_activation_units(shape, rows, moe.expert_ffn_hidden_size, in_backward)
     if moe.shared_experts:
-        elements += mlp_activation_units(shape, token_count, moe.shared_ffn_hidden_size, in_backward)
+        elements += mlp_activation_units(shape, sequence, moe.shared_ffn_hidden_size, in_backward) / parallel.tp
     router = wide * (3 * token_count * moe.num_experts + 2 * assignments)
     indices = rows + 2 * assignments
     if parallel.ep > 1:
@@ -335,7 +342,12 @@ def gathered_norm_outputs(shape: ModelShape, parallel: Parallelism) -> int:
     """
     if parallel.split_backward:
         return 2
-    return (1 if shape.fused_qkv else 3) + (2 if shape.gated_mlp else 1)
+    return (1 if shape.fused_qkv else 3) + mlp_gathered_copies(shape, parallel)
+
+
+def mlp_gathered_copies(shape: ModelShape, parallel: Parallelism) -> int:
+    """The whole-sequence copies of the MLP norm's output a dense MLP keeps under SP (``gathered_norm_outputs``)."""
+    return 1 if parallel.split_backward or not shape.gated_mlp else 2
 
 
 def layer_input_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallelism) -> int:

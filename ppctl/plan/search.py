@@ -124,10 +124,17 @@ class Candidate:
         """The overrides to paste into ``ppctl train``."""
         balance = ["parallel.balance=auto"] if self.balance == "auto" else []
         ep = [f"parallel.ep={self.ep}"] if self.ep is not None else []
+        ep += ["parallel.sequence_parallel=true"] if self.experts_need_sequence_parallel else []
         return [f"parallel.tp={self.tp}", f"parallel.cp={self.cp}", f"parallel.pp={self.pp}",
                 f"parallel.vpp={self.vpp}", f"parallel.dp={self.dp}", *ep, *balance, f"schedule={self.schedule}",
                 f"trainer.micro_batch_size={self.micro_batch_size}", f"model.recompute={self.recompute}",
                 f"optimizer.distributed={str(self.distributed_optimizer).lower()}"]
+
+    @property
+    def experts_need_sequence_parallel(self) -> bool:
+        """A mixture at tp > 1 runs with sequence parallelism (validation asks for it: each TP rank routes its own
+        tokens)."""
+        return self.ep is not None and self.tp > 1
 
     @property
     def layout_key(self) -> tuple:
@@ -137,7 +144,8 @@ class Candidate:
     def apply(self, base: PpctlConfig) -> PpctlConfig:
         """``base`` with this candidate's settings (the sections it changes copied, the rest shared)."""
         parallel = replace(base.parallel, tp=self.tp, cp=self.cp, pp=self.pp, vpp=self.vpp, dp=self.dp,
-                           sequence_parallel=base.parallel.sequence_parallel and self.tp > 1)
+                           sequence_parallel=(base.parallel.sequence_parallel and self.tp > 1)
+                           or self.experts_need_sequence_parallel)
         if self.ep is not None:
             parallel = replace(parallel, ep=self.ep, etp=1)
         if self.balance == "auto":
@@ -473,6 +481,7 @@ def _all_to_all_seconds(config: PpctlConfig, device: Device, tokens: int, elemen
     tokens x topk; with a capacity, at most the experts' capacity), a latency per peer; in a node where the ep
     group's consecutive ranks fit one, and each waits ``collective_wait_s`` for its slowest member."""
     moe, ep = moe_shape_of(config.model), config.parallel.ep
+    tokens //= config.parallel.tp  # with experts, TP runs sequence-parallel: each TP rank routes seq / tp tokens
     capacity = moe.capacity(tokens)
     rows = tokens * moe.topk if capacity is None else min(tokens * moe.topk, moe.num_experts * capacity)
     bandwidth = device.intra_node_bandwidth if device.node_size % ep == 0 else device.inter_node_bandwidth

@@ -33,7 +33,7 @@ from ppctl.optim.loss_scale import DynamicLossScaler
 from ppctl.optim.optimizer import build_trainer_optimizer
 from ppctl.optim.lr import learning_rate, lr_schedule_of, set_learning_rate
 from ppctl.parallel.context_parallel import CPGroup
-from ppctl.parallel.expert_parallel import EPGroup
+from ppctl.parallel.expert_parallel import EPGroup, TokenSplit
 from ppctl.parallel.groups import EP_BACKWARD, ParallelContext
 from ppctl.parallel.tensor_parallel import TPGroup
 from ppctl.pipeline.check import check_program, check_schedule
@@ -123,11 +123,14 @@ def cp_group_of(context: ParallelContext, comm: str) -> CPGroup:
 
 
 def ep_group_of(context: ParallelContext, on_exchange=None) -> EPGroup:
-    """The expert-parallel group object the MoE layers use (``on_exchange``: told each exchange's span)."""
+    """The expert-parallel group object the MoE layers use (``on_exchange``: told each exchange's span), with the
+    split of each microbatch's tokens over ``tp_cp`` (validation asks for sequence parallelism with TP and experts)."""
+    tokens = TokenSplit(context.groups["tp_cp"], context.size("tp_cp"), context.index("tp_cp")) \
+        if context.size("tp_cp") > 1 else TokenSplit()
     if context.layout.ep == 1:
-        return EPGroup.single()
+        return EPGroup.single(tokens)
     return EPGroup(context.groups["ep"], context.size("ep"), context.index("ep"), context.groups[EP_BACKWARD],
-                   on_exchange)
+                   on_exchange=on_exchange, tokens=tokens)
 
 
 def build_chunks(resolved: ResolvedConfig, context: ParallelContext, load_init_from: bool = True,
@@ -342,8 +345,7 @@ class Trainer:
         if self.moe is None:
             return None
         layer_ids = self.moe.layer_ids(self.config.model.num_layers)
-        table = routing_table(self.chunks.values(), layer_ids, self.moe.num_experts, self.context.device,
-                              contributes=self.context.coords["tp"] == 0)
+        table = routing_table(self.chunks.values(), layer_ids, self.moe.num_experts, self.context.device)
         dist.all_reduce(table)
         return routing_statistics(table, layer_ids)
 

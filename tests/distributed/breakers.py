@@ -167,6 +167,23 @@ def _token_sent_to_the_wrong_rank():
     return mock.patch.object(ExpertExchange, "plan", staticmethod(off_by_one))
 
 
+def _balancing_load_of_own_tokens():
+    """The balancing loss of a microbatch split over TP and CP ranks weighs each rank's probabilities by its own
+    tokens' load, not the microbatch's (the load is not summed over the split)."""
+    from ppctl.parallel.expert_parallel import TokenSplit
+
+    return mock.patch.object(TokenSplit, "total", lambda self, tensor: tensor)
+
+
+def _experts_summed_over_tp():
+    """Experts are taken for TP-replicated parameters (as their rule says): under sequence parallelism their
+    gradients are summed over TP, although with ep>1 the TP ranks may hold other experts."""
+    from ppctl.model.rules import rule_of
+    from ppctl.optim import grads
+
+    return mock.patch.object(grads, "tp_replicated", lambda param, context: rule_of(param).tp_replicated)
+
+
 DEFECTS = {
     "drop_microbatch_gradient": _drop_first_microbatch_gradient,
     "loss_scaled_twice": _loss_scaled_twice,
@@ -180,6 +197,8 @@ DEFECTS = {
     "router_losses_dropped_on_middle_stages": _router_losses_dropped_on_middle_stages,
     "expert_gradient_not_reduced_over_edp": _expert_gradient_not_reduced_over_edp,
     "token_sent_to_the_wrong_rank": _token_sent_to_the_wrong_rank,
+    "balancing_load_of_own_tokens": _balancing_load_of_own_tokens,
+    "experts_summed_over_tp": _experts_summed_over_tp,
 }
 
 

@@ -6,7 +6,8 @@ have (a microbatch's gradient dropped, the loss scaled twice, a TP or DP gradien
 the vocabulary padding in the softmax, a parameter left out of the step, PipeDream-2BW's steps run on the
 wrong weight version, a mixture's router losses dropped on the stage without the loss head or on the middle
 stages, its expert bias moved by each rank's own load, its expert gradients not reduced over expert data
-parallelism, a token sent to the wrong expert-parallel rank), in float32 (the looser
+parallelism or summed over TP, a token sent to the wrong expert-parallel rank, a balancing loss from each rank's
+share of a microbatch's load), in float32 (the looser
 precision) and the subtlest in float64 too. Each comparison of the harness (losses, forward-only
 loss, grad norms, step-0 gradients, final parameters) runs on its own: every twin must fail the
 comparisons its defect reaches, so each of them is shown able to fail.
@@ -22,6 +23,7 @@ pytestmark = [pytest.mark.dist]
 TP2_PP2 = ["parallel.tp=2", "parallel.pp=2", "schedule=1f1b"]
 PP2_DP2 = ["parallel.pp=2", "parallel.dp=2", "schedule=1f1b"]
 BEFORE_OPTIMIZER = {"grad norm", "step-0 gradient"}
+TP2_CP2_EP2 = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2", "parallel.pp=1", "parallel.ep=2"]
 STREAM = ["schedule=pipedream_2bw", "optimizer.gradient_delay=1", "optimizer.clip_grad=0"]
 # (defect, overrides, the comparisons that must fail: at least these)
 TWINS = [
@@ -48,6 +50,10 @@ TWINS = [
                                                                      "parallel.ep=2"], BEFORE_OPTIMIZER),
     ("token_sent_to_the_wrong_rank", BASE + MIXTRAL + FP64 + ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2"],
      {"loss", "forward-only loss", *BEFORE_OPTIMIZER}),
+    # TP and CP split each microbatch's tokens: the balancing loss reads each rank's own share of the load.
+    ("balancing_load_of_own_tokens", BASE + MIXTRAL + FP64 + TP2_CP2_EP2, BEFORE_OPTIMIZER),
+    # The EP ranks are the TP ranks: summing the experts' gradients over TP adds other experts' to each.
+    ("experts_summed_over_tp", BASE + MIXTRAL + FP64 + TP2_CP2_EP2, {"loss", *BEFORE_OPTIMIZER}),
 ]
 
 

@@ -43,6 +43,9 @@ CASES = {
     "mixtral 1f1b pp2 dp2 ep2": ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "schedule=1f1b", *MIXTRAL],
     "mixtral zbv pp2 dp2 ep2 distributed": ["parallel.pp=2", "parallel.vpp=2", "parallel.dp=2", "parallel.ep=2",
                                             "schedule=zbv", "optimizer.distributed=true", *MIXTRAL],
+    # each TP rank routes its seq / tp tokens (sequence parallelism), and the EP ranks are the TP ranks
+    "mixtral 1f1b tp2 pp2 sp ep2": ["parallel.tp=2", "parallel.pp=2", "parallel.dp=1", "parallel.ep=2",
+                                    "parallel.sequence_parallel=true", "schedule=1f1b", *MIXTRAL],
 }
 SIZES = ["model.hidden_size=64", "model.ffn_hidden_size=256", "trainer.seq_length=64", "trainer.micro_batch_size=2",
          "trainer.global_batch_size=16"]

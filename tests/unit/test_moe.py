@@ -244,6 +244,26 @@ def test_balancing_and_z_losses_equal_their_formulas():
     assert balancing_loss(even, even.load(EXPERTS)).item() == pytest.approx(1.0, rel=1e-15)
 
 
+@pytest.mark.parametrize("router_score", ["softmax", "sigmoid"])
+def test_router_losses_of_a_split_microbatch_are_shares_that_sum_to_the_whole(router_score):
+    """A microbatch's tokens split over ranks (TP under SP, CP): each share's balancing and z losses, from the whole's
+    load and token count, sum to the whole's losses, and each share's gradient is the whole's with respect to its
+    tokens. Broken twin: each share weighed by its own load misses the whole's balancing loss."""
+    shape = shape_of(router_score=router_score)
+    logits = draw(12, EXPERTS, seed=5).requires_grad_()
+    whole = route(logits, shape)
+    whole_losses = balancing_loss(whole, whole.load(EXPERTS)) + z_loss(whole)
+    (whole_grad,) = torch.autograd.grad(whole_losses, logits)
+    shares = [route(part, shape) for part in logits.split(4)]  # three ranks of 4 tokens each
+    load = sum(share.load(EXPERTS) for share in shares)
+    share_losses = [balancing_loss(share, load, 12) + z_loss(share, 12) for share in shares]
+    assert sum(loss.item() for loss in share_losses) == pytest.approx(whole_losses.item(), rel=1e-14)
+    (share_grad,) = torch.autograd.grad(sum(share_losses), logits)
+    torch.testing.assert_close(share_grad, whole_grad, **TIGHT)
+    own_load = sum(balancing_loss(share, share.load(EXPERTS), 12).item() for share in shares)
+    assert own_load != pytest.approx(balancing_loss(whole, whole.load(EXPERTS)).item(), rel=1e-6)
+
+
 def test_expert_bias_update_is_the_sign_rule():
     layer = built_layer("gelu", shape_of(router_score="sigmoid", expert_bias=True, expert_bias_update_rate=0.01))
     before = layer.router.expert_bias.clone()

@@ -47,8 +47,17 @@ RULES = [
     (dict(model__moe__expert_bias_update_rate=0.0), "model.moe.expert_bias_update_rate=0.0 must be positive"),
     (dict(model__moe__capacity_factor=0.0), "model.moe.capacity_factor=0.0 must be positive, or unset"),
     (dict(model__moe__drop_policy="random"), "model.moe.drop_policy='random' must be one of probs, position"),
-    (dict(parallel__tp=2), "parallel.tp=2 with model.moe.num_experts=8: MoE runs at tp=1 cp=1 without sequence "
-                           "parallelism"),
+    # TP and CP: sequence parallelism with TP, dropless, no pairs at once, a shared MLP that splits over TP
+    (dict(parallel__tp=2), "parallel.tp=2 with model.moe.num_experts=8 needs parallel.sequence_parallel=true"),
+    (dict(parallel__tp=2, parallel__sequence_parallel=True, model__moe__capacity_factor=1.0),
+     "model.moe.capacity_factor=1.0 with parallel.tp*cp=2: the capacity drop ranks a microbatch's tokens together"),
+    (dict(parallel__cp=2, model__moe__capacity_factor=1.0), "model.moe.capacity_factor=1.0 with parallel.tp*cp=2"),
+    (dict(parallel__cp=2, parallel__dp=2, parallel__ep=2, parallel__pp=2, schedule__name="dualpipev", parallel__vpp=2,
+          parallel__overlap_ep_comm=True),
+     "parallel.overlap_ep_comm=true with parallel.tp*cp=2: a pair's two halves would run TP and CP collectives"),
+    (dict(parallel__tp=2, parallel__sequence_parallel=True, model__moe__shared_experts=1,
+          model__moe__expert_ffn_hidden_size=33),
+     "model.moe.shared_experts=1 gives a shared MLP 33 wide, which must be a multiple of parallel.tp=2"),
     # expert parallelism: the experts split evenly, the fold of each stage's ranks exists, etp is 1
     (dict(parallel__dp=3, parallel__ep=3), "model.moe.num_experts=8 must be divisible by parallel.ep=3"),
     (dict(parallel__dp=3, parallel__ep=2), "parallel.ep=2 * parallel.etp=1 must divide the 3 ranks of a pipeline "
@@ -59,7 +68,6 @@ RULES = [
     (dict(parallel__dp=2, parallel__ep=2, model__moe__num_experts=0, model__moe__topk=1),
      "parallel.ep=2 splits a mixture's experts, but the model has none"),
     (dict(parallel__ep=0), "parallel.ep=0 must be a positive integer"),
-    (dict(parallel__cp=2), "parallel.cp=2 with model.moe.num_experts=8: MoE runs at tp=1 cp=1"),
     (dict(model__init_from="/some/mixtral", model__family="gpt", model__num_kv_heads=None),
      "model.init_from with model.moe.num_experts=8 and model.family=gpt: ppctl reads a mixture of experts from "
      "Mixtral folders only"),
@@ -73,9 +81,15 @@ def test_each_moe_rule_refuses_in_one_line(moe_config, settings, fragment):
     assert fragment in str(error.value) and "\n" not in str(error.value), str(error.value)
 
 
-def test_moe_refuses_sequence_parallelism_and_a_stream_of_steps(moe_config):
-    with pytest.raises(ConfigError, match="parallel.sequence_parallel=True with model.moe.num_experts=8"):
-        validate(changed(moe_config, parallel__sequence_parallel=True), data=False, prove_schedule=False)
+@pytest.mark.parametrize("settings", [dict(parallel__tp=2, parallel__sequence_parallel=True),
+                                      dict(parallel__cp=2, parallel__dp=2, parallel__ep=4),
+                                      dict(parallel__tp=2, parallel__sequence_parallel=True, parallel__cp=2,
+                                           parallel__ep=2)], ids=["tp2_sp", "cp2_dp2_ep4", "tp2_sp_cp2_ep2"])
+def test_moe_runs_with_tensor_and_context_parallelism(moe_config, settings):
+    validate(changed(moe_config, **settings), data=False, prove_schedule=False)
+
+
+def test_moe_refuses_a_stream_of_steps(moe_config):
     stream = changed(moe_config, schedule__name="pipedream_2bw", parallel__pp=2, optimizer__gradient_delay=1,
                      optimizer__clip_grad=0.0)
     with pytest.raises(ConfigError, match="schedule pipedream_2bw streams steps with no barrier"):

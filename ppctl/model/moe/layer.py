@@ -41,14 +41,14 @@ class RoutingRecord:
         self.z: torch.Tensor | None = None
         self.microbatches = 0
 
-    def add(self, load: torch.Tensor, balancing: torch.Tensor, z: torch.Tensor) -> None:
-        """Count one microbatch."""
+    def add(self, load: torch.Tensor, balancing: torch.Tensor, z: torch.Tensor, microbatches: int = 1) -> None:
+        """Add one microbatch's statistics (this rank's share of them), counting ``microbatches`` (0 or 1)."""
         if self.load is None:
             self.load, self.balancing, self.z = torch.zeros_like(load), torch.zeros_like(balancing), torch.zeros_like(z)
         self.load += load
         self.balancing += balancing
         self.z += z
-        self.microbatches += 1
+        self.microbatches += microbatches
 
 
 class _RouterLossesToBackward(torch.autograd.Function):
@@ -56,8 +56,8 @@ class _RouterLossesToBackward(torch.autograd.Function):
     microbatch's statistics in ``record``."""
 
     @staticmethod
-    def forward(ctx, output, losses, scale, record, load, balancing, z):
-        ctx.scale, ctx.record, ctx.statistics = scale, record, (load, balancing, z)
+    def forward(ctx, output, losses, scale, record, load, balancing, z, microbatches):
+        ctx.scale, ctx.record, ctx.statistics = scale, record, (load, balancing, z, microbatches)
         ctx.loss_like = (losses.shape, losses.dtype, losses.device)
         return output.view_as(output)
 
@@ -66,7 +66,7 @@ class _RouterLossesToBackward(torch.autograd.Function):
         ctx.record.add(*ctx.statistics)
         shape, dtype, device = ctx.loss_like
         grad_losses = torch.full(shape, ctx.scale, dtype=dtype, device=device) if ctx.needs_input_grad[1] else None
-        return grad_output, grad_losses, None, None, None, None, None
+        return grad_output, grad_losses, None, None, None, None, None, None
 
 
 class MoEMLP(nn.Module):
@@ -110,15 +110,20 @@ class MoEMLP(nn.Module):
         return exchange.combine(self.experts(exchange.dispatch(rows), exchange.local_counts))
 
     def _with_router_losses(self, output: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """``output`` through the identity that adds the router losses' gradient and records the statistics."""
-        shape = self.shape
+        """``output`` through the identity that adds the router losses' gradient and records the statistics.
+
+        With the microbatch's tokens split over ranks (``EPGroup.tokens``), the losses are this rank's part of the
+        microbatch's (``ppctl.model.moe.router``), from the load summed over the split; the first rank of the split
+        counts the microbatch."""
+        shape, split = self.shape, self.ep.tokens
         load = routing.load(shape.num_experts)
-        balancing, z = balancing_loss(routing, load), z_loss(routing)
+        tokens = routing.experts.shape[0] * split.size  # every rank of the split holds an equal share
+        balancing, z = balancing_loss(routing, split.total(load), tokens), z_loss(routing, tokens)
         losses = shape.aux_loss_coeff * balancing + shape.z_loss_coeff * z
         if not (shape.aux_loss_coeff or shape.z_loss_coeff):
             losses = losses.detach()  # no gradient to add: the backward computes none
-        return _RouterLossesToBackward.apply(output, losses, self.router_loss_scale, self.record, load,
-                                             balancing.detach().double(), z.detach().double())
+        statistics = (load, balancing.detach().double(), z.detach().double(), int(split.rank == 0))
+        return _RouterLossesToBackward.apply(output, losses, self.router_loss_scale, self.record, *statistics)
 
     def take_record(self) -> RoutingRecord:
         """The statistics recorded since the last call, starting a new record."""

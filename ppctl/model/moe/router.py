@@ -64,17 +64,23 @@ def route(logits: torch.Tensor, shape: MoEShape, expert_bias: torch.Tensor | Non
     return Routing(experts=experts, weights=weights, probs=probs, logits=logits)
 
 
-def balancing_loss(routing: Routing, load: torch.Tensor) -> torch.Tensor:
-    """``num_experts * sum_i f_i * P_i`` of one microbatch (module docstring), ``load`` its ``Routing.load``; a
-    scalar, differentiable in ``P``."""
-    tokens, topk = routing.experts.shape
-    fractions = load.to(routing.probs.dtype) / (tokens * topk)
-    return load.numel() * (fractions * routing.probs.mean(dim=0)).sum()
+def balancing_loss(routing: Routing, load: torch.Tensor, tokens: int | None = None) -> torch.Tensor:
+    """``num_experts * sum_i f_i * P_i`` of one microbatch (module docstring), a scalar differentiable in ``P``.
+
+    ``load``: the microbatch's ``Routing.load``, ``tokens``: its token count (default: ``routing``'s own). When
+    ``routing`` holds only this rank's share of a microbatch split over ranks (``load`` and ``tokens`` then the
+    whole microbatch's), the result is this share's part of the loss: the parts sum to the whole microbatch's loss,
+    and each part's gradient is the loss's gradient with respect to this rank's tokens."""
+    tokens = routing.experts.shape[0] if tokens is None else tokens
+    fractions = load.to(routing.probs.dtype) / (tokens * routing.experts.shape[1])
+    return load.numel() * (fractions * routing.probs.sum(dim=0)).sum() / tokens
 
 
-def z_loss(routing: Routing) -> torch.Tensor:
-    """The mean over the tokens of ``logsumexp(logits)^2``."""
-    return torch.logsumexp(routing.logits, dim=-1).square().mean()
+def z_loss(routing: Routing, tokens: int | None = None) -> torch.Tensor:
+    """The mean over the tokens of ``logsumexp(logits)^2``; with ``tokens``, the microbatch's count when ``routing``
+    holds one share of it, this share's part of that mean (``balancing_loss``)."""
+    tokens = routing.logits.shape[0] if tokens is None else tokens
+    return torch.logsumexp(routing.logits, dim=-1).square().sum() / tokens
 
 
 class Router(DefersWeightGrads, nn.Module):

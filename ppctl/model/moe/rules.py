@@ -4,8 +4,10 @@ Roles (a parameter's name without ``layers.<id>.``): ``mlp.router.weight`` (norm
 ``mlp.router.expert_bias`` (the aux-loss-free bias: a buffer, not trained, saved in checkpoints like a parameter,
 starting at zero), ``mlp.experts.<the dense MLP's role>`` (the stacked experts: initialised as the dense MLP's
 weight of that role, with the expert dimension first, ``experts=True``) and ``mlp.shared_experts.<role>`` (the
-shared experts: the family's dense MLP, its rule unchanged). Experts run at tp=1 (validation refuses TP with
-experts), so their rules do not split.
+shared experts: the family's dense MLP, its rule unchanged). Experts run whole on their rank (expert tensor
+parallelism is not built), so their rules do not split over TP: at ep=1 every TP rank holds every expert, summed over
+TP under sequence parallelism like a norm; with ep>1 they are split over the ep group instead
+(``ppctl.optim.grads.tp_replicated``).
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Each MoE layer records, in the backward of each trained microbatch, the tokens t
 balancing and z losses (``ppctl.model.moe.layer``). After a step a rank writes what its layers recorded into one
 table with a row per MoE layer of the model (``routing_table``: the tokens per expert, the two loss sums, the
 microbatches); the trainer sums the tables of every rank (one all-reduce of a few numbers per layer: the data-
-parallel replicas and DualPipe's two copies each trained other microbatches, so the sum is the global batch's; a
-TP rank other than 0 writes nothing, its tokens being TP rank 0's), and the single process takes its own. From the
+parallel replicas and DualPipe's two copies each trained other microbatches, so the sum is the global batch's; the
+ranks of a ``TokenSplit`` each record their tokens' share of a microbatch, and the first of them counts it), and
+the single process takes its own. From the
 summed table every rank reads the same statistics (``routing_statistics``) and moves the expert bias of the layers
 it holds by the same amount (``update_expert_biases``), so every copy of a layer keeps one bias.
 """
@@ -66,16 +67,15 @@ class RoutingStatistics:
         return next(routing.load for routing in self.layers if routing.layer == layer)
 
 
-def routing_table(chunks: Iterable[nn.Module], layer_ids: Sequence[int], num_experts: int, device,
-                  contributes: bool = True) -> torch.Tensor:
+def routing_table(chunks: Iterable[nn.Module], layer_ids: Sequence[int], num_experts: int, device) -> torch.Tensor:
     """``[len(layer_ids), num_experts + 3]`` float64: this rank's records of the step (taken: the layers start new
-    ones), a row per MoE layer of the model, zero where it holds none or ``contributes`` is False."""
+    ones), a row per MoE layer of the model, zero where it holds none."""
     table = torch.zeros(len(layer_ids), num_experts + LOSS_COLUMNS, dtype=torch.float64, device=device)
     rows = {layer: row for row, layer in enumerate(layer_ids)}
     for chunk in chunks:
         for layer, mlp in moe_mlps(chunk).items():
             record = mlp.take_record()
-            if contributes and record.microbatches:
+            if record.load is not None:
                 row = table[rows[layer]]
                 row[:num_experts] += record.load.to(device, torch.float64)
                 row[num_experts:num_experts + 2] += torch.stack([record.balancing, record.z]).to(device)
