@@ -2,7 +2,7 @@
 
 Each variant trains a Mixtral-like model (``model=mixtral_tiny`` widened, 8 experts top-2 on every layer) at
 pp=2 dp=2 ep=2 on 4 gloo workers with ``trainer.trace=true``, under 1F1B, ZB-V and DualPipeV (its pairs one half
-after the other, the default, and at once: ``parallel.overlap_ep_comm=true``). From each traced step (the first,
+after the other, the default, and interleaved: ``parallel.overlap_ep_comm=true``, ``ppctl.pipeline.interleave``). From each traced step (the first,
 warm-up, left out) it reads per rank:
 
 - the all-to-all time (every dispatch and combine, both directions: the ``a2a`` spans the tracer records);
@@ -32,7 +32,7 @@ VARIANTS = {  # label -> the overrides that make it
     "1f1b": ["schedule=1f1b"],
     "zbv": ["schedule=zbv"],
     "dualpipev, pairs in turn": ["schedule=dualpipev"],
-    "dualpipev, pairs at once": ["schedule=dualpipev", "parallel.overlap_ep_comm=true"],
+    "dualpipev, pairs interleaved": ["schedule=dualpipev", "parallel.overlap_ep_comm=true"],
 }
 
 
@@ -58,7 +58,7 @@ def overrides_of(args, variant: list[str], out_dir: Path) -> list[str]:
 
 def traced_steps(trace: dict) -> dict[int, dict[int, dict]]:
     """step -> rank -> ``{actions: [(kind, start, end)], exchanges: [(start, end, lane)]}`` (seconds)."""
-    from ppctl.pipeline.trace import EXCHANGE_CATEGORY
+    from ppctl.pipeline.trace import EXCHANGE_CATEGORY, PIECE_CATEGORY
 
     steps: dict[int, dict[int, dict]] = {}
     for event in trace["traceEvents"]:
@@ -68,7 +68,7 @@ def traced_steps(trace: dict) -> dict[int, dict[int, dict]]:
         start, end = event["ts"] / 1e6, (event["ts"] + event["dur"]) / 1e6
         if event["cat"] == EXCHANGE_CATEGORY:
             rank["exchanges"].append((start, end, 1 if event["args"]["lane"] == "backward" else 0))
-        elif event["cat"] != "wait":
+        elif event["cat"] not in ("wait", PIECE_CATEGORY):
             rank["actions"].append((event["cat"], start, end))
     return steps
 

@@ -13,8 +13,8 @@ its members are data-parallel peers running the same pipeline program.
 
 Two communicators over the same ranks: the forward's exchanges use ``group``, the backward's (a recomputed
 forward inside a backward included) ``backward_group``. Each one's sequence of exchanges is then the same on every
-rank whatever runs at once, so an overlapped pair (DualPipe's F&B, ``ppctl.pipeline.runtime``) can run its
-forward and its backward in two threads, one's all-to-all waiting while the other computes.
+rank, so an overlapped pair (DualPipe's F&B, ``ppctl.pipeline.runtime``) can run its forward and its backward
+interleaved (``ppctl.pipeline.interleave``): each exchange is posted, the other half computes, then it is waited.
 
 A ``TokenSplit`` is the other group an MoE layer talks to: the ranks that hold one microbatch's tokens between
 them (the TP ranks under sequence parallelism, times the CP ranks: the layout's ``tp_cp`` group), an equal share
@@ -56,7 +56,9 @@ class EPGroup:
     """The expert-parallel group of one rank: a ``torch.distributed`` ProcessGroup (None when ``size`` is 1),
     ``size`` ranks, this rank's index ``rank``; ``backward_group``: the second communicator of the same ranks, for
     the backward's exchanges (None: ``group``); ``on_exchange(start, end, lane)``: told the ``perf_counter`` span
-    of each exchange (a tracer's), or None; ``tokens``: the ``TokenSplit`` of this rank's microbatches."""
+    of each exchange (a tracer's), or None; ``tokens``: the ``TokenSplit`` of this rank's microbatches;
+    ``interleave``: the runtime's ``ppctl.pipeline.interleave.PairInterleave`` (each posted exchange lets the other
+    half of an overlapped pair compute), or None."""
 
     group: object | None
     size: int
@@ -64,6 +66,7 @@ class EPGroup:
     backward_group: object | None = None
     tokens: TokenSplit = TokenSplit()
     on_exchange: Optional[Callable[[float, float, int], None]] = field(default=None, compare=False, repr=False)
+    interleave: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -112,7 +115,12 @@ def all_to_all_rows(rows: torch.Tensor, send: Sequence[int], recv: Sequence[int]
     through ``lane``'s communicator."""
     received = rows.new_empty((sum(recv), *rows.shape[1:]))
     started = time.perf_counter()
-    dist.all_to_all_single(received, rows.contiguous(), list(recv), list(send), group=ep.lane_group(lane))
+    work = dist.all_to_all_single(received, rows.contiguous(), list(recv), list(send), group=ep.lane_group(lane),
+                                  async_op=True)
+    if ep.interleave is not None:
+        ep.interleave.exchanged(work)  # in an overlapped pair the other half computes while this one travels
+    else:
+        work.wait()
     if ep.on_exchange is not None:
         ep.on_exchange(started, time.perf_counter(), lane)
     return received

@@ -97,7 +97,13 @@ def _exposed_line(result: SimResult) -> list[str]:
     if not result.costs.A2A:
         return []
     exposed = " ".join(_number(time) for time in result.exposed_exchanges())
-    return [f"exposed all-to-all per rank: {exposed} (of {_number(result.costs.A2A)} per microbatch each way)"]
+    lines = [f"exposed all-to-all per rank: {exposed} (of {_number(result.costs.A2A)} per microbatch each way)"]
+    if result.pair_split():
+        splits = int(result.costs.A2A_SPLIT)
+        pieces = " ".join(f"{half}{index}" for half, index in result.pair_split())
+        lines.append(f"overlapped pairs interleaved (parallel.overlap_ep_comm): each half cut by its {splits} "
+                     f"exchange(s) per chunk (A2A_SPLIT), one piece at a time: {pieces}")
+    return lines
 
 
 def _fill_line(result: SimResult) -> list[str]:

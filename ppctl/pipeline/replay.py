@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from functools import wraps
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
+from .interleave import BACKWARD_HALF, FORWARD_HALF
 from .schedules.base import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Schedule
 
 
@@ -81,9 +82,11 @@ class Costs:
     ``A2A`` is the expert-parallel all-to-all time of one microbatch through the rank's layers
     (dispatch and combine of every MoE layer): a forward and an input-gradient backward (B, BW) each
     wait that long on top of their compute (F, B), a W not at all. An overlapped pair then runs its
-    halves at once (``parallel.overlap_ep_comm``): one's all-to-all waits while the other computes,
-    so without ``FB`` it lasts ``max(f + b, f + a, b + a)`` (f, b its halves' compute, a the
-    all-to-all), and the all-to-all shows only where it exceeds the other half's compute.
+    halves interleaved (``parallel.overlap_ep_comm``, ``ppctl.pipeline.interleave``): each half's
+    compute is cut by its ``A2A_SPLIT`` exchanges per chunk (2 per MoE layer: dispatch and combine)
+    into equal pieces, the pieces alternate, and each exchange travels while the other half's next
+    piece computes (``interleaved_pair_time``); so without ``FB`` the all-to-all shows only where it
+    exceeds the other half's compute.
     """
 
     F: float = 1.0
@@ -92,14 +95,15 @@ class Costs:
     comm: float = 0.0
     FB: Optional[float] = None
     A2A: float = 0.0
+    A2A_SPLIT: float = 1  # a whole number: the exchanges that cut each half of a pair, per chunk
 
     def to_json(self) -> dict:
-        """The costs as a plain dict (keys F, B, W, comm; FB when it is set; A2A when not zero)."""
+        """The costs as a plain dict (keys F, B, W, comm; FB when it is set; A2A and A2A_SPLIT when not zero)."""
         costs = {"F": self.F, "B": self.B, "W": self.W, "comm": self.comm}
         if self.FB is not None:
             costs["FB"] = self.FB
         if self.A2A:
-            costs["A2A"] = self.A2A
+            costs["A2A"], costs["A2A_SPLIT"] = self.A2A, int(self.A2A_SPLIT)
         return costs
 
     @property
@@ -126,19 +130,36 @@ def pair_durations(chunks_per_copy: int, costs: Costs, backward_kind: str) -> tu
     ``FB - W``, the pair less the weight gradient that runs later on its own (a rank's
     total compute then does not depend on whether the paired backward is split).
     With ``FB`` None the halves keep their own times, or with an ``A2A`` cost share the
-    pair's ``max(f + b, f + a, b + a)`` (``Costs``).
+    interleaved pair's (``interleaved_pair_time``, ``Costs``).
     """
     durations = action_durations(chunks_per_copy, costs)
     forward, backward = durations[FORWARD], durations[backward_kind]
     if costs.FB is None and costs.A2A and forward + backward > 0:
         exchange = costs.A2A / chunks_per_copy
-        pair = max(forward + backward - 2 * exchange, forward, backward)
+        pair = interleaved_pair_time(forward - exchange, backward - exchange, exchange, int(costs.A2A_SPLIT))
         return forward * pair / (forward + backward), backward * pair / (forward + backward)
     if costs.FB is None or forward + backward == 0:
         return forward, backward
     pair = costs.FB - (costs.W if backward_kind == BACKWARD_INPUT else 0.0)
     scale = max(pair, 0.0) / chunks_per_copy / (forward + backward)
     return forward * scale, backward * scale
+
+
+def interleaved_pair_time(forward: float, backward: float, exchange: float, splits: int) -> float:
+    """How long an overlapped pair runs interleaved (``ppctl.pipeline.interleave``): each half computes ``forward``
+    (``backward``) in ``splits + 1`` equal pieces, each piece but the last followed by an exchange of
+    ``exchange / splits``; one piece at a time, the next being the one whose half's exchange arrived first (the
+    other half's on a tie: the halves alternate, as ``split_order``), the forward's first piece first."""
+    pieces = {FORWARD_HALF: forward / (splits + 1), BACKWARD_HALF: backward / (splits + 1)}
+    left = {FORWARD_HALF: splits + 1, BACKWARD_HALF: splits + 1}
+    arrives = {FORWARD_HALF: 0.0, BACKWARD_HALF: 0.0}
+    now, last = 0.0, BACKWARD_HALF
+    while left[FORWARD_HALF] or left[BACKWARD_HALF]:
+        half = min((half for half in left if left[half]), key=lambda half: (max(arrives[half], now), half == last))
+        now = max(now, arrives[half]) + pieces[half]
+        left[half] -= 1
+        arrives[half], last = now + exchange / splits, half
+    return now
 
 
 @dataclass

@@ -10,24 +10,25 @@ handed over on this rank), run the handler, then post the step's sends together 
 its receives. A remotely sent activation is released right after sending, keeping
 only its autograd node (Megatron's ``deallocate_output_tensor``).
 
-With ``overlap_pairs`` an overlapped pair (DualPipe's F&B) runs its two halves at once: the
-backward in a second thread (it takes its inputs there, once the batch that receives them is
-posted), the forward here, whose batch is posted as soon as it ends; then the backward's batch.
-The batches go out in the program's order, so the checked program's proof holds; what changes is
-that one half computes while the other waits (the expert-parallel all-to-all: each half exchanges
-on its own communicator, ``ppctl.parallel.expert_parallel``).
+With an ``interleave`` an overlapped pair (DualPipe's F&B) runs its two halves interleaved
+(``ppctl.pipeline.interleave``): the backward in a second thread (it takes its inputs there, once
+the batch that receives them is posted), the forward here, whose batch is posted as soon as it
+ends; then the backward's batch. One half computes at a time, the turn changing at each posted
+expert all-to-all (each half exchanges on its own communicator, ``ppctl.parallel.expert_parallel``),
+so one half's exchange travels while the other computes. The batches go out in the program's
+order, so the checked program's proof holds.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 import torch
 
+from ppctl.pipeline.interleave import PairInterleave
 from ppctl.pipeline.p2p import PipelineTransport
 from ppctl.pipeline.program import Message, Program, Step
 from ppctl.pipeline.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
@@ -71,11 +72,9 @@ class PipelineRuntime:
 
     def __init__(self, pp_rank: int, stages: dict[int, PipelineStage], transport: PipelineTransport,
                  tracer: Tracer | None = None, release_outputs: bool = True, track_memory: bool = False,
-                 overlap_pairs: bool = False):
+                 interleave: PairInterleave | None = None):
         self.pp_rank = pp_rank
-        # the second thread of overlapped pairs (module docstring): made on first use, it ends when the runtime is
-        # collected (the executor's own weak reference wakes it)
-        self.overlap_pairs, self._pair_thread = overlap_pairs, None
+        self.interleave = interleave  # runs overlapped pairs' halves interleaved; None: one after the other
         self.stages = stages
         self.transport = transport
         self.tracer = tracer
@@ -129,6 +128,11 @@ class PipelineRuntime:
         self._check_drained(state)
         return state
 
+    @property
+    def overlap_pairs(self) -> bool:
+        """Whether overlapped pairs run their halves interleaved."""
+        return self.interleave is not None
+
     @staticmethod
     def _handler(handlers: dict[str, Handler], step: Step) -> Handler:
         handler = handlers.get(step.action.kind)
@@ -144,37 +148,39 @@ class PipelineRuntime:
 
     def _run_pair(self, forward: Step, backward: Step, handlers: dict[str, Handler], state: StepState,
                   hooks: ActionHooks | None) -> None:
-        """An overlapped pair's halves at once (module docstring): the backward in the pair thread."""
-        if self._pair_thread is None:
-            self._pair_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppctl-pair")
+        """An overlapped pair's halves interleaved (module docstring): the backward in the pair thread."""
         forward_posted = threading.Event()
         if not set(backward.inputs) & set(forward.receives):
             forward_posted.set()  # its receives were posted by an earlier batch
+        backward_inputs = []
+
+        def take_backward_inputs():
+            forward_posted.wait()
+            backward_inputs.extend(self._input(number, state) for number in backward.inputs)
+
+        def run_forward():
+            try:
+                started = self.tracer.mark() if self.tracer is not None else None
+                produced = self._handler(handlers, forward)(forward, inputs, state)
+                if self.tracer is not None:
+                    self.tracer.action(forward.action, started)
+                self._hand_over(forward, produced, state)
+            finally:
+                forward_posted.set()
 
         def run_backward():
-            forward_posted.wait()
-            inputs = [self._input(number, state) for number in backward.inputs]
             started = self.tracer.mark() if self.tracer is not None else None
-            produced = self._handler(handlers, backward)(backward, inputs, state)
+            produced = self._handler(handlers, backward)(backward, backward_inputs, state)
             return produced, started, Tracer.mark() if self.tracer is not None else None
 
         inputs = [self._input(number, state) for number in forward.inputs]
         if hooks is not None:
             hooks.before(forward.action)
             hooks.before(backward.action)
-        running = self._pair_thread.submit(run_backward)
-        started = self.tracer.mark() if self.tracer is not None else None
-        try:
-            produced = self._handler(handlers, forward)(forward, inputs, state)
-            if self.tracer is not None:
-                self.tracer.action(forward.action, started)
-            self._hand_over(forward, produced, state)
-        finally:
-            forward_posted.set()
-            backward_produced, backward_started, backward_end = running.result()
+        _, (produced, started, ended) = self.interleave.run(run_forward, run_backward, take_backward_inputs)
         if self.tracer is not None:
-            self.tracer.action(backward.action, backward_started, backward_end)
-        self._hand_over(backward, backward_produced, state)
+            self.tracer.action(backward.action, started, ended)
+        self._hand_over(backward, produced, state)
         self._after(forward, state, hooks)
         self._after(backward, state, hooks)
 

@@ -22,6 +22,7 @@ from typing import Optional, Sequence, Union
 from .program import Program, SendsOnly, lower, rank_changes_in_front
 from .replay import Costs, Replay, TimedProgram, action_durations, gc_paused, run_timed
 from .schedules import stream_of, streams_steps
+from .interleave import split_order
 from .shared_cores import shared_finish_times
 from .schedules.base import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, Action, FORWARD, Schedule, ScheduleError
 
@@ -30,7 +31,7 @@ __all__ = ["MAX_COST", "Costs", "RankTimeline", "Replay", "SimResult", "TimedAct
 
 
 def parse_costs(text: str) -> Costs:
-    """Parse ``"F=1,B=2,W=1,FB=2.5,A2A=0.5,comm=0.1"`` (any subset, any order) into ``Costs``; ValueError if
+    """Parse ``"F=1,B=2,W=1,FB=2.5,A2A=0.5,A2A_SPLIT=4,comm=0.1"`` (any subset, any order) into ``Costs``; ValueError if
     malformed."""
     return Costs(**parse_cost_values(text))
 
@@ -47,7 +48,7 @@ def parse_cost_values(text: str) -> dict[str, float]:
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or key not in Costs.__dataclass_fields__:
-            raise ValueError(f"{item!r} is not KEY=NUMBER with KEY one of F, B, W, FB, A2A, comm")
+            raise ValueError(f"{item!r} is not KEY=NUMBER with KEY one of F, B, W, FB, A2A, A2A_SPLIT, comm")
         try:
             values[key] = float(value)
         except ValueError:
@@ -55,6 +56,9 @@ def parse_cost_values(text: str) -> dict[str, float]:
         if not 0 <= values[key] <= MAX_COST:  # NaN fails it too
             raise ValueError(f"{key}={value.strip()} is not a finite number from 0 to {MAX_COST:.0e} (a time; "
                              "the sums of a timeline's times must stay finite)")
+        if key == "A2A_SPLIT" and not (values[key] >= 1 and values[key] == int(values[key])):
+            raise ValueError(f"A2A_SPLIT={value.strip()} must be a whole number >= 1 (the exchanges per chunk that "
+                             "cut each half of an overlapped pair)")
     return values
 
 
@@ -109,6 +113,14 @@ class SimResult:
     program: Optional[Program] = None  # the lowered program simulated (None: a measured timeline)
     steps: int = 1  # consecutive steps shown; step k's microbatches are k*num_microbatches onwards
     weight_versions: int = 1  # weight versions each rank keeps (PipeDream-2BW: 2)
+
+    def pair_split(self) -> list[tuple[str, int]]:
+        """With an all-to-all cost and overlapped pairs, the order an interleaved pair runs its halves' pieces
+        (``ppctl.pipeline.interleave.split_order`` at ``Costs.A2A_SPLIT`` exchanges each); else empty."""
+        if not self.costs.A2A or self.program is None or not self.program.schedule.overlapped:
+            return []
+        splits = int(self.costs.A2A_SPLIT)
+        return split_order(splits, splits)
 
     def exposed_exchanges(self) -> list[float]:
         """Per rank, the expert all-to-all time (``Costs.A2A``) its actions spend beyond their compute: all of it
@@ -178,6 +190,7 @@ class SimResult:
             "weight_versions": self.weight_versions,
             "ranks": [_rank_json(timeline) for timeline in self.ranks],
             **({"exposed_a2a": self.exposed_exchanges()} if self.costs.A2A else {}),
+            **({"pair_split": [list(piece) for piece in self.pair_split()]} if self.pair_split() else {}),
             **({"program": self.program.to_json()} if self.program is not None else {}),
         }
 

@@ -27,6 +27,7 @@ class Tracer:
     actions: list[tuple[str, int, int, float, float]] = field(default_factory=list)
     waits: list[tuple[float, float]] = field(default_factory=list)
     exchanges: list[tuple[float, float, int]] = field(default_factory=list)  # expert-parallel all-to-alls
+    pieces: list[tuple[str, float, float]] = field(default_factory=list)  # overlapped pairs' halves, piece by piece
     step_cpu_start: float = field(default_factory=time.thread_time)
     # the thread's CPU clock at each action's start and end, in order, relative to the step's start
     cpu_spans: list[tuple[float, float]] = field(default_factory=list)
@@ -38,6 +39,7 @@ class Tracer:
         self.waits.clear()
         self.cpu_spans.clear()
         self.exchanges.clear()
+        self.pieces.clear()
 
     @staticmethod
     def mark() -> tuple[float, float]:
@@ -60,6 +62,10 @@ class Tracer:
         """Record one expert-parallel all-to-all (``perf_counter`` span; ``lane``: 0 forward, 1 backward)."""
         self.exchanges.append((start - self.step_start, end - self.step_start, lane))
 
+    def piece(self, half: str, start: float, end: float) -> None:
+        """Record one piece of an overlapped pair's half (``ppctl.pipeline.interleave``; ``half``: F or B)."""
+        self.pieces.append((half, start - self.step_start, end - self.step_start))
+
     def exchange_seconds(self) -> float:
         """Total time spent in expert-parallel all-to-alls this step (both lanes)."""
         return sum(end - start for start, end, _lane in self.exchanges)
@@ -79,7 +85,7 @@ class Tracer:
     def snapshot(self) -> dict:
         """A picklable record of this step for gathering to one rank."""
         return {"rank": self.rank, "actions": list(self.actions), "waits": list(self.waits),
-                "cpu_spans": list(self.cpu_spans), "exchanges": list(self.exchanges)}
+                "cpu_spans": list(self.cpu_spans), "exchanges": list(self.exchanges), "pieces": list(self.pieces)}
 
 
 def chrome_trace(snapshots: list[dict], step: int) -> dict:
@@ -102,10 +108,14 @@ def chrome_trace(snapshots: list[dict], step: int) -> dict:
             events.append({"name": "a2a", "cat": EXCHANGE_CATEGORY, "ph": "X", "pid": 1, "tid": rank,
                            "ts": start * 1e6, "dur": (end - start) * 1e6,
                            "args": {"lane": "backward" if lane else "forward", "step": step}})
+        for index, (half, start, end) in enumerate(snapshot.get("pieces", [])):  # the interleave's, on a third
+            events.append({"name": f"{half} piece", "cat": PIECE_CATEGORY, "ph": "X", "pid": 2, "tid": rank,
+                           "ts": start * 1e6, "dur": (end - start) * 1e6, "args": {"order": index, "step": step}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
 EXCHANGE_CATEGORY = "a2a"
+PIECE_CATEGORY = "piece"
 
 
 def exposed_exchange_seconds(actions, exchanges) -> float:
@@ -131,23 +141,29 @@ def exchange_costs(ranks, chunks_per_copy: int, pairs_at_once: bool):
     """Costs in ms (per microbatch through a rank's layers of one copy) of traced ranks, each ``(actions,
     exchanges)`` as ``exposed_exchange_seconds`` takes them (seconds): each kind's mean time less the all-to-all its
     actions waited (their own lane's), and the mean all-to-all a forward waited as ``A2A``; unless the run had its
-    overlapped pairs ``pairs_at_once``, ``FB`` is both halves in turn, each with its all-to-all."""
+    overlapped pairs ``pairs_at_once``, ``FB`` is both halves in turn, each with its all-to-all. ``A2A_SPLIT``: the
+    mean count of a backward's own exchanges (dispatch and combine of each of its MoE layers), at least 1."""
     from ppctl.pipeline.simulate import Costs
 
     computing: dict[str, list[float]] = {}
     waited: list[float] = []
+    splits: list[int] = []
     for actions, exchanges in ranks:
         for kind, start, end in actions:
-            own = sum(stop - begin for begin, stop in _own_exchanges(kind, start, end, exchanges))
+            spans = _own_exchanges(kind, start, end, exchanges)
+            own = sum(stop - begin for begin, stop in spans)
             computing.setdefault(kind, []).append((end - start - own) * 1e3)
             if kind == "F":
                 waited.append(own * 1e3)
+            elif kind in ("B", "BW"):
+                splits.append(len(spans))
     mean = {kind: sum(values) / len(values) * chunks_per_copy for kind, values in computing.items()}
     backward = mean["B"] if "B" in mean else mean.get("BW", 0.0)
     forward, weight = mean.get("F", 0.0), mean.get("W", 0.0)
     exchange = sum(waited) / len(waited) * chunks_per_copy if waited else 0.0
     in_turn = None if pairs_at_once else forward + backward + weight + 2 * exchange
-    return Costs(F=forward, B=backward, W=weight, A2A=exchange, FB=in_turn)
+    split = max(1, round(sum(splits) / len(splits))) if splits else 1
+    return Costs(F=forward, B=backward, W=weight, A2A=exchange, FB=in_turn, A2A_SPLIT=split)
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -179,8 +195,9 @@ def _laid_out_in_sequence(all_traces: list[tuple[int, list[dict]]]) -> list[tupl
             actions = [(k, s, m, start + offset, end + offset) for k, s, m, start, end in snapshot["actions"]]
             waits = [(start + offset, end + offset) for start, end in snapshot["waits"]]
             exchanges = [(start + offset, end + offset, lane) for start, end, lane in snapshot.get("exchanges", [])]
+            pieces = [(half, start + offset, end + offset) for half, start, end in snapshot.get("pieces", [])]
             moved.append({"rank": snapshot["rank"], "actions": actions, "waits": waits,
-                          "cpu_spans": snapshot.get("cpu_spans", []), "exchanges": exchanges})
+                          "cpu_spans": snapshot.get("cpu_spans", []), "exchanges": exchanges, "pieces": pieces})
         shifted.append((step, moved))
         offset += max((end for snap in snapshots for *_, end in snap["actions"]), default=0.0) * 1.02
     return shifted
@@ -214,7 +231,8 @@ def rows_from_chrome_trace(trace: dict) -> tuple[int, list]:
     from ppctl.pipeline.simulate import RankTimeline, TimedAction
 
     events = [event for event in trace.get("traceEvents", [])
-              if event.get("ph") == "X" and "step" in event.get("args", {}) and event.get("cat") != EXCHANGE_CATEGORY]
+              if event.get("ph") == "X" and "step" in event.get("args", {})
+              and event.get("cat") not in (EXCHANGE_CATEGORY, PIECE_CATEGORY)]
     if not events:
         raise ValueError("it holds no traced step (was it written by a run with trainer.trace=true?)")
     step = max(event["args"]["step"] for event in events)

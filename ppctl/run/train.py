@@ -37,6 +37,7 @@ from ppctl.parallel.expert_parallel import EPGroup, TokenSplit
 from ppctl.parallel.groups import EP_BACKWARD, ParallelContext
 from ppctl.parallel.tensor_parallel import TPGroup
 from ppctl.pipeline.check import check_program, check_schedule
+from ppctl.pipeline.interleave import PairInterleave
 from ppctl.pipeline.program import Message, Program, lower
 from ppctl.pipeline.p2p import PipelineTransport
 from ppctl.pipeline.runtime import PipelineRuntime
@@ -122,26 +123,27 @@ def cp_group_of(context: ParallelContext, comm: str) -> CPGroup:
                    tuple(context.group_ranks["cp"]), comm)
 
 
-def ep_group_of(context: ParallelContext, on_exchange=None) -> EPGroup:
-    """The expert-parallel group object the MoE layers use (``on_exchange``: told each exchange's span), with the
-    split of each microbatch's tokens over ``tp_cp`` (validation asks for sequence parallelism with TP and experts)."""
+def ep_group_of(context: ParallelContext, on_exchange=None, interleave: PairInterleave | None = None) -> EPGroup:
+    """The expert-parallel group object the MoE layers use (``on_exchange``: told each exchange's span;
+    ``interleave``: the runtime's, for overlapped pairs), with the split of each microbatch's tokens over ``tp_cp``
+    (validation asks for sequence parallelism with TP and experts)."""
     tokens = TokenSplit(context.groups["tp_cp"], context.size("tp_cp"), context.index("tp_cp")) \
         if context.size("tp_cp") > 1 else TokenSplit()
     if context.layout.ep == 1:
         return EPGroup.single(tokens)
     return EPGroup(context.groups["ep"], context.size("ep"), context.index("ep"), context.groups[EP_BACKWARD],
-                   on_exchange=on_exchange, tokens=tokens)
+                   on_exchange=on_exchange, tokens=tokens, interleave=interleave)
 
 
 def build_chunks(resolved: ResolvedConfig, context: ParallelContext, load_init_from: bool = True,
-                 on_exchange=None) -> dict[int, torch.nn.Module]:
+                 on_exchange=None, interleave: PairInterleave | None = None) -> dict[int, torch.nn.Module]:
     """This rank's model chunks, keyed by global stage, from the resolved layer map (its placement); their weights
     read from ``model.init_from`` unless ``load_init_from`` is False (a resumed run reads its checkpoint);
-    ``on_exchange``: told the span of each expert-parallel all-to-all."""
+    ``on_exchange``: told the span of each expert-parallel all-to-all; ``interleave``: the runtime's."""
     config = resolved.config
     tp = tp_group_of(context, config.parallel.sequence_parallel)
     cp = cp_group_of(context, config.parallel.cp_comm)
-    ep = ep_group_of(context, on_exchange)
+    ep = ep_group_of(context, on_exchange, interleave)
     chunks = {}
     for stage in resolved.rank_stages(context.pp_rank):
         chunk = build_chunk(config, stage.layers, stage.pre_process, stage.post_process, tp, cp,
@@ -201,8 +203,10 @@ class Trainer:
                                f"{layout.placement.owners} ({layout.placement.copies})")
         self.schedule = schedule
         self.tracer = Tracer(context.rank) if config.trainer.trace else None
+        overlap_pairs = config.parallel.overlap_ep_comm and layout.ep > 1
+        interleave = PairInterleave(on_piece=weakly_bound(self._note_piece)) if overlap_pairs else None
         self.chunks = build_chunks(resolved, context, load_init_from=not resuming,
-                                   on_exchange=weakly_bound(self._note_exchange))
+                                   on_exchange=weakly_bound(self._note_exchange), interleave=interleave)
         self.stages = build_stages(self.chunks, config, schedule.splits_backward)
         self.padded_vocab_size = resolved.sizes.padded_vocab_size
         self.fields = tuple(sorted({name for stage in self.stages.values() for name in stage.io.fields}))
@@ -223,9 +227,8 @@ class Trainer:
         self.loss_scale = 1.0  # the scale the current step's gradients carry
         transport = PipelineTransport(context.pp_peer, self._receive_spec, context.device,
                                       timeout_s=config.launcher.timeout_s)
-        overlap_pairs = config.parallel.overlap_ep_comm and layout.ep > 1
         self.runtime = PipelineRuntime(context.pp_rank, self.stages, transport, self.tracer, release_outputs,
-                                       track_memory, overlap_pairs)
+                                       track_memory, interleave)
         self.program = program
         self.last_program = program  # what the last training run walked (a stream's, for PipeDream-2BW)
         self._eval_program: Program | None = None
@@ -243,6 +246,11 @@ class Trainer:
         """An expert-parallel all-to-all's span, for the tracer when tracing."""
         if self.tracer is not None:
             self.tracer.exchange(start, end, lane)
+
+    def _note_piece(self, half: str, start: float, end: float) -> None:
+        """A piece of an overlapped pair's half (``ppctl.pipeline.interleave``), for the tracer when tracing."""
+        if self.tracer is not None:
+            self.tracer.piece(half, start, end)
 
     def _receive_spec(self, message: Message) -> TensorSpec:
         return self.stages[message.dst_stage].receive_spec(message.kind)

@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "ppctl"
 
 # Pure: no torch at all (layout math, placement, schedules, their programs, checker, simulator, config validation).
 PURE = ("ppctl.parallel.layout", "ppctl.parallel.placement", "ppctl.pipeline.schedules", "ppctl.pipeline.program",
-        "ppctl.pipeline.replay", "ppctl.pipeline.simulate", "ppctl.pipeline.check",
+        "ppctl.pipeline.replay", "ppctl.pipeline.simulate", "ppctl.pipeline.check", "ppctl.pipeline.interleave",
         "ppctl.optim.lr", "ppctl.optim.loss_scale", "ppctl.config", "ppctl.checkpoint.files",
         "ppctl.run.interrupt", "ppctl.fileio", "ppctl.bench.rules", "ppctl.model.flops", "ppctl.model.recompute",
         "ppctl.model.family", "ppctl.model.hf_format", "ppctl.model.gpt.hf", "ppctl.model.llama.hf",

@@ -21,7 +21,7 @@ def test_parse_costs_reads_any_subset_in_any_order():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("F=1,X=2", "'X=2' is not KEY=NUMBER with KEY one of F, B, W, FB, A2A, comm"),
+    ("F=1,X=2", "'X=2' is not KEY=NUMBER with KEY one of F, B, W, FB, A2A, A2A_SPLIT, comm"),
     ("F1", "'F1' is not KEY=NUMBER"),
     ("B=fast", "B='fast' is not a number"),
     ("W=-1", r"W=-1 is not a finite number from 0 to 1e\+12"),

@@ -3,8 +3,8 @@ out, an overlapped pair hides one half's behind the other's compute, and each ra
 
 The figures are small enough to check by hand: with F=B=W=1, one microbatch's all-to-all of ``a`` each way, a rank
 of 1F1B (pp=2, 8 microbatches, one chunk) exposes 16 * a; DualPipeV's pairs (a forward of one microbatch with the
-whole backward of another, f = 0.5, b = 1 per chunk) last max(f + b, f + a, b + a) and expose only what exceeds
-the other half's compute.
+whole backward of another) run interleaved, their pieces alternating between exchanges, and expose only what
+exceeds the other half's compute.
 """
 
 import pytest
@@ -20,12 +20,23 @@ def test_plain_actions_wait_out_the_all_to_all_and_a_weight_gradient_does_not():
     assert durations == {FORWARD: 0.75, BACKWARD_INPUT: 1.25, BACKWARD_WEIGHT: 0.5, BACKWARD: 1.75}
 
 
-@pytest.mark.parametrize("exchange, pair", [(0.25, 2.0), (1.0, 2.5), (3.0, 4.5)])
-def test_a_pair_lasts_the_longest_of_both_computes_and_each_half_with_its_exchange(exchange, pair):
-    # per chunk (2 chunks): forward compute 0.5, whole backward compute 1.5, all-to-all exchange / 2 each way
-    forward, backward = pair_durations(2, Costs(F=1, B=2, W=1, A2A=2 * exchange), BACKWARD)
+# Per chunk (2 chunks): forward compute 0.5, whole backward compute 1.5, each half's all-to-all ``exchange`` in
+# ``splits`` exchanges. One split: F0 (0.25), B0 (0.75), F1 once its exchange arrived, B1 once its own did. At
+# exchange 1: F0 0-0.25 (arrives 1.25), B0 0.25-1 (arrives 2), F1 1.25-1.5, B1 2-2.75. At 2 splits of 0.5 each the
+# pieces are 1/6 and 1/2: F0 ends 1/6, B0 2/3, F1 5/6, B1 7/6-5/3, F2 5/3-11/6, B2 13/6-8/3.
+@pytest.mark.parametrize("exchange, splits, pair", [(0.25, 1, 2.0), (1.0, 1, 2.75), (3.0, 1, 4.75), (1.0, 2, 8 / 3)])
+def test_a_pair_alternates_its_pieces_each_waiting_for_its_own_exchange(exchange, splits, pair):
+    costs = Costs(F=1, B=2, W=1, A2A=2 * exchange, A2A_SPLIT=splits)
+    forward, backward = pair_durations(2, costs, BACKWARD)
     assert forward + backward == pytest.approx(pair)
     assert forward / backward == pytest.approx((0.5 + exchange) / (1.5 + exchange))  # shares kept
+
+
+def test_the_split_is_parsed_as_a_whole_number_of_exchanges():
+    assert parse_costs("A2A=1,A2A_SPLIT=4").A2A_SPLIT == 4
+    for bad in ("A2A_SPLIT=0", "A2A_SPLIT=1.5"):
+        with pytest.raises(ValueError, match="must be a whole number >= 1"):
+            parse_costs(bad)
 
 
 def test_1f1b_exposes_every_all_to_all_and_dualpipev_hides_most():

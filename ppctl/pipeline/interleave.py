@@ -1,0 +1,217 @@
+"""An overlapped pair's two halves run one at a time, switching at each posted exchange (DeepSeek-V3's split).
+
+DualPipe pairs a forward of one microbatch with a backward of another so that one's expert all-to-all travels
+while the other computes. ``PairInterleave.run`` runs the two halves in two threads, but only one of them computes
+at a time (holds the turn): the forward starts; whenever the running half has posted an exchange
+(``exchanged``, given the in-flight work), it hands the turn to the other half, which computes up to its own next
+exchange, and waits for its own exchange before asking for the turn again. (The backward's inputs may arrive
+late: it asks for the turn only once it holds them, and the forward goes on meanwhile.) So each half's compute is cut
+at its exchanges into pieces (attention and routing | dispatch | experts | combine, per MoE layer), and the pieces
+alternate: F0 B0 F1 B1 ... (``split_order``), each exchange in flight during the other half's next piece.
+
+Why one at a time: no two pieces share the cores (on a CPU worker the two halves at once slowed every exchange),
+and each half's exchanges keep one order on each of its two communicators. The order of the pieces can still
+depend on when the backward's inputs arrive, so TP and CP collectives inside them are not ordered across ranks
+(validation refuses the overlap with tp * cp > 1). Torch-free: the work is anything with ``wait()``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional, TypeVar
+
+from .schedules.base import ScheduleError
+
+FORWARD_HALF, BACKWARD_HALF = "F", "B"
+Result = TypeVar("Result")
+
+
+def split_order(forward_exchanges: int, backward_exchanges: int) -> list[tuple[str, int]]:
+    """The pieces of a pair whose forward posts ``forward_exchanges`` exchanges and whose backward posts
+    ``backward_exchanges``, in the order ``PairInterleave`` runs them: ``(half, piece index)``; piece k of a half
+    ends with its exchange k (the last piece of each half with none)."""
+    pieces = {FORWARD_HALF: forward_exchanges + 1, BACKWARD_HALF: backward_exchanges + 1}
+    done = {FORWARD_HALF: 0, BACKWARD_HALF: 0}
+    order, turn = [], FORWARD_HALF
+    while len(order) < sum(pieces.values()):
+        order.append((turn, done[turn]))
+        done[turn] += 1
+        other = BACKWARD_HALF if turn == FORWARD_HALF else FORWARD_HALF
+        if done[other] < pieces[other]:
+            turn = other  # the half just ran up to an exchange (or ended): the other one goes on
+    return order
+
+
+def prove_interleave(forward_exchanges: int, backward_exchanges: int, ranks: int = 2,
+                     holds_turn_while_waiting: bool = False) -> None:
+    """Refuse (``ScheduleError``, one line) an interleaved pair that can hang: the turn protocol of
+    ``PairInterleave`` on ``ranks`` EP ranks at once, an exchange arriving once every rank posted it, each
+    backward asking for the turn at any moment (its inputs may arrive at any time), explored in every order the
+    ranks' steps can take. Every reachable state must let some half go on until all have ended.
+    ``holds_turn_while_waiting``: the protocol ppctl does not use (a half takes the turn back, then waits for its
+    exchange), which hangs; kept to show that the proof finds it."""
+    exchanges = (forward_exchanges, backward_exchanges)
+    start = ((0, (0, 0), (RUNNING, PREPARING)),) * ranks  # per rank: the turn's half, pieces done, states
+    seen, frontier = {start}, [start]
+    while frontier:
+        state = frontier.pop()
+        following = _next_states(state, exchanges, holds_turn_while_waiting)
+        if not following and any(half != ENDED for _, _, halves in state for half in halves):
+            raise ScheduleError(f"an overlapped pair of {forward_exchanges} forward and {backward_exchanges} "
+                                f"backward exchanges hangs on {ranks} EP ranks: {_describe(state)}")
+        for next_state in following:
+            if next_state not in seen:
+                seen.add(next_state)
+                frontier.append(next_state)
+
+
+PREPARING, RUNNING, WAITING, ASKING, ENDED = "preparing", "running", "waiting", "asking", "ended"
+_HALVES = (FORWARD_HALF, BACKWARD_HALF)
+FREE = None
+
+
+def _next_states(state: tuple, exchanges: tuple[int, int], holds: bool) -> list[tuple]:
+    """Every state one step of one half of one rank leads to (``prove_interleave``): halves 0 (forward) and 1."""
+    following = []
+    for index, (turn, pieces, halves) in enumerate(state):
+        for half in (0, 1):
+            changed = _step(turn, pieces, halves, half, exchanges, holds,
+                            arrived=all(other[1][half] >= pieces[half] for other in state))
+            if changed is not None:
+                following.append(state[:index] + (changed,) + state[index + 1:])
+    return following
+
+
+def _step(turn, pieces, halves, half: int, exchanges, holds: bool, arrived: bool):
+    """One rank's next state by half ``half``'s step, or None when it cannot move (``arrived``: its last exchange
+    was posted on every rank)."""
+    other, mine = 1 - half, halves[half]
+
+    def with_half(new_state, new_turn=turn, new_pieces=pieces):
+        states = list(halves)
+        states[half] = new_state
+        return new_turn, new_pieces, tuple(states)
+
+    if mine == PREPARING:  # the backward's inputs arrive at any moment
+        return with_half(ASKING)
+    if mine == WAITING and arrived and not holds:
+        return with_half(ASKING)
+    if mine == WAITING and holds and turn in (half, FREE):
+        return with_half(RUNNING, half) if arrived else (None if turn == half else with_half(WAITING, half))
+    if mine == ASKING and turn is FREE:
+        return with_half(RUNNING, half)
+    if mine != RUNNING:
+        return None
+    done = list(pieces)
+    done[half] += 1  # the piece computed; then its exchange posted, or the half ends
+    posting = done[half] <= exchanges[half]
+    states = list(halves)
+    states[half] = WAITING if posting else ENDED
+    handed = states[other] == ASKING
+    if handed:
+        states[other] = RUNNING
+    kept = holds and posting and not handed
+    return (other if handed else half if kept else FREE), tuple(done), tuple(states)
+
+
+def _describe(state: tuple) -> str:
+    return "; ".join(f"rank {index}: " + ", ".join(f"{name} {halves[half]} after {pieces[half]} pieces"
+                                                     for half, name in enumerate(_HALVES))
+                     for index, (_, pieces, halves) in enumerate(state))
+
+
+class PairInterleave:
+    """Runs overlapped pairs' halves one at a time (module docstring); one per runtime, shared with the expert
+    exchanges (``ppctl.parallel.expert_parallel.EPGroup.interleave``). ``on_piece(half, start, end)``: told the
+    ``perf_counter`` span of each piece (a tracer's), or None.
+
+    The turn: the forward holds it first; the backward first takes its inputs (``prepare``, which may wait for a
+    message, outside the turn), then asks for it. At each exchange, and at its end, a half hands the turn to the
+    other one if it asks, else leaves it free; a half waits for its exchange without the turn (holding it there
+    could hang: ``prove_interleave``), then asks for it. While the exchanges take longer than the other half's
+    pieces, the pieces alternate as ``split_order`` says."""
+
+    def __init__(self, on_piece: Optional[Callable[[str, float, float], None]] = None):
+        self._turn_changed = threading.Condition()
+        self._turn: Optional[str] = None  # the half that computes, or None: free
+        self._asking: set[str] = set()  # halves waiting for the turn
+        self._half = threading.local()  # which half this thread runs, while a pair runs
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self.on_piece = on_piece
+
+    def run(self, forward: Callable[[], Result], backward: Callable[[], Result],
+            prepare: Callable[[], None] = lambda: None) -> tuple[Result, Result]:
+        """``(forward(), backward())``: the forward on this thread, holding the turn first; ``prepare()`` then
+        ``backward()`` on the pair thread, the backward's compute taking turns with the forward's."""
+        if self._executor is None:  # the pair thread: made on first use, ended when the interleave is collected
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppctl-pair")
+        with self._turn_changed:
+            self._turn, self._asking = FORWARD_HALF, set()
+
+        def backward_half():
+            prepare()
+            return self._run_half(BACKWARD_HALF, backward)
+
+        backward_result = self._executor.submit(backward_half)
+        try:
+            forward_result = self._run_half(FORWARD_HALF, forward)
+        finally:
+            result = backward_result.result()
+        return forward_result, result
+
+    def exchanged(self, work) -> None:
+        """Called by a half right after it posted an exchange (``work``: its in-flight handle): it hands the turn
+        to the other half (or leaves it free), waits for the exchange without it, then asks for it again. Outside a
+        pair: just wait."""
+        half = getattr(self._half, "name", None)
+        if half is None:
+            work.wait()
+            return
+        self._end_piece(half)
+        with self._turn_changed:
+            self._hand_over_turn(half)
+        work.wait()
+        with self._turn_changed:
+            self._take_turn(half)
+        self._half.piece_start = _now()
+
+    def _run_half(self, half: str, body: Callable[[], Result]) -> Result:
+        with self._turn_changed:
+            self._take_turn(half)
+        self._half.name, self._half.piece_start = half, _now()
+        try:
+            return body()
+        finally:
+            self._end_piece(half)
+            self._half.name = None
+            with self._turn_changed:
+                self._hand_over_turn(half)
+
+    def _take_turn(self, half: str) -> None:
+        """Wait (holding the condition) until the turn is ``half``'s or free, and take it."""
+        self._asking.add(half)
+        self._turn_changed.wait_for(lambda: self._turn in (half, None))
+        self._asking.discard(half)
+        self._turn = half
+
+    def _hand_over_turn(self, half: str) -> None:
+        """``half`` stops computing (holding the condition): the turn goes to the other half if it asks, else is
+        free."""
+        other = _other(half)
+        self._turn = other if other in self._asking else None
+        self._turn_changed.notify_all()
+
+    def _end_piece(self, half: str) -> None:
+        """A piece ends at each exchange of its half and at its end."""
+        if self.on_piece is not None:
+            self.on_piece(half, self._half.piece_start, _now())
+
+
+def _other(half: str) -> str:
+    return BACKWARD_HALF if half == FORWARD_HALF else FORWARD_HALF
+
+
+def _now() -> float:
+    return time.perf_counter()
