@@ -196,9 +196,10 @@ class ParallelConfig(Section):
         "MoE parallel folding), so `ep` divides them and the order ends in pp")
     etp: int = setting(1, "expert tensor-parallel size (only 1: experts are not split by TP)")
     overlap_ep_comm: bool = setting(
-        False, "with `ep` > 1, run the two halves of each overlapped forward-backward pair (`dualpipe`, `dualpipev`) "
-        "at once (two threads), so that one's expert all-to-all waits while the other computes (DeepSeek-V3's "
-        "overlap); off by default: CPU workers that already fill their cores gain nothing (benchmarks/RESULTS.md)")
+        False, "with `ep` > 1, interleave the two halves of each overlapped forward-backward pair (`dualpipe`, "
+        "`dualpipev`): one piece computes at a time, the turn changing at each expert all-to-all, so that one's "
+        "exchange travels while the other computes (DeepSeek-V3's overlap); off by default: CPU workers that already "
+        "fill their cores gain nothing (benchmarks/RESULTS.md)")
     pipeline_layout: Optional[str] = setting(
         None, "explicit per-stage split in Megatron-LM syntax, e.g. `Ettt|tttt|tttL` or `E(tt|)*3tL` (`t*3` and "
         "`(...)*N` repeat; a stage may be empty); default: even split, `num_layers` divisible by pp*vpp (by pp "
