@@ -31,7 +31,7 @@ BASE = [
 FP64 = ["trainer.precision=fp64"]
 # Labels equal to the end-of-document id (the last of 16 ids here) weigh zero: a loss mask with holes.
 MASKED = ["model.vocab_size=16", "data.eod_mask_loss=true"]
-STEPS = 3
+STEPS = 2
 # The Llama family on BASE's shape: grouped-query attention (4 query heads on 2 key/value heads), SwiGLU, RMSNorm,
 # rotary positions; LLAMA_MHA for tp=4 (each TP rank owns whole key/value heads).
 LLAMA = ["model.family=llama", "model.position_embedding=rope", "model.num_kv_heads=2"]

@@ -40,8 +40,8 @@ TWINS = [
     ("stream_on_the_newest_weights", BASE + PP2_DP2 + STREAM, {"loss", "grad norm", "parameter"}),
     # The first stage's MoE layers lose their balancing and z losses' gradient: their routers' gradients differ.
     ("router_losses_dropped_off_the_loss_stage", BASE + PP2_DP2 + MIXTRAL + FP64, BEFORE_OPTIMIZER),
-    # Step 0 routes with zero biases everywhere: the replicas' biases differ from step 1 on.
-    ("expert_bias_from_local_load", BASE + PP2_DP2 + DEEPSEEK, {"loss", "parameter"}),
+    # Step 0 routes with zero biases everywhere: the replicas' biases differ from step 1 on (its gradients).
+    ("expert_bias_from_local_load", BASE + PP2_DP2 + DEEPSEEK, {"grad norm", "parameter"}),
     # Stages 1 and 2 of 4 (one layer each) hold only MoE layers and no loss head.
     ("router_losses_dropped_on_middle_stages", BASE + MIXTRAL + FP64 + ["parallel.pp=4", "schedule=1f1b"],
      BEFORE_OPTIMIZER),

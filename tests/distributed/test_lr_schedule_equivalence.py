@@ -1,9 +1,9 @@
 """A learning-rate schedule and the weight-decay groups train a pipeline exactly like one process.
 
-The harness trains 3 steps (0, 1, 2). With warm-up 2 and decay over 3 steps those use
-lr/2, lr, lr (warm-up, then the decay's first step at the peak); with no warm-up and
-cosine decay over 2 steps they use lr, the midpoint of lr and min_lr, then min_lr, so
-both phases are exercised. ``Trainer.train_step`` reports the lr each step used.
+The harness trains 2 steps (0, 1). With warm-up 2 those use lr/2, then lr (the warm-up); with no
+warm-up and cosine decay over 2 steps they use lr, then the midpoint of lr and min_lr (the decay),
+so both phases are exercised. ``Trainer.train_step`` reports the lr each step used (three steps:
+the decay ends at min_lr).
 """
 
 import pytest

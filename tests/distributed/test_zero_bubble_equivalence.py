@@ -94,7 +94,7 @@ def test_world_size_2_zbv_looped_and_schedule_files_match_single_process(tmp_pat
             BASE + ["parallel.pp=2"] + TWO_BW + FP64 + ["trainer.trace=true"],
             BASE + ["parallel.pp=2", "optimizer.distributed=true"] + TWO_BW + TIED]
     per_rank = assert_equivalent(runs, world_size=2)
-    stream = build_schedule("pipedream_2bw", 2, 1, 8 * STEPS)  # the three steps as one stream
+    stream = build_schedule("pipedream_2bw", 2, 1, 8 * STEPS)  # the STEPS steps as one stream
     traced_runs = {3: build_schedule("interleaved_zb", 2, 2, 8), 8: build_schedule("hanayo", 2, 4, 8), 11: stream}
     for index, schedule in traced_runs.items():  # traced: each rank ran its steps of the program, in order
         program = lower(schedule)

@@ -70,7 +70,7 @@ def _model(rng: random.Random, tp: int, cp: int, cp_mode: str) -> list[str]:
 
 def _experts(rng: random.Random) -> list[str]:
     """A mixture of experts: how many, top-k, the router, its losses or bias, shared experts, dense layers first,
-    a capacity (it runs at tp=1 cp=1: other draws are refused, and counted; ``_expert_parallel`` splits it)."""
+    a capacity (refused beside tp or cp, and counted; ``_expert_parallel`` splits the experts)."""
     experts = rng.choice((2, 4))
     overrides = [f"model.moe.num_experts={experts}", f"model.moe.topk={rng.choice((1, 2))}",
                  f"model.moe.router_score={rng.choice(('softmax', 'sigmoid'))}",
@@ -113,25 +113,26 @@ def draw(rng: random.Random) -> list[str]:
                  f"trainer.precision={rng.choice(('fp64', 'fp64', 'fp32'))}", *_model(rng, tp, cp, cp_mode)]
     if cp > 1:
         overrides.append(f"parallel.cp_comm={cp_mode}")
-    if tp > 1 and rng.random() < 0.5:
-        overrides.append("parallel.sequence_parallel=true")
+    if tp > 1 and (rng.random() < 0.5 or any(item.startswith("model.moe.") for item in overrides)):
+        overrides.append("parallel.sequence_parallel=true")  # experts at tp > 1 need it
     if dp * cp > 1 and rng.random() < 0.5:
         overrides.append("optimizer.distributed=true")
     overrides.append(f"model.recompute={rng.choice(('none', 'none', 'full', 'selective'))}")
     if name == "pipedream_2bw" or (rng.random() < 0.1 and name not in V_SHAPED):
         overrides += ["optimizer.gradient_delay=1", "optimizer.clip_grad=0"]
-    return overrides + _split(rng, stages, layers) + _expert_parallel(rng, overrides, dp, name)
+    return overrides + _split(rng, stages, layers) + _expert_parallel(rng, overrides, tp, cp, dp, name)
 
 
-def _expert_parallel(rng: random.Random, overrides: list[str], dp: int, schedule: str) -> list[str]:
-    """With experts and data parallelism, often an ep dividing both dp and the experts; under DualPipe's pairs,
-    sometimes run at once."""
+def _expert_parallel(rng: random.Random, overrides: list[str], tp: int, cp: int, dp: int, schedule: str) -> list[str]:
+    """With experts and more than one rank per pipeline stage, often an ep dividing both a stage's tp * cp * dp ranks
+    and the experts; under DualPipe's pairs at tp = cp = 1, sometimes interleaved."""
     experts = next((int(item.split("=")[1]) for item in overrides if item.startswith("model.moe.num_experts=")), 0)
-    choices = [ep for ep in range(2, dp + 1) if experts and dp % ep == 0 and experts % ep == 0]
+    stage = tp * cp * dp
+    choices = [ep for ep in range(2, stage + 1) if experts and stage % ep == 0 and experts % ep == 0]
     if not choices or rng.random() < 0.3:
         return []
     drawn = [f"parallel.ep={rng.choice(choices)}"]
-    if schedule in ("dualpipe", "dualpipev") and rng.random() < 0.5:
+    if schedule in ("dualpipe", "dualpipev") and tp * cp == 1 and rng.random() < 0.5:
         drawn.append("parallel.overlap_ep_comm=true")
     return drawn
 
