@@ -306,9 +306,9 @@ def _check_expert_parallel(config: PpctlConfig) -> None:
 def _check_moe_layout(config: PpctlConfig) -> None:
     """What MoE runs with: TP only with sequence parallelism (each TP rank routes its own tokens, as Megatron-Core
     asks), a capacity only on unsplit microbatches (its drop ranks a microbatch's tokens together), DualPipe's pairs
-    at once only without TP and CP (their collectives would run in two threads), no stream of steps (its per-step
-    routing statistics reduce over every rank), a Hugging Face folder to start from only a Mixtral one
-    (``init_from_problem`` checks that it is one, of this run's shape)."""
+    interleaved only without TP and CP (the order of the pieces, and so of their collectives, is not fixed), no
+    stream of steps (its per-step routing statistics reduce over every rank), a Hugging Face folder to start from
+    only a Mixtral one (``init_from_problem`` checks that it is one, of this run's shape)."""
     parallel, moe = config.parallel, config.model.moe
     experts = f"model.moe.num_experts={moe.num_experts}"
     require(parallel.tp == 1 or parallel.sequence_parallel,
@@ -319,8 +319,8 @@ def _check_moe_layout(config: PpctlConfig) -> None:
             f"model.moe.capacity_factor={moe.capacity_factor} with parallel.tp*cp={split}: the capacity drop ranks a "
             f"microbatch's tokens together, which TP and CP split over ranks; unset it (dropless) or run at tp=cp=1")
     require(not parallel.overlap_ep_comm or split == 1,
-            f"parallel.overlap_ep_comm=true with parallel.tp*cp={split}: a pair's two halves would run TP and CP "
-            f"collectives in two threads, in no fixed order; set it false or run at tp=cp=1")
+            f"parallel.overlap_ep_comm=true with parallel.tp*cp={split}: an interleaved pair's pieces, and so their "
+            f"TP and CP collectives, run in no fixed order; set it false or run at tp=cp=1")
     require(not schedule_spec(config).streams_steps,
             f"schedule {config.schedule.name} streams steps with no barrier between them, but {experts} reduces its "
             f"routing statistics (expert load, bias) over every rank after each step; choose another schedule")

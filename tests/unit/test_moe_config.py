@@ -54,7 +54,7 @@ RULES = [
     (dict(parallel__cp=2, model__moe__capacity_factor=1.0), "model.moe.capacity_factor=1.0 with parallel.tp*cp=2"),
     (dict(parallel__cp=2, parallel__dp=2, parallel__ep=2, parallel__pp=2, schedule__name="dualpipev", parallel__vpp=2,
           parallel__overlap_ep_comm=True),
-     "parallel.overlap_ep_comm=true with parallel.tp*cp=2: a pair's two halves would run TP and CP collectives"),
+     "parallel.overlap_ep_comm=true with parallel.tp*cp=2: an interleaved pair's pieces, and so their TP and CP"),
     (dict(parallel__tp=2, parallel__sequence_parallel=True, model__moe__shared_experts=1,
           model__moe__expert_ffn_hidden_size=33),
      "model.moe.shared_experts=1 gives a shared MLP 33 wide, which must be a multiple of parallel.tp=2"),
