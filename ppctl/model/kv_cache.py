@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 SEQUENCE_DIM = 2  # of [batch, heads, seq, head_dim]
 
@@ -80,5 +79,7 @@ def cached_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     grouped = query.shape[1] != keys.shape[1]
     if past == 0:
         return F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=grouped)
+    from torch.nn.attention.bias import causal_lower_right  # imports torch._dynamo: only when decoding needs it
+
     mask = None if new == 1 else causal_lower_right(new, past + new)
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=grouped)

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 from torch.autograd.function import once_differentiable
 
 from ppctl.parallel.layout import CP_COMM_MODES, context_parallel_chunks, context_parallel_positions
@@ -214,6 +213,9 @@ def _allgather_attention(query, key, value, cp: CPGroup) -> torch.Tensor:
     (flash or memory-efficient attention, no mask in memory) and as the same boolean
     mask elsewhere.
     """
+    # imported here: torch.nn.attention.bias imports torch._dynamo, 1.5 s of every worker's start-up otherwise
+    from torch.nn.attention.bias import causal_lower_right
+
     local_seq = query.shape[SEQUENCE_DIM]
     gathered = _GatherKeyValue.apply(_pack_sequence_first(key, value), cp)  # tokens rank-major
     rank_major = _rank_major_positions(local_seq, cp, query.device)
