@@ -156,7 +156,7 @@ def test_default_run_learns_and_its_trace_follows_the_schedule(ppctl, tmp_path):
     from ppctl.config import compose_config, num_microbatches
     from ppctl.pipeline.schedules import build_schedule
 
-    steps_run = 30
+    steps_run = 20
     result = ppctl("train", f"trainer.max_steps={steps_run}", "trainer.trace=true", "trainer.log_every=1",
                    f"trainer.out_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,6 +1,6 @@
 """bf16 and fp16 training track the fp32 run within their precision, with fp32 main parameters and gradients.
 
-One launch of 2 workers trains 30 steps of the same model and data in fp32, bf16 and
+One launch of 2 workers trains 20 steps of the same model and data in fp32, bf16 and
 fp16 (with dynamic loss scaling): pipelined (pp=2, the plain optimizer with fp32 main
 copies; a GPT and a Llama) and data parallel (dp=2, the distributed optimizer). Every step's loss must stay
 within the half precision of the fp32 run's; parameters, activations and pipeline
@@ -16,7 +16,7 @@ from tests.harness.pool import run_workers
 from tests.distributed.equivalence import BASE, LLAMA, _record_message_bytes, composed_runs
 from tests.harness.tolerances import HALF_PRECISION_LOSS
 
-STEPS = 30
+STEPS = 20
 # Real text, so the loss falls and a broken bf16 path shows; a learning rate low enough that no loss
 # spike amplifies the rounding differences into another trajectory.
 DATA = ["data=python_stdlib", "optimizer.lr=0.003"]
