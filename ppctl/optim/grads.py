@@ -193,7 +193,7 @@ def stage_expert_squares(experts: torch.Tensor, context) -> torch.Tensor:
     """This rank's experts' squared gradient sum -> this rank's share of its stage's in a norm summed over ``tp_pp``:
     summed over the ep group (whose ranks hold the stage's other experts), kept on TP rank 0 only (TP ranks may be
     in one ep group; every rank of it then holds the stage's sum)."""
-    experts = experts.reshape(1).clone()
+    experts = experts.reshape(1)  # a fresh sum: reduced in place
     dist.all_reduce(experts, group=context.groups["ep"])
     return experts if context.coords["tp"] == 0 else torch.zeros_like(experts)
 

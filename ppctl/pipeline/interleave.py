@@ -26,6 +26,9 @@ from .schedules.base import ScheduleError
 
 FORWARD_HALF, BACKWARD_HALF = "F", "B"
 Result = TypeVar("Result")
+# a half's states in ``prove_interleave``'s replay, and the turn when no half holds it
+PREPARING, RUNNING, WAITING, ASKING, ENDED = "preparing", "running", "waiting", "asking", "ended"
+FREE = None
 
 
 def split_order(forward_exchanges: int, backward_exchanges: int) -> list[tuple[str, int]]:
@@ -38,9 +41,8 @@ def split_order(forward_exchanges: int, backward_exchanges: int) -> list[tuple[s
     while len(order) < sum(pieces.values()):
         order.append((turn, done[turn]))
         done[turn] += 1
-        other = BACKWARD_HALF if turn == FORWARD_HALF else FORWARD_HALF
-        if done[other] < pieces[other]:
-            turn = other  # the half just ran up to an exchange (or ended): the other one goes on
+        if done[_other(turn)] < pieces[_other(turn)]:
+            turn = _other(turn)  # the half just ran up to an exchange (or ended): the other one goes on
     return order
 
 
@@ -67,11 +69,6 @@ def prove_interleave(forward_exchanges: int, backward_exchanges: int, ranks: int
                 frontier.append(next_state)
 
 
-PREPARING, RUNNING, WAITING, ASKING, ENDED = "preparing", "running", "waiting", "asking", "ended"
-_HALVES = (FORWARD_HALF, BACKWARD_HALF)
-FREE = None
-
-
 def _next_states(state: tuple, exchanges: tuple[int, int], holds: bool) -> list[tuple]:
     """Every state one step of one half of one rank leads to (``prove_interleave``): halves 0 (forward) and 1."""
     following = []
@@ -89,10 +86,10 @@ def _step(turn, pieces, halves, half: int, exchanges, holds: bool, arrived: bool
     was posted on every rank)."""
     other, mine = 1 - half, halves[half]
 
-    def with_half(new_state, new_turn=turn, new_pieces=pieces):
+    def with_half(new_state, new_turn=turn):
         states = list(halves)
         states[half] = new_state
-        return new_turn, new_pieces, tuple(states)
+        return new_turn, pieces, tuple(states)
 
     if mine == PREPARING:  # the backward's inputs arrive at any moment
         return with_half(ASKING)
@@ -118,7 +115,7 @@ def _step(turn, pieces, halves, half: int, exchanges, holds: bool, arrived: bool
 
 def _describe(state: tuple) -> str:
     return "; ".join(f"rank {index}: " + ", ".join(f"{name} {halves[half]} after {pieces[half]} pieces"
-                                                     for half, name in enumerate(_HALVES))
+                                                     for half, name in enumerate((FORWARD_HALF, BACKWARD_HALF)))
                      for index, (_, pieces, halves) in enumerate(state))
 
 
@@ -175,12 +172,12 @@ class PairInterleave:
         work.wait()
         with self._turn_changed:
             self._take_turn(half)
-        self._half.piece_start = _now()
+        self._half.piece_start = time.perf_counter()
 
     def _run_half(self, half: str, body: Callable[[], Result]) -> Result:
         with self._turn_changed:
             self._take_turn(half)
-        self._half.name, self._half.piece_start = half, _now()
+        self._half.name, self._half.piece_start = half, time.perf_counter()
         try:
             return body()
         finally:
@@ -206,12 +203,8 @@ class PairInterleave:
     def _end_piece(self, half: str) -> None:
         """A piece ends at each exchange of its half and at its end."""
         if self.on_piece is not None:
-            self.on_piece(half, self._half.piece_start, _now())
+            self.on_piece(half, self._half.piece_start, time.perf_counter())
 
 
 def _other(half: str) -> str:
     return BACKWARD_HALF if half == FORWARD_HALF else FORWARD_HALF
-
-
-def _now() -> float:
-    return time.perf_counter()

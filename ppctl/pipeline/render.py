@@ -98,11 +98,11 @@ def _exposed_line(result: SimResult) -> list[str]:
         return []
     exposed = " ".join(_number(time) for time in result.exposed_exchanges())
     lines = [f"exposed all-to-all per rank: {exposed} (of {_number(result.costs.A2A)} per microbatch each way)"]
-    if result.pair_split():
-        splits = int(result.costs.A2A_SPLIT)
-        pieces = " ".join(f"{half}{index}" for half, index in result.pair_split())
-        lines.append(f"overlapped pairs interleaved (parallel.overlap_ep_comm): each half cut by its {splits} "
-                     f"exchange(s) per chunk (A2A_SPLIT), one piece at a time: {pieces}")
+    split = result.pair_split()
+    if split:
+        pieces = " ".join(f"{half}{index}" for half, index in split)
+        lines.append(f"overlapped pairs interleaved (parallel.overlap_ep_comm): each half cut by its "
+                     f"{int(result.costs.A2A_SPLIT)} exchange(s) per chunk (A2A_SPLIT), one piece at a time: {pieces}")
     return lines
 
 

@@ -175,6 +175,7 @@ class SimResult:
     def to_json(self) -> dict:
         """The result as plain data (the ``inspect-schedule --json`` contract)."""
         step_time, step_bubble = self.steady_step()
+        split = self.pair_split()
         return {
             "schedule": self.schedule,
             "pp": self.pp,
@@ -190,7 +191,7 @@ class SimResult:
             "weight_versions": self.weight_versions,
             "ranks": [_rank_json(timeline) for timeline in self.ranks],
             **({"exposed_a2a": self.exposed_exchanges()} if self.costs.A2A else {}),
-            **({"pair_split": [list(piece) for piece in self.pair_split()]} if self.pair_split() else {}),
+            **({"pair_split": [list(piece) for piece in split]} if split else {}),
             **({"program": self.program.to_json()} if self.program is not None else {}),
         }
 

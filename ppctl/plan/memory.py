@@ -269,8 +269,7 @@ def layer_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallel
         gathered_outputs = 2 if in_backward else gathered_norm_outputs(shape, parallel)
         whole = 2 * bsh / t + gathered_outputs * bsh  # layer input, residual (s/tp tokens); gathered norm outputs
         if moe_layer:  # the router and the experts read the MLP norm's own s/tp tokens; only shared experts gather
-            mlp_gathers = (1 if in_backward else mlp_gathered_copies(shape, parallel)) if not shape.moe.shared_experts \
-                else 0
+            mlp_gathers = 0 if shape.moe.shared_experts else 1 if in_backward else mlp_gathered_copies(shape, parallel)
             whole += bsh / t - mlp_gathers * bsh
     else:
         whole = 4 * bsh

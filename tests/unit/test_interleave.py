@@ -77,7 +77,8 @@ def test_pieces_alternate_one_at_a_time_while_each_exchange_outlasts_the_other_h
         ended[(name, done[-1])].set()
 
     interleave.on_piece = note_ends
-    results = interleave.run(half("F", forward, interleave, log, arrival), half("B", backward, interleave, log, arrival))
+    results = interleave.run(half("F", forward, interleave, log, arrival),
+                             half("B", backward, interleave, log, arrival))
     assert results == ("F", "B")
     assert [(name, index) for name, index, event in log if event == "start"] == order
     # never two pieces at once: every start is followed by its own end

@@ -6,9 +6,9 @@ table with a row per MoE layer of the model (``routing_table``: the tokens per e
 microbatches); the trainer sums the tables of every rank (one all-reduce of a few numbers per layer: the data-
 parallel replicas and DualPipe's two copies each trained other microbatches, so the sum is the global batch's; the
 ranks of a ``TokenSplit`` each record their tokens' share of a microbatch, and the first of them counts it), and
-the single process takes its own. From the
-summed table every rank reads the same statistics (``routing_statistics``) and moves the expert bias of the layers
-it holds by the same amount (``update_expert_biases``), so every copy of a layer keeps one bias.
+the single process takes its own. From the summed table every rank reads the same statistics
+(``routing_statistics``) and moves the expert bias of the layers it holds by the same amount
+(``update_expert_biases``), so every copy of a layer keeps one bias.
 """
 
 from __future__ import annotations
