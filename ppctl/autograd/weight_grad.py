@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Hashable, Iterator, Sequence
+from typing import Callable, Hashable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -401,19 +401,23 @@ class WeightGradStore:
         """Every tensor kept between a B and its W (for memory accounting)."""
         return [tensor for entries in self._stashes.values() for entry in entries for tensor in entry.held_tensors()]
 
-    def accumulate(self, key: Hashable) -> None:
+    def accumulate(self, key: Hashable, pause: Callable[[], None] = lambda: None) -> None:
         """W: compute the weight gradients ``key``'s B stashed and accumulate them through autograd.
 
         Each op's gradients go to autograd as soon as its weights have all their
         contributions (a weight shared by two ops gets their sum once, as a whole backward
-        gives it), and each stash entry is dropped once used.
+        gives it), and each stash entry is dropped once used. ``pause()`` is called between two
+        entries (a weight fill lets its backward go on there: ``ppctl.pipeline.interleave``).
         """
         if key not in self._stashes:
             raise RuntimeError(f"WeightGradStore: W of {key} without its B (no stashed weight gradients)")
         entries = deque(self._stashes.pop(key))
+        count = len(entries)
         uses = Counter(id(weight) for entry in entries for weight in entry.targets())
         summed: dict[int, torch.Tensor] = {}
         while entries:
+            if len(entries) < count:
+                pause()  # between two entries: a weight fill's backward may go on here
             entry = entries.popleft()
             ready = []
             for weight, grad in zip(entry.weights, entry.compute()):

@@ -115,16 +115,18 @@ def _assemble(config: PpctlConfig, layout: ParallelLayout, split: str | None, la
 
 
 def _built_schedule(config: PpctlConfig) -> Schedule:
-    """The configured schedule (``ResolvedConfig.schedule``)."""
+    """The configured schedule (``ResolvedConfig.schedule``), with its weight fills where the expert all-to-alls
+    are overlapped (``parallel.overlap_ep_comm`` at ep > 1: ``Schedule.with_weight_fills``)."""
     from ppctl.pipeline.kept import kept_schedule
 
     try:
-        if config.schedule.name == CUSTOM:
-            return configured_schedule(config)
         parallel = config.parallel
-        return kept_schedule(config.schedule.name, parallel.pp, parallel.vpp, num_microbatches(config))
+        schedule = (configured_schedule(config) if config.schedule.name == CUSTOM
+                    else kept_schedule(config.schedule.name, parallel.pp, parallel.vpp, num_microbatches(config)))
     except ScheduleError as error:
         raise ConfigError(str(error)) from None
+    overlapped = config.parallel.overlap_ep_comm and config.parallel.ep > 1
+    return schedule.with_weight_fills() if overlapped and schedule.splits_backward else schedule
 
 
 def _split(config: PpctlConfig, layout: ParallelLayout) -> str | None:

@@ -9,7 +9,8 @@
 3. completeness: every (stage, microbatch of its copy) has exactly one F and exactly one
    backward (one BW, or one B and one W; never both forms);
 4. order on a rank: F before its B/BW, B before its W; each overlapped pair is an F
-   followed by a backward;
+   followed by a backward; each weight fill a backward followed by an independent W, neither
+   on the first stage of its copy;
 5. the lowered program (``ppctl.pipeline.program``): each receive posted once, before
    the step that waits for it; for every pair of ranks, receives posted in send order;
 6. progress: the program replayed with NCCL-like sends must finish: each rank's batches
@@ -70,6 +71,7 @@ def check_actions(schedule: Schedule) -> None:
     for pp_rank, rank_actions in enumerate(schedule.actions):
         _check_rank_order(pp_rank, rank_actions)
     _check_overlapped(schedule)
+    _check_filled(schedule)
 
 
 def _all_valid(schedule: Schedule, pp_rank: int, rank_actions: tuple[Action, ...]) -> bool:
@@ -194,6 +196,27 @@ def _check_overlapped(schedule: Schedule) -> None:
             if forward.kind != FORWARD or backward.kind not in (BACKWARD, BACKWARD_INPUT):
                 raise ScheduleError(f"rank {pp_rank}: overlapped pair at action {index} is {forward} and "
                                     f"{backward}; a pair is a forward followed by a backward (BW or B)")
+
+
+def _check_filled(schedule: Schedule) -> None:
+    """Each weight fill (``Schedule.with_weight_fills``): one list per rank, sorted, a backward followed by the W of
+    another (stage, microbatch), neither on the first stage of its copy, no action in an overlapped pair too."""
+    if not schedule.filled:
+        return
+    if len(schedule.filled) != schedule.pp:
+        raise ScheduleError(f"{schedule.name}: {len(schedule.filled)} lists of weight fills for pp={schedule.pp} ranks")
+    for pp_rank, starts in enumerate(schedule.filled):
+        rank_actions, paired = schedule.actions[pp_rank], set(schedule.pair_starts(pp_rank))
+        for previous, index in zip((-2,) + tuple(starts), starts):
+            shares_pair = {index - 1, index, index + 1} & paired
+            if index < previous + 2 or not 0 <= index < len(rank_actions) - 1 or shares_pair:
+                raise ScheduleError(f"rank {pp_rank}: weight fill at action {index} is out of order, overlaps "
+                                    f"another fill or an overlapped pair, or runs past the rank's actions")
+            backward, weight = rank_actions[index], rank_actions[index + 1]
+            if not schedule.fills(backward, weight):
+                raise ScheduleError(f"rank {pp_rank}: weight fill at action {index} is {backward} and {weight}; a "
+                                    f"fill is a backward followed by the W of another stage or microbatch, neither "
+                                    f"on the first stage of its model copy")
 
 
 @gc_paused

@@ -13,6 +13,11 @@ Why one at a time: no two pieces share the cores (on a CPU worker the two halves
 and each half's exchanges keep one order on each of its two communicators. The order of the pieces can still
 depend on when the backward's inputs arrive, so TP and CP collectives inside them are not ordered across ranks
 (validation refuses the overlap with tp * cp > 1). Torch-free: the work is anything with ``wait()``.
+
+A weight fill (ZB's W beside a backward, ``Schedule.with_weight_fills``) runs on the same turn: the backward is
+the first half and the W the second, which exchanges nothing: between its weight-gradient pieces it ``pause``s,
+handing the turn back whenever the backward's exchange has arrived. The half that calls ``exchanged`` or ``pause``
+is the one holding the turn (only it computes), so a backward run on an autograd device thread is found too.
 """
 
 from __future__ import annotations
@@ -47,19 +52,20 @@ def split_order(forward_exchanges: int, backward_exchanges: int) -> list[tuple[s
 
 
 def prove_interleave(forward_exchanges: int, backward_exchanges: int, ranks: int = 2,
-                     holds_turn_while_waiting: bool = False) -> None:
+                     holds_turn_while_waiting: bool = False, local_backward: bool = False) -> None:
     """Refuse (``ScheduleError``, one line) an interleaved pair that can hang: the turn protocol of
     ``PairInterleave`` on ``ranks`` EP ranks at once, an exchange arriving once every rank posted it, each
     backward asking for the turn at any moment (its inputs may arrive at any time), explored in every order the
     ranks' steps can take. Every reachable state must let some half go on until all have ended.
     ``holds_turn_while_waiting``: the protocol ppctl does not use (a half takes the turn back, then waits for its
-    exchange), which hangs; kept to show that the proof finds it."""
+    exchange), which hangs; kept to show that the proof finds it. ``local_backward``: the second half's exchanges
+    are a weight fill's pauses, which no other rank takes part in (they arrive at once)."""
     exchanges = (forward_exchanges, backward_exchanges)
     start = ((0, (0, 0), (RUNNING, PREPARING)),) * ranks  # per rank: the turn's half, pieces done, states
     seen, frontier = {start}, [start]
     while frontier:
         state = frontier.pop()
-        following = _next_states(state, exchanges, holds_turn_while_waiting)
+        following = _next_states(state, exchanges, holds_turn_while_waiting, local_backward)
         if not following and any(half != ENDED for _, _, halves in state for half in halves):
             raise ScheduleError(f"an overlapped pair of {forward_exchanges} forward and {backward_exchanges} "
                                 f"backward exchanges hangs on {ranks} EP ranks: {_describe(state)}")
@@ -69,13 +75,13 @@ def prove_interleave(forward_exchanges: int, backward_exchanges: int, ranks: int
                 frontier.append(next_state)
 
 
-def _next_states(state: tuple, exchanges: tuple[int, int], holds: bool) -> list[tuple]:
+def _next_states(state: tuple, exchanges: tuple[int, int], holds: bool, local_backward: bool) -> list[tuple]:
     """Every state one step of one half of one rank leads to (``prove_interleave``): halves 0 (forward) and 1."""
     following = []
     for index, (turn, pieces, halves) in enumerate(state):
         for half in (0, 1):
-            changed = _step(turn, pieces, halves, half, exchanges, holds,
-                            arrived=all(other[1][half] >= pieces[half] for other in state))
+            arrived = (half == 1 and local_backward) or all(other[1][half] >= pieces[half] for other in state)
+            changed = _step(turn, pieces, halves, half, exchanges, holds, arrived)
             if changed is not None:
                 following.append(state[:index] + (changed,) + state[index + 1:])
     return following
@@ -134,18 +140,22 @@ class PairInterleave:
         self._turn_changed = threading.Condition()
         self._turn: Optional[str] = None  # the half that computes, or None: free
         self._asking: set[str] = set()  # halves waiting for the turn
-        self._half = threading.local()  # which half this thread runs, while a pair runs
+        self._piece_start: dict[str, float] = {}  # per half, when its current piece started
+        self._labels = {FORWARD_HALF: FORWARD_HALF, BACKWARD_HALF: BACKWARD_HALF}  # what ``on_piece`` is told
         self._executor: Optional[ThreadPoolExecutor] = None
         self.on_piece = on_piece
 
     def run(self, forward: Callable[[], Result], backward: Callable[[], Result],
-            prepare: Callable[[], None] = lambda: None) -> tuple[Result, Result]:
+            prepare: Callable[[], None] = lambda: None, labels: tuple[str, str] = (FORWARD_HALF, BACKWARD_HALF)
+            ) -> tuple[Result, Result]:
         """``(forward(), backward())``: the forward on this thread, holding the turn first; ``prepare()`` then
-        ``backward()`` on the pair thread, the backward's compute taking turns with the forward's."""
+        ``backward()`` on the pair thread, the backward's compute taking turns with the forward's. ``labels``: the
+        halves' names for ``on_piece`` (a weight fill's are B and W)."""
         if self._executor is None:  # the pair thread: made on first use, ended when the interleave is collected
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppctl-pair")
         with self._turn_changed:
             self._turn, self._asking = FORWARD_HALF, set()
+            self._labels = dict(zip((FORWARD_HALF, BACKWARD_HALF), labels))
 
         def backward_half():
             prepare()
@@ -162,7 +172,7 @@ class PairInterleave:
         """Called by a half right after it posted an exchange (``work``: its in-flight handle): it hands the turn
         to the other half (or leaves it free), waits for the exchange without it, then asks for it again. Outside a
         pair: just wait."""
-        half = getattr(self._half, "name", None)
+        half = self._turn
         if half is None:
             work.wait()
             return
@@ -172,17 +182,30 @@ class PairInterleave:
         work.wait()
         with self._turn_changed:
             self._take_turn(half)
-        self._half.piece_start = time.perf_counter()
+        self._piece_start[half] = time.perf_counter()
+
+    def pause(self) -> None:
+        """Called by a half that exchanges nothing (a weight fill's W) between two of its pieces: when the other
+        half asks for the turn (its exchange arrived), hand it over and ask for it again; else go on. Outside a
+        pair: nothing."""
+        with self._turn_changed:
+            half = self._turn
+            if half is None or _other(half) not in self._asking:
+                return
+        self._end_piece(half)
+        with self._turn_changed:
+            self._hand_over_turn(half)
+            self._take_turn(half)
+        self._piece_start[half] = time.perf_counter()
 
     def _run_half(self, half: str, body: Callable[[], Result]) -> Result:
         with self._turn_changed:
             self._take_turn(half)
-        self._half.name, self._half.piece_start = half, time.perf_counter()
+        self._piece_start[half] = time.perf_counter()
         try:
             return body()
         finally:
             self._end_piece(half)
-            self._half.name = None
             with self._turn_changed:
                 self._hand_over_turn(half)
 
@@ -203,7 +226,7 @@ class PairInterleave:
     def _end_piece(self, half: str) -> None:
         """A piece ends at each exchange of its half and at its end."""
         if self.on_piece is not None:
-            self.on_piece(half, self._half.piece_start, time.perf_counter())
+            self.on_piece(self._labels[half], self._piece_start[half], time.perf_counter())
 
 
 def _other(half: str) -> str:

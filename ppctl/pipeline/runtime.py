@@ -16,7 +16,9 @@ the batch that receives them is posted), the forward here, whose batch is posted
 ends; then the backward's batch. One half computes at a time, the turn changing at each posted
 expert all-to-all (each half exchanges on its own communicator, ``ppctl.parallel.expert_parallel``),
 so one half's exchange travels while the other computes. The batches go out in the program's
-order, so the checked program's proof holds.
+order, so the checked program's proof holds. A weight fill (ZB's W beside a backward,
+``Schedule.with_weight_fills``) runs the same way: the backward here, the W in the second thread,
+computing its layers' weight gradients while the backward's exchanges travel.
 """
 
 from __future__ import annotations
@@ -105,11 +107,14 @@ class PipelineRuntime:
         handlers = self.forward_only_handlers if forward_only else self.handlers
         self.transport.post([], [self.messages[number] for number in program.initial_receives[self.pp_rank]])
         steps = program.steps[self.pp_rank]
-        pairs = set(program.schedule.pair_starts(self.pp_rank)) if self.overlap_pairs and not forward_only else set()
+        interleaved = self.overlap_pairs and not forward_only
+        pairs = set(program.schedule.pair_starts(self.pp_rank)) if interleaved else set()
+        fills = set(program.schedule.fill_starts(self.pp_rank)) if interleaved else set()
         index = 0
         while index < len(steps):
-            if index in pairs:
-                self._run_pair(steps[index], steps[index + 1], handlers, state, hooks)
+            if index in pairs or index in fills:
+                run_two = self._run_pair if index in pairs else self._run_fill
+                run_two(steps[index], steps[index + 1], handlers, state, hooks)
                 index += 2
                 continue
             step = steps[index]
@@ -183,6 +188,36 @@ class PipelineRuntime:
         self._hand_over(backward, produced, state)
         self._after(forward, state, hooks)
         self._after(backward, state, hooks)
+
+    def _run_fill(self, backward: Step, weight: Step, handlers: dict[str, Handler], state: StepState,
+                  hooks: ActionHooks | None) -> None:
+        """A weight fill (module docstring): the backward here, holding the turn first, its batch posted as soon
+        as it ends; the W in the pair thread, computing in the backward's exchange waits, then its batch."""
+        inputs = [self._input(number, state) for number in backward.inputs]
+        if hooks is not None:
+            hooks.before(backward.action)
+            hooks.before(weight.action)
+
+        def run_backward():
+            started = self.tracer.mark() if self.tracer is not None else None
+            produced = self._handler(handlers, backward)(backward, inputs, state)
+            if self.tracer is not None:
+                self.tracer.action(backward.action, started)
+            self._hand_over(backward, produced, state)
+
+        def run_weight():
+            started = self.tracer.mark() if self.tracer is not None else None
+            action = weight.action
+            self.stages[action.stage].backward_weight(action.microbatch, self.interleave.pause)
+            return started, Tracer.mark() if self.tracer is not None else None
+
+        _, (started, ended) = self.interleave.run(run_backward, run_weight,
+                                                  labels=(f"fill {backward.action.kind}", f"fill {weight.action.kind}"))
+        if self.tracer is not None:
+            self.tracer.action(weight.action, started, ended)
+        self._hand_over(weight, None, state)
+        self._after(backward, state, hooks)
+        self._after(weight, state, hooks)
 
     def _input(self, number: int, state: StepState) -> torch.Tensor:
         """Input message ``number``: handed over on this rank, or received."""

@@ -157,13 +157,14 @@ class PipelineStage:
                 self.weight_grads.stash(ComputedWeightGrads(self._weights, tuple(weight_grads)))
         return grad_input
 
-    def backward_weight(self, key: int) -> None:
-        """W of a split backward: accumulate the weight gradients of a microbatch whose B has run."""
+    def backward_weight(self, key: int, pause: Callable[[], None] = lambda: None) -> None:
+        """W of a split backward: accumulate the weight gradients of a microbatch whose B has run (``pause()``
+        between two layers' stashed work: ``WeightGradStore.accumulate``)."""
         if key in self.pending_weight:
             output, grad_output = self.pending_weight.pop(key)
             run_backward(output, grad_output)
         elif key in self.weight_grads:
-            self.weight_grads.accumulate(key)
+            self.weight_grads.accumulate(key, pause)
         else:
             raise RuntimeError(f"stage {self.index}: W of microbatch {key} before its B (backward_input)")
 

@@ -71,13 +71,14 @@ def test_mixtures_of_experts_at_pp2_match_single_process():
 def test_mixtures_of_experts_with_expert_parallelism_match_single_process():
     """Data-parallel replicas route their own microbatches and keep one expert bias (the global load's); with
     expert parallelism each rank holds ep's share of the experts, the tokens travel to them by all-to-all and back
-    (through every schedule's split backwards, and DualPipeV's pairs run at once: parallel.overlap_ep_comm), and the
-    experts' gradients reduce over their edp ranks, plain or sharded by the distributed optimizer."""
+    (through every schedule's split backwards; with parallel.overlap_ep_comm, DualPipeV's pairs interleaved and
+    ZB's W's filling their neighbouring backward's exchange waits), and the experts' gradients reduce over their edp
+    ranks, plain or sharded by the distributed optimizer (its buckets then reduced from the W's thread)."""
     pp2_dp2 = ["parallel.pp=2", "parallel.dp=2"]  # ep=1 with data parallelism: the twins' and the fuzzer's
     sharded = ["optimizer.distributed=true"]
     ep2 = pp2_dp2 + ["parallel.ep=2"]
     runs = [BASE + MIXTRAL + ep2 + ["schedule=dualpipev", "parallel.overlap_ep_comm=true"] + FP64,
-            BASE + MIXTRAL + ep2 + sharded + ["schedule=zbv"] + FP64,
+            BASE + MIXTRAL + ep2 + sharded + ["schedule=zbv", "parallel.overlap_ep_comm=true"] + FP64,
             BASE + DEEPSEEK + ep2 + ["parallel.vpp=2", "schedule=interleaved_1f1b"],
             # DualPipeV's pairs overlapped (two threads, one communicator each) and a recomputed forward's exchange
             BASE + GPT_EXPERTS + ep2 + ["schedule=dualpipev", "model.recompute=full",

@@ -266,3 +266,26 @@ def test_split_ops_give_plain_autograd_gradients(name, defer):
     expected = op_gradients(plain, inputs, weights, grad_output)
     for got, wanted in zip(actual, expected, strict=True):
         torch.testing.assert_close(got, wanted, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("kind", ["middle", "middle-moe", "last-moe"])
+def test_a_w_paused_between_layers_for_another_microbatchs_b_gives_the_whole_backwards_gradients(kind):
+    """A weight fill: W1 pauses between its layers' stashed work (each pause once: n entries, n - 1 pauses), and at
+    its first pause B0 runs, stashing into the same store; then W0. Bitwise the gradients of a whole backward."""
+    whole = make_stage(**STAGES[kind])
+    run_actions(whole, WHOLE)
+    stage = make_stage(**STAGES[kind])
+    run_actions(stage, [("F", 0), ("F", 1), ("B", 1)])
+    entries = len(stage.weight_grads._stashes[1])
+    pauses = []
+
+    def pause():
+        if not pauses:
+            run_actions(stage, [("B", 0)])
+        pauses.append(len(stage.weight_grads._stashes))
+
+    stage.backward_weight(1, pause)
+    assert len(pauses) == entries - 1 and pauses[0] == 1  # B0's stash while W1 ran
+    run_actions(stage, [("W", 0)])
+    assert not stage.holds_work()
+    assert_same_grads(weight_grads(stage), weight_grads(whole))

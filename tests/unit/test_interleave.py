@@ -140,3 +140,49 @@ def test_holding_the_turn_while_waiting_for_an_exchange_would_hang():
     while that rank's forward waits for this rank's forward's next exchange."""
     with pytest.raises(ScheduleError, match="hangs on 2 EP ranks: rank 0"):
         prove_interleave(3, 2, 2, holds_turn_while_waiting=True)
+
+
+def filler(name: str, pieces: int, interleave: PairInterleave, log: list):
+    """A half that exchanges nothing (a weight fill's W): ``pieces`` pieces, pausing between two."""
+    def body():
+        for index in range(pieces):
+            if index:
+                interleave.pause()
+            log.append((name, index, "start"))
+            time.sleep(0.002)
+            log.append((name, index, "end"))
+        return name
+    return body
+
+
+@pytest.mark.timeout(30)
+def test_a_weight_fill_computes_in_the_backwards_exchange_waits_and_yields_when_it_arrives():
+    """The backward (2 exchanges, each arriving 15 ms after it is posted) holds the turn first; the W (many short
+    pieces) computes while each exchange travels and hands the turn back at its next pause once it arrived; one piece
+    at a time; the W's pieces that did not fit finish after the backward."""
+    log, pieces = [], []
+    interleave = PairInterleave(on_piece=lambda name, start, end: pieces.append((name, start, end)))
+    backward = half("B", 2, interleave, log, arrival=lambda name, index: Posted(0.015))
+    results = interleave.run(backward, filler("W", 40, interleave, log), labels=("fill B", "fill W"))
+    assert results == ("B", "W")
+    ran = [name for name, _index, event in log if event == "start"]
+    assert ran[0] == "B" and ran.count("B") == 3 and ran.count("W") == 40
+    first_b_ends = [position for position, name in enumerate(ran) if name == "B"]
+    assert all(ran[position + 1] == "W" for position in first_b_ends[:2]), ran  # each wait filled by the W
+    assert ran[first_b_ends[-1] + 1:] == ["W"] * (len(ran) - first_b_ends[-1] - 1)
+    assert all(log[i][2] == "start" and log[i + 1] == (*log[i][:2], "end") for i in range(0, len(log), 2))
+    assert {name for name, _start, _end in pieces} == {"fill B", "fill W"}
+    assert sum(name == "fill B" for name, _start, _end in pieces) == 3
+
+
+def test_a_pause_outside_a_pair_or_with_no_one_asking_goes_on():
+    interleave = PairInterleave()
+    interleave.pause()  # outside a pair: nothing
+    log = []
+    interleave.run(filler("W", 3, interleave, log), lambda: "idle")
+    assert [index for _name, index, event in log if event == "start"] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("backward, pauses, ranks", [(0, 0, 2), (2, 5, 2), (6, 3, 2), (1, 3, 3)])
+def test_a_weight_fill_never_hangs_whatever_the_order(backward, pauses, ranks):
+    prove_interleave(backward, pauses, ranks, local_backward=True)

@@ -12,7 +12,7 @@ pipeline rank that runs it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple, Optional
 
 from ppctl.parallel.placement import Placement, looped_placement, v_placement
@@ -60,6 +60,10 @@ class Schedule:
     ``overlapped[rank]`` lists, sorted, the indices i such that ``actions[rank][i]`` (an F)
     and ``actions[rank][i + 1]`` (a backward) form one overlapped forward-backward pair
     (DualPipe's F&B): shown and timed as one composite action, run as two steps.
+
+    ``filled[rank]`` lists, sorted, the indices i such that ``actions[rank][i]`` (a backward, B or BW) and
+    ``actions[rank][i + 1]`` (the W of another stage or microbatch) form one weight fill: the W computes while
+    the backward waits for its expert all-to-alls (``with_weight_fills``; none unless asked for).
     """
 
     name: str
@@ -69,6 +73,7 @@ class Schedule:
     placement: Placement
     actions: tuple[tuple[Action, ...], ...]
     overlapped: tuple[tuple[int, ...], ...] = ()
+    filled: tuple[tuple[int, ...], ...] = ()
 
     @property
     def chunks_per_copy(self) -> int:
@@ -94,6 +99,28 @@ class Schedule:
         """The indices of ``pp_rank``'s actions that start an overlapped pair (none without pairs)."""
         return self.overlapped[pp_rank] if self.overlapped else ()
 
+    def fill_starts(self, pp_rank: int) -> tuple[int, ...]:
+        """The indices of ``pp_rank``'s actions that start a weight fill (none without fills)."""
+        return self.filled[pp_rank] if self.filled else ()
+
+    def with_weight_fills(self) -> "Schedule":
+        """The same schedule with every weight fill its order allows (``parallel.overlap_ep_comm``): a backward
+        followed on its rank by a W of another (stage, microbatch), neither on the first stage of its model copy
+        (whose B computes nothing and whose W runs the whole backward, exchanges included), neither in an
+        overlapped pair. The W's own B ran earlier (the order ``check_schedule`` proves), so the two are
+        independent: the W fills the backward's all-to-all waits."""
+        filled = tuple(tuple(index for index in range(len(rank_actions) - 1)
+                             if self.fills(rank_actions[index], rank_actions[index + 1])
+                             and not {index, index + 1} & _paired(self.pair_starts(pp_rank)))
+                       for pp_rank, rank_actions in enumerate(self.actions))
+        return replace(self, filled=filled)  # a W starts no fill: no two fills share an action
+
+    def fills(self, backward: Action, weight: Action) -> bool:
+        """Whether ``weight`` may fill ``backward``'s exchange waits (``with_weight_fills``)."""
+        return (backward.kind in (BACKWARD, BACKWARD_INPUT) and weight.kind == BACKWARD_WEIGHT
+                and backward[1:] != weight[1:] and self.placement.model_stage(backward.stage) != 0
+                and self.placement.model_stage(weight.stage) != 0)
+
     def forward_only(self) -> "Schedule":
         """The same schedule with its forwards only, in the same order (evaluation: no backward, no pairs)."""
         actions = tuple(tuple(action for action in rank_actions if action.kind == FORWARD)
@@ -104,13 +131,16 @@ class Schedule:
     def describe(self) -> str:
         """One line per rank, actions written compactly (``F3`` forward mb 3, ``c1`` chunk 1).
 
-        An overlapped pair is one cell, its halves joined by ``+`` (``F3c0+BW1c1``).
+        An overlapped pair is one cell, its halves joined by ``+`` (``F3c0+BW1c1``); a weight fill by ``&``
+        (``B3c1&W2c0``).
         """
         lines = []
         for pp_rank, rank_actions in enumerate(self.actions):
             cells = [self._cell(action) for action in rank_actions]
-            for index in reversed(self.pair_starts(pp_rank)):
-                cells[index:index + 2] = ["+".join(cells[index:index + 2])]
+            joined = [(index, "+") for index in self.pair_starts(pp_rank)]
+            joined += [(index, "&") for index in self.fill_starts(pp_rank)]
+            for index, joint in sorted(joined, reverse=True):
+                cells[index:index + 2] = [joint.join(cells[index:index + 2])]
             lines.append(f"rank {pp_rank}: " + " ".join(cells))
         return "\n".join(lines)
 
@@ -118,6 +148,11 @@ class Schedule:
         """``action`` written compactly: kind, microbatch, and its chunk when the rank holds several."""
         chunk = f"c{self.placement.chunk_of(action.stage)}" if self.chunks_per_rank > 1 else ""
         return f"{action.kind}{action.microbatch}{chunk}"
+
+
+def _paired(starts: tuple[int, ...]) -> set[int]:
+    """The indices of the actions in the pairs starting at ``starts``."""
+    return {index + half for index in starts for half in (0, 1)}
 
 
 # --- the registry's entry type -------------------------------------------------------
