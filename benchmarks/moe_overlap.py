@@ -1,13 +1,15 @@
 """Exposed expert all-to-all per step at ep=2: measured in traces beside the simulator's prediction.
 
 Each variant trains a Mixtral-like model (``model=mixtral_tiny`` widened, 8 experts top-2 on every layer) at
-pp=2 dp=2 ep=2 on 4 gloo workers with ``trainer.trace=true``, under 1F1B, ZB-V and DualPipeV (its pairs one half
-after the other, the default, and interleaved: ``parallel.overlap_ep_comm=true``, ``ppctl.pipeline.interleave``). From each traced step (the first,
-warm-up, left out) it reads per rank:
+pp=2 dp=2 ep=2 on 4 gloo workers with ``trainer.trace=true``, under 1F1B, ZB-V (plain, and with its W's filling
+the all-to-all waits of the backwards beside them: ``parallel.overlap_ep_comm=true``) and DualPipeV (its pairs one
+half after the other, the default, and interleaved: ``parallel.overlap_ep_comm=true``, ``ppctl.pipeline.interleave``).
+From each traced step (the first, warm-up, left out) it reads per rank:
 
 - the all-to-all time (every dispatch and combine, both directions: the ``a2a`` spans the tracer records);
 - the exposed all-to-all: the part during which the rank computed nothing (``ppctl.pipeline.trace
-  .exposed_exchange_seconds``: an action computes over its span less its own lane's exchanges);
+  .exposed_exchange_seconds``: an action computes over its span less its own lane's exchanges, or over its pieces
+  where the interleave ran it);
 - the step time (first action's start to last action's end, the slowest rank).
 
 The prediction: the costs fitted from the same trace (each action kind's mean time less the mean all-to-all an
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 VARIANTS = {  # label -> the overrides that make it
     "1f1b": ["schedule=1f1b"],
     "zbv": ["schedule=zbv"],
+    "zbv, weight fills": ["schedule=zbv", "parallel.overlap_ep_comm=true"],
     "dualpipev, pairs in turn": ["schedule=dualpipev"],
     "dualpipev, pairs interleaved": ["schedule=dualpipev", "parallel.overlap_ep_comm=true"],
 }
@@ -57,18 +60,22 @@ def overrides_of(args, variant: list[str], out_dir: Path) -> list[str]:
 
 
 def traced_steps(trace: dict) -> dict[int, dict[int, dict]]:
-    """step -> rank -> ``{actions: [(kind, start, end)], exchanges: [(start, end, lane)]}`` (seconds)."""
+    """step -> rank -> ``{actions: [(kind, start, end)], exchanges: [(start, end, lane)], pieces: [(half, start,
+    end)]}`` (seconds)."""
     from ppctl.pipeline.trace import EXCHANGE_CATEGORY, PIECE_CATEGORY
 
     steps: dict[int, dict[int, dict]] = {}
     for event in trace["traceEvents"]:
         if event.get("ph") != "X" or "step" not in event.get("args", {}):
             continue
-        rank = steps.setdefault(event["args"]["step"], {}).setdefault(event["tid"], {"actions": [], "exchanges": []})
+        rank = steps.setdefault(event["args"]["step"], {}).setdefault(event["tid"],
+                                                                      {"actions": [], "exchanges": [], "pieces": []})
         start, end = event["ts"] / 1e6, (event["ts"] + event["dur"]) / 1e6
         if event["cat"] == EXCHANGE_CATEGORY:
             rank["exchanges"].append((start, end, 1 if event["args"]["lane"] == "backward" else 0))
-        elif event["cat"] not in ("wait", PIECE_CATEGORY):
+        elif event["cat"] == PIECE_CATEGORY:
+            rank["pieces"].append((event["name"].removesuffix(" piece"), start, end))
+        elif event["cat"] != "wait":
             rank["actions"].append((event["cat"], start, end))
     return steps
 
@@ -79,7 +86,8 @@ def measured(step: dict[int, dict]) -> dict[str, float]:
 
     ranks = list(step.values())
     total = statistics.mean(sum(end - start for start, end, _ in rank["exchanges"]) for rank in ranks)
-    exposed = statistics.mean(exposed_exchange_seconds(rank["actions"], rank["exchanges"]) for rank in ranks)
+    exposed = statistics.mean(exposed_exchange_seconds(rank["actions"], rank["exchanges"], rank["pieces"])
+                              for rank in ranks)
     time = max(max(end for *_, end in rank["actions"]) - min(start for _, start, _ in rank["actions"])
                for rank in ranks)
     return {"a2a_ms": total * 1e3, "exposed_ms": exposed * 1e3, "step_ms": time * 1e3}
@@ -89,8 +97,8 @@ def fitted_costs(step: dict[int, dict], chunks_per_copy: int, pairs_at_once: boo
     """Costs (ms per microbatch through a rank's layers) of one step (``ppctl.pipeline.trace.exchange_costs``)."""
     from ppctl.pipeline.trace import exchange_costs
 
-    return exchange_costs([(rank["actions"], rank["exchanges"]) for rank in step.values()], chunks_per_copy,
-                          pairs_at_once)
+    return exchange_costs([(rank["actions"], rank["exchanges"], rank["pieces"]) for rank in step.values()],
+                          chunks_per_copy, pairs_at_once)
 
 
 def predicted_exposed_ms(schedule, costs) -> float:

@@ -287,15 +287,15 @@ def _all_to_all_figures(trainer: Trainer, gathered: list[dict], pipeline_ranks: 
     None without exchanges."""
     by_rank = {entry["rank"]: entry["snapshot"] for entry in gathered}
     ranks = [([(kind, start, end) for kind, _stage, _mb, start, end in by_rank[rank]["actions"]],
-              by_rank[rank].get("exchanges", [])) for rank in pipeline_ranks]
-    if not any(exchanges for _actions, exchanges in ranks):
+              by_rank[rank].get("exchanges", []), by_rank[rank].get("pieces", [])) for rank in pipeline_ranks]
+    if not any(exchanges for _actions, exchanges, _pieces in ranks):
         return None
     program = trainer.last_program
     costs = dataclasses.replace(exchange_costs(ranks, program.schedule.chunks_per_copy, trainer.runtime.overlap_pairs),
                                 comm=comm * 1e3)
     simulated = simulate(program, costs).exposed_exchanges()
     return {"total_ms": statistics.mean(sum(end - start for start, end, _ in exchanges) * 1e3
-                                        for _actions, exchanges in ranks),
+                                        for _actions, exchanges, _pieces in ranks),
             "exposed_measured_ms": statistics.mean(exposed_exchange_seconds(*rank) * 1e3 for rank in ranks),
             "exposed_simulated_ms": statistics.mean(simulated), "fitted_costs_ms": costs.to_json()}
 

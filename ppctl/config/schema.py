@@ -198,8 +198,10 @@ class ParallelConfig(Section):
     overlap_ep_comm: bool = setting(
         False, "with `ep` > 1, interleave the two halves of each overlapped forward-backward pair (`dualpipe`, "
         "`dualpipev`): one piece computes at a time, the turn changing at each expert all-to-all, so that one's "
-        "exchange travels while the other computes (DeepSeek-V3's overlap); off by default: CPU workers that already "
-        "fill their cores gain nothing (benchmarks/RESULTS.md)")
+        "exchange travels while the other computes (DeepSeek-V3's overlap); and under a split backward (ZB, the V "
+        "family) let each W beside a backward of another microbatch compute in that backward's all-to-all waits "
+        "(weight fills); off by default: CPU workers that already fill their cores gain nothing "
+        "(benchmarks/RESULTS.md)")
     pipeline_layout: Optional[str] = setting(
         None, "explicit per-stage split in Megatron-LM syntax, e.g. `Ettt|tttt|tttL` or `E(tt|)*3tL` (`t*3` and "
         "`(...)*N` repeat; a stage may be empty); default: even split, `num_layers` divisible by pp*vpp (by pp "

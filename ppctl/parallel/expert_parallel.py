@@ -14,7 +14,8 @@ its members are data-parallel peers running the same pipeline program.
 Two communicators over the same ranks: the forward's exchanges use ``group``, the backward's (a recomputed
 forward inside a backward included) ``backward_group``. Each one's sequence of exchanges is then the same on every
 rank, so an overlapped pair (DualPipe's F&B, ``ppctl.pipeline.runtime``) can run its forward and its backward
-interleaved (``ppctl.pipeline.interleave``): each exchange is posted, the other half computes, then it is waited.
+interleaved (``ppctl.pipeline.interleave``): each exchange is posted, the other half computes, then it is waited
+(``ppctl.parallel.lanes``, which the TP group and the ``TokenSplit`` share).
 
 A ``TokenSplit`` is the other group an MoE layer talks to: the ranks that hold one microbatch's tokens between
 them (the TP ranks under sequence parallelism, times the CP ranks: the layout's ``tp_cp`` group), an equal share
@@ -30,24 +31,29 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-FORWARD_LANE, BACKWARD_LANE = 0, 1
+from ppctl.parallel.lanes import BACKWARD_LANE, current_lane, finish, lane_communicator
+
 
 
 @dataclass(frozen=True)
 class TokenSplit:
     """The ranks that hold one microbatch's tokens between them, an equal share each (module docstring): a
-    ``torch.distributed`` ProcessGroup (None for one rank), ``size`` ranks, this rank's index ``rank``."""
+    ``torch.distributed`` ProcessGroup (None for one rank), ``size`` ranks, this rank's index ``rank``;
+    ``backward_group`` and ``interleave`` as ``EPGroup``'s (``ppctl.parallel.lanes``)."""
 
     group: object | None = None
     size: int = 1
     rank: int = 0
+    backward_group: object | None = None
+    interleave: object | None = field(default=None, compare=False, repr=False)
 
     def total(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` summed over the split's ranks (a new tensor, no graph; itself for one rank)."""
         if self.size == 1:
             return tensor
         summed = tensor.detach().clone()
-        dist.all_reduce(summed, group=self.group)
+        finish(dist.all_reduce(summed, group=lane_communicator(self.group, self.backward_group), async_op=True),
+               self.interleave)
         return summed
 
 
@@ -80,7 +86,7 @@ class EPGroup:
 
     def lane_group(self, lane: int):
         """The communicator of ``lane`` (``FORWARD_LANE`` or ``BACKWARD_LANE``)."""
-        return self.backward_group if lane == BACKWARD_LANE and self.backward_group is not None else self.group
+        return lane_communicator(self.group, self.backward_group, lane)
 
     def local_experts(self, num_experts: int) -> range:
         """The global ids of the experts this rank holds (``num_experts`` divisible by ``size``)."""
@@ -88,11 +94,6 @@ class EPGroup:
             raise ValueError(f"{num_experts} experts do not split evenly over ep={self.size}")
         per_rank = num_experts // self.size
         return range(self.rank * per_rank, (self.rank + 1) * per_rank)
-
-
-def current_lane() -> int:
-    """``BACKWARD_LANE`` inside a backward (a recomputed forward too), else ``FORWARD_LANE``."""
-    return BACKWARD_LANE if torch._C._current_graph_task_id() != -1 else FORWARD_LANE
 
 
 class _AllToAll(torch.autograd.Function):
@@ -117,10 +118,7 @@ def all_to_all_rows(rows: torch.Tensor, send: Sequence[int], recv: Sequence[int]
     started = time.perf_counter()
     work = dist.all_to_all_single(received, rows.contiguous(), list(recv), list(send), group=ep.lane_group(lane),
                                   async_op=True)
-    if ep.interleave is not None:
-        ep.interleave.exchanged(work)  # in an overlapped pair the other half computes while this one travels
-    else:
-        work.wait()
+    finish(work, ep.interleave)  # in an overlapped pair the other half computes while this one travels
     if ep.on_exchange is not None:
         ep.on_exchange(started, time.perf_counter(), lane)
     return received

@@ -14,7 +14,14 @@ import torch.distributed as dist
 
 from ppctl.parallel.layout import ParallelLayout
 
-EP_BACKWARD = "ep_backward"
+# The backward lane's second communicator of each group an MoE layer talks to (``ppctl.parallel.lanes``), made
+# with expert parallelism: "<group>_backward".
+BACKWARD_LANE_GROUPS = ("ep", "tp", "tp_cp")
+
+
+def backward_lane(name: str) -> str:
+    """The name of group ``name``'s backward-lane communicator (``BACKWARD_LANE_GROUPS``)."""
+    return f"{name}_backward"
 
 
 @dataclass
@@ -67,9 +74,11 @@ def build_parallel_context(layout: ParallelLayout, timeout_s: float, device: str
             groups[name] = groups["dp_cp" if name == "replica" else "edp"]
             continue
         groups[name] = _new_groups(layout.groups(name), rank, timeout)
-    if layout.ep > 1:  # a second communicator of each ep group: the backward's exchanges (expert_parallel.py)
-        group_ranks[EP_BACKWARD] = group_ranks["ep"]
-        groups[EP_BACKWARD] = _new_groups(layout.groups("ep"), rank, timeout)
+    if layout.ep > 1:  # a second communicator of each group the experts talk to: the backward's (lanes.py)
+        for name in BACKWARD_LANE_GROUPS:
+            if name == "ep" or len(group_ranks[name]) > 1:
+                group_ranks[backward_lane(name)] = group_ranks[name]
+                groups[backward_lane(name)] = _new_groups(layout.groups(name), rank, timeout)
     context = ParallelContext(layout, rank, layout.coords(rank), groups, group_ranks,
                               _device_mesh(layout, groups, device), device)
     verify_group_membership(context)
@@ -120,7 +129,8 @@ def warm_up_communicators(context: ParallelContext) -> None:
     import torch
 
     done = set()
-    for name in (*context.layout.group_names, *((EP_BACKWARD,) if EP_BACKWARD in context.groups else ())):
+    lanes = [backward_lane(name) for name in BACKWARD_LANE_GROUPS if backward_lane(name) in context.groups]
+    for name in (*context.layout.group_names, *lanes):
         group = context.groups[name]
         if group is None or id(group) in done or context.size(name) <= 1:
             continue

@@ -22,17 +22,22 @@ gradients are summed over TP after the backward (``ppctl.optim.grads``).
 The linear layers' matmuls and biases run through ``ppctl.autograd.weight_grad``, so a
 pipeline B can defer their weight gradients to W; that Function does no communication:
 the regions around it stay as they are, and their backward collectives all run in B.
+
+Where overlapped pairs run interleaved (``parallel.overlap_ep_comm``) the group has a second
+communicator for the backward's collectives and each collective lets the other half compute
+while it travels (``ppctl.parallel.lanes``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from ppctl.autograd.weight_grad import DefersWeightGrads, WeightGradStore, add_bias, linear
+from ppctl.parallel.lanes import finish, lane_communicator
 
 
 @dataclass(frozen=True)
@@ -40,13 +45,22 @@ class TPGroup:
     """The tensor-parallel group one rank belongs to.
 
     ``group`` is a ``torch.distributed`` ProcessGroup (None for tp=1, where nothing is
-    communicated), ``size`` the number of TP ranks, ``rank`` this process's index in it.
+    communicated), ``size`` the number of TP ranks, ``rank`` this process's index in it;
+    ``backward_group`` (the backward's communicator) and ``interleave`` as in ``ppctl.parallel.lanes``.
     """
 
     group: object | None
     size: int
     rank: int
     sequence_parallel: bool = False
+    backward_group: object | None = None
+    interleave: object | None = field(default=None, compare=False, repr=False)
+
+    def post(self, collective, *tensors, **options) -> None:
+        """Run ``collective(*tensors, group=..., async_op=True, **options)`` on the current lane's communicator and
+        wait for it (``ppctl.parallel.lanes.finish``)."""
+        work = collective(*tensors, group=lane_communicator(self.group, self.backward_group), async_op=True, **options)
+        finish(work, self.interleave)
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -80,14 +94,14 @@ class TPGroup:
 def _all_reduce(tensor: torch.Tensor, tp: TPGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
     result = tensor.clone(memory_format=torch.contiguous_format)
     if tp.size > 1:
-        dist.all_reduce(result, op=op, group=tp.group)
+        tp.post(dist.all_reduce, result, op=op)
     return result
 
 
 def _all_gather_last_dim(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     tensor = tensor.contiguous()
     pieces = [torch.empty_like(tensor) for _ in range(tp.size)]
-    dist.all_gather(pieces, tensor, group=tp.group)
+    tp.post(dist.all_gather, pieces, tensor)
     return torch.cat(pieces, dim=-1)
 
 
@@ -107,7 +121,7 @@ def _all_gather_sequence(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Concatenate every TP rank's sequence slice, in rank order."""
     leading = tensor.movedim(SEQUENCE_DIM, 0).contiguous()
     gathered = leading.new_empty((tp.size * leading.shape[0], *leading.shape[1:]))
-    all_gather_single(gathered, leading, group=tp.group)
+    tp.post(all_gather_single, gathered, leading)
     return gathered.movedim(0, SEQUENCE_DIM)
 
 
@@ -117,7 +131,7 @@ def _reduce_scatter_sequence(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     if leading.shape[0] % tp.size:
         raise ValueError(f"sequence length {leading.shape[0]} not divisible by tp={tp.size}")
     scattered = leading.new_empty((leading.shape[0] // tp.size, *leading.shape[1:]))
-    reduce_scatter_single(scattered, leading, group=tp.group)
+    tp.post(reduce_scatter_single, scattered, leading)
     return scattered.movedim(0, SEQUENCE_DIM)
 
 

@@ -143,6 +143,7 @@ class Program:
             "messages": [message._asdict() for message in self.messages],
             "ranks": [{"rank": rank, "initial_receives": list(self.initial_receives[rank]),
                        "overlapped": list(self.schedule.pair_starts(rank)),
+                       "filled": list(self.schedule.fill_starts(rank)),
                        "steps": [_step_json(step) for step in steps]}
                       for rank, steps in enumerate(self.steps)],
         }

@@ -103,7 +103,19 @@ def _exposed_line(result: SimResult) -> list[str]:
         pieces = " ".join(f"{half}{index}" for half, index in split)
         lines.append(f"overlapped pairs interleaved (parallel.overlap_ep_comm): each half cut by its "
                      f"{int(result.costs.A2A_SPLIT)} exchange(s) per chunk (A2A_SPLIT), one piece at a time: {pieces}")
+    fills = _fills_per_rank(result)
+    if fills:
+        lines.append(f"weight fills (parallel.overlap_ep_comm; B&W in the schedule): {fills} per rank; each W "
+                     f"computes in its backward's all-to-all waits")
     return lines
+
+
+def _fills_per_rank(result: SimResult) -> str:
+    """Each rank's count of weight fills, or "" without any (``Schedule.with_weight_fills``)."""
+    schedule = result.program.schedule if result.program is not None else None
+    if schedule is None or not schedule.filled:
+        return ""
+    return " ".join(str(len(schedule.fill_starts(rank))) for rank in range(schedule.pp))
 
 
 def _fill_line(result: SimResult) -> list[str]:

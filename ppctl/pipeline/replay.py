@@ -86,7 +86,8 @@ class Costs:
     compute is cut by its ``A2A_SPLIT`` exchanges per chunk (2 per MoE layer: dispatch and combine)
     into equal pieces, the pieces alternate, and each exchange travels while the other half's next
     piece computes (``interleaved_pair_time``); so without ``FB`` the all-to-all shows only where it
-    exceeds the other half's compute.
+    exceeds the other half's compute. A weight fill's W computes in its backward's exchange waits
+    (``_time_fills``): it takes only what exceeds them.
     """
 
     F: float = 1.0
@@ -215,11 +216,15 @@ class TimedProgram:
         if costs.times_pairs:
             for pp_rank, rank_steps in enumerate(steps):
                 _time_pairs(schedule, pp_rank, rank_steps, costs, pairs_as_one)
+        if costs.A2A:
+            for pp_rank, rank_steps in enumerate(steps):
+                _time_fills(schedule, pp_rank, rank_steps, durations[BACKWARD_WEIGHT],
+                            costs.A2A / schedule.chunks_per_copy)
         return cls(schedule.actions, steps, initial, messages)
 
 
 def _time_pairs(schedule: Schedule, pp_rank: int, steps: list[EngineStep], costs: Costs, as_one: bool) -> None:
-    """Give the two steps of each of ``pp_rank``'s overlapped pairs their share of its time (see ``TimedProgram.of``)."""
+    """Give the two steps of each of ``pp_rank``'s overlapped pairs their share of its time (``TimedProgram.of``)."""
     for index in schedule.pair_starts(pp_rank):
         forward_time, backward_time = pair_durations(schedule.chunks_per_copy, costs,
                                                      schedule.actions[pp_rank][index + 1].kind)
@@ -229,6 +234,15 @@ def _time_pairs(schedule: Schedule, pp_rank: int, steps: list[EngineStep], costs
             f_inputs, b_inputs, f_sends, b_sends = f_inputs + b_inputs, (), (), f_sends + b_sends
         steps[index] = (f_inputs, forward_time, f_output, f_sends, f_receives)
         steps[index + 1] = (b_inputs, backward_time, b_output, b_sends, b_receives)
+
+
+def _time_fills(schedule: Schedule, pp_rank: int, steps: list[EngineStep], weight: float, exchange: float) -> None:
+    """Each of ``pp_rank``'s weight fills (``Schedule.with_weight_fills``): the W computes while its backward waits
+    for its exchanges (``exchange`` per chunk), so the backward keeps its time and the W takes what is left of its
+    own (``weight``) beyond them."""
+    for index in schedule.fill_starts(pp_rank):
+        inputs, _, output, sends, receives = steps[index + 1]
+        steps[index + 1] = (inputs, max(weight - exchange, 0.0), output, sends, receives)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from ppctl.pipeline.p2p import PipelineTransport
 from ppctl.pipeline.program import Message, Program, Step
 from ppctl.pipeline.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
 from ppctl.pipeline.stage import LossFn, PipelineStage, release_output
-from ppctl.pipeline.trace import Tracer
+from ppctl.pipeline.trace import FILL_LABEL, Tracer
 
 
 @dataclass
@@ -212,7 +212,8 @@ class PipelineRuntime:
             return started, Tracer.mark() if self.tracer is not None else None
 
         _, (started, ended) = self.interleave.run(run_backward, run_weight,
-                                                  labels=(f"fill {backward.action.kind}", f"fill {weight.action.kind}"))
+                                                  labels=(f"{FILL_LABEL} {backward.action.kind}",
+                                                          f"{FILL_LABEL} {weight.action.kind}"))
         if self.tracer is not None:
             self.tracer.action(weight.action, started, ended)
         self._hand_over(weight, None, state)

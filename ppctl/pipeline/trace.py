@@ -116,17 +116,28 @@ def chrome_trace(snapshots: list[dict], step: int) -> dict:
 
 EXCHANGE_CATEGORY = "a2a"
 PIECE_CATEGORY = "piece"
+FILL_LABEL = "fill"  # a weight fill's pieces are labelled "fill B" and "fill W" (``ppctl.pipeline.runtime``)
 
 
-def exposed_exchange_seconds(actions, exchanges) -> float:
+def exposed_exchange_seconds(actions, exchanges, pieces=()) -> float:
     """The time one rank spent in expert all-to-alls while it computed nothing: ``actions`` are ``(kind, start,
-    end)``, ``exchanges`` ``(start, end, lane)``. An action computes over its span less its own exchanges
-    (``_own_exchanges``); an exchange is exposed where no action computes. Run one after another, every exchange is
-    exposed; in an overlapped pair, the part the other half's compute covers is not."""
-    computing = []
-    for kind, start, end in actions:
+    end)``, ``exchanges`` ``(start, end, lane)``, ``pieces`` ``(half, start, end)`` (the interleave's, when its
+    pairs and weight fills ran interleaved). An action computes over its span less its own exchanges
+    (``_own_exchanges``), one that holds pieces over its pieces only (the two halves' spans overlap); an exchange is
+    exposed where nothing computes. Run one after another, every exchange is exposed; in an overlapped pair or a
+    weight fill, the part the other half's compute covers is not."""
+    computing = [(start, end) for _half, start, end in pieces]
+    for kind, start, end in _actions_without_pieces(actions, pieces):
         computing += _minus([(start, end)], _own_exchanges(kind, start, end, exchanges))
     return sum(stop - begin for begin, stop in _minus(_union([(s, e) for s, e, _ in exchanges]), computing))
+
+
+def _actions_without_pieces(actions, pieces, label: str = "") -> list:
+    """The ``(kind, start, end)`` actions no piece falls inside (no piece of a half whose label starts with
+    ``label``)."""
+    spans = [(start, end) for half, start, end in pieces if half.startswith(label)]
+    return [(kind, start, end) for kind, start, end in actions
+            if not any(start <= piece_start and piece_end <= end for piece_start, piece_end in spans)]
 
 
 def _own_exchanges(kind: str, start: float, end: float, exchanges) -> list[tuple[float, float]]:
@@ -142,14 +153,16 @@ def exchange_costs(ranks, chunks_per_copy: int, pairs_at_once: bool):
     exchanges)`` as ``exposed_exchange_seconds`` takes them (seconds): each kind's mean time less the all-to-all its
     actions waited (their own lane's), and the mean all-to-all a forward waited as ``A2A``; unless the run had its
     overlapped pairs ``pairs_at_once``, ``FB`` is both halves in turn, each with its all-to-all. ``A2A_SPLIT``: the
-    mean count of a backward's own exchanges (dispatch and combine of each of its MoE layers), at least 1."""
+    mean count of a backward's own exchanges (dispatch and combine of each of its MoE layers), at least 1. A rank may
+    also give its pieces (``(actions, exchanges, pieces)``): the actions of weight fills are then left out, their
+    spans holding both halves."""
     from ppctl.pipeline.simulate import Costs
 
     computing: dict[str, list[float]] = {}
     waited: list[float] = []
     splits: list[int] = []
-    for actions, exchanges in ranks:
-        for kind, start, end in actions:
+    for actions, exchanges, *pieces in ranks:
+        for kind, start, end in _actions_without_pieces(actions, pieces[0] if pieces else [], FILL_LABEL):
             spans = _own_exchanges(kind, start, end, exchanges)
             own = sum(stop - begin for begin, stop in spans)
             computing.setdefault(kind, []).append((end - start - own) * 1e3)

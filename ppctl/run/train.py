@@ -34,7 +34,7 @@ from ppctl.optim.optimizer import build_trainer_optimizer
 from ppctl.optim.lr import learning_rate, lr_schedule_of, set_learning_rate
 from ppctl.parallel.context_parallel import CPGroup
 from ppctl.parallel.expert_parallel import EPGroup, TokenSplit
-from ppctl.parallel.groups import EP_BACKWARD, ParallelContext
+from ppctl.parallel.groups import ParallelContext, backward_lane
 from ppctl.parallel.tensor_parallel import TPGroup
 from ppctl.pipeline.check import check_program, check_schedule
 from ppctl.pipeline.interleave import PairInterleave
@@ -108,11 +108,15 @@ def unpack_fields(packed: torch.Tensor, layout: list, kind):
     return kind(**fields)
 
 
-def tp_group_of(context: ParallelContext, sequence_parallel: bool = False) -> TPGroup:
-    """The TP group object the model layers use."""
+def tp_group_of(context: ParallelContext, sequence_parallel: bool = False,
+                interleave: PairInterleave | None = None) -> TPGroup:
+    """The TP group object the model layers use; with an ``interleave`` (overlapped pairs at ep > 1) its collectives
+    go through two lanes (``ppctl.parallel.lanes``)."""
     if context.size("tp") == 1:
         return TPGroup.single()
-    return TPGroup(context.groups["tp"], context.size("tp"), context.index("tp"), sequence_parallel)
+    backward_group = context.groups[backward_lane("tp")] if interleave is not None else None
+    return TPGroup(context.groups["tp"], context.size("tp"), context.index("tp"), sequence_parallel,
+                   backward_group=backward_group, interleave=interleave)
 
 
 def cp_group_of(context: ParallelContext, comm: str) -> CPGroup:
@@ -127,11 +131,14 @@ def ep_group_of(context: ParallelContext, on_exchange=None, interleave: PairInte
     """The expert-parallel group object the MoE layers use (``on_exchange``: told each exchange's span;
     ``interleave``: the runtime's, for overlapped pairs), with the split of each microbatch's tokens over ``tp_cp``
     (validation asks for sequence parallelism with TP and experts)."""
-    tokens = TokenSplit(context.groups["tp_cp"], context.size("tp_cp"), context.index("tp_cp")) \
-        if context.size("tp_cp") > 1 else TokenSplit()
+    tokens = TokenSplit()
+    if context.size("tp_cp") > 1:
+        backward_group = context.groups[backward_lane("tp_cp")] if interleave is not None else None
+        tokens = TokenSplit(context.groups["tp_cp"], context.size("tp_cp"), context.index("tp_cp"), backward_group,
+                            interleave)
     if context.layout.ep == 1:
         return EPGroup.single(tokens)
-    return EPGroup(context.groups["ep"], context.size("ep"), context.index("ep"), context.groups[EP_BACKWARD],
+    return EPGroup(context.groups["ep"], context.size("ep"), context.index("ep"), context.groups[backward_lane("ep")],
                    on_exchange=on_exchange, tokens=tokens, interleave=interleave)
 
 
@@ -141,7 +148,7 @@ def build_chunks(resolved: ResolvedConfig, context: ParallelContext, load_init_f
     read from ``model.init_from`` unless ``load_init_from`` is False (a resumed run reads its checkpoint);
     ``on_exchange``: told the span of each expert-parallel all-to-all; ``interleave``: the runtime's."""
     config = resolved.config
-    tp = tp_group_of(context, config.parallel.sequence_parallel)
+    tp = tp_group_of(context, config.parallel.sequence_parallel, interleave)
     cp = cp_group_of(context, config.parallel.cp_comm)
     ep = ep_group_of(context, on_exchange, interleave)
     chunks = {}

@@ -150,7 +150,7 @@ def test_to_json_has_the_documented_keys():
     assert len(data["ranks"][0]["actions"]) == 2 * 2 * 4
     assert data["program"] == result.program.to_json()  # the lowered program the timeline replays
     assert list(data["program"]) == ["placement", "messages", "ranks"]
-    assert list(data["program"]["ranks"][0]) == ["rank", "initial_receives", "overlapped", "steps"]
+    assert list(data["program"]["ranks"][0]) == ["rank", "initial_receives", "overlapped", "filled", "steps"]
     assert list(data["program"]["ranks"][0]["steps"][0]) == ["kind", "stage", "microbatch", "inputs", "local_output",
                                                              "sends", "receives"]
 

@@ -52,6 +52,21 @@ def test_1f1b_exposes_every_all_to_all_and_dualpipev_hides_most():
     assert paired.makespan < sequential.makespan
 
 
+@pytest.mark.parametrize("weight, hidden", [(1.0, 0.25), (0.25, 0.125)])
+def test_a_weight_fill_hides_its_backwards_all_to_all_behind_the_ws_compute(weight, hidden):
+    """ZB-V at pp=2 (2 chunks, 4 microbatches): rank 1's 3 fills each hide min(W, a2a) per chunk, a2a = 0.5 / 2, and
+    the W takes only what exceeds it; rank 0 has none (its stage 0 is a first stage)."""
+    costs = Costs(F=1, B=1, W=weight, A2A=0.5)
+    plain = build_schedule("zbv", 2, 2, 4)
+    filled = plain.with_weight_fills()
+    assert [len(filled.fill_starts(rank)) for rank in range(2)] == [0, 3]
+    unfilled, result = simulate(plain, costs).exposed_exchanges(), simulate(filled, costs)
+    assert result.exposed_exchanges() == pytest.approx([unfilled[0], unfilled[1] - 3 * hidden])
+    w_times = [action.end - action.start for action in result.ranks[1].actions if action.kind == BACKWARD_WEIGHT]
+    assert sorted(w_times)[:3] == pytest.approx([weight / 2 - hidden] * 3)
+    assert [program["filled"] for program in result.to_json()["program"]["ranks"]] == [[], list(filled.filled[1])]
+
+
 def test_no_all_to_all_cost_leaves_every_timeline_as_it_was():
     schedule = build_schedule("dualpipev", 2, 2, 8)
     assert simulate(schedule, Costs()).makespan == simulate(schedule, parse_costs("A2A=0")).makespan
@@ -70,6 +85,11 @@ def test_measured_exposed_all_to_all_counts_only_what_no_compute_covers():
     assert exposed_exchange_seconds([("F", 0, 3), ("BW", 0, 3)], [(1, 2, 0), (1.5, 2.5, 1)]) == 0.5
     # the first stage's W runs its whole backward: its exchanges are its own
     assert exposed_exchange_seconds([("W", 0, 2)], [(0.5, 1, 1)]) == 0.5
+    # a weight fill: B 0-1 posts an exchange 1-2.5 (W computes 1-2), B 2.5-3; the W's last piece 3-3.5. Both actions
+    # span the fill: its pieces say what computed, so 2-2.5 alone is exposed
+    fill = [("fill B", 0, 1), ("fill W", 1, 2), ("fill B", 2.5, 3), ("fill W", 3, 3.5)]
+    assert exposed_exchange_seconds([("B", 0, 3), ("W", 0.5, 3.5)], [(1, 2.5, 1)], fill) == 0.5
+    assert exposed_exchange_seconds([("B", 0, 3), ("W", 0.5, 3.5)], [(1, 2.5, 1)]) == 1.5  # pieces unknown
 
 
 def test_costs_fitted_from_a_trace_split_each_action_into_compute_and_its_own_all_to_all():
@@ -86,6 +106,13 @@ def test_costs_fitted_from_a_trace_split_each_action_into_compute_and_its_own_al
     paired = exchange_costs([([("F", 0, 0.003), ("BW", 0, 0.005)], [(0.001, 0.002, 0)])], chunks_per_copy=1,
                             pairs_at_once=True)
     assert (paired.F, paired.B, paired.A2A) == pytest.approx((2.0, 5.0, 1.0))
+    # a weight fill's B and W are left out of the fit (each span holds both halves): the plain ones give the costs
+    plain = [("B", 0.0, 0.004), ("W", 0.004, 0.006)]
+    filled = [("B", 0.006, 0.012), ("W", 0.007, 0.013)]
+    pieces = [("fill B", 0.006, 0.008), ("fill W", 0.008, 0.010), ("fill B", 0.010, 0.012), ("fill W", 0.012, 0.013)]
+    exchanges = [(0.001, 0.002, 1), (0.008, 0.010, 1)]
+    costs = exchange_costs([(plain + filled, exchanges, pieces)], chunks_per_copy=1, pairs_at_once=True)
+    assert (costs.B, costs.W) == pytest.approx((3.0, 2.0))
 
 
 @pytest.mark.parametrize("arriving", [[[2, 0, 1], [1, 3, 0]], [[0, 0], [0, 0]], [[1], [2], [0], [4]]])

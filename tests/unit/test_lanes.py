@@ -1,0 +1,82 @@
+"""Two communication lanes (``ppctl.parallel.lanes``): a collective inside a backward (a recomputed forward too)
+goes through the group's second communicator, every other one through the first; each is posted asynchronously
+and finished through the interleave when there is one, so a half of a pair never waits holding the turn."""
+
+import torch
+
+from ppctl.parallel.lanes import BACKWARD_LANE, FORWARD_LANE, current_lane, finish, lane_communicator
+from ppctl.parallel.tensor_parallel import TPGroup
+
+
+class _LaneSeen(torch.autograd.Function):
+    """Records the lane of its forward and of its backward."""
+
+    @staticmethod
+    def forward(ctx, tensor, seen):
+        ctx.seen = seen
+        seen.append(current_lane())
+        return tensor.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.seen.append(current_lane())
+        return grad, None
+
+
+def test_a_backward_runs_on_the_backward_lane_and_everything_else_on_the_forward_lane():
+    seen = []
+    _LaneSeen.apply(torch.ones(2, requires_grad=True), seen).sum().backward()
+    assert seen == [FORWARD_LANE, BACKWARD_LANE]
+    assert lane_communicator("forward", "backward") == "forward"
+    assert lane_communicator("forward", "backward", BACKWARD_LANE) == "backward"
+    assert lane_communicator("forward", None, BACKWARD_LANE) == "forward"  # one communicator: both lanes on it
+
+
+class _Work:
+    def __init__(self):
+        self.waited = False
+
+    def wait(self):
+        self.waited = True
+
+
+class _Interleave:
+    def __init__(self):
+        self.exchanged_work = []
+
+    def exchanged(self, work):
+        self.exchanged_work.append(work)
+
+
+def test_a_collective_is_finished_through_the_interleave_when_there_is_one():
+    plain, interleave = _Work(), _Interleave()
+    finish(plain, None)
+    assert plain.waited
+    handed = _Work()
+    finish(handed, interleave)
+    assert interleave.exchanged_work == [handed] and not handed.waited  # the interleave waits for it
+
+
+def test_a_tp_groups_collectives_go_through_the_current_lanes_communicator_asynchronously():
+    calls, interleave = [], _Interleave()
+
+    def collective(tensor, group, async_op):
+        calls.append((group, async_op))
+        return _Work()
+
+    tp = TPGroup("tp", 2, 0, backward_group="tp backward", interleave=interleave)
+    tp.post(collective, torch.zeros(1))
+
+    class _InBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, tensor):
+            return tensor.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            tp.post(collective, grad)
+            return grad
+
+    _InBackward.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    assert calls == [("tp", True), ("tp backward", True)]
+    assert len(interleave.exchanged_work) == 2
