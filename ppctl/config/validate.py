@@ -305,9 +305,7 @@ def _check_expert_parallel(config: PpctlConfig) -> None:
 
 def _check_moe_layout(config: PpctlConfig) -> None:
     """What MoE runs with: TP only with sequence parallelism (each TP rank routes its own tokens, as Megatron-Core
-    asks), a capacity only on unsplit microbatches (its drop ranks a microbatch's tokens together), DualPipe's pairs
-    interleaved only without CP (the order of the pieces is not fixed; TP's collectives keep theirs on two lanes,
-    ``ppctl.parallel.lanes``, CP's have none), no
+    asks), a capacity only on unsplit microbatches (its drop ranks a microbatch's tokens together), no
     stream of steps (its per-step routing statistics reduce over every rank), a Hugging Face folder to start from
     only a Mixtral one (``init_from_problem`` checks that it is one, of this run's shape)."""
     parallel, moe = config.parallel, config.model.moe
@@ -319,9 +317,6 @@ def _check_moe_layout(config: PpctlConfig) -> None:
     require(moe.capacity_factor is None or split == 1,
             f"model.moe.capacity_factor={moe.capacity_factor} with parallel.tp*cp={split}: the capacity drop ranks a "
             f"microbatch's tokens together, which TP and CP split over ranks; unset it (dropless) or run at tp=cp=1")
-    require(not parallel.overlap_ep_comm or parallel.cp == 1,
-            f"parallel.overlap_ep_comm=true with parallel.cp={parallel.cp}: an interleaved pair's pieces run in no "
-            f"fixed order, and CP's collectives have no second lane to keep theirs; set it false or run at cp=1")
     require(not schedule_spec(config).streams_steps,
             f"schedule {config.schedule.name} streams steps with no barrier between them, but {experts} reduces its "
             f"routing statistics (expert load, bias) over every rank after each step; choose another schedule")

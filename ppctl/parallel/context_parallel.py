@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from ppctl.parallel.lanes import finish, lane_communicator, post
 from ppctl.parallel.layout import CP_COMM_MODES, context_parallel_chunks, context_parallel_positions
 from ppctl.parallel.tensor_parallel import all_gather_single, reduce_scatter_single
 
@@ -53,7 +54,8 @@ class CPGroup:
     ``group`` is a ``torch.distributed`` ProcessGroup (None when ``size`` is 1), ``rank``
     this process's index in the group, ``ranks`` the global ranks of the group in CP-rank
     order (the ring's neighbours; empty when ``size`` is 1) and ``comm`` one of
-    ``CP_COMM_MODES``.
+    ``CP_COMM_MODES``; ``backward_group`` (the backward's communicator) and ``interleave`` as in
+    ``ppctl.parallel.lanes``.
     """
 
     group: object | None
@@ -61,6 +63,12 @@ class CPGroup:
     rank: int
     ranks: tuple[int, ...] = ()
     comm: str = "allgather"
+    backward_group: object | None = None
+    interleave: object | None = field(default=None, compare=False, repr=False)
+
+    def post(self, collective, *tensors) -> None:
+        """Run ``collective`` on the current lane's communicator and wait for it (``ppctl.parallel.lanes.post``)."""
+        post(collective, *tensors, group=self.group, backward_group=self.backward_group, interleave=self.interleave)
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -181,14 +189,14 @@ class _GatherKeyValue(torch.autograd.Function):
     def forward(ctx, packed, cp):
         ctx.cp = cp
         gathered = packed.new_empty((cp.size * packed.shape[0], *packed.shape[1:]))
-        all_gather_single(gathered, packed.contiguous(), group=cp.group)
+        cp.post(all_gather_single, gathered, packed.contiguous())
         return gathered
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_gathered):
         scattered = grad_gathered.new_empty((grad_gathered.shape[0] // ctx.cp.size, *grad_gathered.shape[1:]))
-        reduce_scatter_single(scattered, grad_gathered.contiguous(), group=ctx.cp.group)
+        ctx.cp.post(reduce_scatter_single, scattered, grad_gathered.contiguous())
         return scattered, None
 
 
@@ -272,7 +280,7 @@ def _all_to_all(tensor: torch.Tensor, cp: CPGroup) -> torch.Tensor:
     """Equal blocks of dim 0 exchanged over the CP group (a new tensor)."""
     tensor = tensor.contiguous()
     received = torch.empty_like(tensor)
-    dist.all_to_all_single(received, tensor, group=cp.group)
+    cp.post(dist.all_to_all_single, received, tensor)
     return received
 
 
@@ -323,16 +331,29 @@ class _RingExchange:
     """
 
     def __init__(self, tensor: torch.Tensor, cp: CPGroup):
-        self.sent, self.received = tensor, torch.empty_like(tensor)
-        self.requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, cp.next_rank, cp.group),
-                                                dist.P2POp(dist.irecv, self.received, cp.previous_rank, cp.group)])
+        self.sent, self.received, self.interleave = tensor, torch.empty_like(tensor), cp.interleave
+        group = lane_communicator(cp.group, cp.backward_group)
+        self.requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, cp.next_rank, group),
+                                                dist.P2POp(dist.irecv, self.received, cp.previous_rank, group)])
 
     def wait(self) -> torch.Tensor:
-        """Wait for the send and the receive; return what was received."""
-        for request in self.requests:
-            request.wait()
+        """Wait for the send and the receive (the other half of a pair computing meanwhile,
+        ``ppctl.parallel.lanes.finish``); return what was received."""
+        finish(_Requests(self.requests), self.interleave)
         received, self.sent, self.received, self.requests = self.received, None, None, []
         return received
+
+
+class _Requests:
+    """Posted point-to-point requests, waited as one."""
+
+    def __init__(self, requests):
+        self.requests = requests
+
+    def wait(self) -> None:
+        """Wait for every request."""
+        for request in self.requests:
+            request.wait()
 
 
 def _chunk(tensor: torch.Tensor, index: int) -> torch.Tensor:

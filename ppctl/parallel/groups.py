@@ -16,7 +16,7 @@ from ppctl.parallel.layout import ParallelLayout
 
 # The backward lane's second communicator of each group an MoE layer talks to (``ppctl.parallel.lanes``), made
 # with expert parallelism: "<group>_backward".
-BACKWARD_LANE_GROUPS = ("ep", "tp", "tp_cp")
+BACKWARD_LANE_GROUPS = ("ep", "tp", "cp", "tp_cp")
 
 
 def backward_lane(name: str) -> str:

@@ -36,3 +36,10 @@ def finish(work, interleave) -> None:
         interleave.exchanged(work)
     else:
         work.wait()
+
+
+def post(collective, *tensors, group, backward_group, interleave, **options) -> None:
+    """Run ``collective(*tensors, group=..., async_op=True, **options)`` on the current lane's communicator of
+    ``group`` and wait for it (``finish``)."""
+    work = collective(*tensors, group=lane_communicator(group, backward_group), async_op=True, **options)
+    finish(work, interleave)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ppctl.autograd.weight_grad import DefersWeightGrads, WeightGradStore, add_bias, linear
-from ppctl.parallel.lanes import finish, lane_communicator
+from ppctl.parallel.lanes import post
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,8 @@ class TPGroup:
     def post(self, collective, *tensors, **options) -> None:
         """Run ``collective(*tensors, group=..., async_op=True, **options)`` on the current lane's communicator and
         wait for it (``ppctl.parallel.lanes.finish``)."""
-        work = collective(*tensors, group=lane_communicator(self.group, self.backward_group), async_op=True, **options)
-        finish(work, self.interleave)
+        post(collective, *tensors, group=self.group, backward_group=self.backward_group, interleave=self.interleave,
+             **options)
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:

@@ -17,18 +17,22 @@
    run one after another and a send completes only once the peer posted its receive.
    When it does not, a replay with buffered sends tells a real dependency cycle
    ("deadlock: rank r stuck at ... waiting for ...") from a hang that only blocking
-   sends cause ("hangs with NCCL-like blocking sends: ...").
+   sends cause ("hangs with NCCL-like blocking sends: ...");
+7. the interleave: the pieces of overlapped pairs and weight fills, run one at a time and switching at each
+   exchange (``ppctl.pipeline.interleave``), cannot hang for any count of exchanges (on 2 EP ranks).
 
 Each failure raises ``ScheduleError`` with one line naming the rank, stage and microbatch.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from itertools import count, repeat
 from operator import gt
 from typing import Optional
 
+from .interleave import prove_interleave_for_every_count
 from .program import Message, Program, SendsOnly, lower
 from .replay import gc_paused, run_timed
 from .schedules.base import (ACTION_KINDS, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action,
@@ -45,6 +49,7 @@ def check_schedule(schedule: Schedule, sent: Optional[SendsOnly] = None) -> Prog
     check_actions(schedule)
     program = lower(schedule, sent)
     check_program(program)
+    check_interleave(schedule)
     return program
 
 
@@ -196,6 +201,21 @@ def _check_overlapped(schedule: Schedule) -> None:
             if forward.kind != FORWARD or backward.kind not in (BACKWARD, BACKWARD_INPUT):
                 raise ScheduleError(f"rank {pp_rank}: overlapped pair at action {index} is {forward} and "
                                     f"{backward}; a pair is a forward followed by a backward (BW or B)")
+
+
+def check_interleave(schedule: Schedule) -> None:
+    """A schedule with overlapped pairs or weight fills: their halves' pieces, run interleaved
+    (``parallel.overlap_ep_comm``), cannot hang for any count of exchanges in either half, on 2 EP ranks
+    (``prove_interleave_for_every_count``; proved once per process)."""
+    if schedule.overlapped and any(schedule.overlapped):
+        _prove_interleave(local_backward=False)
+    if schedule.filled and any(schedule.filled):
+        _prove_interleave(local_backward=True)
+
+
+@functools.cache
+def _prove_interleave(local_backward: bool) -> None:
+    prove_interleave_for_every_count(2, local_backward)
 
 
 def _check_filled(schedule: Schedule) -> None:

@@ -11,8 +11,9 @@ alternate: F0 B0 F1 B1 ... (``split_order``), each exchange in flight during the
 
 Why one at a time: no two pieces share the cores (on a CPU worker the two halves at once slowed every exchange),
 and each half's exchanges keep one order on each of its two communicators. The order of the pieces can still
-depend on when the backward's inputs arrive, so TP and CP collectives inside them are not ordered across ranks
-(validation refuses the overlap with tp * cp > 1). Torch-free: the work is anything with ``wait()``.
+depend on when the backward's inputs arrive, so TP and CP collectives inside them are not ordered across ranks:
+they keep their order on two lanes and hand the turn over like an exchange (``ppctl.parallel.lanes``). Torch-free:
+the work is anything with ``wait()``.
 
 A weight fill (ZB's W beside a backward, ``Schedule.with_weight_fills``) runs on the same turn: the backward is
 the first half and the W the second, which exchanges nothing: between its weight-gradient pieces it ``pause``s,
@@ -62,17 +63,111 @@ def prove_interleave(forward_exchanges: int, backward_exchanges: int, ranks: int
     are a weight fill's pauses, which no other rank takes part in (they arrive at once)."""
     exchanges = (forward_exchanges, backward_exchanges)
     start = ((0, (0, 0), (RUNNING, PREPARING)),) * ranks  # per rank: the turn's half, pieces done, states
-    seen, frontier = {start}, [start]
+    hung = _hang_reachable([start], lambda state: _next_states(state, exchanges, holds_turn_while_waiting,
+                                                               local_backward), lambda state: state)
+    if hung is not None:
+        raise ScheduleError(f"an overlapped pair of {forward_exchanges} forward and {backward_exchanges} "
+                            f"backward exchanges hangs on {ranks} EP ranks: {_describe(hung)}")
+
+
+def _hang_reachable(starts: list, following_of: Callable, ranks_of: Callable) -> Optional[tuple]:
+    """Explore every state reachable from ``starts`` (``following_of(state)``: the states one step leads to);
+    return the ranks' part (``ranks_of``) of one from which nothing can go on while some half has not ended, or
+    None."""
+    seen, frontier = set(starts), list(starts)
     while frontier:
         state = frontier.pop()
-        following = _next_states(state, exchanges, holds_turn_while_waiting, local_backward)
-        if not following and any(half != ENDED for _, _, halves in state for half in halves):
-            raise ScheduleError(f"an overlapped pair of {forward_exchanges} forward and {backward_exchanges} "
-                                f"backward exchanges hangs on {ranks} EP ranks: {_describe(state)}")
+        following = following_of(state)
+        if not following and any(half != ENDED for _, _, halves in ranks_of(state) for half in halves):
+            return ranks_of(state)
         for next_state in following:
             if next_state not in seen:
                 seen.add(next_state)
                 frontier.append(next_state)
+    return None
+
+
+# ``prove_interleave_for_every_count``: a half with this many exchanges left, or more, steps alike (a rank is at most
+# one piece ahead of another in a half that exchanges, so none of them reaches the last piece within two steps)
+_FAR = 3
+_FAR_STAND_IN = _FAR + 2  # a concrete count of exchanges that behaves as any count from _FAR on
+
+
+def prove_interleave_for_every_count(ranks: int = 2, local_backward: bool = False,
+                                     holds_turn_while_waiting: bool = False) -> None:
+    """``prove_interleave`` for every number of exchanges in each half at once (``ScheduleError`` where some count
+    hangs). Abstract states: in a half that exchanges, each rank's pieces less the fewest any rank did, and how many
+    exchanges that rank has left, counted up to ``_FAR`` ("``_FAR`` or more"); in a weight fill's W (``local_backward``,
+    no rank waits for another), each rank's own count left, up to ``_FAR``. Whether a half can step depends only on
+    these (its exchange arrived, it has one more to post), so every hang of some count is a hang here; the abstract
+    states over-approximate the reachable ones (from "``_FAR`` or more", one fewer may be either), so a proof here
+    holds for every count."""
+    local = (False, local_backward)
+    starts = [(((0, (0, 0), (RUNNING, PREPARING)),) * ranks, (forward, backward))
+              for forward in range(_FAR + 1) for backward in range(_FAR + 1)]
+    if local_backward:  # the W's count left is per rank (the same at the start)
+        starts = [(tuple((turn, (0, left[1]), halves) for turn, _, halves in state), (left[0], None))
+                  for state, left in starts]
+    hung = _hang_reachable(starts, lambda state: _abstract_next_states(state, local, holds_turn_while_waiting),
+                           lambda state: state[0])
+    if hung is not None:
+        raise ScheduleError(f"an overlapped pair hangs on {ranks} EP ranks for some count of exchanges: "
+                            f"{_describe(hung)}")
+
+
+def _abstract_next_states(state: tuple, local: tuple[bool, bool], holds: bool) -> list[tuple]:
+    """Every abstract state one step of one half of one rank leads to (``prove_interleave_for_every_count``)."""
+    ranks_state, left = state
+    following = []
+    for index, (turn, marks, halves) in enumerate(ranks_state):
+        for half in (0, 1):
+            if local[half]:  # marks[half]: this rank's count left; its pieces done do not matter
+                pieces, exchanges, arrived = (0, 0), [0, 0], True
+            else:
+                pieces, exchanges = marks, [0, 0]
+                arrived = all(other[1][half] >= marks[half] for other in ranks_state)
+            for other_half in (0, 1):  # the other half's exchanges as a concrete count
+                if local[other_half]:
+                    exchanges[other_half] = _concrete(marks[other_half])
+                else:
+                    exchanges[other_half] = _concrete(left[other_half])
+            if local[half]:
+                pieces = tuple(0 if h == half else marks[h] for h in (0, 1))
+            changed = _step(turn, pieces, halves, half, tuple(exchanges), holds, arrived)
+            if changed is None:
+                continue
+            new_turn, _, new_halves = changed
+            stepped = changed[1][half] > pieces[half]
+            for abstract in _abstracted(ranks_state, left, index, half, new_turn, new_halves, stepped, local[half]):
+                following.append(abstract)
+    return following
+
+
+def _concrete(left: int) -> int:
+    """A concrete count of exchanges for an abstract count left (``_FAR`` meaning "``_FAR`` or more")."""
+    return _FAR_STAND_IN if left >= _FAR else left
+
+
+def _abstracted(ranks_state, left, index: int, half: int, turn, halves, stepped: bool, local: bool) -> list[tuple]:
+    """The abstract states after rank ``index``'s half ``half`` stepped to ``turn`` and ``halves`` (``stepped``: it
+    computed a piece)."""
+    turn_marks = list(ranks_state[index][1])
+    if not stepped:
+        changed = ranks_state[:index] + ((turn, tuple(turn_marks), halves),) + ranks_state[index + 1:]
+        return [(changed, left)]
+    if local:  # one fewer left on this rank; from "_FAR or more", either
+        options = [turn_marks[half] - 1] if turn_marks[half] < _FAR else [_FAR - 1, _FAR]
+        return [(ranks_state[:index] + ((turn, tuple(option if h == half else turn_marks[h] for h in (0, 1)),
+                                         halves),) + ranks_state[index + 1:], left) for option in options]
+    turn_marks[half] += 1
+    changed = ranks_state[:index] + ((turn, tuple(turn_marks), halves),) + ranks_state[index + 1:]
+    fewest = min(marks[half] for _, marks, _ in changed)
+    if fewest == 0:
+        return [(changed, left)]
+    shifted = tuple((t, tuple(m - fewest if h == half else m for h, m in enumerate(marks)), hs)
+                    for t, marks, hs in changed)
+    lefts = [left[half] - fewest] if left[half] < _FAR else [_FAR - fewest, _FAR]
+    return [(shifted, tuple(option if h == half else left[h] for h in (0, 1))) for option in lefts]
 
 
 def _next_states(state: tuple, exchanges: tuple[int, int], holds: bool, local_backward: bool) -> list[tuple]:

@@ -119,12 +119,14 @@ def tp_group_of(context: ParallelContext, sequence_parallel: bool = False,
                    backward_group=backward_group, interleave=interleave)
 
 
-def cp_group_of(context: ParallelContext, comm: str) -> CPGroup:
-    """The CP group object attention uses, with its communication mode."""
+def cp_group_of(context: ParallelContext, comm: str, interleave: PairInterleave | None = None) -> CPGroup:
+    """The CP group object attention uses, with its communication mode; with an ``interleave`` its exchanges go
+    through two lanes (``tp_group_of``)."""
     if context.size("cp") == 1:
         return CPGroup.single()
+    backward_group = context.groups[backward_lane("cp")] if interleave is not None else None
     return CPGroup(context.groups["cp"], context.size("cp"), context.index("cp"),
-                   tuple(context.group_ranks["cp"]), comm)
+                   tuple(context.group_ranks["cp"]), comm, backward_group, interleave)
 
 
 def ep_group_of(context: ParallelContext, on_exchange=None, interleave: PairInterleave | None = None) -> EPGroup:
@@ -149,7 +151,7 @@ def build_chunks(resolved: ResolvedConfig, context: ParallelContext, load_init_f
     ``on_exchange``: told the span of each expert-parallel all-to-all; ``interleave``: the runtime's."""
     config = resolved.config
     tp = tp_group_of(context, config.parallel.sequence_parallel, interleave)
-    cp = cp_group_of(context, config.parallel.cp_comm)
+    cp = cp_group_of(context, config.parallel.cp_comm, interleave)
     ep = ep_group_of(context, on_exchange, interleave)
     chunks = {}
     for stage in resolved.rank_stages(context.pp_rank):

@@ -96,13 +96,15 @@ def test_mixtures_of_experts_with_tensor_and_context_parallelism_match_single_pr
     """TP (with sequence parallelism) and CP split each microbatch's tokens: every rank routes its share, the load
     and token count of the balancing and z losses are the microbatch's (summed over tp x cp), and the EP ranks may be
     TP or CP ranks, each holding other experts (never summed over TP); at ep=1 every TP rank holds every expert.
-    DualPipeV's pairs and weight fills run interleaved beside TP, whose collectives keep one order on each of two
-    lanes (``ppctl.parallel.lanes``)."""
+    DualPipeV's pairs and weight fills run interleaved beside TP and beside CP's ring, whose collectives and
+    exchanges keep one order on each of two lanes (``ppctl.parallel.lanes``)."""
     sp = ["parallel.tp=2", "parallel.sequence_parallel=true"]
     runs = [BASE + MIXTRAL + sp + ["parallel.cp=2", "parallel.pp=1", "parallel.dp=1", "parallel.ep=2"] + FP64,
             BASE + MIXTRAL + sp + ["parallel.pp=2", "parallel.dp=1", "parallel.ep=2", "schedule=dualpipev",
                                    "parallel.overlap_ep_comm=true"] + FP64,
             BASE + DEEPSEEK + ["parallel.cp=2", "parallel.pp=1", "parallel.dp=2", "parallel.ep=4",
                                "optimizer.distributed=true"],
-            BASE + DEEPSEEK + sp + ["parallel.pp=2", "parallel.dp=1", "schedule=zbv"]]  # ep=1
+            BASE + DEEPSEEK + sp + ["parallel.pp=2", "parallel.dp=1", "schedule=zbv"],  # ep=1
+            BASE + MIXTRAL + ["parallel.cp=2", "parallel.cp_comm=ring", "parallel.pp=2", "parallel.dp=1",
+                              "parallel.ep=2", "schedule=dualpipev", "parallel.overlap_ep_comm=true"] + FP64]
     assert_equivalent(runs, world_size=4)

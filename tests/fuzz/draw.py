@@ -129,14 +129,14 @@ OVERLAPPING = ("dualpipe", "dualpipev", "zb_h1", "zbv", "interleaved_zb", "v_hal
 
 def _expert_parallel(rng: random.Random, overrides: list[str], tp: int, cp: int, dp: int, schedule: str) -> list[str]:
     """With experts and more than one rank per pipeline stage, often an ep dividing both a stage's tp * cp * dp ranks
-    and the experts; under DualPipe's pairs or a split backward (weight fills) at cp = 1, sometimes interleaved."""
+    and the experts; under DualPipe's pairs or a split backward (weight fills), sometimes interleaved."""
     experts = next((int(item.split("=")[1]) for item in overrides if item.startswith("model.moe.num_experts=")), 0)
     stage = tp * cp * dp
     choices = [ep for ep in range(2, stage + 1) if experts and stage % ep == 0 and experts % ep == 0]
     if not choices or rng.random() < 0.3:
         return []
     drawn = [f"parallel.ep={rng.choice(choices)}"]
-    if schedule in OVERLAPPING and cp == 1 and rng.random() < 0.5:
+    if schedule in OVERLAPPING and rng.random() < 0.5:
         drawn.append("parallel.overlap_ep_comm=true")
     return drawn
 

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from ppctl.pipeline.interleave import PairInterleave, prove_interleave, split_order
+from ppctl.pipeline.interleave import (PairInterleave, prove_interleave, prove_interleave_for_every_count,
+                                       split_order)
 from ppctl.pipeline.schedules.base import ScheduleError
 
 
@@ -186,3 +187,14 @@ def test_a_pause_outside_a_pair_or_with_no_one_asking_goes_on():
 @pytest.mark.parametrize("backward, pauses, ranks", [(0, 0, 2), (2, 5, 2), (6, 3, 2), (1, 3, 3)])
 def test_a_weight_fill_never_hangs_whatever_the_order(backward, pauses, ranks):
     prove_interleave(backward, pauses, ranks, local_backward=True)
+
+
+@pytest.mark.parametrize("local_backward", [False, True], ids=["pair", "weight fill"])
+def test_the_turn_protocol_never_hangs_for_any_count_of_exchanges(local_backward):
+    """The abstract proof covers every count at once; the bounded proofs above are instances of it."""
+    prove_interleave_for_every_count(2, local_backward)
+
+
+def test_the_proof_for_every_count_finds_the_hang_of_holding_the_turn():
+    with pytest.raises(ScheduleError, match="hangs on 2 EP ranks for some count of exchanges"):
+        prove_interleave_for_every_count(2, holds_turn_while_waiting=True)

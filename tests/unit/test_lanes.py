@@ -4,6 +4,9 @@ and finished through the interleave when there is one, so a half of a pair never
 
 import torch
 
+import pytest
+
+from ppctl.parallel.context_parallel import CPGroup
 from ppctl.parallel.lanes import BACKWARD_LANE, FORWARD_LANE, current_lane, finish, lane_communicator
 from ppctl.parallel.tensor_parallel import TPGroup
 
@@ -57,14 +60,18 @@ def test_a_collective_is_finished_through_the_interleave_when_there_is_one():
     assert interleave.exchanged_work == [handed] and not handed.waited  # the interleave waits for it
 
 
-def test_a_tp_groups_collectives_go_through_the_current_lanes_communicator_asynchronously():
+@pytest.mark.parametrize("make", [lambda interleave: TPGroup("tp", 2, 0, backward_group="tp backward",
+                                                              interleave=interleave),
+                                   lambda interleave: CPGroup("tp", 2, 0, (0, 1), "allgather", "tp backward",
+                                                              interleave)], ids=["tp", "cp"])
+def test_a_groups_collectives_go_through_the_current_lanes_communicator_asynchronously(make):
     calls, interleave = [], _Interleave()
 
     def collective(tensor, group, async_op):
         calls.append((group, async_op))
         return _Work()
 
-    tp = TPGroup("tp", 2, 0, backward_group="tp backward", interleave=interleave)
+    tp = make(interleave)
     tp.post(collective, torch.zeros(1))
 
     class _InBackward(torch.autograd.Function):

@@ -47,15 +47,11 @@ RULES = [
     (dict(model__moe__expert_bias_update_rate=0.0), "model.moe.expert_bias_update_rate=0.0 must be positive"),
     (dict(model__moe__capacity_factor=0.0), "model.moe.capacity_factor=0.0 must be positive, or unset"),
     (dict(model__moe__drop_policy="random"), "model.moe.drop_policy='random' must be one of probs, position"),
-    # TP and CP: sequence parallelism with TP, dropless, no interleaved pairs beside CP, a shared MLP split over TP
+    # TP and CP: sequence parallelism with TP, dropless, a shared MLP split over TP
     (dict(parallel__tp=2), "parallel.tp=2 with model.moe.num_experts=8 needs parallel.sequence_parallel=true"),
     (dict(parallel__tp=2, parallel__sequence_parallel=True, model__moe__capacity_factor=1.0),
      "model.moe.capacity_factor=1.0 with parallel.tp*cp=2: the capacity drop ranks a microbatch's tokens together"),
     (dict(parallel__cp=2, model__moe__capacity_factor=1.0), "model.moe.capacity_factor=1.0 with parallel.tp*cp=2"),
-    (dict(parallel__cp=2, parallel__dp=2, parallel__ep=2, parallel__pp=2, schedule__name="dualpipev", parallel__vpp=2,
-          parallel__overlap_ep_comm=True),
-     "parallel.overlap_ep_comm=true with parallel.cp=2: an interleaved pair's pieces run in no fixed order, and "
-     "CP's collectives have no second lane"),
     (dict(parallel__tp=2, parallel__sequence_parallel=True, model__moe__shared_experts=1,
           model__moe__expert_ffn_hidden_size=33),
      "model.moe.shared_experts=1 gives a shared MLP 33 wide, which must be a multiple of parallel.tp=2"),
@@ -88,8 +84,11 @@ def test_each_moe_rule_refuses_in_one_line(moe_config, settings, fragment):
                                            parallel__ep=2),
                                       dict(parallel__tp=2, parallel__sequence_parallel=True, parallel__pp=2,
                                            parallel__ep=2, schedule__name="dualpipev", parallel__vpp=2,
+                                           parallel__overlap_ep_comm=True),
+                                      dict(parallel__cp=2, parallel__dp=2, parallel__ep=2, parallel__pp=2,
+                                           schedule__name="dualpipev", parallel__vpp=2,
                                            parallel__overlap_ep_comm=True)],
-                         ids=["tp2_sp", "cp2_dp2_ep4", "tp2_sp_cp2_ep2", "tp2_sp_ep2_overlapped"])
+                         ids=["tp2_sp", "cp2_dp2_ep4", "tp2_sp_cp2_ep2", "tp2_sp_ep2_overlapped", "cp2_ep2_overlapped"])
 def test_moe_runs_with_tensor_and_context_parallelism(moe_config, settings):
     validate(changed(moe_config, **settings), data=False, prove_schedule=False)
 
