@@ -39,7 +39,10 @@ def finish(work, interleave) -> None:
 
 
 def post(collective, *tensors, group, backward_group, interleave, **options) -> None:
-    """Run ``collective(*tensors, group=..., async_op=True, **options)`` on the current lane's communicator of
-    ``group`` and wait for it (``finish``)."""
-    work = collective(*tensors, group=lane_communicator(group, backward_group), async_op=True, **options)
-    finish(work, interleave)
+    """Run ``collective(*tensors, group=..., **options)`` on the current lane's communicator of ``group``: without
+    an interleave as a plain blocking call, else posted asynchronously and finished through it (``finish``)."""
+    communicator = lane_communicator(group, backward_group)
+    if interleave is None:
+        collective(*tensors, group=communicator, **options)
+        return
+    finish(collective(*tensors, group=communicator, async_op=True, **options), interleave)
