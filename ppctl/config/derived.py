@@ -79,6 +79,12 @@ def configured_schedule(config: PpctlConfig):
     return build_schedule(config.schedule.name, parallel.pp, parallel.vpp, num_microbatches(config))
 
 
+def interleaves_experts(config: PpctlConfig) -> bool:
+    """Whether overlapped pairs and weight fills run interleaved: ``parallel.overlap_ep_comm`` with ep > 1 (the
+    schedule then carries its weight fills: ``Schedule.with_weight_fills``)."""
+    return config.parallel.overlap_ep_comm and config.parallel.ep > 1
+
+
 def schedule_placement(config: PpctlConfig):
     """The configured schedule's stage placement (``schedule=custom``: the file's), or ``ConfigError``."""
     from ppctl.pipeline.schedules import CUSTOM, ScheduleError

@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Mapping
 
-from ppctl.config.derived import (configured_schedule, layout_of, nproc_per_node, num_microbatches,
-                                  padded_vocab_size, pipeline_layout_of)
+from ppctl.config.derived import (configured_schedule, interleaves_experts, layout_of, nproc_per_node,
+                                  num_microbatches, padded_vocab_size, pipeline_layout_of)
 from ppctl.config.schema import ConfigError, PpctlConfig, freeze
 from ppctl.config.validate import validate
 from ppctl.model.family import ModelFamily, model_family
@@ -125,8 +125,7 @@ def _built_schedule(config: PpctlConfig) -> Schedule:
                     else kept_schedule(config.schedule.name, parallel.pp, parallel.vpp, num_microbatches(config)))
     except ScheduleError as error:
         raise ConfigError(str(error)) from None
-    overlapped = config.parallel.overlap_ep_comm and config.parallel.ep > 1
-    return schedule.with_weight_fills() if overlapped and schedule.splits_backward else schedule
+    return schedule.with_weight_fills() if interleaves_experts(config) and schedule.splits_backward else schedule
 
 
 def _split(config: PpctlConfig, layout: ParallelLayout) -> str | None:

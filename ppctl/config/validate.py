@@ -12,9 +12,9 @@ import functools
 import re
 from dataclasses import dataclass, fields
 
-from ppctl.config.derived import (configured_schedule, layout_of, nproc_per_node, num_microbatches,
-                                  padded_vocab_size, parse_endpoint, pipeline_layout_of, schedule_spec,
-                                  tokenizer_vocab_size)
+from ppctl.config.derived import (configured_schedule, interleaves_experts, layout_of, nproc_per_node,
+                                  num_microbatches, padded_vocab_size, parse_endpoint, pipeline_layout_of,
+                                  schedule_spec, tokenizer_vocab_size)
 from ppctl.config.schema import (ACTIVATIONS, BACKENDS, BALANCE_MODES, DATA_SOURCES, DROP_POLICIES, LAUNCHERS,
                                  POSITION_EMBEDDINGS, PRECISIONS, RECOMPUTE_METHODS, RECOMPUTE_MODES, ROUTER_SCORES,
                                  ConfigError, MoEConfig, PpctlConfig, require)
@@ -115,15 +115,20 @@ def _check_balance(config: PpctlConfig) -> None:
 
 def _check_schedule_plan(config: PpctlConfig) -> None:
     """Build the schedule and run the checker on it (the same proof the workers rely on)."""
-    from ppctl.pipeline.check import check_schedule
+    from ppctl.pipeline.check import check_schedule, check_weight_fills
     from ppctl.pipeline.schedules import CUSTOM, ScheduleError
 
     parallel = config.parallel
+    fills = interleaves_experts(config)
     if config.schedule.name != CUSTOM:
-        problem = _built_schedule_problem(config.schedule.name, parallel.pp, parallel.vpp, num_microbatches(config))
+        problem = _built_schedule_problem(config.schedule.name, parallel.pp, parallel.vpp, num_microbatches(config),
+                                          fills)
     else:
         try:
-            check_schedule(configured_schedule(config))
+            schedule = configured_schedule(config)
+            check_schedule(schedule)
+            if fills:
+                check_weight_fills(schedule.with_weight_fills())
             problem = None
         except ScheduleError as error:
             problem = str(error)
@@ -134,11 +139,11 @@ def _check_schedule_plan(config: PpctlConfig) -> None:
 
 
 @functools.lru_cache(maxsize=1024)
-def _built_schedule_problem(name: str, pp: int, vpp: int, microbatches: int) -> str | None:
-    """The checker's verdict on a built schedule (None: proved), kept: these four sizes decide it, and a planner
-    validates thousands of configs that share a few schedules (and has usually built and timed this one: the
-    checker starts from its kept schedule and sends, ``ppctl.pipeline.kept``)."""
-    from ppctl.pipeline.check import check_schedule
+def _built_schedule_problem(name: str, pp: int, vpp: int, microbatches: int, fills: bool = False) -> str | None:
+    """The checker's verdict on a built schedule (None: proved), with its weight fills when ``fills``, kept: these
+    sizes decide it, and a planner validates thousands of configs that share a few schedules (and has usually built
+    and timed this one: the checker starts from its kept schedule and sends, ``ppctl.pipeline.kept``)."""
+    from ppctl.pipeline.check import check_schedule, check_weight_fills
     from ppctl.pipeline.kept import kept_schedule, kept_sends
     from ppctl.pipeline.schedules import ScheduleError
 
@@ -147,7 +152,10 @@ def _built_schedule_problem(name: str, pp: int, vpp: int, microbatches: int) -> 
             sent = kept_sends(name, pp, vpp, microbatches)
         except ScheduleError:  # not built, or a message lacking: the checker finds the first problem in its order
             sent = None
-        check_schedule(kept_schedule(name, pp, vpp, microbatches) if sent is None else sent.schedule, sent)
+        schedule = kept_schedule(name, pp, vpp, microbatches) if sent is None else sent.schedule
+        check_schedule(schedule, sent)
+        if fills:
+            check_weight_fills(schedule.with_weight_fills())
     except ScheduleError as error:
         return str(error)
     return None

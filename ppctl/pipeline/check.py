@@ -203,6 +203,13 @@ def _check_overlapped(schedule: Schedule) -> None:
                                     f"{backward}; a pair is a forward followed by a backward (BW or B)")
 
 
+def check_weight_fills(schedule: Schedule) -> None:
+    """The checks of ``check_schedule`` that its weight fills add (``Schedule.with_weight_fills``; the program is the
+    same with or without them): each fill well formed, and the interleave proved."""
+    _check_filled(schedule)
+    check_interleave(schedule)
+
+
 def check_interleave(schedule: Schedule) -> None:
     """A schedule with overlapped pairs or weight fills: their halves' pieces, run interleaved
     (``parallel.overlap_ep_comm``), cannot hang for any count of exchanges in either half, on 2 EP ranks

@@ -122,9 +122,10 @@ def test_a_schedule_the_checker_refuses_leaves_the_list_as_in_the_exhaustive_sea
     refused_key = search._schedule_key(winner)
     proved, checked = validation._built_schedule_problem, []
 
-    def checker(name, pp, vpp, microbatches):
+    def checker(name, pp, vpp, microbatches, fills=False):
         checked.append((name, pp, vpp, microbatches))
-        return "refused here" if (name, pp, vpp, microbatches) == refused_key else proved(name, pp, vpp, microbatches)
+        refused = (name, pp, vpp, microbatches) == refused_key
+        return "refused here" if refused else proved(name, pp, vpp, microbatches, fills)
 
     monkeypatch.setattr(validation, "_built_schedule_problem", checker)
     found = plan(base, 8, 80 * GIB, 3, H100)

@@ -86,3 +86,28 @@ def test_a_resolved_config_has_fills_only_where_ws_can_fill_exchange_waits(overr
     schedule = resolve(config).schedule
     assert bool(schedule.filled) == fills
     assert any(schedule.fill_starts(rank) for rank in range(2)) == fills
+
+
+def test_validation_checks_the_fills_a_run_will_carry(monkeypatch):
+    """With the overlap at ep > 1, validation runs the fills' checks on the schedule with its fills (the same
+    ones the workers run), and refuses the config in one line where they fail."""
+    import ppctl.pipeline.check as check
+    from ppctl.config import ConfigError
+    from ppctl.config.validate import _built_schedule_problem, validate
+
+    checked = []
+    monkeypatch.setattr(check, "check_weight_fills", lambda schedule: checked.append(schedule.filled))
+    _built_schedule_problem.cache_clear()
+    overrides = ["model=mixtral_tiny", "parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "schedule=zbv",
+                 "parallel.vpp=2", "data=synthetic", "parallel.overlap_ep_comm=true"]
+    validate(compose_config(overrides), data=False)
+    assert checked and any(checked[0])
+
+    def refuse(schedule):
+        raise ScheduleError("rank 1: weight fill at action 5 is wrong")
+
+    monkeypatch.setattr(check, "check_weight_fills", refuse)
+    _built_schedule_problem.cache_clear()
+    with pytest.raises(ConfigError, match="schedule zbv: rank 1: weight fill at action 5 is wrong"):
+        validate(compose_config(overrides), data=False)
+    _built_schedule_problem.cache_clear()

@@ -109,11 +109,13 @@ class Schedule:
         (whose B computes nothing and whose W runs the whole backward, exchanges included), neither in an
         overlapped pair. The W's own B ran earlier (the order ``check_schedule`` proves), so the two are
         independent: the W fills the backward's all-to-all waits."""
-        filled = tuple(tuple(index for index in range(len(rank_actions) - 1)
-                             if self.fills(rank_actions[index], rank_actions[index + 1])
-                             and not {index, index + 1} & _paired(self.pair_starts(pp_rank)))
-                       for pp_rank, rank_actions in enumerate(self.actions))
-        return replace(self, filled=filled)  # a W starts no fill: no two fills share an action
+        filled = []
+        for pp_rank, rank_actions in enumerate(self.actions):
+            paired = _paired(self.pair_starts(pp_rank))
+            filled.append(tuple(index for index in range(len(rank_actions) - 1)
+                                if self.fills(rank_actions[index], rank_actions[index + 1])
+                                and not {index, index + 1} & paired))
+        return replace(self, filled=tuple(filled))  # a W starts no fill: no two fills share an action
 
     def fills(self, backward: Action, weight: Action) -> bool:
         """Whether ``weight`` may fill ``backward``'s exchange waits (``with_weight_fills``)."""
