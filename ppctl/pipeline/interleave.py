@@ -126,11 +126,8 @@ def _abstract_next_states(state: tuple, local: tuple[bool, bool], holds: bool) -
             else:
                 pieces, exchanges = marks, [0, 0]
                 arrived = all(other[1][half] >= marks[half] for other in ranks_state)
-            for other_half in (0, 1):  # the other half's exchanges as a concrete count
-                if local[other_half]:
-                    exchanges[other_half] = _concrete(marks[other_half])
-                else:
-                    exchanges[other_half] = _concrete(left[other_half])
+            for each in (0, 1):  # each half's count of exchanges, made concrete
+                exchanges[each] = _concrete(marks[each] if local[each] else left[each])
             if local[half]:
                 pieces = tuple(0 if h == half else marks[h] for h in (0, 1))
             changed = _step(turn, pieces, halves, half, tuple(exchanges), holds, arrived)

@@ -14,8 +14,8 @@ With an ``interleave`` an overlapped pair (DualPipe's F&B) runs its two halves i
 (``ppctl.pipeline.interleave``): the backward in a second thread (it takes its inputs there, once
 the batch that receives them is posted), the forward here, whose batch is posted as soon as it
 ends; then the backward's batch. One half computes at a time, the turn changing at each posted
-expert all-to-all (each half exchanges on its own communicator, ``ppctl.parallel.expert_parallel``),
-so one half's exchange travels while the other computes. The batches go out in the program's
+expert all-to-all (and TP or CP collective; each half's on its own communicators,
+``ppctl.parallel.lanes``), so one half's exchange travels while the other computes. The batches go out in the program's
 order, so the checked program's proof holds. A weight fill (ZB's W beside a backward,
 ``Schedule.with_weight_fills``) runs the same way: the backward here, the W in the second thread,
 computing its layers' weight gradients while the backward's exchanges travel.
