@@ -40,8 +40,12 @@ def wait_until_tokenising(cache_dir, process: subprocess.Popen, timeout_s: float
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("signum, to_group", [(signal.SIGINT, True), (signal.SIGTERM, False)])
-def test_a_signal_while_tokenising_ends_in_one_line_and_leaves_the_cache_as_it_was(tmp_path, signum, to_group):
+# the SIGINT case also tokenises again to the end: what the cache is left as does not depend on the signal, and a
+# second full tokenising of the corpus is a tenth of a minute of the suite
+@pytest.mark.parametrize("signum, to_group, then_complete", [(signal.SIGINT, True, True),
+                                                             (signal.SIGTERM, False, False)])
+def test_a_signal_while_tokenising_ends_in_one_line_and_leaves_the_cache_as_it_was(tmp_path, signum, to_group,
+                                                                                 then_complete):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"row {number}"}) + "\n" for number in range(NUM_ROWS)))
     args = prepare_args(corpus, tmp_path, "data.num_proc=2")
@@ -59,6 +63,8 @@ def test_a_signal_while_tokenising_ends_in_one_line_and_leaves_the_cache_as_it_w
         f"error: interrupted by {name} while tokenising data.path={corpus}; the cache was left as it was"]), stderr
     # nothing half-written, no scratch or temporary file: at most the memo of input digests
     assert set(os.listdir(cache_dir)) <= {"file-digests.json"}
+    if not then_complete:
+        return
     completed = run_ppctl(*args)
     assert completed.returncode == 0 and f"tokens from {NUM_ROWS:,} document(s)" in completed.stdout, completed.stderr
     assert sorted(path.suffix for path in cache_dir.glob("text-corpus-byte-*")) == [".bin", ".json"]

@@ -184,7 +184,7 @@ def test_a_pause_outside_a_pair_or_with_no_one_asking_goes_on():
     assert [index for _name, index, event in log if event == "start"] == [0, 1, 2]
 
 
-@pytest.mark.parametrize("backward, pauses, ranks", [(0, 0, 2), (2, 5, 2), (6, 3, 2), (1, 3, 3)])
+@pytest.mark.parametrize("backward, pauses, ranks", [(0, 0, 2), (2, 5, 2), (6, 3, 2), (1, 2, 3)])
 def test_a_weight_fill_never_hangs_whatever_the_order(backward, pauses, ranks):
     prove_interleave(backward, pauses, ranks, local_backward=True)
 
