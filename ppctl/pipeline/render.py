@@ -253,9 +253,14 @@ def _label_pair(cells: list, forward: TimedAction, backward: TimedAction, scale:
 
 def overlapped_pairs(timeline: RankTimeline) -> list[tuple[TimedAction, TimedAction]]:
     """The rank's overlapped pairs: consecutive actions carrying the same ``pair`` number."""
+    return _joined(timeline, "pair")
+
+
+def _joined(timeline: RankTimeline, number: str) -> list[tuple[TimedAction, TimedAction]]:
+    """Consecutive actions of the rank carrying the same ``number`` (``pair`` or ``fill``)."""
     actions = timeline.actions
     return [(first, second) for first, second in zip(actions, actions[1:])
-            if first.pair is not None and first.pair == second.pair]
+            if getattr(first, number) is not None and getattr(first, number) == getattr(second, number)]
 
 
 def _column_span(start: float, end: float, scale: float, columns: int) -> tuple[int, int]:
@@ -349,15 +354,22 @@ def _plain_row(timeline: RankTimeline, keys: list[tuple[float, int]], columns: l
             index += 1
     chunks = chunk_indices(timeline)
     paired = {id(forward) for forward, _ in overlapped_pairs(timeline)}
+    filled = {id(backward) for backward, _ in weight_fills(timeline)}
     for key, action in zip(keys, timeline.actions):
-        cells[key] = plain_label(action, chunks[action.stage] if len(chunks) > 1 else None, id(action) in paired)
+        joint = "+" if id(action) in paired else "&" if id(action) in filled else ""
+        cells[key] = plain_label(action, chunks[action.stage] if len(chunks) > 1 else None) + joint
     return [cells[column] for column in columns]
 
 
-def plain_label(action: TimedAction, chunk: Optional[int] = None, opens_pair: bool = False) -> str:
-    """``F3``; on chunk 1 of a rank holding several, ``F3.1``; the first half of an overlapped pair ends in ``+``."""
-    label = f"{action.kind}{action.microbatch}" + (f".{chunk}" if chunk is not None else "")
-    return label + ("+" if opens_pair else "")
+def plain_label(action: TimedAction, chunk: Optional[int] = None) -> str:
+    """``F3``; on chunk 1 of a rank holding several, ``F3.1`` (the grid adds ``+`` to the first half of an overlapped
+    pair, ``&`` to a weight fill's backward)."""
+    return f"{action.kind}{action.microbatch}" + (f".{chunk}" if chunk is not None else "")
+
+
+def weight_fills(timeline: RankTimeline) -> list[tuple[TimedAction, TimedAction]]:
+    """The rank's weight fills: consecutive actions carrying the same ``fill`` number (the backward, then its W)."""
+    return _joined(timeline, "fill")
 
 
 def _plain_legend(ranks: Sequence[RankTimeline]) -> str:
@@ -367,6 +379,8 @@ def _plain_legend(ranks: Sequence[RankTimeline]) -> str:
         parts.append("then .chunk (the rank's chunk 0, 1, ...)")
     if _has_pairs(ranks):
         parts.append("X+ then Y: an overlapped forward-backward pair")
+    if any(action.fill is not None for timeline in ranks for action in timeline.actions):
+        parts.append("X& then W: a weight fill (the W also computes in X's all-to-all waits)")
     parts.append(f"'{PLAIN_GOES_ON}' the action goes on, '{PLAIN_IDLE}' idle; header: the time each column starts")
     return "; ".join(parts)
 

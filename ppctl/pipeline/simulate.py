@@ -67,7 +67,8 @@ class TimedAction:
     """One action with its start and end time (simulated, or measured by a real run).
 
     ``pair`` numbers the rank's overlapped forward-backward pairs: both halves of one
-    pair carry its number; None for an action outside a pair.
+    pair carry its number; None for an action outside a pair. ``fill`` numbers its weight
+    fills the same way (``Schedule.with_weight_fills``).
     """
 
     kind: str
@@ -76,6 +77,7 @@ class TimedAction:
     start: float
     end: float
     pair: Optional[int] = None
+    fill: Optional[int] = None
 
 
 @dataclass
@@ -197,12 +199,15 @@ class SimResult:
 
 
 def _rank_json(timeline: RankTimeline) -> dict:
-    """One rank of ``SimResult.to_json``; an action in an overlapped pair also has its ``pair`` number."""
+    """One rank of ``SimResult.to_json``; an action in an overlapped pair (a weight fill) also has its ``pair``
+    (``fill``) number."""
     actions = []
     for a in timeline.actions:
         action = {"kind": a.kind, "stage": a.stage, "microbatch": a.microbatch, "start": a.start, "end": a.end}
         if a.pair is not None:
             action["pair"] = a.pair
+        if a.fill is not None:
+            action["fill"] = a.fill
         actions.append(action)
     return {"rank": timeline.rank, "peak_activations": timeline.peak_activations, "actions": actions}
 
@@ -222,7 +227,8 @@ def simulate_steps(schedule: Schedule, steps: int, costs: Costs = Costs()) -> Si
     shift = [(step * schedule.num_microbatches, step * one.makespan) for step in range(steps)]
     # made directly: ``dataclasses.replace`` took most of the time of a long --steps
     ranks = [RankTimeline(timeline.rank, [TimedAction(action.kind, action.stage, action.microbatch + microbatches,
-                                                      action.start + time, action.end + time, action.pair)
+                                                      action.start + time, action.end + time, action.pair,
+                                                      action.fill)
                                           for microbatches, time in shift for action in timeline.actions],
                           timeline.peak_activations)
              for timeline in one.ranks]
@@ -342,11 +348,14 @@ def _bubble(makespan: float, busiest: float) -> tuple[float, float]:
 
 
 def _timed_actions(schedule: Schedule, pp_rank: int, outcome: Replay) -> list[TimedAction]:
-    """``pp_rank``'s actions with their replayed times, each half of an overlapped pair with the pair's number."""
+    """``pp_rank``'s actions with their replayed times, each half of an overlapped pair (a weight fill) with its
+    number."""
     timed = [TimedAction(action.kind, action.stage, action.microbatch, start, end)
              for action, start, end in zip(schedule.actions[pp_rank], outcome.starts[pp_rank], outcome.ends[pp_rank])]
     for number, index in enumerate(schedule.pair_starts(pp_rank)):
         timed[index].pair = timed[index + 1].pair = number
+    for number, index in enumerate(schedule.fill_starts(pp_rank)):
+        timed[index].fill = timed[index + 1].fill = number
     return timed
 
 

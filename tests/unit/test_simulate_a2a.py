@@ -65,6 +65,20 @@ def test_a_weight_fill_hides_its_backwards_all_to_all_behind_the_ws_compute(weig
     w_times = [action.end - action.start for action in result.ranks[1].actions if action.kind == BACKWARD_WEIGHT]
     assert sorted(w_times)[:3] == pytest.approx([weight / 2 - hidden] * 3)
     assert [program["filled"] for program in result.to_json()["program"]["ranks"]] == [[], list(filled.filled[1])]
+    fills = [action for action in result.to_json()["ranks"][1]["actions"] if "fill" in action]
+    assert [(action["kind"], action["fill"]) for action in fills] == [("B", 0), ("W", 0), ("B", 1), ("W", 1),
+                                                                       ("B", 2), ("W", 2)]
+
+
+def test_the_timeline_marks_each_weight_fills_backward_with_an_ampersand():
+    from ppctl.pipeline.render import render_plain, weight_fills
+
+    result = simulate(build_schedule("zbv", 2, 2, 4).with_weight_fills(), Costs(A2A=0.5))
+    assert [len(weight_fills(timeline)) for timeline in result.ranks] == [0, 3]
+    drawn = render_plain(result.ranks)
+    rank1 = next(line for line in drawn.splitlines() if line.startswith("rank 1"))
+    assert rank1.count("&") == 3 and "B0.0&" in rank1
+    assert "X& then W: a weight fill" in drawn
 
 
 def test_no_all_to_all_cost_leaves_every_timeline_as_it_was():
