@@ -129,7 +129,7 @@ def _check_schedule_plan(config: PpctlConfig) -> None:
             check_schedule(schedule)
             if fills:
                 check_weight_fills(schedule.with_weight_fills())
-            problem = None
+            problem = _nothing_to_interleave(schedule) if fills else None
         except ScheduleError as error:
             problem = str(error)
     if problem is not None:
@@ -158,7 +158,17 @@ def _built_schedule_problem(name: str, pp: int, vpp: int, microbatches: int, fil
             check_weight_fills(schedule.with_weight_fills())
     except ScheduleError as error:
         return str(error)
-    return None
+    return _nothing_to_interleave(schedule) if fills else None
+
+
+def _nothing_to_interleave(schedule) -> str | None:
+    """Why ``parallel.overlap_ep_comm`` would do nothing under ``schedule`` (neither overlapped pairs nor a split
+    backward), or None."""
+    if any(schedule.overlapped) or schedule.splits_backward:
+        return None
+    return ("parallel.overlap_ep_comm=true, but it has neither overlapped pairs (dualpipe, dualpipev) nor a split "
+            "backward (the zero-bubble and V schedules) for the expert all-to-alls to hide behind; choose one of "
+            "those, or leave it false")
 
 
 def _check_schedule_file(config: PpctlConfig) -> None:
@@ -302,6 +312,9 @@ def _check_expert_tensor_parallel(config: PpctlConfig) -> None:
 def _check_expert_parallel(config: PpctlConfig) -> None:
     """``parallel.ep`` splits a model's experts evenly (the fold of the ranks itself: the layout)."""
     parallel, experts = config.parallel, config.model.moe.num_experts
+    require(not parallel.overlap_ep_comm or parallel.ep > 1,
+            "parallel.overlap_ep_comm=true hides expert all-to-alls behind compute, but parallel.ep=1 exchanges "
+            "none: split the experts over ranks (parallel.ep > 1) or leave it false")
     if parallel.ep == 1:
         return
     require(experts > 0, f"parallel.ep={parallel.ep} splits a mixture's experts, but the model has none: set "

@@ -3,6 +3,7 @@ rank by an independent W lets that W compute in its exchange waits. The rule, it
 config asks for it."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -77,8 +78,7 @@ def test_the_checker_refuses_a_fill_that_shares_an_overlapped_pair():
 @pytest.mark.parametrize("overrides, fills", [
     (["parallel.overlap_ep_comm=true"], True),
     ([], False),  # not asked for
-    (["parallel.overlap_ep_comm=true", "parallel.ep=1"], False),  # no all-to-all to fill
-    (["parallel.overlap_ep_comm=true", "schedule=1f1b", "parallel.vpp=1"], False),  # no split backward
+    (["parallel.overlap_ep_comm=true", "schedule=dualpipev"], True),  # its cool-down's W's
 ])
 def test_a_resolved_config_has_fills_only_where_ws_can_fill_exchange_waits(overrides, fills):
     config = compose_config(["model=mixtral_tiny", "parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "schedule=zbv",
@@ -111,3 +111,19 @@ def test_validation_checks_the_fills_a_run_will_carry(monkeypatch):
     with pytest.raises(ConfigError, match="schedule zbv: rank 1: weight fill at action 5 is wrong"):
         validate(compose_config(overrides), data=False)
     _built_schedule_problem.cache_clear()
+
+
+@pytest.mark.parametrize("overrides, said", [
+    (["parallel.ep=1"], "parallel.overlap_ep_comm=true hides expert all-to-alls behind compute, but parallel.ep=1 "
+                        "exchanges none"),
+    (["schedule=1f1b", "parallel.vpp=1"], "schedule 1f1b: parallel.overlap_ep_comm=true, but it has neither "
+                                          "overlapped pairs (dualpipe, dualpipev) nor a split backward"),
+])
+def test_an_overlap_that_would_hide_nothing_is_refused_in_one_line(overrides, said):
+    from ppctl.config import ConfigError
+
+    config = compose_config(["model=mixtral_tiny", "parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "schedule=zbv",
+                             "parallel.vpp=2", "data=synthetic", "parallel.overlap_ep_comm=true", *overrides])
+    with pytest.raises(ConfigError, match="^" + re.escape(said)) as error:
+        resolve(config)
+    assert "\n" not in str(error.value)
