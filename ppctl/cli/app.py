@@ -576,9 +576,7 @@ def generate(
                                                        "comes."),
 ) -> None:
     """Continue a prompt with a run's model or a Hugging Face model, in this process (KV cache, one token a step)."""
-    from ppctl.cli.generate_report import generate_and_print
     from ppctl.generate.sampling import Sampling
-    from ppctl.generate.source import GenerateError
 
     sampling = Sampling(temperature, top_k, top_p)
     if prompt is None:
@@ -587,6 +585,9 @@ def generate(
         fail(f"--max-new-tokens={max_new_tokens} must be at least 1")
     if sampling.problem() is not None:
         fail(sampling.problem())
+    from ppctl.cli.generate_report import generate_and_print  # torch and the model's readers: after the checks
+    from ppctl.generate.source import GenerateError
+
     try:
         with interruption_says("while generating"):
             generate_and_print(source, prompt, max_new_tokens, sampling, seed, as_json)

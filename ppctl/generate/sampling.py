@@ -11,8 +11,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 
 @dataclass(frozen=True)
 class Sampling:
@@ -48,6 +46,8 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
         scores = scores.masked_fill(scores < kth, -math.inf)
     if sampling.top_p < 1:
         scores = _nucleus(scores, sampling.top_p)
+    import torch  # here: the command line checks a Sampling before it imports torch (a refusal in a second)
+
     return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator)
 
 
