@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ppctl.parallel.lanes import finish, lane_communicator, post
+from ppctl.parallel.lanes import OnTwoLanes, finish, lane_communicator
 from ppctl.parallel.layout import CP_COMM_MODES, context_parallel_chunks, context_parallel_positions
 from ppctl.parallel.tensor_parallel import all_gather_single, reduce_scatter_single
 
@@ -48,7 +48,7 @@ RING_QUERY_TILE_ROWS = 128
 
 
 @dataclass(frozen=True)
-class CPGroup:
+class CPGroup(OnTwoLanes):
     """The context-parallel group of one rank and how attention communicates in it.
 
     ``group`` is a ``torch.distributed`` ProcessGroup (None when ``size`` is 1), ``rank``
@@ -65,10 +65,6 @@ class CPGroup:
     comm: str = "allgather"
     backward_group: object | None = None
     interleave: object | None = field(default=None, compare=False, repr=False)
-
-    def post(self, collective, *tensors) -> None:
-        """Run ``collective`` on the current lane's communicator and wait for it (``ppctl.parallel.lanes.post``)."""
-        post(collective, *tensors, group=self.group, backward_group=self.backward_group, interleave=self.interleave)
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:

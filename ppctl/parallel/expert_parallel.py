@@ -31,12 +31,11 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ppctl.parallel.lanes import BACKWARD_LANE, current_lane, finish, lane_communicator
-
+from ppctl.parallel.lanes import BACKWARD_LANE, OnTwoLanes, current_lane, finish, lane_communicator
 
 
 @dataclass(frozen=True)
-class TokenSplit:
+class TokenSplit(OnTwoLanes):
     """The ranks that hold one microbatch's tokens between them, an equal share each (module docstring): a
     ``torch.distributed`` ProcessGroup (None for one rank), ``size`` ranks, this rank's index ``rank``;
     ``backward_group`` and ``interleave`` as ``EPGroup``'s (``ppctl.parallel.lanes``)."""
@@ -52,8 +51,7 @@ class TokenSplit:
         if self.size == 1:
             return tensor
         summed = tensor.detach().clone()
-        finish(dist.all_reduce(summed, group=lane_communicator(self.group, self.backward_group), async_op=True),
-               self.interleave)
+        self.post(dist.all_reduce, summed)
         return summed
 
 

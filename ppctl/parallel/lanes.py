@@ -38,11 +38,15 @@ def finish(work, interleave) -> None:
         work.wait()
 
 
-def post(collective, *tensors, group, backward_group, interleave, **options) -> None:
-    """Run ``collective(*tensors, group=..., **options)`` on the current lane's communicator of ``group``: without
-    an interleave as a plain blocking call, else posted asynchronously and finished through it (``finish``)."""
-    communicator = lane_communicator(group, backward_group)
-    if interleave is None:
-        collective(*tensors, group=communicator, **options)
-        return
-    finish(collective(*tensors, group=communicator, async_op=True, **options), interleave)
+class OnTwoLanes:
+    """What a group object (TP, CP, a ``TokenSplit``) with ``group``, ``backward_group`` and ``interleave`` fields
+    runs its collectives through."""
+
+    def post(self, collective, *tensors, **options) -> None:
+        """Run ``collective(*tensors, group=..., **options)`` on the current lane's communicator: without an
+        interleave as a plain blocking call, else posted asynchronously and finished through it (``finish``)."""
+        communicator = lane_communicator(self.group, self.backward_group)
+        if self.interleave is None:
+            collective(*tensors, group=communicator, **options)
+            return
+        finish(collective(*tensors, group=communicator, async_op=True, **options), self.interleave)

@@ -37,11 +37,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ppctl.autograd.weight_grad import DefersWeightGrads, WeightGradStore, add_bias, linear
-from ppctl.parallel.lanes import post
+from ppctl.parallel.lanes import OnTwoLanes
 
 
 @dataclass(frozen=True)
-class TPGroup:
+class TPGroup(OnTwoLanes):
     """The tensor-parallel group one rank belongs to.
 
     ``group`` is a ``torch.distributed`` ProcessGroup (None for tp=1, where nothing is
@@ -55,12 +55,6 @@ class TPGroup:
     sequence_parallel: bool = False
     backward_group: object | None = None
     interleave: object | None = field(default=None, compare=False, repr=False)
-
-    def post(self, collective, *tensors, **options) -> None:
-        """Run ``collective(*tensors, group=..., async_op=True, **options)`` on the current lane's communicator and
-        wait for it (``ppctl.parallel.lanes.finish``)."""
-        post(collective, *tensors, group=self.group, backward_group=self.backward_group, interleave=self.interleave,
-             **options)
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:

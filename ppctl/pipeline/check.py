@@ -214,9 +214,9 @@ def check_interleave(schedule: Schedule) -> None:
     """A schedule with overlapped pairs or weight fills: their halves' pieces, run interleaved
     (``parallel.overlap_ep_comm``), cannot hang for any count of exchanges in either half, on 2 EP ranks
     (``prove_interleave_for_every_count``; proved once per process)."""
-    if schedule.overlapped and any(schedule.overlapped):
+    if any(schedule.overlapped):
         _prove_interleave(local_backward=False)
-    if schedule.filled and any(schedule.filled):
+    if any(schedule.filled):
         _prove_interleave(local_backward=True)
 
 

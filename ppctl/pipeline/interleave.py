@@ -121,16 +121,12 @@ def _abstract_next_states(state: tuple, local: tuple[bool, bool], holds: bool) -
     following = []
     for index, (turn, marks, halves) in enumerate(ranks_state):
         for half in (0, 1):
+            exchanges = tuple(_concrete(marks[each] if local[each] else left[each]) for each in (0, 1))
             if local[half]:  # marks[half]: this rank's count left; its pieces done do not matter
-                pieces, exchanges, arrived = (0, 0), [0, 0], True
+                pieces, arrived = tuple(0 if h == half else marks[h] for h in (0, 1)), True
             else:
-                pieces, exchanges = marks, [0, 0]
-                arrived = all(other[1][half] >= marks[half] for other in ranks_state)
-            for each in (0, 1):  # each half's count of exchanges, made concrete
-                exchanges[each] = _concrete(marks[each] if local[each] else left[each])
-            if local[half]:
-                pieces = tuple(0 if h == half else marks[h] for h in (0, 1))
-            changed = _step(turn, pieces, halves, half, tuple(exchanges), holds, arrived)
+                pieces, arrived = marks, all(other[1][half] >= marks[half] for other in ranks_state)
+            changed = _step(turn, pieces, halves, half, exchanges, holds, arrived)
             if changed is None:
                 continue
             new_turn, _, new_halves = changed

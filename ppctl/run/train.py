@@ -114,9 +114,14 @@ def tp_group_of(context: ParallelContext, sequence_parallel: bool = False,
     go through two lanes (``ppctl.parallel.lanes``)."""
     if context.size("tp") == 1:
         return TPGroup.single()
-    backward_group = context.groups[backward_lane("tp")] if interleave is not None else None
     return TPGroup(context.groups["tp"], context.size("tp"), context.index("tp"), sequence_parallel,
-                   backward_group=backward_group, interleave=interleave)
+                   backward_group=_backward_lane_group(context, "tp", interleave), interleave=interleave)
+
+
+def _backward_lane_group(context: ParallelContext, name: str, interleave: PairInterleave | None):
+    """Group ``name``'s backward-lane communicator where pairs run interleaved (``ppctl.parallel.lanes``), else
+    None: one communicator, as everything runs in the program's order."""
+    return context.groups[backward_lane(name)] if interleave is not None else None
 
 
 def cp_group_of(context: ParallelContext, comm: str, interleave: PairInterleave | None = None) -> CPGroup:
@@ -124,9 +129,8 @@ def cp_group_of(context: ParallelContext, comm: str, interleave: PairInterleave 
     through two lanes (``tp_group_of``)."""
     if context.size("cp") == 1:
         return CPGroup.single()
-    backward_group = context.groups[backward_lane("cp")] if interleave is not None else None
     return CPGroup(context.groups["cp"], context.size("cp"), context.index("cp"),
-                   tuple(context.group_ranks["cp"]), comm, backward_group, interleave)
+                   tuple(context.group_ranks["cp"]), comm, _backward_lane_group(context, "cp", interleave), interleave)
 
 
 def ep_group_of(context: ParallelContext, on_exchange=None, interleave: PairInterleave | None = None) -> EPGroup:
@@ -135,9 +139,8 @@ def ep_group_of(context: ParallelContext, on_exchange=None, interleave: PairInte
     (validation asks for sequence parallelism with TP and experts)."""
     tokens = TokenSplit()
     if context.size("tp_cp") > 1:
-        backward_group = context.groups[backward_lane("tp_cp")] if interleave is not None else None
-        tokens = TokenSplit(context.groups["tp_cp"], context.size("tp_cp"), context.index("tp_cp"), backward_group,
-                            interleave)
+        tokens = TokenSplit(context.groups["tp_cp"], context.size("tp_cp"), context.index("tp_cp"),
+                            _backward_lane_group(context, "tp_cp", interleave), interleave)
     if context.layout.ep == 1:
         return EPGroup.single(tokens)
     return EPGroup(context.groups["ep"], context.size("ep"), context.index("ep"), context.groups[backward_lane("ep")],
