@@ -30,7 +30,8 @@ test-fast: setup  ## unit tests only (no processes)
 	$(BIN)/python -m pytest -q tests/unit
 
 # `fuzz`: N configurations drawn at random from seed SEED, each proven equal to one process (tests/fuzz/run.py);
-# a failure prints the seed and the `ppctl verify` line that reproduces it.
+# a failure prints the seed and the `ppctl verify` line that reproduces it. N is 1 or more, SEED 0 or more (else one
+# line, exit 2).
 SEED ?= 0
 N ?= 20
 fuzz: setup  ## the composition fuzzer: make fuzz SEED=1 N=100

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.args import divides, non_negative_int, positive_int  # noqa: E402
 from ppctl.model.gpt.model import GPTChunk, GPTConfig  # noqa: E402
 from ppctl.parallel.tensor_parallel import TPGroup  # noqa: E402
 from ppctl.pipeline.stage import PipelineStage, StageIO, TensorSpec  # noqa: E402
@@ -89,17 +90,24 @@ def one_round(stages: dict[str, PipelineStage], stage_input: torch.Tensor, grad_
     return measured
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options (``argv``, else the command line's); a bad one is argparse's error, exit 2, before any model."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=positive_int, default=768)
+    parser.add_argument("--heads", type=positive_int, default=12)
+    parser.add_argument("--layers", type=positive_int, default=4)
+    parser.add_argument("--seq", type=positive_int, default=256)
+    parser.add_argument("--micro-batch", type=positive_int, default=2)
+    parser.add_argument("--repeats", type=positive_int, default=7)
+    parser.add_argument("--warmup", type=non_negative_int, default=1)
+    args = parser.parse_args(argv)
+    divides(parser, ("--hidden", args.hidden), ("--heads", args.heads))
+    return args
+
+
 def main() -> None:
     """Parse options, time the whole and the split backwards in turns, print the table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--warmup", type=int, default=1)
-    args = parser.parse_args()
+    args = parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     stages = {"whole": middle_stage(args, split_backward=False), "split": middle_stage(args, split_backward=True)}
     parameters = {param.untyped_storage().data_ptr()

@@ -18,6 +18,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.args import positive_int  # noqa: E402
 from ppctl.pipeline.check import check_schedule  # noqa: E402
 from ppctl.pipeline.program import lower  # noqa: E402
 from ppctl.pipeline.schedules import Schedule, build_schedule  # noqa: E402
@@ -45,11 +46,16 @@ def median_seconds(function: Callable[[Schedule], object], schedule: Schedule, r
     return statistics.median(times)
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options (``argv``, else the command line's); a bad one is argparse's error, exit 2."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=positive_int, default=5, help="calls per function and case (default 5)")
+    return parser.parse_args(argv)
+
+
 def main() -> None:
     """Print one row per case: its size and the median milliseconds of each measured function."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5, help="calls per function and case (default 5)")
-    args = parser.parse_args()
+    args = parse_args()
     header = f"{'schedule':<18} {'pp':>3} {'vpp':>3} {'mb':>4} {'actions':>8}" + "".join(
         f" {name + ' ms':>21}" for name in MEASURED)
     print(header)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.args import non_negative_int, positive_int  # noqa: E402
 from ppctl.parallel.context_parallel import CP_COMM_MODES, CPGroup, context_parallel_attention  # noqa: E402
 from ppctl.run.memory import StoragePeak  # noqa: E402
 from tests.harness.spawn import run_workers  # noqa: E402
@@ -86,17 +87,26 @@ def runnable_modes(cp_size: int, heads: int, seq: int) -> tuple[str, ...]:
     return tuple(mode for mode in CP_COMM_MODES if mode != "a2a" or heads % cp_size == 0)
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options (``argv``, else the command line's); a bad one is argparse's error, exit 2, before any worker."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=positive_int, default=2304, help="total sequence length (a multiple of 2*cp)")
+    parser.add_argument("--batch", type=positive_int, default=1)
+    parser.add_argument("--heads", type=positive_int, default=12, help="12: a2a works at cp 2, 3 and 4")
+    parser.add_argument("--head-dim", type=positive_int, default=64)
+    parser.add_argument("--cp", type=positive_int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--warmup", type=non_negative_int, default=1)
+    args = parser.parse_args(argv)
+    if not any(runnable_modes(cp_size, args.heads, args.seq) for cp_size in args.cp):
+        parser.error(f"--seq {args.seq} is not a multiple of 2 x any --cp size ({' '.join(map(str, args.cp))}): "
+                     f"nothing to measure")
+    return args
+
+
 def main() -> None:
     """Parse options, measure every cp size, print the table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, default=2304, help="total sequence length (a multiple of 2*cp)")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=12, help="12: a2a works at cp 2, 3 and 4")
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 3, 4])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    args = parser.parse_args()
+    args = parse_args()
     shape = (args.batch, args.heads, args.seq, args.head_dim)
     rows = {}
     for cp_size in args.cp:

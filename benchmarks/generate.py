@@ -23,26 +23,38 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.args import divides, names_in, positive_int  # noqa: E402
 from ppctl.generate.decode import generate_ids  # noqa: E402
 from ppctl.generate.sampling import Sampling  # noqa: E402
 from ppctl.generate.source import load_model  # noqa: E402
 
 GREEDY = Sampling(temperature=0.0)
+MODELS = ("gpt2", "llama")
+TOKENIZER_IDS = 50  # the character tokenizer saved beside (unused: the benchmark feeds ids)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options (``argv``, else the command line's); a bad one is argparse's error, exit 2, before any model."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2, help="Llama's key/value heads")
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
-    parser.add_argument("--new", type=int, default=128, help="new tokens per generation")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--models", default="gpt2,llama", help="comma-separated: gpt2, llama")
-    return parser.parse_args()
+    parser.add_argument("--layers", type=positive_int, default=6)
+    parser.add_argument("--hidden", type=positive_int, default=512)
+    parser.add_argument("--heads", type=positive_int, default=8)
+    parser.add_argument("--kv-heads", type=positive_int, default=2, help="Llama's key/value heads")
+    parser.add_argument("--vocab", type=positive_int, default=8192)
+    parser.add_argument("--prompt", type=positive_int, default=32, help="prompt tokens")
+    parser.add_argument("--new", type=positive_int, default=128, help="new tokens per generation")
+    parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
+    parser.add_argument("--models", type=names_in(MODELS), default=",".join(MODELS),
+                        help=f"comma-separated: {', '.join(MODELS)}")
+    args = parser.parse_args(argv)
+    divides(parser, ("--hidden", args.hidden), ("--heads", args.heads))
+    if "llama" in args.models:
+        divides(parser, ("--heads", args.heads), ("--kv-heads", args.kv_heads))
+        if args.hidden // args.heads % 2:
+            parser.error(f"--hidden {args.hidden} / --heads {args.heads} is {args.hidden // args.heads}: llama's "
+                         f"rotary embedding needs an even head width")
+    return args
 
 
 def randomised(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
@@ -68,7 +80,7 @@ def gpt2_pair(args, folder: Path):
                         n_layer=args.layers, n_head=args.heads, activation_function="gelu", tie_word_embeddings=True,
                         bos_token_id=None, eos_token_id=None)
     randomised(GPT2LMHeadModel(config)).save_pretrained(folder)
-    save_char_tokenizer(folder, 50)
+    save_char_tokenizer(folder, min(TOKENIZER_IDS, args.vocab))
     return load_model(folder).chunk, GPT2LMHeadModel.from_pretrained(folder).eval()
 
 
@@ -82,7 +94,7 @@ def llama_pair(args, folder: Path):
                          num_key_value_heads=args.kv_heads, max_position_embeddings=args.prompt + args.new,
                          tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
     randomised(LlamaForCausalLM(config)).save_pretrained(folder)
-    save_char_tokenizer(folder, 50)
+    save_char_tokenizer(folder, min(TOKENIZER_IDS, args.vocab))
     return load_model(folder).chunk, LlamaForCausalLM.from_pretrained(folder).eval()
 
 
@@ -122,7 +134,7 @@ def main() -> None:
           f"{args.new} new, greedy, float32, median of {args.repeats}")
     print("| model | ppctl tokens/s | transformers tokens/s | ratio ppctl / transformers | same tokens |")
     print("|---|---|---|---|---|")
-    for name in args.models.split(","):
+    for name in args.models:
         with tempfile.TemporaryDirectory() as folder:
             row = compare(name, *pairs[name](args, Path(folder)), args)
         print(f"| {row['model']} | {row['ppctl']:,.1f} | {row['transformers']:,.1f} | {row['ratio']:.3f} | "

@@ -29,25 +29,30 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.args import check_ppctl_config, positive_float, positive_int  # noqa: E402
 from tests.harness.spawn import run_workers  # noqa: E402
 
 MiB = 2**20
 STATUS_KEYS = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options (``argv``, else the command line's); a bad one, or a shape the tp=2 pp=2 run refuses, is
+    argparse's error, exit 2, before any folder is written."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--ffn", type=int, default=5632, help="SwiGLU width")
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--shard-mb", type=int, default=512, help="largest safetensors shard written, MiB")
-    parser.add_argument("--interval-ms", type=float, default=2.0, help="how often a rank samples RssAnon")
+    parser.add_argument("--layers", type=positive_int, default=12)
+    parser.add_argument("--hidden", type=positive_int, default=2048)
+    parser.add_argument("--heads", type=positive_int, default=16)
+    parser.add_argument("--kv-heads", type=positive_int, default=4)
+    parser.add_argument("--ffn", type=positive_int, default=5632, help="SwiGLU width")
+    parser.add_argument("--vocab", type=positive_int, default=32000)
+    parser.add_argument("--shard-mb", type=positive_int, default=512, help="largest safetensors shard written, MiB")
+    parser.add_argument("--interval-ms", type=positive_float, default=2.0, help="how often a rank samples RssAnon")
     parser.add_argument("--folder", type=Path, help="an HF folder to load (kept), or where to write one "
                                                     "(default: a temporary folder, deleted at the end)")
-    return parser.parse_args()
+    args = parser.parse_args(argv)
+    check_ppctl_config(parser, run_overrides(args, None))
+    return args
 
 
 def run_overrides(args, init_from: Path | None) -> list[str]:

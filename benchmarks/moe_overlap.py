@@ -30,6 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.args import at_least, check_ppctl_config, positive_int  # noqa: E402
+
 VARIANTS = {  # label -> the overrides that make it
     "1f1b": ["schedule=1f1b"],
     "zbv": ["schedule=zbv"],
@@ -39,14 +41,19 @@ VARIANTS = {  # label -> the overrides that make it
 }
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options (``argv``, else the command line's); a bad one, or a variant ppctl refuses with them, is
+    argparse's error, exit 2, before any run."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--microbatches", type=int, default=8, help="global batch (micro batch 1)")
+    parser.add_argument("--steps", type=at_least(2, "the first step warms up and is left out"), default=6)
+    parser.add_argument("--hidden", type=positive_int, default=256)
+    parser.add_argument("--seq", type=positive_int, default=128)
+    parser.add_argument("--microbatches", type=positive_int, default=8, help="global batch (micro batch 1)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
-    return parser.parse_args()
+    args = parser.parse_args(argv)
+    for variant in VARIANTS.values():
+        check_ppctl_config(parser, overrides_of(args, variant, Path(tempfile.gettempdir()) / "moe_overlap"))
+    return args
 
 
 def overrides_of(args, variant: list[str], out_dir: Path) -> list[str]:

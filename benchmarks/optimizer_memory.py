@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.args import at_least, check_ppctl_config, positive_int  # noqa: E402
 from tests.harness.spawn import run_workers  # noqa: E402
 
 VARIANTS = {
@@ -114,20 +115,29 @@ def measure(dp: int, args) -> dict[str, dict]:
     return summary
 
 
-def main() -> None:
-    """Parse options, measure every dp size, print the table."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options (``argv``, else the command line's); a bad one, or a variant ppctl refuses with them, is
+    argparse's error, exit 2, before any worker starts."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="data-parallel sizes (one launch each)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant (at least 1: AdamW "
-                                                              "state exists after the first step)")
-    parser.add_argument("--rounds", type=int, default=2, help="turns each variant takes")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per variant per round")
-    parser.add_argument("--bucket-size", type=int, default=200_000,
+    parser.add_argument("--dp", type=positive_int, nargs="+", default=[2, 4],
+                        help="data-parallel sizes (one launch each)")
+    parser.add_argument("--warmup", type=at_least(1, "AdamW creates its state at the first step"), default=2,
+                        help="untimed steps per variant (at least 1: AdamW state exists after the first step)")
+    parser.add_argument("--rounds", type=positive_int, default=2, help="turns each variant takes")
+    parser.add_argument("--steps", type=positive_int, default=4, help="timed steps per variant per round")
+    parser.add_argument("--bucket-size", type=positive_int, default=200_000,
                         help="optimizer.bucket_size (elements) of the distributed variants")
     parser.add_argument("overrides", nargs="*", default=[], help="further config overrides for every variant")
-    args = parser.parse_args()
-    if args.warmup < 1:
-        parser.error("--warmup must be at least 1: AdamW creates its state at the first step")
+    args = parser.parse_args(argv)
+    for dp in args.dp:
+        for variant in VARIANTS:
+            check_ppctl_config(parser, variant_overrides(dp, variant, args.bucket_size, args.overrides))
+    return args
+
+
+def main() -> None:
+    """Parse options, measure every dp size, print the table."""
+    args = parse_args()
     rows = {dp: measure(dp, args) for dp in args.dp}
     print_table(args, rows)
 

@@ -25,6 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.args import positive_int  # noqa: E402
+
 MODEL = ["data=synthetic", "model.num_layers=8", "model.hidden_size=256", "model.num_heads=4",
          "model.ffn_hidden_size=1024", "model.tie_embeddings=false", "trainer.seq_length=64",
          "trainer.global_batch_size=16", "launcher.threads_per_worker=1", "trainer.tensorboard=false"]
@@ -85,15 +87,21 @@ def spearman(first: list[float], second: list[float]) -> float:
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(a, b)) / (n * (n * n - 1))
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options (``argv``, else the command line's); a bad one is argparse's error, exit 2, before any run."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=positive_int, default=3)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--workers", type=int, choices=sorted(CANDIDATES), default=2)
     parser.add_argument("--recalibrate", action="store_true",
                         help="calibrate again right before each candidate (twice the time): its prediction then "
                              "uses figures measured in the same minute, not the machine's speed minutes earlier")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    """Calibrate, then predict and measure every candidate; print each and the summary."""
+    args = parse_args()
 
     from ppctl.config import compose_config
     from ppctl.plan.search import Candidate, predict

@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.args import check_ppctl_config, positive_int  # noqa: E402
 from tests.harness.spawn import run_workers  # noqa: E402
 
 DELAYED = ["optimizer.gradient_delay=1", "optimizer.clip_grad=0"]
@@ -80,15 +81,24 @@ def summarise(per_rank: list[dict], block: int) -> dict[str, float]:
             for name in VARIANTS}
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options (``argv``, else the command line's); a bad one, or a variant ppctl refuses with them, is
+    argparse's error, exit 2, before any worker starts."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=positive_int, default=2, help="pipeline ranks (gloo workers)")
+    parser.add_argument("--microbatches", type=positive_int, default=8, help="microbatches per step (m >= pp)")
+    parser.add_argument("--block", type=positive_int, default=8, help="steps per block: one stream for pipedream_2bw")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="timed blocks per variant")
+    parser.add_argument("overrides", nargs="*", default=[], help="further config overrides for both variants")
+    args = parser.parse_args(argv)
+    for variant in VARIANTS:
+        check_ppctl_config(parser, variant_overrides(args.pp, args.microbatches, args.block, variant, args.overrides))
+    return args
+
+
 def main() -> None:
     """Parse options, measure, print medians and ratios."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=int, default=2, help="pipeline ranks (gloo workers)")
-    parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step (m >= pp)")
-    parser.add_argument("--block", type=int, default=8, help="steps per block: one stream for pipedream_2bw")
-    parser.add_argument("--rounds", type=int, default=3, help="timed blocks per variant")
-    parser.add_argument("overrides", nargs="*", default=[], help="further config overrides for both variants")
-    args = parser.parse_args()
+    args = parse_args()
     runs = {name: variant_overrides(args.pp, args.microbatches, args.block, name, args.overrides)
             for name in VARIANTS}
     per_rank = run_workers(measure_worker, args.pp, runs, args.block, args.rounds, timeout=3600)

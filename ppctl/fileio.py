@@ -51,3 +51,11 @@ def exception_in_chain(error: Optional[BaseException], kind: type) -> Optional[B
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return None
+
+
+def mount_point(path: Path) -> Path:
+    """The mount point of the file system that holds ``path``."""
+    found = Path(os.path.abspath(path))
+    while not os.path.ismount(found) and found != found.parent:
+        found = found.parent
+    return found

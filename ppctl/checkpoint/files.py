@@ -8,12 +8,16 @@ corrupt file). A checkpoint is written under a hidden temporary name and renamed
 only after every rank has written its part and ``ppctl.json`` is on disk, so a
 checkpoint directory is complete or absent; ``checkpoints/latest`` (a one-line file,
 replaced atomically) names the newest complete one, a ``step_<N>`` directory beside it
-(a pointer anywhere else is refused). Pure: files and JSON only.
+(a pointer anywhere else is refused). A reader (``ppctl export``, ``ppctl generate``) pins the checkpoint it
+reads (``pinned_checkpoint``: a shared ``flock`` on its directory) and the pruning of a run saving meanwhile
+skips a pinned one, so ``trainer.keep_last`` never deletes a checkpoint under its reader. Pure: files and JSON only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -21,7 +25,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from ppctl.fileio import file_sha256, write_atomically
 
@@ -77,14 +81,106 @@ def commit(run_dir: Path, step: int, index: dict[str, Any], keep_last: int) -> P
 
 
 def prune(run_dir: Path, keep_last: int) -> list[Path]:
-    """Delete complete checkpoints beyond the ``keep_last`` newest (never ``latest``'s) and stale partial ones."""
+    """Delete complete checkpoints beyond the ``keep_last`` newest (never ``latest``'s, nor one a reader has pinned:
+    a later prune deletes it) and stale partial ones; return those deleted."""
     complete = [info.path for info in list_checkpoints(run_dir) if info.complete]
     keep = set(complete[-keep_last:]) | {latest_checkpoint(run_dir)}
-    removed = [path for path in complete if path not in keep]
-    removed += [path for path in checkpoints_dir(run_dir).glob(".step_*.partial") if path.is_dir()]
-    for path in removed:
+    removed = [path for path in complete if path not in keep and _delete_unless_pinned(path)]
+    partial = [path for path in checkpoints_dir(run_dir).glob(".step_*.partial") if path.is_dir()]
+    for path in partial:
         shutil.rmtree(path, ignore_errors=True)
-    return removed
+    return removed + partial
+
+
+# A reader's pin: a shared flock on the checkpoint's directory (no file is written: a reader may not own the run).
+# The kernel lets it go when the reader ends, however it ends, so no pin outlives its reader. Where the file system
+# has no flock, nothing is pinned: a checkpoint deleted under its reader is then refused in one line.
+NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS, errno.EBADF)
+PIN_TRIES = 5  # how often a reader of ``latest`` reads it again when the checkpoint it named was deleted meanwhile
+
+
+def _delete_unless_pinned(checkpoint: Path) -> bool:
+    """Delete ``checkpoint`` unless a reader pins it; whether it is gone. The exclusive lock is held while deleting,
+    so a reader that pins it meanwhile waits, then finds it gone."""
+    try:
+        descriptor = os.open(checkpoint, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        return False
+    except OSError as error:
+        if error.errno not in NO_FLOCK:
+            os.close(descriptor)
+            raise
+    try:
+        shutil.rmtree(checkpoint, ignore_errors=True)
+    finally:
+        os.close(descriptor)
+    return not checkpoint.exists()
+
+
+def _pin(checkpoint: Path) -> int | None:
+    """A shared lock on ``checkpoint``'s directory (its descriptor; None where this reader may not open it, which
+    pins nothing); ``FileNotFoundError`` when it is gone, deleted since it was named (or while this waited for its
+    deletion to end)."""
+    try:
+        descriptor = os.open(checkpoint, os.O_RDONLY | os.O_DIRECTORY)
+    except PermissionError:  # a directory one may read files of but not list: its files are read unpinned
+        return None
+    try:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_SH)
+        except OSError as error:
+            if error.errno not in NO_FLOCK:
+                raise
+        held, named = os.fstat(descriptor), os.stat(checkpoint)  # raises when it was deleted meanwhile
+        if (held.st_dev, held.st_ino) != (named.st_dev, named.st_ino):  # the same step saved again meanwhile
+            raise FileNotFoundError(errno.ENOENT, "replaced while it was pinned", str(checkpoint))
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return descriptor
+
+
+@contextlib.contextmanager
+def pinned_checkpoint(resolve: Callable[[], Path], follow_latest: bool) -> Iterator[Path]:
+    """The checkpoint ``resolve()`` names, pinned for the block: the pruning of a run saving meanwhile
+    (``trainer.keep_last``) skips it. With ``follow_latest`` (``resolve`` reads ``latest``), a checkpoint deleted
+    between ``resolve()`` and the pin is replaced by the one ``latest`` names then (a run's commit points ``latest``
+    at its new checkpoint before it prunes the old one), and a ``latest`` that names the same missing one twice is
+    refused; else, or after ``PIN_TRIES``, ``CheckpointError``. Where nothing can be pinned (no flock), a block that
+    fails because the checkpoint was deleted under it is ``CheckpointError`` too, not the reader's own error."""
+    previous = None
+    for attempt in range(1, PIN_TRIES + 1):
+        checkpoint = resolve()
+        try:
+            descriptor = _pin(checkpoint)
+            break
+        except (FileNotFoundError, NotADirectoryError):
+            if follow_latest and checkpoint == previous:  # not moved on: ``latest`` names what is not there
+                raise CheckpointError(f"checkpoint {checkpoint} refused: no such checkpoint (the one "
+                                      f"{checkpoint.parent / LATEST_NAME} names)") from None
+            if not follow_latest or attempt == PIN_TRIES:
+                raise CheckpointError(deleted_while_read(checkpoint)) from None
+            previous = checkpoint
+    try:
+        yield checkpoint
+    except Exception:
+        if checkpoint.is_dir():
+            raise
+        raise CheckpointError(deleted_while_read(checkpoint)) from None
+    finally:
+        if descriptor is not None:
+            os.close(descriptor)
+
+
+def deleted_while_read(checkpoint: Path) -> str:
+    """One line: ``checkpoint`` was deleted before or while it was read."""
+    return (f"checkpoint {checkpoint} was deleted before it could be read (a run saving into this directory prunes "
+            f"all but its trainer.keep_last newest): read it again, or name a checkpoint it keeps")
 
 
 @dataclass(frozen=True)
@@ -234,15 +330,12 @@ def resume_problem(index: dict[str, Any], model: dict[str, Any], data: dict[str,
     (``ppctl.data.tokenizer.tokenizer_record``) cannot resume from a checkpoint whose ``ppctl.json`` is ``index``
     (None when it can). The layout, schedule and optimizer sharding may change. A setting the checkpoint does not
     record (saved before ppctl recorded it) is taken as it is."""
-    model = model_record(model) if "moe" in model else model
-    for section, keys, current in (("model", MODEL_KEYS + RECORDED_LATER, model), ("data", DATA_KEYS, data)):
-        for key in keys:
-            if key in RECORDED_LATER and key not in index[section]:
-                continue
-            saved = index[section].get(key)
-            if saved != current[key]:
-                setting = f"model.{key}" if section == "model" else f"trainer.{key}"
-                return f"it was saved with {setting}={saved}, this run has {current[key]}"
+    problem = model_problem(index, model)
+    if problem is not None:
+        return problem
+    for key in DATA_KEYS:
+        if index["data"].get(key) != data[key]:
+            return f"it was saved with trainer.{key}={index['data'].get(key)}, this run has {data[key]}"
     problem = tokenizer_problem(index["data"].get("tokenizer"), tokenizer)
     if problem is not None:
         return problem
@@ -253,6 +346,21 @@ def resume_problem(index: dict[str, Any], model: dict[str, Any], data: dict[str,
                 f"{gradient_delay} (the previous weight version is saved only with a delay)")
     if index["step"] >= max_steps:
         return f"it is at step {index['step']}, not before trainer.max_steps={max_steps}: raise trainer.max_steps"
+    return None
+
+
+def model_problem(index: dict[str, Any], model: dict[str, Any], having: str = "this run has") -> str | None:
+    """Why the weights of a checkpoint whose ``ppctl.json`` is ``index`` are not those of ``model`` (``vars`` of a
+    ``ModelConfig``, or its ``model_record``): the first recorded setting that differs, ``having`` naming where
+    ``model`` comes from (None when none differs). A setting the checkpoint does not record (saved before ppctl
+    recorded it) is taken as it is. Resuming, exporting and generating all ask it."""
+    model = model_record(model) if "moe" in model else model
+    for key in MODEL_KEYS + RECORDED_LATER:
+        if key in RECORDED_LATER and key not in index["model"]:
+            continue
+        saved = index["model"].get(key)
+        if saved != model[key]:
+            return f"it was saved with model.{key}={saved}, {having} {model[key]}"
     return None
 
 

@@ -8,24 +8,32 @@ run's shape, ``ppctl.model.hf_format``; a model with experts as Mixtral, ``ppctl
 ``generation_config.json`` and, when the run read a tokenizer file, that file as ``tokenizer.json`` with a
 ``tokenizer_config.json`` (the byte tokenizer has no HF form: a note says so). The weights keep the checkpoint's
 dtype (``model/``: the run's precision). The folder is written under a hidden name beside ``out_dir`` and renamed
-into place, so it is complete or absent; an ``out_dir`` that exists and is not empty is refused.
+into place, so it is complete or absent: a failure (a full disk) or a signal removes the hidden folder; an
+``out_dir`` that exists and is not empty is refused. The checkpoint is pinned while it is read (a run saving with
+``trainer.keep_last`` does not delete it meanwhile), and the run's ``config.yaml`` must describe the model it saved
+(the check ``trainer.resume_from`` makes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from ppctl.checkpoint.files import (CheckpointError, checkpoint_problem, checkpoints_dir, latest_checkpoint,
-                                    list_checkpoints, locate_run, read_index, step_dir_name)
+                                    list_checkpoints, locate_run, model_problem, pinned_checkpoint, read_index,
+                                    step_dir_name)
 from ppctl.checkpoint.pieces import Piece
 from ppctl.checkpoint.store import Sharded, load_state
 from ppctl.config import PpctlConfig, load_config_file
+from ppctl.fileio import mount_point
 from ppctl.model.from_config import family_of, model_shape, parameter_rules
 from ppctl.model.hf_format import CONFIG_FILE, GENERATION_FILE, INDEX_FILE, WEIGHTS_FILE, HFError, hf_format_of
 from ppctl.model.hf_weights import to_hf_tensors
@@ -42,19 +50,57 @@ class ExportError(ValueError):
     """A run or folder ``ppctl export`` cannot use; the message is one line."""
 
 
+@dataclass(frozen=True)
+class Exported:
+    """What ``export_run`` read (the checkpoint and its step) and the notes to show (what was not written, and why)."""
+
+    checkpoint: Path
+    step: int
+    notes: list[str]
+
+
 def export_run(run_dir: Path, out_dir: Path, step: int | None = None,
-               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
-    """Export the checkpoint of ``run_dir`` at ``step`` (default: ``latest``) into ``out_dir``; return the notes to
-    show (what was not written, and why). ``ExportError`` (one line) for what cannot be exported."""
+               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Exported:
+    """Export the checkpoint of ``run_dir`` at ``step`` (default: ``latest``) into ``out_dir``. ``ExportError`` (one
+    line) for what cannot be exported. The checkpoint is pinned while it is read; ``latest`` deleted before it is
+    pinned gives the new one."""
     refuse_occupied(out_dir)
     run_dir, named = locate_run(Path(run_dir))
     if named is not None and step is not None:
         raise ExportError(f"{named} is one checkpoint: give its run directory with --step {step}, or drop --step")
-    checkpoint = _verified(named) if named is not None else _checkpoint_at(run_dir, step)
+    resolve = (lambda: _existing(named)) if named is not None else (lambda: _checkpoint_at(run_dir, step))
+    try:
+        with pinned_checkpoint(resolve, follow_latest=named is None and step is None) as checkpoint:
+            config = _run_config(run_dir, _verified(checkpoint))
+            notes = export_checkpoint(checkpoint, config, out_dir, max_shard_bytes)
+            return Exported(checkpoint, read_index(checkpoint)["step"], notes)
+    except CheckpointError as error:
+        raise ExportError(str(error)) from None
+
+
+def _run_config(run_dir: Path, checkpoint: Path) -> PpctlConfig:
+    """The run's ``config.yaml``, which must describe the model ``checkpoint`` holds (as ``trainer.resume_from``
+    checks it: ``model_problem``); else ``ExportError``."""
     config_file = run_dir / "config.yaml"
     if not config_file.is_file():
         raise ExportError(f"{run_dir}: no config.yaml (not a ppctl run directory): give the trainer.out_dir of a run")
-    return export_checkpoint(checkpoint, load_config_file(config_file), out_dir, max_shard_bytes)
+    config = load_config_file(config_file)
+    problem = run_config_problem(config_file, checkpoint, read_index(checkpoint), vars(config.model))
+    if problem is not None:
+        raise ExportError(problem)
+    return config
+
+
+def run_config_problem(config_file: Path, checkpoint: Path, index: dict[str, Any],
+                       model: dict[str, Any]) -> str | None:
+    """Why a run's ``config.yaml`` (its ``model``) does not describe the weights of its ``checkpoint`` (whose
+    ``ppctl.json`` is ``index``): the check of ``trainer.resume_from``; None when it does. The file was edited since
+    the checkpoint was saved: read as it says, the weights would compute another function."""
+    problem = model_problem(index, model, having=f"{config_file.name} has")
+    if problem is None:
+        return None
+    return (f"{config_file} does not describe checkpoint {checkpoint}: {problem} ({config_file.name} was edited after "
+            f"the checkpoint was saved: put the saved value back)")
 
 
 def refuse_occupied(out_dir: Path) -> None:
@@ -64,18 +110,26 @@ def refuse_occupied(out_dir: Path) -> None:
 
 
 def _checkpoint_at(run_dir: Path, step: int | None) -> Path:
-    """The verified checkpoint of ``run_dir`` at ``step`` (None: the one ``latest`` names)."""
+    """The checkpoint of ``run_dir`` at ``step`` (None: the one ``latest`` names, which ``pinned_checkpoint`` finds
+    there or not), not yet verified."""
     if not run_dir.is_dir():
         raise ExportError(f"{run_dir}: no such run directory")
     try:
         checkpoint = latest_checkpoint(run_dir) if step is None else checkpoints_dir(run_dir) / step_dir_name(step)
     except CheckpointError as error:
         raise ExportError(str(error)) from None
-    if checkpoint is None or not checkpoint.is_dir():
+    if checkpoint is None or (step is not None and not checkpoint.is_dir()):
         saved = [str(info.step) for info in list_checkpoints(run_dir) if info.complete]
         which = "no complete checkpoint" if step is None else f"no checkpoint at step {step}"
         raise ExportError(f"{run_dir}: {which} (complete checkpoints at steps: {', '.join(saved) or 'none'})")
-    return _verified(checkpoint)
+    return checkpoint
+
+
+def _existing(checkpoint: Path) -> Path:
+    """``checkpoint``, one a user named, when it is a directory; else ``ExportError``."""
+    if not checkpoint.is_dir():
+        raise ExportError(f"checkpoint {checkpoint} refused: no such checkpoint")
+    return checkpoint
 
 
 def _verified(checkpoint: Path) -> Path:
@@ -166,7 +220,9 @@ def _special_tokens(tokenizer: dict[str, Any] | None) -> dict[str, Any]:
 
 def _write_folder(out_dir: Path, hf_config: dict[str, Any], tensors: dict[str, torch.Tensor],
                   tokenizer: dict[str, Any] | None, max_shard_bytes: int) -> None:
-    """Write the folder under a hidden name beside ``out_dir``, then rename it into place."""
+    """Write the folder under a hidden name beside ``out_dir``, then rename it into place. Whatever ends the write
+    (a full disk; Ctrl-C or SIGTERM: ``KeyboardInterrupt``, or the ``SystemExit`` of ppctl's handler) removes the
+    hidden folder; an OS error is ``ExportError`` (``write_failure``), anything else goes on up."""
     partial = out_dir.parent / f".{out_dir.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     try:
@@ -183,15 +239,28 @@ def _write_folder(out_dir: Path, hf_config: dict[str, Any], tensors: dict[str, t
         if out_dir.is_dir():
             out_dir.rmdir()  # empty (refuse_occupied): the rename takes its place
         os.replace(partial, out_dir)
-    except OSError as error:
+    except BaseException as error:
         shutil.rmtree(partial, ignore_errors=True)
-        raise ExportError(f"cannot write {out_dir}: {error.strerror or error}") from None
+        if isinstance(error, OSError):
+            raise ExportError(write_failure(out_dir, partial, error)) from None
+        raise
+
+
+def write_failure(out_dir: Path, partial: Path, error: OSError) -> str:
+    """One line: ``out_dir`` could not be written, the OS's reason, the file it was writing and the file system
+    (where a full disk is to be freed), and that nothing of it was left."""
+    reason = error.strerror or str(error)
+    file = Path(error.filename) if error.filename else None
+    writing = f"writing {file.name}, " if file is not None and file.parent == partial else ""
+    return (f"cannot write {out_dir}: {reason} ({writing}on the file system mounted at {mount_point(out_dir.parent)}"
+            f"); nothing of it was left")
 
 
 def write_tokenizer(folder: Path, tokenizer: dict[str, Any], hf_config: dict[str, Any]) -> None:
     """The run's tokenizer file as ``tokenizer.json``, and a ``tokenizer_config.json`` that makes ``AutoTokenizer``
     read that file as it is (without one it picks the architecture's own tokenizer class, another tokenizer)."""
-    shutil.copyfile(tokenizer["path"], folder / TOKENIZER_FILE)
+    with _naming(folder / TOKENIZER_FILE):
+        shutil.copyfile(tokenizer["path"], folder / TOKENIZER_FILE)
     settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": hf_config.get(
         "n_positions", hf_config.get("max_position_embeddings"))}
     if tokenizer["eod_token"] is not None:
@@ -202,8 +271,6 @@ def write_tokenizer(folder: Path, tokenizer: dict[str, Any], hf_config: dict[str
 def write_weights(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
     """``model.safetensors``, or shards of at most ``max_shard_bytes`` each (a bigger tensor alone in its shard)
     named ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``."""
-    from safetensors.torch import save_file
-
     shards: list[dict[str, torch.Tensor]] = [{}]
     sizes = [0]
     for name, tensor in tensors.items():
@@ -214,15 +281,43 @@ def write_weights(folder: Path, tensors: dict[str, torch.Tensor], max_shard_byte
         shards[-1][name] = tensor
         sizes[-1] += size
     if len(shards) == 1:
-        save_file(shards[0], str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_safetensors(shards[0], folder / WEIGHTS_FILE)
         return
     weight_map = {}
     for number, shard in enumerate(shards, start=1):
         file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / file), metadata={"format": "pt"})
+        save_safetensors(shard, folder / file)
         weight_map.update({name: file for name in shard})
     _write_json(folder / INDEX_FILE, {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map})
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], file: Path) -> None:
+    """``tensors`` as the safetensors file ``file``. The library reports a failed write (a full disk) as its own
+    ``SafetensorError`` (``I/O error: No space left on device (os error 28)``): it is raised as the ``OSError`` it
+    was, on ``file``."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(file), metadata={"format": "pt"})
+    except SafetensorError as error:
+        code = re.search(r"\(os error (\d+)\)", str(error))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(file)) from error
+
+
 def _write_json(path: Path, content: dict[str, Any]) -> None:
-    path.write_text(json.dumps(content, indent=2) + "\n")
+    with _naming(path):
+        path.write_text(json.dumps(content, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def _naming(file: Path) -> Iterator[None]:
+    """An OS error within the block names ``file`` (one raised when a write is flushed names none)."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is not None or error.errno is None:
+            raise
+        raise OSError(error.errno, error.strerror, str(file)) from error

@@ -319,7 +319,8 @@ def _auto_resume_location(config: PpctlConfig) -> str | None:
 
 def _verified_checkpoint(config: PpctlConfig, location: str) -> str:
     """The one verified checkpoint ``location`` (``trainer.resume_from``: a run directory or a checkpoint) names,
-    which fits this run; else one line, exit 2."""
+    which fits this run (the settings it records, then its model's every tensor: ``ppctl.run.resume``); else one
+    line, exit 2."""
     from ppctl.checkpoint.files import CheckpointError, read_index, resolve_checkpoint, resume_problem
     from ppctl.data.tokenizer import tokenizer_record
 
@@ -330,6 +331,10 @@ def _verified_checkpoint(config: PpctlConfig, location: str) -> str:
         fail(str(error))
     problem = resume_problem(index, vars(config.model), vars(config.trainer), config.trainer.precision,
                              config.trainer.max_steps, config.optimizer.gradient_delay, tokenizer_record(config.data))
+    if problem is None:  # the settings it records agree: then every tensor, by name and shape
+        from ppctl.run.resume import model_shape_problem
+
+        problem = model_shape_problem(config, checkpoint)
     if problem is not None:
         fail(f"trainer.resume_from={location}: cannot resume from {checkpoint}: {problem}")
     return str(checkpoint)
@@ -407,8 +412,8 @@ def verify(
     """Train the configured layout and the same run as one process, compare them by the tolerance rule."""
     from ppctl.cli.verify_report import print_verdict, verdict_json
     from ppctl.verify.compare import VerifyError, judge
-    from ppctl.verify.runs import PARALLEL, SINGLE, config_options, launch, train_command, verify_plan
-    from ppctl.verify.shrink import shrink_overrides
+    from ppctl.verify.runs import PARALLEL, SINGLE, config_options, earlier_verify, launch, train_command, verify_plan
+    from ppctl.verify.shrink import shrink_overrides, shrink_refusal
 
     if precision not in ("fp64", "fp32"):
         fail(f"--precision {precision}: choose fp64 or fp32 (half precision is compared by trajectory, not proven "
@@ -418,8 +423,15 @@ def verify(
     if given.launcher.nnodes > 1 and out is None:
         fail(f"verify on launcher.nnodes={given.launcher.nnodes} needs --out DIR, the same on every node and on a "
              f"filesystem they share: each node's part of the parallel run writes there, and node 0 compares")
+    used = None if out is None else earlier_verify(out.resolve(), given.launcher.nnodes == 1)
+    if used is not None:
+        fail(f"--out {out} holds an earlier verify ({used}), which this one would overwrite; give each verify a "
+             f"folder of its own (a new --out DIR, or no --out for a new runs/verify-<timestamp>)")
     shrunk: list[str] = []
     if shrink:
+        refusal = shrink_refusal(given)
+        if refusal is not None:
+            fail(refusal)
         extra, shrunk = shrink_overrides(given)
         user += extra
     plan = verify_plan(user, steps, precision, (out or _verify_dir()).resolve())
@@ -550,13 +562,14 @@ def export(
 
     if max_shard_bytes < 1:
         fail(f"--max-shard-bytes={max_shard_bytes} must be at least 1")
-    try:
-        notes = export_run(run_dir, out_dir, step, max_shard_bytes)
+    try:  # a signal ends it in one line; the hidden folder it was writing is removed
+        with interruption_says(f"while exporting to {out_dir} (written whole or not at all)"):
+            exported = export_run(run_dir, out_dir, step, max_shard_bytes)
     except ExportError as error:
         fail(str(error))
-    for note in notes:
+    for note in exported.notes:
         typer.echo(note, err=True)
-    typer.echo(f"wrote {out_dir}")
+    typer.echo(f"wrote {out_dir} from {exported.checkpoint} (step {exported.step})")
 
 
 @app.command("generate")
@@ -576,6 +589,7 @@ def generate(
                                                        "comes."),
 ) -> None:
     """Continue a prompt with a run's model or a Hugging Face model, in this process (KV cache, one token a step)."""
+    from ppctl.generate.inputs import prompt_problem, seed_problem
     from ppctl.generate.sampling import Sampling
 
     sampling = Sampling(temperature, top_k, top_p)
@@ -583,15 +597,17 @@ def generate(
         fail("--prompt TEXT is required: the text to continue")
     if max_new_tokens < 1:
         fail(f"--max-new-tokens={max_new_tokens} must be at least 1")
-    if sampling.problem() is not None:
-        fail(sampling.problem())
+    for problem in (sampling.problem(), prompt_problem(prompt), seed_problem(seed)):
+        if problem is not None:
+            fail(problem)
     from ppctl.cli.generate_report import generate_and_print  # torch and the model's readers: after the checks
     from ppctl.generate.source import GenerateError
+    from ppctl.model.hf_format import HFError
 
     try:
         with interruption_says("while generating"):
             generate_and_print(source, prompt, max_new_tokens, sampling, seed, as_json)
-    except GenerateError as error:
+    except (GenerateError, HFError) as error:  # a folder's readers say HFError: one line, whichever reads
         fail(str(error))
 
 
@@ -900,13 +916,15 @@ def install_before_start_handlers() -> None:
     A process forked meanwhile (the tokenising processes of ``datasets``, which their pool ends
     with SIGTERM) gets the default action back, in a process group of its own (``_detach_forked_child``).
     """
-    from ppctl.run.interrupt import ParentDeathSignal
+    from ppctl.run.interrupt import ParentDeathSignal, RaiseSwallowedAgain
 
     global _handlers_pid, _fork_hook_registered, _parent_death
     if not _fork_hook_registered:
         os.register_at_fork(after_in_child=_detach_forked_child)
         _fork_hook_registered = True
     _handlers_pid, _parent_death = os.getpid(), ParentDeathSignal(signal.SIGTERM)
+    if not isinstance(sys.unraisablehook, RaiseSwallowedAgain):  # a signal while a __del__ runs: see its docstring
+        sys.unraisablehook = RaiseSwallowedAgain(sys.unraisablehook)
     for signum in BEFORE_START_SIGNALS:
         signal.signal(signum, interrupted_before_start)
 
@@ -934,19 +952,29 @@ def _detach_forked_child() -> None:
         os.kill(os.getpid(), signal.SIGTERM)  # ppctl ended before the signal was armed
 
 
-def interrupted_before_start(signum: int, _frame) -> None:
+def interrupted_before_start(signum: int, frame) -> None:
     """SIGINT/SIGTERM while composing, validating or preparing data: one line, exit 128 + the signal.
 
     Only in the process that installed it: in a child that still runs it (a signal that came
-    between its fork and ``_detach_forked_child``), the signal takes its default action.
+    between its fork and ``_detach_forked_child``), the signal takes its default action. Where
+    Python swallows the exit (the signal came while a ``__del__`` ran), ``RaiseSwallowedAgain``,
+    installed beside it, signals again: the line is said once.
     """
+    from ppctl.run.interrupt import Interruption, RaiseSwallowedAgain
+
     if _handlers_pid is not None and os.getpid() != _handlers_pid:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return
-    doing = _interrupted_while or "before any worker started"
-    typer.echo(f"error: interrupted by {signal.Signals(signum).name} {doing}", err=True)
-    raise SystemExit(128 + signum)
+    hook = sys.unraisablehook if isinstance(sys.unraisablehook, RaiseSwallowedAgain) else None
+    said = hook is not None and hook.said(signum)
+    if hook is not None and hook.running_in(frame):  # raised in the hook, the exit would be swallowed again
+        hook.signal_later(signum, said)
+        return
+    if not said:
+        doing = _interrupted_while or "before any worker started"
+        typer.echo(f"error: interrupted by {signal.Signals(signum).name} {doing}", err=True)
+    raise Interruption(signum)
 
 
 @contextlib.contextmanager

@@ -21,12 +21,14 @@ def generate_and_print(source: Path, prompt: str, max_new_tokens: int, sampling:
     prompt_ids = model.prompt_ids(prompt, max_new_tokens)
     result = generate(model.chunk, model.tokenizer, prompt_ids, max_new_tokens, sampling, seed, model.stop_ids,
                       None if as_json else _write_now)
+    read = {"checkpoint": str(model.checkpoint), "step": model.step} if model.checkpoint is not None else {}
     if as_json:
-        sys.stdout.write(json.dumps(generated_record(prompt, result), ensure_ascii=False) + "\n")
+        sys.stdout.write(json.dumps({**generated_record(prompt, result), **read}, ensure_ascii=False) + "\n")
         return
     sys.stdout.write("\n")
+    source = f"; read {read['checkpoint']} (step {read['step']})" if read else ""
     typer.echo(f"{len(result.ids)} tokens in {result.seconds:.2f} s ({result.tokens_per_second:.1f} tokens/s), "
-               f"stopped at {result.stopped.replace('_', ' ')}", err=True)
+               f"stopped at {result.stopped.replace('_', ' ')}{source}", err=True)
 
 
 def generated_record(prompt: str, result: Generated) -> dict:

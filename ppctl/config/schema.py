@@ -10,11 +10,15 @@ doc string says about another part of ppctl is written here literally, and
 ``tests/unit/test_config_schema.py`` checks that it still agrees with that part. The two settings that
 follow another part when unset (``parallel.vpp``, ``model.vocab_size``) are left ``None`` here and
 filled where a config is composed or read (``ppctl.config.derived.fill_unset``).
+
+Every float setting is a finite number (``ppctl.config.validate`` refuses inf and nan by name, whatever the
+setting), and within the range its doc string gives; an integer setting that may be unset is a positive number or
+``null``, never 0 for "unset".
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 # The values some fields allow (validation refuses others; their doc strings name them).
@@ -62,6 +66,12 @@ def freeze(config: Any) -> None:
         if isinstance(value, Section):
             freeze(value)
     object.__setattr__(config, "_frozen", True)
+
+
+def default_of(section: type, name: str) -> Any:
+    """The schema default of setting ``name`` of a section class (``default_of(ModelConfig, "rope_theta")``): what
+    a key a model does not read must keep."""
+    return next(item.default for item in fields(section) if item.name == name)
 
 
 def setting(default: Any, doc: str) -> Any:
@@ -133,15 +143,21 @@ class ModelConfig(Section):
     max_seq_length: int = setting(256, "longest sequence (learned position table size)")
     num_kv_heads: Optional[int] = setting(
         None, "`llama`: key/value heads of grouped-query attention (a multiple of `parallel.tp`, dividing "
-        "`num_heads`); unset: `num_heads`")
-    head_dim: Optional[int] = setting(None, "`llama`: width of one head; unset: `hidden_size / num_heads`")
-    rope_theta: float = setting(10000.0, "base of the rotary frequencies (`position_embedding=rope`, and `llama`)")
+        "`num_heads`); unset (null, not 0): `num_heads`")
+    head_dim: Optional[int] = setting(
+        None, "`llama`: width of one head, a positive even number; unset (null, not 0): `hidden_size / num_heads`")
+    rope_theta: float = setting(
+        10000.0, "base of the rotary frequencies, > 0 (`position_embedding=rope`, and `llama`; with learned "
+        "positions it is read by nothing, and a changed value is refused)")
     rope_scaling_factor: Optional[float] = setting(
         None, "`llama`: Llama 3's rotary frequency scaling factor; unset: no scaling")
-    rope_low_freq_factor: float = setting(1.0, "`llama`, with `rope_scaling_factor`: Llama 3's low_freq_factor")
-    rope_high_freq_factor: float = setting(4.0, "`llama`, with `rope_scaling_factor`: Llama 3's high_freq_factor")
+    rope_low_freq_factor: float = setting(
+        1.0, "`llama`, with `rope_scaling_factor` (a changed value without it is refused): Llama 3's low_freq_factor")
+    rope_high_freq_factor: float = setting(
+        4.0, "`llama`, with `rope_scaling_factor` (a changed value without it is refused): Llama 3's high_freq_factor")
     rope_original_max_position: int = setting(
-        8192, "`llama`, with `rope_scaling_factor`: Llama 3's original_max_position_embeddings")
+        8192, "`llama`, with `rope_scaling_factor` (a changed value without it is refused): Llama 3's "
+        "original_max_position_embeddings")
     qkv_bias: bool = setting(
         False, "biases on the query, key and value projections (`gpt`: on the fused QKV, GPT-2's `c_attn.bias`; "
         "`llama`: Qwen2's q/k/v biases); a `model.init_from` folder's must be the same: every GPT-2 has it")
@@ -149,9 +165,9 @@ class ModelConfig(Section):
     tie_embeddings: bool = setting(
         False, "output layer shares the word embedding (across stages: gradients all-reduced over the "
         "`embedding` group)")
-    norm_epsilon: float = setting(1e-5, "LayerNorm epsilon")
+    norm_epsilon: float = setting(1e-5, "LayerNorm (RMSNorm with `llama`) epsilon, > 0")
     init_std: float = setting(
-        0.02, "std of the normal initialisation (layout independent: seeded by (seed, parameter name))")
+        0.02, "std of the normal initialisation, >= 0 (layout independent: seeded by (seed, parameter name))")
     init_from: Optional[str] = setting(
         None, "a Hugging Face model folder (`config.json`, safetensors) to start from instead of `init_std`, at any "
         "layout: its architecture and shape must be this model's (checked before any worker starts; see "
@@ -279,9 +295,9 @@ class OptimizerConfig(Section):
     weight_decay: float = setting(0.01, "AdamW weight decay")
     decay_embeddings: bool = setting(
         False, "weight decay also on the word and position embeddings and the output layer")
-    beta1: float = setting(0.9, "AdamW beta1 (first-moment decay)")
-    beta2: float = setting(0.95, "AdamW beta2 (second-moment decay)")
-    eps: float = setting(1e-8, "AdamW epsilon")
+    beta1: float = setting(0.9, "AdamW beta1 (first-moment decay), 0 <= beta1 < 1")
+    beta2: float = setting(0.95, "AdamW beta2 (second-moment decay), 0 <= beta2 < 1")
+    eps: float = setting(1e-8, "AdamW epsilon, >= 0")
     clip_grad: float = setting(
         1.0, "clip the global gradient norm (every parameter counted once across TP/PP/DP); <= 0 disables")
     distributed: bool = setting(
@@ -329,6 +345,10 @@ class TrainerConfig(Section):
     stop_on_nonfinite: bool = setting(
         False, "stop with a one-line error at the first non-finite gradient norm (default: skip that step, "
         "count it in `train/skipped_steps`)")
+    max_skipped_steps: int = setting(
+        10, "stop with a one-line error and a non-zero exit once this many steps in a row were skipped (non-finite "
+        "gradient norm): the run trains nothing. fp16's overflows while the loss scale can still fall are not "
+        "counted (they neither count nor break the run of skips); one at `optimizer.min_loss_scale` is")
     eval_every: int = setting(
         50, "validation loss (`val/loss`, `val/perplexity`) every N steps, through the schedule's forward-only "
         "path; 0 disables")

@@ -9,8 +9,9 @@ process is started and no process group is touched.
 from __future__ import annotations
 
 import functools
+import math
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 
 from ppctl.config.derived import (configured_schedule, interleaves_experts, layout_of, nproc_per_node,
                                   num_microbatches, padded_vocab_size, parse_endpoint, pipeline_layout_of,
@@ -200,23 +201,55 @@ POSITIVE_FIELDS = {
               "make_vocab_size_divisible_by"),
     "parallel": ("tp", "pp", "vpp", "dp", "cp", "ep", "etp"),
     "trainer": ("max_steps", "global_batch_size", "micro_batch_size", "seq_length", "log_every", "eval_iters",
-                "keep_last"),
+                "keep_last", "max_skipped_steps"),
     "launcher": ("nnodes", "timeout_s", "shutdown_timeout_s"),
     "optimizer": ("bucket_size", "loss_scale_window"),
     "schedule": ("stream_steps",),
 }
 
 
+# Settings that are a positive integer or unset (null): 0 is refused, not read as unset.
+POSITIVE_OR_UNSET_FIELDS = {
+    "model": ("num_kv_heads", "head_dim"),
+    "launcher": ("nproc_per_node", "threads_per_worker"),
+}
+
+
+def float_settings(section, prefix: str):
+    """``(dotted name, value)`` of every float setting of a config ``section`` and its subsections (a schema field
+    typed ``float`` or ``Optional[float]``), in schema order."""
+    for item in fields(section):
+        value = getattr(section, item.name)
+        if is_dataclass(value):
+            yield from float_settings(value, f"{prefix}{item.name}.")
+        elif str(item.type) in ("float", "Optional[float]", "float | None"):
+            yield f"{prefix}{item.name}", value
+
+
+def _check_finite(config: PpctlConfig) -> None:
+    """Every float setting is a finite number (or unset where it may be): an infinite or nan value passes most range
+    checks unnoticed (nan compares false) and makes every loss or gradient norm non-finite."""
+    for name, value in float_settings(config, ""):
+        require(value is None or math.isfinite(value), f"{name}={value} must be a finite number")
+
+
 def _check_positive(config: PpctlConfig) -> None:
+    _check_finite(config)
     for section, names in POSITIVE_FIELDS.items():
         for name in names:
             value = getattr(getattr(config, section), name)
             require(value >= 1, f"{section}.{name}={value} must be a positive integer")
-    for name in ("nproc_per_node", "threads_per_worker"):
-        value = getattr(config.launcher, name)
-        require(value is None or value >= 1, f"launcher.{name}={value} must be a positive integer")
+    for section, names in POSITIVE_OR_UNSET_FIELDS.items():
+        for name in names:
+            value = getattr(getattr(config, section), name)
+            require(value is None or value >= 1,
+                    f"{section}.{name}={value} must be a positive integer, or unset (null)")
     require(config.optimizer.lr > 0, f"optimizer.lr={config.optimizer.lr} must be positive")
     optimizer = config.optimizer
+    for name in ("beta1", "beta2"):  # torch.optim.AdamW's own ranges, refused here rather than in every worker
+        value = getattr(optimizer, name)
+        require(0 <= value < 1, f"optimizer.{name}={value} must be >= 0 and < 1")
+    require(optimizer.eps >= 0, f"optimizer.eps={optimizer.eps} must be >= 0")
     require(0 < optimizer.min_loss_scale <= optimizer.loss_scale,
             f"optimizer.min_loss_scale={optimizer.min_loss_scale} must be > 0 and <= "
             f"optimizer.loss_scale={optimizer.loss_scale}")
@@ -236,6 +269,7 @@ def _check_model(config: PpctlConfig) -> None:
     # Before the family's rules, so that a misspelled value is named as such rather than as another family's key.
     require(model.activation in ACTIVATIONS,
             f"model.activation={model.activation!r} must be one of {', '.join(ACTIVATIONS)}")
+    _check_model_ranges(config)
     family.check(config)
     require(
         model.num_heads % parallel.tp == 0,
@@ -252,6 +286,17 @@ def _check_model(config: PpctlConfig) -> None:
     _check_recompute(config)
     _check_context_parallel_attention(config)
     _check_moe(config)
+
+
+def _check_model_ranges(config: PpctlConfig) -> None:
+    """The model's float settings within their ranges (finite already): a rotary base of 0 or less makes every
+    frequency inf or nan, a norm epsilon of 0 or less divides by zero on a constant input, a negative std draws
+    nothing."""
+    model = config.model
+    require(model.rope_theta > 0, f"model.rope_theta={model.rope_theta} must be positive (the rotary base; "
+                                  f"10000 is GPT-NeoX's and Llama 2's, 500000 Llama 3's)")
+    require(model.norm_epsilon > 0, f"model.norm_epsilon={model.norm_epsilon} must be positive")
+    require(model.init_std >= 0, f"model.init_std={model.init_std} must be >= 0")
 
 
 def _check_recompute(config: PpctlConfig) -> None:
@@ -488,9 +533,16 @@ def _check_misc(config: PpctlConfig, data: bool = True) -> None:
 
 def _check_init_from(config: PpctlConfig) -> None:
     """``model.init_from``: a Hugging Face folder of this model's architecture and shape, with every tensor it needs
-    (a run that resumes reads its checkpoint and ignores it)."""
+    (a run that resumes reads its checkpoint and ignores it), whose ``tokenizer.json`` is the run's tokenizer; an
+    empty name (an unset shell variable) is refused: no folder is ``null``."""
+    require(config.model.init_from != "", "model.init_from='' names no folder (an unset shell variable?): give a "
+                                          "Hugging Face model folder, or leave model.init_from out (null) to start "
+                                          "from random values")
     if config.model.init_from and not config.trainer.resume_from:
-        problem = init_from_problem(config.model, model_family(config.model.family))
+        from ppctl.data.tokenizer import init_from_tokenizer_problem
+
+        problem = (init_from_problem(config.model, model_family(config.model.family))
+                   or init_from_tokenizer_problem(config.model.init_from, config.data))
         require(problem is None, problem or "")
 
 

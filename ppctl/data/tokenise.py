@@ -1,7 +1,8 @@
 """Documents in, tokens out: a corpus's files loaded, tokenised with ``Dataset.map``, written as one flat file.
 
 Files are read with the ``datasets`` builder of their type (``.txt``: one document per
-file), their Arrow scratch files in a folder next to the cache, removed afterwards. Each
+file), their Arrow scratch files in a folder next to the cache, removed afterwards (also when a
+signal comes during the removal). Each
 document's tokens are followed by the end-of-document id; rows without text (no value in
 the text field, or an empty one) are no document, and are counted. ``tokenizer.py`` says
 what a token is; this module runs a tokenizer over a corpus, in ``data.num_proc`` processes.
@@ -9,9 +10,12 @@ what a token is; this module runs a tokenizer over a corpus, in ``data.num_proc`
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 from ppctl.data.corpus import Corpus, DataError, one_line
 from ppctl.data.hub import datasets_progress, quiet_library_logs
@@ -34,8 +38,7 @@ def tokenise_corpus(corpus: Corpus, hub_documents, text_field: str, tokenizer: T
     The Arrow files that ``datasets`` builds go to a scratch folder next to ``token_file``,
     removed afterwards, also when an error or a signal ends the step.
     """
-    with tempfile.TemporaryDirectory(dir=token_file.parent, prefix=".hf-scratch-") as scratch, \
-            datasets_progress(progress) as datasets:
+    with _scratch_folder(token_file.parent) as scratch, datasets_progress(progress) as datasets:
         documents = hub_documents if hub_documents is not None else _load_files(corpus, scratch)
         column = _text_column(documents, corpus, text_field)
         tokenized = _tokenize(datasets, documents, corpus, column, tokenizer, dtype, num_proc, scratch)
@@ -49,6 +52,34 @@ def tokenise_corpus(corpus: Corpus, hub_documents, text_field: str, tokenizer: T
         "skipped_rows": {"missing": missing, "empty": num_rows - num_documents - missing},
         "num_tokens": num_tokens,
     }
+
+
+@contextlib.contextmanager
+def _scratch_folder(parent: Path) -> Iterator[str]:
+    """A hidden scratch folder in ``parent``, removed on the way out, whatever ends the block."""
+    scratch = tempfile.mkdtemp(dir=parent, prefix=".hf-scratch-")
+    try:
+        yield scratch
+    finally:
+        _remove_whatever_interrupts(scratch)
+
+
+def _remove_whatever_interrupts(folder: str) -> None:
+    """Remove ``folder``; a signal's exit that comes meanwhile is raised once it is gone.
+
+    A signal comes where it will: a second Ctrl-C, or the first one raised again after Python swallowed it in
+    a finalizer (``ppctl.run.interrupt.RaiseSwallowedAgain``), can land in the removal, which would stop
+    half-way and leave the folder in the cache.
+    """
+    interruption = None
+    while True:
+        try:
+            shutil.rmtree(folder, ignore_errors=True)
+            break
+        except INTERRUPTIONS as error:
+            interruption = error
+    if interruption is not None:
+        raise interruption
 
 
 def _tokenize(datasets, documents, corpus: Corpus, column: str, tokenizer: Tokenizer, dtype: str,

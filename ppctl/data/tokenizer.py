@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np  # imported where ids are made, so config validation stays quick
 
+# The tokenizer file of a Hugging Face model folder (``model.init_from``, ``ppctl generate``).
+FOLDER_TOKENIZER = "tokenizer.json"
 # End-of-text tokens of common tokenizer files, in the order they are looked for.
 END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]")
 
@@ -93,7 +95,8 @@ class TokenizerFile(Tokenizer):
 
     The end of a document is the file's own end-of-text token when it has one (see
     ``END_OF_TEXT_TOKENS``), else a new id equal to its vocabulary size, which then
-    grows by one. Encoding adds no special tokens of the file's post-processor.
+    grows by one. ``encode`` adds no special tokens of the file's post-processor (documents are joined by the end
+    of a document); ``encode_with_special_tokens`` adds them, as transformers does to a prompt.
     """
 
     def __init__(self, path: str | Path):
@@ -111,6 +114,7 @@ class TokenizerFile(Tokenizer):
         file_vocab_size = max(len(vocab), max(vocab.values(), default=-1) + 1)
         own_eod = next((vocab[token] for token in END_OF_TEXT_TOKENS if token in vocab), None)
         self.name = self.path.name
+        self.file_vocab_size = file_vocab_size  # the file's own ids, without an end-of-document id ppctl adds
         self.eod_id = file_vocab_size if own_eod is None else own_eod
         self.vocab_size = file_vocab_size + (own_eod is None)
 
@@ -128,6 +132,11 @@ class TokenizerFile(Tokenizer):
         """Return the text of ``token_ids`` with the end-of-document tokens dropped."""
         return self._tokenizer.decode([int(token) for token in token_ids if int(token) != self.eod_id],
                                       skip_special_tokens=False)
+
+    def encode_with_special_tokens(self, text: str) -> list[int]:
+        """The ids of ``text`` with the special tokens the file's post-processor adds (Llama 3's
+        ``<|begin_of_text|>``), as transformers' ``tokenizer(text)`` gives them."""
+        return self._tokenizer.encode(text, add_special_tokens=True).ids
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Return each text's ids (the file's pre- and post-processing, without its special tokens)."""
@@ -156,6 +165,46 @@ def tokenizer_record(data) -> dict | None:
         return None
     tokenizer = build_tokenizer(data.tokenizer)
     return {**tokenizer.identity, "vocab_size": tokenizer.vocab_size, "vocab_sha256": tokenizer.vocabulary_sha256}
+
+
+def folder_tokenizer(folder: str | Path) -> TokenizerFile | None:
+    """The ``tokenizer.json`` of a Hugging Face model folder, None when it has none; ``ValueError`` (one line, for
+    the caller to prefix with the folder) when it is not a regular file or not a ``tokenizers`` file."""
+    path = Path(folder) / FOLDER_TOKENIZER
+    if not path.exists() and not path.is_symlink():
+        return None
+    if not path.is_file():  # a FIFO would block the read for ever
+        raise ValueError(f"its {FOLDER_TOKENIZER} is not a regular file")
+    resolved = str(path.resolve())
+    try:
+        stat = path.stat()
+        return _tokenizer_file(resolved, stat.st_size, stat.st_mtime_ns)
+    except OSError as error:
+        raise ValueError(f"its {FOLDER_TOKENIZER} is unreadable ({type(error).__name__}: {error.strerror})") from None
+    except ValueError as error:  # TokenizerFile's message names data.tokenizer: here the file is the folder's
+        raise ValueError(f"its {FOLDER_TOKENIZER} is {str(error).removeprefix(f'data.tokenizer={resolved}: ')}") \
+            from None
+
+
+def init_from_tokenizer_problem(folder: str | Path, data) -> str | None:
+    """Why a run on ``data`` (a ``DataConfig``) cannot start from the HF folder ``folder`` (None when it can): the
+    folder's embedding rows stand for the tokens of its ``tokenizer.json``, and the run's ``data.tokenizer`` has
+    another vocabulary (compared as ``trainer.resume_from`` compares a checkpoint's: ``vocabulary_sha256``). A folder
+    without ``tokenizer.json`` gives nothing to compare and is taken as it is; synthetic data has no tokens."""
+    if data.source == "synthetic":
+        return None
+    try:
+        theirs = folder_tokenizer(folder)
+    except ValueError as error:
+        return f"model.init_from={folder}: {error}"
+    ours = build_tokenizer(data.tokenizer)
+    if theirs is None or theirs.vocabulary_sha256 == ours.vocabulary_sha256:
+        return None
+    sizes = (f"as many ids, {ours.vocab_size}, other tokens" if theirs.vocab_size == ours.vocab_size
+             else f"{theirs.vocab_size} ids in the folder's, {ours.vocab_size} in the run's")
+    return (f"model.init_from={folder}: its {FOLDER_TOKENIZER} is not this run's data.tokenizer={data.tokenizer} "
+            f"({sizes}): each embedding row would be read as another token; set data.tokenizer="
+            f"{Path(folder) / FOLDER_TOKENIZER} (or start from a folder of this tokenizer)")
 
 
 def _sha256_of(content) -> str:

@@ -1,6 +1,7 @@
 """The next token from the last position's logits: greedy (``temperature=0``) or sampled.
 
-Sampling divides the logits by the temperature, keeps the ``top_k`` most likely tokens (0: all), then the
+Sampling divides the logits (less their largest, which leaves the probabilities as they are and keeps a tiny
+temperature from overflowing) by the temperature, keeps the ``top_k`` most likely tokens (0: all), then the
 smallest set of the most likely whose probabilities reach ``top_p`` (1: all; the most likely token always
 stays), and draws from what is left, renormalised, with a ``torch.Generator``: the same seed gives the same
 tokens.
@@ -40,7 +41,10 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
     """The next token id of each row of ``logits [batch, vocab]``, as ``[batch, 1]`` int64."""
     if sampling.greedy:
         return logits.argmax(dim=-1, keepdim=True)
-    scores = logits.float() / sampling.temperature
+    scores = logits.float()
+    # Less the largest before the division: a tiny temperature then sends the others to -inf (greedy's limit, ties
+    # drawn among) where the logits alone would overflow to inf, and inf - inf in the softmax is nan.
+    scores = (scores - scores.max(dim=-1, keepdim=True).values) / sampling.temperature
     if 0 < sampling.top_k < scores.shape[-1]:
         kth = scores.topk(sampling.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, -math.inf)

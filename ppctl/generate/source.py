@@ -6,31 +6,35 @@ the config, the checkpoint's dense ``model/<name>`` tensors read with no process
 (``ppctl.checkpoint.hf_export.read_dense_model``) and the run's tokenizer, checked against the one the
 checkpoint recorded. A Hugging Face folder (``config.json``) gives the family that reads its architecture, the
 shape its ``config.json`` describes (the family's ``shape_from_hf``), the weights through ``model.init_from``,
-its ``tokenizer.json``, and the end-of-text ids of ``config.json`` and ``generation_config.json``.
+its ``tokenizer.json`` (a prompt encoded as transformers' ``tokenizer(prompt)`` encodes it, the special tokens its
+post-processor adds kept), and the end-of-text ids transformers' ``generate`` stops at (``generation_config.json``'s,
+else ``config.json``'s).
 """
 
 from __future__ import annotations
 
-import json
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from ppctl.checkpoint.files import CheckpointError, checkpoint_problem, latest_checkpoint, locate_run, read_index
-from ppctl.checkpoint.hf_export import read_dense_model
+from ppctl.checkpoint.files import (CheckpointError, checkpoint_problem, latest_checkpoint, locate_run,
+                                    pinned_checkpoint, read_index)
+from ppctl.checkpoint.hf_export import read_dense_model, run_config_problem
 from ppctl.config import ConfigError, compose_config, load_config_file
-from ppctl.data.tokenizer import Tokenizer, TokenizerFile, build_tokenizer, tokenizer_record
+from ppctl.data.tokenizer import (FOLDER_TOKENIZER, Tokenizer, TokenizerFile, build_tokenizer, folder_tokenizer,
+                                  tokenizer_record)
+from ppctl.generate.inputs import prompt_problem
 from ppctl.model.family import family_names, model_family
 from ppctl.model.from_config import build_chunk, parameter_rules
-from ppctl.model.hf_format import (CONFIG_FILE, GENERATION_FILE, HFError, architecture_of, hf_format_of,
-                                   init_from_problem, read_hf_config, set_setting)
+from ppctl.model.hf_format import (CONFIG_FILE, GENERATION_FILE, HFError, architecture_of, folder_shape,
+                                   hf_format_of, init_from_problem, read_folder_json, read_hf_config, set_setting)
 from ppctl.model.recompute import Recompute
 from ppctl.model.rules import rule_of
 from ppctl.parallel.tensor_parallel import TPGroup
 
 RUN_CONFIG = "config.yaml"
-HF_TOKENIZER = "tokenizer.json"
 
 
 class GenerateError(ValueError):
@@ -39,21 +43,32 @@ class GenerateError(ValueError):
 
 @dataclass
 class Model:
-    """The whole model as one chunk, its tokenizer, the ids that end a text, and the longest sequence it takes."""
+    """The whole model as one chunk, its tokenizer, the ids that end a text, and the longest sequence it takes; from
+    a run, the checkpoint read and its step."""
 
     chunk: torch.nn.Module
     tokenizer: Tokenizer
     stop_ids: frozenset[int]
     max_seq_length: int
     vocab_size: int
+    checkpoint: Path | None = None  # a run's: the checkpoint read, and its step
+    step: int | None = None
+    special_tokens: bool = False  # a folder's: the prompt with the tokens its tokenizer adds, as transformers'
 
     def prompt_ids(self, prompt: str, max_new_tokens: int) -> list[int]:
-        """The token ids of ``prompt``; ``GenerateError`` when it is empty, holds an id beyond the model's
-        vocabulary, or leaves no room for ``max_new_tokens`` within ``model.max_seq_length`` (the learned position
-        table ends there; rotary models were trained no further)."""
-        ids = self.tokenizer.encode(prompt)
-        if not ids:
+        """The token ids of ``prompt`` (a run's: as its training data was encoded; a folder's: with the special tokens
+        its tokenizer adds); ``GenerateError`` when it is empty or not UTF-8, gives no token, holds an id beyond the
+        model's vocabulary, or leaves no room for ``max_new_tokens`` within ``model.max_seq_length`` (the learned
+        position table ends there; rotary models were trained no further)."""
+        if prompt_problem(prompt) is not None:
+            raise GenerateError(prompt_problem(prompt))
+        if not prompt:
             raise GenerateError("--prompt is empty: give the text to continue")
+        ids = (self.tokenizer.encode_with_special_tokens(prompt) if self.special_tokens
+               else self.tokenizer.encode(prompt))
+        if not ids:
+            raise GenerateError(f"--prompt {prompt!r} gives no token with the tokenizer {self.tokenizer.name}: give "
+                                f"text it reads")
         if max(ids) >= self.vocab_size:
             raise GenerateError(f"--prompt: token id {max(ids)} is beyond the model's vocabulary of "
                                 f"{self.vocab_size} ids (a tokenizer of another model?)")
@@ -73,7 +88,7 @@ def load_model(path: Path, precision: str | None = None) -> Model:
     run_dir, named = locate_run(Path(path))
     if (run_dir / RUN_CONFIG).is_file():
         return _from_run(run_dir, named, precision)
-    if (Path(path) / CONFIG_FILE).is_file():
+    if os.path.lexists(Path(path) / CONFIG_FILE):  # read_hf_config says what is wrong with one that is no file
         return _from_hf(Path(path), precision or "fp32")
     if not Path(path).exists():
         raise GenerateError(f"{path}: no such run directory or model folder")
@@ -95,21 +110,33 @@ def _model(chunk, tokenizer, stop_ids, config) -> Model:
 # --- a run directory ---------------------------------------------------------------------------------------------
 
 def _from_run(run_dir: Path, named: Path | None, precision: str | None) -> Model:
-    """The model of ``run_dir``'s checkpoint ``named`` (default: the latest complete one) and the run's tokenizer."""
+    """The model of ``run_dir``'s checkpoint ``named`` (default: the latest complete one) and the run's tokenizer.
+
+    The checkpoint is pinned while it is read (a run saving with ``trainer.keep_last`` does not delete it meanwhile;
+    ``latest`` deleted before it is pinned gives the new one), and the run's ``config.yaml`` must describe the model
+    it holds, as ``trainer.resume_from`` checks it."""
     try:
         config = load_config_file(run_dir / RUN_CONFIG)
     except Exception as error:  # OmegaConf's and YAML's errors have no common base
         raise GenerateError(f"{run_dir / RUN_CONFIG}: unreadable ({type(error).__name__})") from None
-    checkpoint = named or _latest(run_dir)
-    problem = checkpoint_problem(checkpoint, verify_digests=True)
-    if problem is not None:
-        raise GenerateError(f"checkpoint {checkpoint} refused: {problem}")
-    tokenizer = run_tokenizer(config, read_index(checkpoint), run_dir)
-    config = replace(config, model=replace(config.model, init_from=None),  # the checkpoint holds the weights
-                     trainer=replace(config.trainer, precision=precision or config.trainer.precision))
-    chunk = _whole_model(config)
-    load_dense_model(chunk, read_dense_model(checkpoint, parameter_rules(config)), checkpoint)
-    return _model(chunk, tokenizer, {tokenizer.eod_id}, config)
+    resolve = (lambda: _named(named)) if named is not None else (lambda: _latest(run_dir))
+    try:
+        with pinned_checkpoint(resolve, follow_latest=named is None) as checkpoint:
+            problem = checkpoint_problem(checkpoint, verify_digests=True)
+            if problem is not None:
+                raise GenerateError(f"checkpoint {checkpoint} refused: {problem}")
+            index = read_index(checkpoint)
+            problem = run_config_problem(run_dir / RUN_CONFIG, checkpoint, index, vars(config.model))
+            if problem is not None:
+                raise GenerateError(problem)
+            tokenizer = run_tokenizer(config, index, run_dir)
+            config = replace(config, model=replace(config.model, init_from=None),  # the checkpoint holds the weights
+                             trainer=replace(config.trainer, precision=precision or config.trainer.precision))
+            chunk = _whole_model(config)
+            load_dense_model(chunk, read_dense_model(checkpoint, parameter_rules(config)), checkpoint)
+    except CheckpointError as error:
+        raise GenerateError(str(error)) from None
+    return replace(_model(chunk, tokenizer, {tokenizer.eod_id}, config), checkpoint=checkpoint, step=index["step"])
 
 
 def _latest(run_dir: Path) -> Path:
@@ -121,6 +148,13 @@ def _latest(run_dir: Path) -> Path:
     if checkpoint is None:
         raise GenerateError(f"{run_dir}: no checkpoint to generate from (no {run_dir / 'checkpoints' / 'latest'}): "
                             f"train it first, or give a run that saved one")
+    return checkpoint
+
+
+def _named(checkpoint: Path) -> Path:
+    """``checkpoint``, one a user named, when it is a directory; else ``GenerateError``."""
+    if not checkpoint.is_dir():
+        raise GenerateError(f"checkpoint {checkpoint} refused: {checkpoint_problem(checkpoint)}")
     return checkpoint
 
 
@@ -168,23 +202,34 @@ def load_dense_model(chunk: torch.nn.Module, dense: dict[str, torch.Tensor], che
 # --- a Hugging Face folder ---------------------------------------------------------------------------------------
 
 def _from_hf(folder: Path, precision: str) -> Model:
-    """The model of an HF folder, read as ``model.init_from`` reads it, with the folder's ``tokenizer.json``."""
+    """The model of an HF folder, read as ``model.init_from`` reads it, with the folder's ``tokenizer.json`` and the
+    ids transformers' ``generate`` stops at; ``GenerateError`` naming the folder for whatever of it cannot be read
+    (every reader's ``HFError``, the weights' too)."""
     folder = folder.expanduser().resolve()
     try:
-        hf_config = read_hf_config(folder)
-        family = _family_reading(architecture_of(hf_config))
-        config = compose_config(["parallel=single", "data=synthetic", f"trainer.precision={precision}"])
-        for key, value in hf_format_of(family).shape_from_hf(hf_config).items():
-            set_setting(config.model, key, value)
-        config.model.name, config.model.init_from = folder.name, str(folder)
-        family.check(config)
-        problem = init_from_problem(config.model, family)
-    except (HFError, ConfigError) as error:
-        raise GenerateError(f"{folder}: {error}") from None
+        config, hf_config = _hf_run_config(folder, precision)
+        tokenizer = _hf_tokenizer(folder, config.model.vocab_size)
+        stop_ids = hf_stop_ids(folder, hf_config)
+        chunk = _whole_model(config)
+    except (HFError, ConfigError) as error:  # init_from's messages name the setting: here the folder is the source
+        raise GenerateError(f"{folder}: {str(error).removeprefix(f'model.init_from={folder}: ')}") from None
+    return replace(_model(chunk, tokenizer, stop_ids, config), special_tokens=True)
+
+
+def _hf_run_config(folder: Path, precision: str):
+    """``(the config of a single-process run of the folder's model, its config.json)``; ``HFError`` or
+    ``ConfigError`` where ``model.init_from`` would refuse the folder."""
+    hf_config = read_hf_config(folder)
+    family = _family_reading(architecture_of(hf_config))
+    config = compose_config(["parallel=single", "data=synthetic", f"trainer.precision={precision}"])
+    for key, value in folder_shape(folder, hf_format_of(family), hf_config).items():
+        set_setting(config.model, key, value)
+    config.model.name, config.model.init_from = folder.name, str(folder)
+    family.check(config)
+    problem = init_from_problem(config.model, family)
     if problem is not None:
-        raise GenerateError(problem)
-    tokenizer = _hf_tokenizer(folder)
-    return _model(_whole_model(config), tokenizer, hf_stop_ids(folder, hf_config, tokenizer), config)
+        raise HFError(problem)
+    return config, hf_config
 
 
 def _family_reading(architecture: str):
@@ -200,30 +245,42 @@ def _family_reading(architecture: str):
     raise HFError(f"its {CONFIG_FILE} is {architecture}, which no model family reads ({known})")
 
 
-def _hf_tokenizer(folder: Path) -> TokenizerFile:
-    """The folder's ``tokenizer.json``; ``GenerateError`` when it has none or it is not a tokenizers file."""
-    path = folder / HF_TOKENIZER
-    if not path.is_file():
-        raise GenerateError(f"{folder}: no {HF_TOKENIZER} in it: ppctl generate reads the prompt with the folder's "
-                            f"Hugging Face tokenizers file")
+def _hf_tokenizer(folder: Path, vocab_size: int) -> TokenizerFile:
+    """The folder's ``tokenizer.json``; ``HFError`` when it has none, is no tokenizers file, has no token, or more
+    ids than the model's ``vocab_size`` (a prompt whose ids happen to fit would pass unseen)."""
     try:
-        return TokenizerFile(path)
-    except (OSError, ValueError) as error:
-        raise GenerateError(f"{path}: {str(error).removeprefix(f'data.tokenizer={path}: ')}") from None
+        tokenizer = folder_tokenizer(folder)
+    except ValueError as error:
+        raise HFError(str(error)) from None
+    if tokenizer is None:
+        raise HFError(f"no {FOLDER_TOKENIZER} in it: ppctl generate reads the prompt with the folder's Hugging Face "
+                      f"tokenizers file")
+    if tokenizer.file_vocab_size == 0:
+        raise HFError(f"its {FOLDER_TOKENIZER} has an empty vocabulary: no token to read the prompt with")
+    if tokenizer.file_vocab_size > vocab_size:
+        raise HFError(f"its {FOLDER_TOKENIZER} has {tokenizer.file_vocab_size} ids, more than the model's vocabulary "
+                      f"of {vocab_size} ({CONFIG_FILE}'s vocab_size): a tokenizer of another model?")
+    return tokenizer
 
 
-def hf_stop_ids(folder: Path, hf_config: dict, tokenizer: TokenizerFile) -> set[int]:
-    """The ids that end a text: ``eos_token_id`` of ``config.json`` and ``generation_config.json`` (an id or a
-    list), and the tokenizer file's own end-of-text token when it has one."""
-    stop_ids = set()
-    configs = [hf_config]
-    try:
-        configs.append(json.loads((folder / GENERATION_FILE).read_text()))
-    except (OSError, ValueError):
-        pass  # optional: a folder without one (or an unreadable one) ends texts by config.json's ids alone
-    for content in configs:
-        eos = content.get("eos_token_id") if isinstance(content, dict) else None
-        stop_ids.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
-    if tokenizer.eod_id in {token_id for _token, token_id in tokenizer.vocabulary_tokens()}:
-        stop_ids.add(tokenizer.eod_id)
-    return stop_ids
+def hf_stop_ids(folder: Path, hf_config: dict) -> set[int]:
+    """The ids transformers' ``generate`` stops at with the folder's own generation config: ``eos_token_id`` (an id
+    or a list) of ``generation_config.json`` when the folder has one (none there: no stop; ``config.json``'s is then
+    not read), else of ``config.json``; a tokenizer's end-of-text token is none of its own. ``HFError`` for a
+    ``generation_config.json`` that is no JSON object (transformers would quietly take ``config.json``'s ids) or an
+    ``eos_token_id`` that is no id."""
+    content = read_folder_json(folder, GENERATION_FILE)  # a FIFO, a link out, no JSON: refused by name
+    if content is None:
+        return _eos_ids(hf_config.get("eos_token_id"), CONFIG_FILE)
+    if not isinstance(content, dict):
+        raise HFError(f"its {GENERATION_FILE} is not a JSON object")
+    return _eos_ids(content.get("eos_token_id"), GENERATION_FILE)
+
+
+def _eos_ids(value, file: str) -> set[int]:
+    """The ids of an ``eos_token_id`` (None, an id or a list of ids) read from ``file``; ``HFError`` otherwise."""
+    ids = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(token, int) and not isinstance(token, bool) and token >= 0 for token in ids):
+        raise HFError(f"its {file} has eos_token_id={value!r}: an id or a list of ids (integers >= 0) is what "
+                      f"generation stops at")
+    return set(ids)

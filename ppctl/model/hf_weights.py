@@ -72,7 +72,11 @@ class HFWeights(contextlib.ExitStack):
 
         self.slices, self.prefix = {}, prefix
         for file in weight_files(folder):
-            handle = self.enter_context(safe_open(str(file), framework="pt"))
+            try:
+                handle = self.enter_context(safe_open(str(file), framework="pt"))
+            except Exception as error:  # SafetensorError has no public base; validation's header check came first
+                raise HFError(f"its {file.name} is no readable safetensors file ({str(error).splitlines()[0]})") \
+                    from None
             self.slices.update({name: handle.get_slice(name) for name in handle.keys()})
 
     def ppctl_shape(self, name: str, transpose: bool) -> tuple[int, ...]:

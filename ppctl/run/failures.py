@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ppctl.checkpoint.files import CheckpointError, latest_checkpoint
+from ppctl.fileio import mount_point
 
 # A worker whose error says a peer went away failed because another one did: gloo's socket errors, and NCCL's
 # remote error, the abort of a communicator a failed peer shared, and its watchdog's timeout of a collective that a
@@ -119,11 +120,3 @@ def describe_log_failure(log_path: Path, error: OSError, run_dir: Path) -> str:
     reason = error.strerror or str(error)
     return (f"cannot write {log_path}: {reason} (the file system mounted at {mount_point(run_dir)}); "
             f"the workers were stopped; {saved}")
-
-
-def mount_point(path: Path) -> Path:
-    """The mount point of the file system that holds ``path``."""
-    found = Path(os.path.abspath(path))
-    while not os.path.ismount(found) and found != found.parent:
-        found = found.parent
-    return found

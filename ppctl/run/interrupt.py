@@ -6,7 +6,9 @@ checkpoint is saved); a second one ends the worker at once (the copies of one SI
 arrive together, as in a Slurm job, are one stop). ``ParentDeathSignal`` is
 Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG)``): the kernel signals a process
 when its parent ends, so that nothing of a job outlives ``ppctl`` even when ``ppctl`` is
-killed. Nothing here imports torch: the launcher uses this module too.
+killed. ``Interruption`` is what ppctl's handler raises before any worker starts, and
+``RaiseSwallowedAgain`` raises it again where Python swallowed it (a signal that came while a
+``__del__`` ran). Nothing here imports torch: the launcher uses this module too.
 """
 
 from __future__ import annotations
@@ -15,11 +17,15 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Callable
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+# The threads' turns (``sys.setswitchinterval``; Python's default is 5 ms) while ``RaiseSwallowedAgain`` waits to
+# send a signal again.
+SIGNAL_AGAIN_SWITCH_INTERVAL_S = 1e-6
 
 
 # One stop can reach a worker several times at once: Slurm signals every process of a job step (ppctl,
@@ -103,3 +109,77 @@ class ParentDeathSignal:
         if self._prctl is not None:
             self._prctl(PR_SET_PDEATHSIG, self.signum, 0, 0, 0)
         return os.getppid() == parent_pid
+
+
+class Interruption(SystemExit):
+    """What a signal's handler raises to end ``ppctl`` before any worker starts: exit status 128 + ``signum``."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = int(signum)
+
+
+class RaiseSwallowedAgain:
+    """``sys.unraisablehook`` that has an ``Interruption`` Python swallowed raised again, where it can end the program.
+
+    A handler's exception is raised in whatever code the main thread runs when the signal comes. Where
+    that code's exceptions reach no caller (a ``__del__``, a weakref callback, an ``os.register_at_fork``
+    hook), Python prints "Exception ignored in ..." with a traceback and goes on: ``ppctl`` would say it
+    was interrupted, print a traceback, then run to the end and exit 0. Instead, this hook has a thread
+    send the signal to the main thread again as soon as the main thread has left the hook (whose own
+    exceptions would be swallowed too); ``said(signum)`` then tells the handler that its line is already
+    said. Every other unraisable exception goes to ``previous``, the hook this one replaced.
+    """
+
+    def __init__(self, previous: Callable[..., object]) -> None:
+        self.previous = previous
+        self._said: set[int] = set()  # signals sent again whose line the handler already said
+        self._switch_interval = sys.getswitchinterval()
+
+    def __call__(self, unraisable) -> None:
+        if not isinstance(unraisable.exc_value, Interruption):
+            self.previous(unraisable)
+            return
+        self.signal_later(unraisable.exc_value.signum, said=True)
+
+    def signal_later(self, signum: int, said: bool) -> None:
+        """Send ``signum`` to the main thread once it has left this hook (``said``: its line was said)."""
+        if said:
+            self._said.add(signum)
+        # Meanwhile the threads take turns every few microseconds: the main thread, running on, gets no further
+        # than the next few lines (not to the end of the command, which a 5 ms turn can reach).
+        sys.setswitchinterval(SIGNAL_AGAIN_SWITCH_INTERVAL_S)
+        threading.Thread(target=self._signal_main_thread, args=(signum, signal.getsignal(signum)),
+                         name="ppctl-signal-again", daemon=True).start()
+
+    def said(self, signum: int) -> bool:
+        """Whether ``signum`` came from ``signal_later`` after its line was said (forgotten once asked)."""
+        if signum not in self._said:
+            return False
+        self._said.discard(signum)
+        return True
+
+    @staticmethod
+    def running_in(frame) -> bool:
+        """Whether ``frame`` is this hook's or one it called: a handler's exception raised there is swallowed."""
+        while frame is not None:
+            if frame.f_code in (RaiseSwallowedAgain.__call__.__code__, RaiseSwallowedAgain.signal_later.__code__):
+                return True
+            frame = frame.f_back
+        return False
+
+    def _signal_main_thread(self, signum: int, handler) -> None:
+        """Send ``signum`` to the main thread once it is out of this hook, if ``handler`` still takes it.
+
+        A signal, not ``_thread.interrupt_main``: a main thread blocked in a system call (a sleep, a wait for
+        the pool) runs the handler at once, not when the call returns. Another handler since (the launch's
+        own, or the default action, which would kill) gets nothing: the interruption was not meant for it.
+        """
+        main_thread = threading.main_thread()
+        try:
+            while self.running_in(sys._current_frames().get(main_thread.ident)):
+                time.sleep(0)
+            if signal.getsignal(signum) is handler:
+                signal.pthread_kill(main_thread.ident, signum)
+        finally:
+            sys.setswitchinterval(self._switch_interval)

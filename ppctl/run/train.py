@@ -49,7 +49,50 @@ from ppctl.run.stream import StepStream
 
 
 class NonFiniteGradients(RuntimeError):
-    """The gradient norm of a step was not finite and the run was asked to stop on it."""
+    """The gradient norm of a step was not finite and the run was asked to stop on it, or too many steps in a row
+    were skipped (``trainer.max_skipped_steps``)."""
+
+
+@dataclass
+class SkippedSteps:
+    """The steps skipped so far (``total``) and the run of them in a row, with the rule that stops a run that trains
+    nothing: ``limit`` (``trainer.max_skipped_steps``) skips in a row. Every rank sees the same norm and the same
+    loss scale, so every rank counts alike and stops after the same step, with no message exchanged.
+
+    An fp16 overflow while the loss scale can still fall is the scaler doing its work (a run starting at 65536 may
+    halve it a few times): it is counted in ``total`` but neither counts towards the limit nor breaks the run of
+    skips. At ``optimizer.min_loss_scale`` nothing is left to back off, and a skip counts.
+    """
+
+    limit: int
+    total: int = 0
+    in_a_row: int = 0
+
+    def record(self, step: int, grad_norm: float, taken: bool, overflow: bool = False) -> None:
+        """Count step ``step``: taken (the run of skips ends), skipped on an overflow, or skipped on a non-finite
+        norm; raise ``NonFiniteGradients`` in one line when the run of skips reaches the limit (its step counted
+        from 1, as the console counts them)."""
+        if taken:
+            self.in_a_row = 0
+            return
+        self.total += 1
+        if overflow:
+            return
+        self.in_a_row += 1
+        if self.in_a_row >= self.limit:
+            raise NonFiniteGradients(
+                f"step {step + 1}: the last {self.in_a_row} steps were all skipped (gradient norm {grad_norm}): the "
+                f"run trains nothing; stopping (trainer.max_skipped_steps={self.limit}); find what makes the loss or "
+                f"the gradients non-finite (the learning rate, a model setting, the data)")
+
+    def state_dict(self) -> dict:
+        """The counts, as a checkpoint keeps them."""
+        return {"skipped_steps": self.total, "skipped_in_a_row": self.in_a_row}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the counts of a ``state_dict()`` (a checkpoint saved before the run of skips was kept: 0)."""
+        self.total = int(state["skipped_steps"])
+        self.in_a_row = int(state.get("skipped_in_a_row", 0))
 
 
 @dataclass
@@ -66,6 +109,17 @@ class StepResult:
     skipped: bool = False      # the gradient norm was not finite: nothing was updated
     skipped_steps: int = 0     # skipped steps so far in this run
     routing: RoutingStatistics | None = None  # a mixture of experts' routing this step (every rank has it)
+
+
+def norm_outcome(grad_norm: float, loss_scaler: DynamicLossScaler | None) -> tuple[bool, bool]:
+    """``(finite, overflow)`` of a step's global gradient norm, the fp16 loss scale moved by it: an overflow is a
+    non-finite norm while the scale can still fall (``DynamicLossScaler.is_overflow``)."""
+    finite = math.isfinite(grad_norm)
+    if loss_scaler is None:
+        return finite, False
+    overflow = loss_scaler.is_overflow(finite)
+    loss_scaler.update(finite)
+    return finite, overflow
 
 
 def to_device(microbatch, device: str):
@@ -230,7 +284,7 @@ class Trainer:
                                                  self.data.num_microbatches // layout.placement.copies,
                                                  bucketed=streams)
         self.lr_schedule = lr_schedule_of(config)
-        self.skipped_steps = 0
+        self.skips = SkippedSteps(config.trainer.max_skipped_steps)
         # PipeDream-2BW streams its steps over two weight versions; other delayed runs keep the previous one
         self.delayed = (WeightVersions(self.optimizer) if streams
                         else DelayedWeights(self.named_parameters()) if config.optimizer.gradient_delay else None)
@@ -275,13 +329,19 @@ class Trainer:
             check_program(self._eval_program)  # its messages and progress (it has no backwards to check)
         return self._eval_program
 
+    @property
+    def skipped_steps(self) -> int:
+        """The steps skipped so far in this run."""
+        return self.skips.total
+
     def state_dict(self) -> dict:
-        """The trainer's own counters (``Stateful``; its parts have their own): the steps skipped so far."""
-        return {"skipped_steps": self.skipped_steps}
+        """The trainer's own counters (``Stateful``; its parts have their own): the steps skipped so far, and the
+        last of them in a row."""
+        return self.skips.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """Continue the counters of a ``state_dict()``."""
-        self.skipped_steps = int(state["skipped_steps"])
+        self.skips.load_state_dict(state)
 
     def parameters(self):
         """Every parameter of this rank's chunks."""
@@ -410,18 +470,15 @@ class Trainer:
         A non-finite norm (the same on every rank) skips the step: no parameter and no
         optimizer state changes. With fp16 it is an overflow of the loss scale, which is
         halved; otherwise ``trainer.stop_on_nonfinite`` raises ``NonFiniteGradients``
-        instead. Returns whether the step was taken.
+        instead, as ``trainer.max_skipped_steps`` skips in a row do (``SkippedSteps``).
+        Returns whether the step was taken.
         """
-        finite = math.isfinite(grad_norm)
-        if self.loss_scaler is not None:
-            overflow = self.loss_scaler.is_overflow(finite)
-            self.loss_scaler.update(finite)
-            finite = finite or overflow  # an overflow is no fault: skip without stopping
-        if not finite and self.config.trainer.stop_on_nonfinite:
+        finite, overflow = norm_outcome(grad_norm, self.loss_scaler)
+        if not finite and not overflow and self.config.trainer.stop_on_nonfinite:  # an overflow is no fault
             raise NonFiniteGradients(f"step {step}: the gradient norm is {grad_norm}; stopping "
                                      "(trainer.stop_on_nonfinite=true)")
-        if not math.isfinite(grad_norm):
-            self.skipped_steps += 1
+        self.skips.record(step, grad_norm, taken=finite, overflow=overflow)
+        if not finite:
             return False
         # Clipping and undoing the loss scale in one pass over the gradients.
         self.optimizer.scale_gradients(clip_coefficient(grad_norm, self.config.optimizer.clip_grad) / self.loss_scale)

@@ -61,6 +61,20 @@ def verify_plan(user: list[str], steps: int, precision: str, out_dir: Path) -> V
     return VerifyPlan(overrides, run_dirs, replaced)
 
 
+def earlier_verify(out_dir: Path, one_node: bool) -> Path | None:
+    """What ``out_dir`` holds of an earlier verify (a run's folder or log), else None.
+
+    On several nodes the parallel run's folder and log are this verify's own, written by the other nodes as
+    they start: only the single run, which node 0 runs last, marks an earlier verify there.
+    """
+    names = (PARALLEL, SINGLE) if one_node else (SINGLE,)
+    for name in names:
+        for path in (out_dir / name, out_dir / f"{name}.log"):
+            if path.exists() or path.is_symlink():
+                return path
+    return None
+
+
 def config_options(config_dir: Path | None, config_name: str) -> list[str]:
     """The ``--config-dir`` / ``--config-name`` options that pass the user's config tree on."""
     options = ["--config-dir", str(config_dir)] if config_dir is not None else []

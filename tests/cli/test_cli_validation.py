@@ -44,6 +44,13 @@ BAD_CONFIGS = [
     (["parallel.cp=2", "parallel.cp_comm=a2a", "model.num_heads=2", "model.hidden_size=64", "parallel.tp=2"],
      "model.num_heads=2 must be divisible by parallel.tp * parallel.cp = 4"),
     (["parallel.cp_comm=p2p"], "parallel.cp_comm='p2p' must be one of allgather, ring, a2a"),
+    (["model=llama_tiny", "model.rope_theta=nan"], "model.rope_theta=nan must be a finite number"),
+    (["model=llama_tiny", "model.head_dim=-16"], "model.head_dim=-16 must be a positive integer, or unset (null)"),
+    (["model=llama_tiny", "model.rope_low_freq_factor=2"], "model.rope_low_freq_factor=2.0 is read only with "
+                                                            "model.rope_scaling_factor"),
+    (["model.rope_theta=500000"], "model.rope_theta=500000.0 is read only with model.position_embedding=rope"),
+    # index 30, through inspect-layout: was a traceback there (math.ceil of inf in the memory model)
+    (["model.moe.num_experts=4", "model.moe.capacity_factor=inf"], "model.moe.capacity_factor=inf must be a finite"),
 ]
 
 

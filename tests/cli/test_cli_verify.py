@@ -11,6 +11,7 @@ import json
 import os
 
 import pytest
+from typer.testing import CliRunner
 
 from tests.cli.conftest import REPO
 
@@ -66,3 +67,36 @@ def test_verify_on_several_nodes_needs_one_shared_out_directory(ppctl, tmp_path)
     assert result.returncode == 2 and "verify on launcher.nnodes=2 needs --out DIR" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def _invoke(*args: str):
+    """``ppctl ARGS`` in this process: the result (exit code, stdout, stderr apart). For refusals: nothing starts."""
+    from ppctl.cli.app import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def test_shrink_refuses_a_model_read_from_a_folder(tmp_path):
+    # The folder's weights fix the widths: shrunk, the run was refused for a width --shrink chose, not the user
+    from tests.harness.hf_models import overrides, save_tiny
+
+    folder = save_tiny(tmp_path / "gpt2")
+    result = _invoke("verify", *overrides(folder), "--shrink", "--out", str(tmp_path / "verify"))
+    assert (result.exit_code, result.stdout, result.stderr.splitlines()) == (2, "", [
+        f"error: --shrink with model.init_from={folder}: the folder's weights fix the model's widths and "
+        f"vocabulary, which --shrink would change; verify the folder's model as it is (drop --shrink), or this "
+        f"layout on random weights of the smallest model (drop model.init_from)"])
+    assert not (tmp_path / "verify").exists()
+
+
+def test_the_folder_of_an_earlier_verify_is_refused_and_left_as_it_was(tmp_path):
+    out = tmp_path / "verify"
+    out.mkdir()
+    (out / "parallel.log").write_text("the earlier verify's output\n")
+    (out / "single").mkdir()
+    result = _invoke("verify", "data=synthetic", "--out", str(out))
+    assert (result.exit_code, result.stdout, result.stderr.splitlines()) == (2, "", [
+        f"error: --out {out} holds an earlier verify ({out / 'parallel.log'}), which this one would overwrite; give "
+        f"each verify a folder of its own (a new --out DIR, or no --out for a new runs/verify-<timestamp>)"])
+    assert (out / "parallel.log").read_text() == "the earlier verify's output\n"
+    assert sorted(path.name for path in out.iterdir()) == ["parallel.log", "single"]

@@ -1,4 +1,5 @@
-"""A step whose gradient norm is not finite changes nothing and is counted; or, if asked, stops the run.
+"""A step whose gradient norm is not finite changes nothing and is counted; or, if asked, stops the run; and
+``trainer.max_skipped_steps`` skips in a row stop it on every rank alike.
 
 The non-finite gradient is injected on one rank only (its first layer's output made
 NaN for one step): the reduction spreads it, every rank sees the same NaN norm and
@@ -63,7 +64,27 @@ def _skip_then_stop(rank, world_size):
         report["stopped"] = None
     except NonFiniteGradients as error:
         report["stopped"] = str(error)
+    report["skipped, then stopped"] = _skip_until_the_limit(context, rank)
     return report
+
+
+def _skip_until_the_limit(context, rank) -> tuple[list[bool], str | None]:
+    """Every step non-finite (rank 0's only) at trainer.max_skipped_steps=2: the steps' skips, then the error every
+    rank raised at the same step."""
+    from ppctl.config import compose_config
+    from ppctl.config.resolved import resolve
+    from ppctl.run.train import NonFiniteGradients, Trainer
+
+    trainer = Trainer(resolve(compose_config(BASE + LAYOUT + ["trainer.max_skipped_steps=2"])), context)
+    if rank == 0:
+        _poison_first_layer(trainer)
+    skipped = []
+    try:
+        for step in range(3):
+            skipped.append(trainer.train_step(step).skipped)
+    except NonFiniteGradients as error:
+        return skipped, str(error)
+    return skipped, None
 
 
 @pytest.mark.timeout(180)
@@ -75,3 +96,6 @@ def test_nonfinite_step_is_skipped_untouched_counted_or_stops_the_run():
             assert unchanged, f"distributed={distributed}: a skipped step changed parameters or AdamW state"
             assert not resumed_skipped and resumed_finite and moved, (distributed, report[distributed])
         assert report["stopped"] == "step 0: the gradient norm is nan; stopping (trainer.stop_on_nonfinite=true)"
+        skipped, stopped = report["skipped, then stopped"]
+        assert skipped == [True] and stopped is not None, report["skipped, then stopped"]
+        assert stopped.startswith("step 2: the last 2 steps were all skipped (gradient norm nan)"), stopped

@@ -69,11 +69,36 @@ def _checked(seed, index, overrides, per_rank, position, equivalence_checks) -> 
     return []
 
 
+def _whole_number(text: str, option: str) -> int:
+    """``text`` as an int, or argparse's error naming the ``make fuzz`` variable ``option`` comes from."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number ({option})") from None
+
+
+def count_of_draws(text: str) -> int:
+    """``--count`` (``make fuzz N=``): at least 1; none proves nothing, and would say so with exit 0."""
+    count = _whole_number(text, "make fuzz N=")
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{count}: draw at least 1 configuration (make fuzz N=1 or more)")
+    return count
+
+
+def seed_of_draws(text: str) -> int:
+    """``--seed`` (``make fuzz SEED=``): 0 or more (Python's ``random`` draws the same from -S as from S)."""
+    seed = _whole_number(text, "make fuzz SEED=")
+    if seed < 0:
+        raise argparse.ArgumentTypeError(f"{seed}: a seed is 0 or more (random draws the same from {seed} as from "
+                                         f"{-seed}, which failures would then name)")
+    return seed
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the fuzzer; print the report; exit status 1 on any failure."""
+    """Run the fuzzer; print the report; exit status 1 on any failure (2, argparse's, on a bad argument)."""
     parser = argparse.ArgumentParser(prog="python -m tests.fuzz.run", description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--count", type=int, default=8)
+    parser.add_argument("--seed", type=seed_of_draws, default=0)
+    parser.add_argument("--count", type=count_of_draws, default=8)
     args = parser.parse_args(argv)
     runs, failures, refused = prove(args.seed, args.count)
     print(f"seed {args.seed}: {len(runs)} drawn configurations proven, {sum(refused.values())} refused by validation "

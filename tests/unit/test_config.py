@@ -123,7 +123,59 @@ RULES = [
      "optimizer.decay_steps=10 must be greater than optimizer.warmup_steps=10"),
     (["optimizer.warmup_steps=200"],
      "optimizer.warmup_steps=200 must be less than optimizer.decay_steps (default trainer.max_steps=200)"),
+    # Issue 54: values that trained nothing (every step skipped, exit 0), or failed a worker later.
+    (["model.position_embedding=rope", "model.rope_theta=0"], "model.rope_theta=0.0 must be positive"),
+    (["model=llama_tiny", "model.rope_theta=-10000"], "model.rope_theta=-10000.0 must be positive"),
+    (["model=llama_tiny", "model.rope_theta=inf"], "model.rope_theta=inf must be a finite number"),
+    (["model.position_embedding=rope", "model.rope_theta=nan"], "model.rope_theta=nan must be a finite number"),
+    (["model.norm_epsilon=-1e-5"], "model.norm_epsilon=-1e-05 must be positive"),
+    (["model.init_std=-0.02"], "model.init_std=-0.02 must be >= 0"),
+    (["optimizer.beta2=1.5"], "optimizer.beta2=1.5 must be >= 0 and < 1"),
+    (["optimizer.eps=-1e-8"], "optimizer.eps=-1e-08 must be >= 0"),
+    (["model=llama_tiny", "model.num_kv_heads=0"], "model.num_kv_heads=0 must be a positive integer, or unset (null)"),
+    (["model=llama_tiny", "model.head_dim=0"], "model.head_dim=0 must be a positive integer, or unset (null)"),
+    (["model=llama_tiny", "model.head_dim=-16"], "model.head_dim=-16 must be a positive integer, or unset (null)"),
+    # Keys the model would not read.
+    (["model=llama_tiny", "model.rope_low_freq_factor=2"],
+     "model.rope_low_freq_factor=2.0 is read only with model.rope_scaling_factor (Llama 3's scaling), which is "
+     "unset: set it too, or drop the key"),
+    (["model=llama_tiny", "model.rope_original_max_position=4096"],
+     "model.rope_original_max_position=4096 is read only with model.rope_scaling_factor"),
+    (["model.rope_high_freq_factor=8"], "model.rope_high_freq_factor=8.0 is read by model.family=llama only"),
+    (["model.rope_theta=500000"],
+     "model.rope_theta=500000.0 is read only with model.position_embedding=rope; this model has learned positions "
+     "(drop the key, or set model.position_embedding=rope)"),
+    (["model=llama_tiny", "model.rope_scaling_factor=8", "model.rope_original_max_position=0"],
+     "model.rope_original_max_position=0 must be a positive integer"),
 ]
+
+
+def test_every_float_setting_refuses_a_value_that_is_not_finite():
+    """Whatever the setting (each of them, found in the schema by type): one line naming it, at validation (set on
+    a composed config: the overrides above show that Hydra reads inf and nan as floats)."""
+    import copy
+    import functools
+
+    from ppctl.config.validate import float_settings
+
+    base = composed()
+    names = [name for name, _value in float_settings(base, "")]
+    assert {"model.rope_theta", "model.moe.capacity_factor", "optimizer.lr", "model.moe.z_loss_coeff"} <= set(names)
+    for name in names:
+        for value in (float("inf"), float("-inf"), float("nan")):
+            config = copy.deepcopy(base)
+            *sections, key = name.split(".")
+            setattr(functools.reduce(getattr, sections, config), key, value)
+            with pytest.raises(ConfigError) as error:
+                validate(config, prove_schedule=False, data=False)
+            assert str(error.value) == f"{name}={value} must be a finite number", name
+
+
+def test_a_llama_with_its_settings_unset_reads_the_heads_and_their_width():
+    from ppctl.model.llama.heads import head_dim_of, kv_heads_of
+
+    model = composed("model=llama_tiny", "model.num_kv_heads=null").model
+    assert (head_dim_of(model), kv_heads_of(model)) == (model.hidden_size // model.num_heads, model.num_heads)
 
 
 @pytest.mark.parametrize("overrides, fragment", RULES)

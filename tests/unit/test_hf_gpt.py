@@ -230,10 +230,10 @@ def test_an_architecture_no_family_reads_is_refused(tmp_path, folders):
 
     folder = shutil.copytree(folders[(GPT2, False)], tmp_path / "unknown")
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchForCausalLM"]}))
-    assert _refusal(*overrides(folder)).startswith(
-        f"model.init_from={folder}: its config.json is NoSuchForCausalLM, which no model family reads (gpt: "
-        f"GPT2LMHeadModel, Starcoder2ForCausalLM")
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "nosuch"}))
+    assert _refusal(*overrides(folder)) == (
+        f"model.init_from={folder}: its config.json has model_type='nosuch', which no model family reads (one of "
+        f"gpt2, starcoder2, llama, qwen2, mixtral)")
 
 
 def test_a_shape_mismatch_names_the_key_and_both_values(folders, tanh_folders):

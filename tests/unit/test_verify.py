@@ -10,7 +10,8 @@ from ppctl.config.resolved import resolve
 from ppctl.run.logging import METRICS_FILE, MetricsFile, read_metrics
 from ppctl.verify.compare import (ParameterDifference, VerifyError, parameter_differences, parameter_row, relative,
                                   scalar_rows)
-from ppctl.verify.runs import PARALLEL, SINGLE, verify_plan
+from ppctl.pipeline.schedules import build_schedule, schedule_csv
+from ppctl.verify.runs import PARALLEL, SINGLE, earlier_verify, verify_plan
 from ppctl.verify.shrink import shrink_overrides
 from ppctl.verify.tolerance import tolerance_of
 
@@ -48,6 +49,27 @@ def test_a_shrunk_layout_keeps_its_split_and_resolves(layout):
     assert model.hidden_size == 8 * model.num_heads and model.vocab_size == 64
     assert shrunk.config.trainer.seq_length <= 32 and shrunk.config.trainer.micro_batch_size == 1
     assert said[0].startswith(f"hidden {before.hidden_size} -> {model.hidden_size}")
+
+
+def test_a_shrunk_schedule_file_keeps_the_microbatches_the_file_runs(tmp_path):
+    # the file's actions name 8 microbatches: shrinking the batch to twice the pipeline ranks would contradict it
+    path = tmp_path / "schedule.csv"
+    path.write_text(schedule_csv(build_schedule("1f1b", 2, 1, 8)))
+    layout = ["data=synthetic", "schedule=custom", f"schedule.file={path}", "parallel.pp=2",
+              "trainer.global_batch_size=16", "trainer.micro_batch_size=2"]
+    extra, said = shrink_overrides(resolve(compose_config(layout), data=False).config)
+    shrunk = resolve(compose_config([*layout, *extra]))
+    assert shrunk.sizes.num_microbatches == 8 and shrunk.config.trainer.micro_batch_size == 1
+    assert said[2].endswith(f"global batch 16 -> 8 (8 -> 8 microbatches per DP rank: schedule.file {path} runs 8)")
+
+
+@pytest.mark.parametrize("one_node, found", [(True, "parallel.log"), (False, "single")])
+def test_an_earlier_verify_is_found_by_its_runs_and_logs(tmp_path, one_node, found):
+    assert earlier_verify(tmp_path, one_node) is None
+    (tmp_path / "parallel.log").write_text("an earlier verify\n")
+    (tmp_path / "single").mkdir()
+    # on several nodes the parallel run's folder and log are this verify's, the other nodes' part
+    assert earlier_verify(tmp_path, one_node) == tmp_path / found
 
 
 def test_the_metrics_file_is_exact_and_a_resumed_run_drops_the_steps_it_runs_again(tmp_path):

@@ -9,11 +9,12 @@ parameter rules (``rules.py``) are imported when a model is built, so that this 
 
 from __future__ import annotations
 
-from ppctl.config.schema import ConfigError
+from ppctl.config.schema import ConfigError, ModelConfig, default_of
 from ppctl.model.family import ModelFamily
 
-# Keys another family reads, with the value that means "not used" here.
-OTHER_FAMILIES_KEYS = {"num_kv_heads": None, "head_dim": None, "rope_scaling_factor": None}
+# Keys another family reads: here they must keep their schema default (which means "not used").
+OTHER_FAMILIES_KEYS = ("num_kv_heads", "head_dim", "rope_scaling_factor", "rope_low_freq_factor",
+                       "rope_high_freq_factor", "rope_original_max_position")
 
 
 def _shape_of(config):
@@ -46,17 +47,21 @@ def _rule_of_name(shape):
 
 
 def _check(config) -> None:
-    """GPT's own rules: whole heads of ``hidden_size``, an even head width for rotary, no other family's keys."""
+    """GPT's own rules: whole heads of ``hidden_size``, an even head width for rotary, no other family's keys, no
+    rotary base without rotary positions."""
     model = config.model
     if model.hidden_size % model.num_heads:
         raise ConfigError(f"model.hidden_size={model.hidden_size} must be divisible by model.num_heads="
                           f"{model.num_heads}")
     if model.position_embedding == "rope" and (model.hidden_size // model.num_heads) % 2:
         raise ConfigError("model.position_embedding=rope needs an even head dim")
-    for key, unused in OTHER_FAMILIES_KEYS.items():
-        if getattr(model, key) != unused:
+    for key in OTHER_FAMILIES_KEYS:
+        if getattr(model, key) != default_of(ModelConfig, key):
             raise ConfigError(f"model.{key}={getattr(model, key)} is read by model.family=llama only; this model is "
                               f"model.family=gpt (drop the key, or set model.family=llama)")
+    if model.position_embedding == "learned" and model.rope_theta != default_of(ModelConfig, "rope_theta"):
+        raise ConfigError(f"model.rope_theta={model.rope_theta} is read only with model.position_embedding=rope; this "
+                          f"model has learned positions (drop the key, or set model.position_embedding=rope)")
 
 
 def _hf():

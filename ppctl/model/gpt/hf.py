@@ -18,6 +18,10 @@ What the mapping rests on (checked against ``transformers`` in ``tests/unit/test
   window; ppctl's QKV rows are ``q_proj``, ``k_proj`` and ``v_proj`` one after the other (their biases, with
   ``use_bias``, the QKV bias likewise: ``qkv_bias`` is ``use_bias``), and its weights are ``nn.Linear``'s
   ``[out, in]``.
+* config.json: read by ``model_type`` (``gpt2``, ``starcoder2``), each key type-checked as transformers' strict
+  fields check it (``"n_embd": "64"`` or ``64.0`` is refused, not read), sizes above 0; StarCoder2's rotary
+  parameters where transformers finds them (``hf_format.rope_of``: an older ``rope_scaling`` replaces
+  ``rope_parameters``), refused unless plain (``default``), as ppctl's GPT computes no scaling.
 * names: each folder's tensors may also be stored without the base model's prefix (``BASE_MODEL_PREFIXES``), as
   ``GPT2Model`` and the hub's ``gpt2`` files store them (``ppctl.model.hf_format.stored_name``); GPT-2's causal
   mask buffers (``attn.bias``, ``attn.masked_bias``) are not parameters and are never read.
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ppctl.model.hf_format import HFError, HFTensor, architecture_of
+from ppctl.model.hf_format import HFError, HFTensor, architecture_of, check_keys, rope_of
 
 GPT2 = "GPT2LMHeadModel"
 STARCODER2 = "Starcoder2ForCausalLM"
@@ -47,17 +51,35 @@ GPT2_DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_lay
                  "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
                  "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False,
                  "tie_word_embeddings": True}
+# The JSON types transformers' GPT2Config and Starcoder2Config take for the keys ppctl reads (``check_keys``), and the
+# sizes that must be above 0.
+INT, FLOAT, BOOL, STR, NONE = int, float, bool, str, type(None)
+GPT2_TYPES = {"vocab_size": (INT,), "n_positions": (INT,), "n_embd": (INT,), "n_layer": (INT,), "n_head": (INT,),
+              "n_inner": (INT, NONE), "activation_function": (STR,), "layer_norm_epsilon": (FLOAT,),
+              "scale_attn_weights": (BOOL,), "scale_attn_by_inverse_layer_idx": (BOOL,),
+              "add_cross_attention": (BOOL,), "tie_word_embeddings": (BOOL,)}
+GPT2_SIZES = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner")
+STARCODER2_TYPES = {"vocab_size": (INT,), "hidden_size": (INT,), "intermediate_size": (INT,),
+                    "num_hidden_layers": (INT,), "num_attention_heads": (INT,), "num_key_value_heads": (INT,),
+                    "head_dim": (INT, NONE), "hidden_act": (STR,), "max_position_embeddings": (INT,),
+                    "norm_epsilon": (FLOAT,), "sliding_window": (INT, NONE), "use_bias": (BOOL,),
+                    "tie_word_embeddings": (BOOL,), "partial_rotary_factor": (FLOAT, INT)}
+STARCODER2_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "max_position_embeddings")
 STARCODER2_DEFAULTS = {"vocab_size": 49152, "hidden_size": 3072, "intermediate_size": 12288, "num_hidden_layers": 30,
                        "num_attention_heads": 24, "num_key_value_heads": 2, "hidden_act": "gelu_pytorch_tanh",
                        "max_position_embeddings": 4096, "norm_epsilon": 1e-5, "sliding_window": None,
                        "use_bias": True, "tie_word_embeddings": True}
+STARCODER2_DEFAULT_THETA = 10000.0  # Starcoder2Config.default_theta: without rope_theta anywhere
 
 
 class GPTHuggingFace:
     """The GPT family's HF format (see ``ppctl.model.hf_format``)."""
 
     architectures = (GPT2, STARCODER2)
+    model_types = {"gpt2": GPT2, "starcoder2": STARCODER2}  # config.json's model_type -> what transformers builds
     base_model_prefixes = BASE_MODEL_PREFIXES
+    word_embeddings = {GPT2: "transformer.wte.weight", STARCODER2: "model.embed_tokens.weight"}
 
     def hf_config(self, model) -> dict[str, Any]:
         """``config.json`` of a GPT model: GPT-2's for learned positions, StarCoder2's for rotary ones."""
@@ -99,6 +121,20 @@ class GPTHuggingFace:
             return _gpt2_tensors(model)
         return _starcoder2_tensors(model, {**STARCODER2_DEFAULTS, **hf_config}["use_bias"])
 
+    def dense_shapes(self, model) -> dict[str, tuple[int, ...]]:
+        """The dense shape of every ppctl GPT parameter (``model``: its settings by name; the vocabulary unpadded)."""
+        hidden, ffn, vocab = model.hidden_size, model.ffn_hidden_size, model.vocab_size
+        roles = {"attn_norm.weight": (hidden,), "attn_norm.bias": (hidden,), "mlp_norm.weight": (hidden,),
+                 "mlp_norm.bias": (hidden,), "attention.qkv.weight": (3 * hidden, hidden),
+                 "attention.qkv.bias": (3 * hidden,), "attention.proj.weight": (hidden, hidden),
+                 "attention.proj.bias": (hidden,), "mlp.fc_in.weight": (ffn, hidden), "mlp.fc_in.bias": (ffn,),
+                 "mlp.fc_out.weight": (hidden, ffn), "mlp.fc_out.bias": (hidden,)}
+        shapes = {"embedding.word.weight": (vocab, hidden), "embedding.position.weight": (model.max_seq_length, hidden),
+                  "final_norm.weight": (hidden,), "final_norm.bias": (hidden,), "output_layer.weight": (vocab, hidden)}
+        shapes.update({f"layers.{layer}.{role}": shape for layer in range(model.num_layers)
+                       for role, shape in roles.items()})
+        return shapes
+
     def zero_tensors(self, model, hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         """The QKV biases HF has and a run without ``model.qkv_bias`` lacks: written as zeros on export (a folder
         that has them gives ``qkv_bias=True``, so a run reading it has them)."""
@@ -132,6 +168,7 @@ def _activation(key: str, name: str) -> str:
 
 def _gpt2_shape(hf: dict[str, Any]) -> dict[str, Any]:
     """The GPT shape of a GPT-2 config (defaults filled in)."""
+    check_keys(hf, GPT2_TYPES, GPT2_SIZES)
     activation = _activation("activation_function", hf["activation_function"])
     _require(hf["scale_attn_weights"] and not hf["scale_attn_by_inverse_layer_idx"],
              "its attention scores are not scaled by 1/sqrt(head dim) alone (scale_attn_weights, "
@@ -147,6 +184,7 @@ def _gpt2_shape(hf: dict[str, Any]) -> dict[str, Any]:
 
 def _starcoder2_shape(hf: dict[str, Any]) -> dict[str, Any]:
     """The rotary GPT shape of a StarCoder2 config (defaults filled in)."""
+    check_keys(hf, STARCODER2_TYPES, STARCODER2_SIZES)
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     activation = _activation("hidden_act", hf["hidden_act"])
     _require(hf["num_key_value_heads"] == heads,
@@ -159,15 +197,16 @@ def _starcoder2_shape(hf: dict[str, Any]) -> dict[str, Any]:
              f"express it")
     _require(hf.get("partial_rotary_factor", 1.0) == 1.0, "its rotary covers part of each head "
                                                            "(partial_rotary_factor): ppctl's covers the whole head")
-    rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
-    _require(rope.get("rope_type", "default") == "default",
-             f"its rope_type={rope.get('rope_type')!r}: ppctl's gpt has the plain rotary embedding ('default')")
+    key, rope = rope_of(hf, STARCODER2_DEFAULT_THETA)
+    _require(rope["rope_type"] == "default",
+             f"its {key} gives rope_type={rope['rope_type']!r}: ppctl's gpt has the plain rotary embedding "
+             f"('default') only")
     return {"family": "gpt", "position_embedding": "rope", "activation": activation,
             "num_layers": hf["num_hidden_layers"],
             "hidden_size": hidden, "num_heads": heads, "ffn_hidden_size": hf["intermediate_size"],
             "vocab_size": hf["vocab_size"], "max_seq_length": hf["max_position_embeddings"],
             "tie_embeddings": bool(hf["tie_word_embeddings"]), "norm_epsilon": hf["norm_epsilon"],
-            "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            "rope_theta": float(rope["rope_theta"]),
             "qkv_bias": bool(hf["use_bias"])}
 
 

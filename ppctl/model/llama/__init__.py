@@ -8,8 +8,9 @@ must be a multiple of ``parallel.tp`` (refused otherwise; Megatron would replica
 
 from __future__ import annotations
 
-from ppctl.config.schema import ConfigError
+from ppctl.config.schema import ConfigError, ModelConfig, default_of
 from ppctl.model.family import Architecture, ModelFamily
+from ppctl.model.llama.heads import head_dim_of, kv_heads_of
 
 
 def _shape_of(config):
@@ -26,7 +27,7 @@ def _shape_of(config):
                               model.rope_original_max_position)
     return LlamaConfig(
         num_layers=model.num_layers, hidden_size=model.hidden_size, num_heads=model.num_heads,
-        num_kv_heads=model.num_kv_heads or model.num_heads, head_dim=head_dim_of(model),
+        num_kv_heads=kv_heads_of(model), head_dim=head_dim_of(model),
         ffn_hidden_size=model.ffn_hidden_size, vocab_size=model.vocab_size, max_seq_length=model.max_seq_length,
         padded_vocab_size=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, config.parallel.tp),
         tie_embeddings=model.tie_embeddings, norm_epsilon=model.norm_epsilon, init_std=model.init_std,
@@ -34,9 +35,8 @@ def _shape_of(config):
     )
 
 
-def head_dim_of(model) -> int:
-    """``model.head_dim``, or ``hidden_size / num_heads`` when unset."""
-    return model.head_dim or model.hidden_size // model.num_heads
+# The rope scaling sub-keys: read only with ``model.rope_scaling_factor``, else they keep their schema default.
+ROPE_SCALING_KEYS = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position")
 
 
 def _chunk_class():
@@ -55,7 +55,7 @@ def _check(config) -> None:
     """Llama's own rules: rotary positions, SwiGLU (``model.activation`` left at its default), whole KV groups per TP
     rank, an even head width, sane scaling."""
     model, tp = config.model, config.parallel.tp
-    kv_heads = model.num_kv_heads or model.num_heads
+    kv_heads = kv_heads_of(model)
     _require(model.position_embedding == "rope", f"model.family=llama has rotary positions: set "
                                                  f"model.position_embedding=rope (got {model.position_embedding})")
     _require(model.activation == "gelu", f"model.activation={model.activation} is read by model.family=gpt only; this "
@@ -69,10 +69,22 @@ def _check(config) -> None:
              f"model.hidden_size={model.hidden_size} must be divisible by model.num_heads={model.num_heads}, or set "
              f"model.head_dim")
     _require(head_dim_of(model) % 2 == 0, f"model.head_dim={head_dim_of(model)} must be even (rotary pairs)")
-    if model.rope_scaling_factor is not None:
-        _require(model.rope_scaling_factor > 0 and 0 < model.rope_low_freq_factor < model.rope_high_freq_factor,
-                 f"model.rope_scaling_factor={model.rope_scaling_factor} must be > 0 and 0 < "
-                 f"model.rope_low_freq_factor < model.rope_high_freq_factor")
+    _check_rope_scaling(model)
+
+
+def _check_rope_scaling(model) -> None:
+    """Llama 3's scaling: sane factors, and its sub-keys only with ``model.rope_scaling_factor`` (unread without)."""
+    if model.rope_scaling_factor is None:
+        for key in ROPE_SCALING_KEYS:
+            _require(getattr(model, key) == default_of(ModelConfig, key),
+                     f"model.{key}={getattr(model, key)} is read only with model.rope_scaling_factor (Llama 3's "
+                     f"scaling), which is unset: set it too, or drop the key")
+        return
+    _require(model.rope_scaling_factor > 0 and 0 < model.rope_low_freq_factor < model.rope_high_freq_factor,
+             f"model.rope_scaling_factor={model.rope_scaling_factor} must be > 0 and 0 < "
+             f"model.rope_low_freq_factor < model.rope_high_freq_factor")
+    _require(model.rope_original_max_position >= 1,
+             f"model.rope_original_max_position={model.rope_original_max_position} must be a positive integer")
 
 
 def _hf():

@@ -6,8 +6,12 @@ ppctl's Llama layers carry Hugging Face's names (``self_attn.q_proj``, ``mlp.gat
 ``embedding.word``, ``norm`` is ``final_norm``, ``lm_head`` is ``output_layer``; every weight is
 ``nn.Linear``'s ``[out, in]`` on both sides. Both compute RMSNorm in float32, SwiGLU with SiLU and
 rotate-half rotary over the whole head (``rope_type`` ``default``, or ``llama3``'s frequency scaling).
-Refused, as not computed by ppctl: an activation other than SiLU, biases on the output projection or the
-MLP (``attention_bias``, ``mlp_bias``), other rotary types, a sliding window.
+Refused, as not computed by ppctl: an activation other than SiLU (``silu``, or ``swish``, transformers' other
+name for it), biases on the output projection or the MLP (``attention_bias``, ``mlp_bias``), other rotary types
+(read where transformers reads them: ``hf_format.rope_of``, an older ``rope_scaling`` replacing
+``rope_parameters``), a sliding window. ``config.json`` is read by ``model_type``, each key type-checked as
+transformers' strict fields check it, and a size of 0 (``head_dim``, ``num_key_value_heads``) is refused: transformers
+reads it as 0, not as unset.
 
 Mixtral (a model with ``model.moe``): each layer's MLP is ``block_sparse_moe``, as the hub's files and
 ``save_pretrained`` store it (``from_pretrained`` fuses the experts itself): ``gate`` is ``mlp.router``, and
@@ -23,7 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ppctl.model.hf_format import HFError, HFTensor, architecture_of
+from ppctl.model.hf_format import HFError, HFTensor, architecture_of, check_keys, rope_of
+from ppctl.model.llama.heads import head_dim_of, kv_heads_of
 from ppctl.model.moe.shape import MoEShape, moe_shape_of
 
 LLAMA = "LlamaForCausalLM"
@@ -42,6 +47,21 @@ QWEN2_DEFAULTS = {**LLAMA_DEFAULTS, "vocab_size": 151936, "intermediate_size": 2
 MIXTRAL_DEFAULTS = {**LLAMA_DEFAULTS, "intermediate_size": 14336, "num_key_value_heads": 8,
                     "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
                     "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2}
+# The JSON types transformers' LlamaConfig, Qwen2Config and MixtralConfig take for the keys ppctl reads
+# (``check_keys``), and the sizes that must be above 0.
+INT, FLOAT, BOOL, STR, NONE = int, float, bool, str, type(None)
+LLAMA_TYPES = {"vocab_size": (INT,), "hidden_size": (INT,), "intermediate_size": (INT,), "num_hidden_layers": (INT,),
+               "num_attention_heads": (INT,), "num_key_value_heads": (INT, NONE), "head_dim": (INT, NONE),
+               "hidden_act": (STR,), "max_position_embeddings": (INT,), "rms_norm_eps": (FLOAT,),
+               "tie_word_embeddings": (BOOL,), "attention_bias": (BOOL,), "mlp_bias": (BOOL,),
+               "pretraining_tp": (INT, NONE), "use_sliding_window": (BOOL,), "sliding_window": (INT, NONE)}
+MIXTRAL_TYPES = {**LLAMA_TYPES, "num_key_value_heads": (INT,), "num_local_experts": (INT,),
+                 "num_experts_per_tok": (INT,)}
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "head_dim", "max_position_embeddings", "num_local_experts", "num_experts_per_tok")
+SILU = ("silu", "swish")  # transformers' ACT2FN names of SiLU (tests/unit/test_hf_folder_inputs.py)
+# Llama 3's rotary scaling keys (original_max_position_embeddings defaults to max_position_embeddings).
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 # The model.moe settings of every Mixtral (what else ppctl's mixture can be, Mixtral does not compute), and why.
 MIXTRAL_MOE = {"layer_freq": (1, "every layer of a Mixtral routes"),
                "first_dense_layers": (0, "every layer of a Mixtral routes"),
@@ -56,7 +76,10 @@ class LlamaHuggingFace:
     """The Llama family's HF format (see ``ppctl.model.hf_format``)."""
 
     architectures = (LLAMA, QWEN2, MIXTRAL)
+    model_types = {"llama": LLAMA, "qwen2": QWEN2, "mixtral": MIXTRAL}  # config.json's model_type -> what it builds
     base_model_prefixes = {LLAMA: "model", QWEN2: "model", MIXTRAL: "model"}  # transformers' base_model_prefix
+    word_embeddings = {LLAMA: "model.embed_tokens.weight", QWEN2: "model.embed_tokens.weight",
+                       MIXTRAL: "model.embed_tokens.weight"}
     moe_architecture = MIXTRAL  # what a model with experts is written as
 
     def hf_config(self, model) -> dict[str, Any]:
@@ -87,17 +110,18 @@ class LlamaHuggingFace:
         qwen2, mixtral = architecture == QWEN2, architecture == MIXTRAL
         defaults = QWEN2_DEFAULTS if qwen2 else MIXTRAL_DEFAULTS if mixtral else LLAMA_DEFAULTS
         hf = {**defaults, **hf_config}
+        check_keys(hf, MIXTRAL_TYPES if mixtral else LLAMA_TYPES, SIZES)
         _check_computable(hf, qwen2, mixtral)
-        heads = hf["num_attention_heads"]
+        heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
         shape = {"family": "llama", "position_embedding": "rope", "num_layers": hf["num_hidden_layers"],
                  "hidden_size": hf["hidden_size"], "num_heads": heads,
-                 "num_kv_heads": hf["num_key_value_heads"] or heads, "ffn_hidden_size": hf["intermediate_size"],
+                 "num_kv_heads": heads if kv_heads is None else kv_heads, "ffn_hidden_size": hf["intermediate_size"],
                  "vocab_size": hf["vocab_size"], "max_seq_length": hf["max_position_embeddings"],
                  "tie_embeddings": bool(hf["tie_word_embeddings"]), "norm_epsilon": hf["rms_norm_eps"],
                  "qkv_bias": qwen2}
         if mixtral:  # every layer routes: its intermediate_size is the experts' (model.ffn_hidden_size by default)
             del shape["ffn_hidden_size"]
-        head_dim = hf["head_dim"] or hf["hidden_size"] // heads
+        head_dim = hf["hidden_size"] // heads if hf["head_dim"] is None else hf["head_dim"]
         if head_dim != hf["hidden_size"] // heads or hf["hidden_size"] % heads:
             shape["head_dim"] = head_dim
         return {**shape, **_rope_settings(hf), **(_mixtral_moe(hf) if mixtral else {"moe.num_experts": 0})}
@@ -120,6 +144,32 @@ class LlamaHuggingFace:
         if not model.tie_embeddings:
             tensors["output_layer.weight"] = HFTensor(("lm_head.weight",))
         return tensors
+
+    def dense_shapes(self, model) -> dict[str, tuple[int, ...]]:
+        """The dense shape of every ppctl Llama parameter (``model``: its settings by name; the vocabulary
+        unpadded): grouped-query q/k/v of ``head_dim`` wide heads, stacked experts ``[experts, out, in]``."""
+        hidden, vocab, moe = model.hidden_size, model.vocab_size, _moe_of(model)
+        queries, keys = model.num_heads * head_dim_of(model), kv_heads_of(model) * head_dim_of(model)
+        shapes = {"embedding.word.weight": (vocab, hidden), "final_norm.weight": (hidden,),
+                  "output_layer.weight": (vocab, hidden)}
+        for layer in range(model.num_layers):
+            roles = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+                     "self_attn.o_proj.weight": (hidden, queries), "self_attn.q_proj.weight": (queries, hidden),
+                     "self_attn.q_proj.bias": (queries,), "self_attn.k_proj.weight": (keys, hidden),
+                     "self_attn.k_proj.bias": (keys,), "self_attn.v_proj.weight": (keys, hidden),
+                     "self_attn.v_proj.bias": (keys,)}
+            if moe is not None and moe.is_moe_layer(layer):
+                experts, width = moe.num_experts, moe.expert_ffn_hidden_size
+                roles.update({"mlp.router.weight": (experts, hidden),
+                              "mlp.experts.gate_proj.weight": (experts, width, hidden),
+                              "mlp.experts.up_proj.weight": (experts, width, hidden),
+                              "mlp.experts.down_proj.weight": (experts, hidden, width)})
+            else:
+                ffn = model.ffn_hidden_size
+                roles.update({"mlp.gate_proj.weight": (ffn, hidden), "mlp.up_proj.weight": (ffn, hidden),
+                              "mlp.down_proj.weight": (hidden, ffn)})
+            shapes.update({f"layers.{layer}.{role}": shape for role, shape in roles.items()})
+        return shapes
 
     def zero_tensors(self, model, hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         """No tensor HF has and ppctl's Llama lacks: biases it does not compute are refused by ``shape_from_hf``."""
@@ -177,8 +227,8 @@ def _mixtral_moe(hf: dict[str, Any]) -> dict[str, Any]:
 
 def _check_computable(hf: dict[str, Any], qwen2: bool, mixtral: bool) -> None:
     """``HFError`` for what ppctl's Llama layers do not compute."""
-    _require(hf["hidden_act"] == "silu", f"its hidden_act={hf['hidden_act']!r}: ppctl's llama computes SwiGLU with "
-                                         f"SiLU only")
+    _require(hf["hidden_act"] in SILU, f"its hidden_act={hf['hidden_act']!r}: ppctl's llama computes SwiGLU with "
+                                       f"SiLU only ({', '.join(SILU)})")
     _require(qwen2 or not hf["attention_bias"], "its attention_bias=true puts a bias on the output projection too: "
                                                 "ppctl's llama has q/k/v biases only (Qwen2's)")
     _require(not hf.get("mlp_bias", False), "its mlp_bias=true: ppctl's llama MLP has no biases")
@@ -194,19 +244,24 @@ def _check_computable(hf: dict[str, Any], qwen2: bool, mixtral: bool) -> None:
 
 
 def _rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
-    """The ``model.rope_*`` settings of a config's rotary parameters (``rope_parameters``, or the older
-    ``rope_theta`` and ``rope_scaling``)."""
-    rope = hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta")}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    theta = float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0)
+    """The ``model.rope_*`` settings of a config's rotary parameters, read where transformers reads them
+    (``rope_of``: ``rope_parameters``, or an older ``rope_scaling`` over it, ``rope_theta`` beside them; ``hf``
+    holds the architecture's default ``rope_theta``): the plain rotary embedding or Llama 3's scaling."""
+    key, rope = rope_of(hf, LLAMA_DEFAULTS["rope_theta"])  # hf holds its architecture's own rope_theta default
+    kind, theta = rope["rope_type"], float(rope["rope_theta"])
     if kind == "default":
         return {"rope_theta": theta}
-    _require(kind == "llama3", f"its rope_type={kind!r}: ppctl computes the plain rotary embedding ('default') and "
-                               f"Llama 3's scaling ('llama3') only")
+    _require(kind == "llama3", f"its {key} gives rope_type={kind!r}: ppctl computes the plain rotary embedding "
+                               f"('default') and Llama 3's scaling ('llama3') only")
+    missing = [name for name in LLAMA3_KEYS if type(rope.get(name)) not in (int, float)]
+    _require(not missing, f"its {key} (llama3) has no number {missing[0] if missing else ''}: Llama 3's scaling needs "
+                          f"{', '.join(LLAMA3_KEYS)}")
+    original = rope.get("original_max_position_embeddings", hf["max_position_embeddings"])
+    _require(type(original) is int and original > 0, f"its {key}.original_max_position_embeddings={original!r} is not "
+                                                     f"a positive integer")
     return {"rope_theta": theta, "rope_scaling_factor": float(rope["factor"]),
             "rope_low_freq_factor": float(rope["low_freq_factor"]),
-            "rope_high_freq_factor": float(rope["high_freq_factor"]),
-            "rope_original_max_position": int(rope["original_max_position_embeddings"])}
+            "rope_high_freq_factor": float(rope["high_freq_factor"]), "rope_original_max_position": original}
 
 
 def _rope_parameters(model) -> dict[str, Any]:

@@ -1,0 +1,119 @@
+"""A signal that comes while Python runs code whose exceptions reach no caller still ends ``ppctl`` in one line.
+
+``interrupted_before_start`` raises ``SystemExit`` wherever the main thread is. In a ``__del__`` (a
+``datasets.Dataset`` going away while ``prepare-data`` tokenises), a weakref callback or an at-fork hook
+(logging's lock release), Python prints "Exception ignored in ..." with a traceback and goes on: the
+command said "interrupted", printed a traceback, then tokenised to the end and exited 0 (about one Ctrl-C in
+ten on a loaded machine). Here the signal is sent from inside such code, deterministically.
+"""
+
+import os
+import signal
+import sys
+import time
+import weakref
+
+import pytest
+
+from ppctl.cli import app
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@pytest.fixture
+def before_start_handlers(monkeypatch):
+    """``install_before_start_handlers()`` as ``main`` runs it; handlers, unraisable hook and installer restored."""
+    saved = {signum: signal.getsignal(signum) for signum in SIGNALS}
+    monkeypatch.setattr(app, "_handlers_pid", app._handlers_pid)
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    with app.interruption_says("while tokenising data.path=corpus.jsonl"):
+        app.install_before_start_handlers()
+        yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
+class SignalsWhenDeleted:
+    """Sends ``signum`` to this process from its ``__del__``: the handler runs inside the ``__del__``."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+    def __del__(self) -> None:
+        os.kill(os.getpid(), self.signum)
+        self.signum = None  # Python code after the signal: the handler has run by now
+
+
+def deleted(signum: int) -> None:
+    """Drop the last reference to a ``SignalsWhenDeleted``: its ``__del__`` runs here."""
+    doomed = SignalsWhenDeleted(signum)
+    del doomed
+
+
+def weakref_callback(signum: int) -> None:
+    """A weakref callback (as ``weakref.finalize`` and ``tempfile`` use) that sends ``signum``."""
+    class Referent:
+        pass
+
+    referent = Referent()
+    callback = weakref.ref(referent, lambda _ref: os.kill(os.getpid(), signum))
+    del referent
+    assert callback() is None
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("swallowing", [deleted, weakref_callback])
+@pytest.mark.parametrize("signum", SIGNALS)
+def test_a_signal_while_a_finalizer_runs_still_ends_the_command_in_one_line(before_start_handlers, capfd, swallowing,
+                                                                           signum):
+    with pytest.raises(SystemExit) as ended:
+        swallowing(signum)
+        time.sleep(5)  # what the command goes on doing; the interruption, raised again, ends it
+    assert ended.value.code == 128 + signum
+    name = signal.Signals(signum).name
+    assert capfd.readouterr().err.splitlines() == [
+        f"error: interrupted by {name} while tokenising data.path=corpus.jsonl"]
+
+
+@pytest.mark.timeout(30)
+def test_a_second_signal_after_one_raised_again_says_its_line(before_start_handlers, capfd):
+    with pytest.raises(SystemExit):
+        deleted(signal.SIGINT)
+        time.sleep(5)
+    with pytest.raises(SystemExit) as ended:  # a new Ctrl-C: the mark of the first, raised again, is gone
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    assert ended.value.code == 128 + signal.SIGINT
+    assert capfd.readouterr().err.splitlines() == [
+        "error: interrupted by SIGINT while tokenising data.path=corpus.jsonl"] * 2
+
+
+def test_other_unraisable_exceptions_go_to_the_hook_it_replaced(before_start_handlers):
+    from ppctl.run.interrupt import RaiseSwallowedAgain
+
+    seen = []
+    sys.unraisablehook = RaiseSwallowedAgain(seen.append)
+    error = ValueError("in a __del__")
+    sys.unraisablehook(type("Unraisable", (), {"exc_value": error})())
+    assert [item.exc_value for item in seen] == [error]
+
+
+class RaisesWhenDeleted:
+    """Raises ``ValueError`` from its ``__del__``: an unraisable exception that is not an interruption."""
+
+    def __del__(self) -> None:
+        raise ValueError("in a __del__")
+
+
+@pytest.mark.timeout(30)
+def test_a_signal_while_the_hook_itself_runs_is_raised_after_it(before_start_handlers, capfd):
+    # The hook passes other unraisable exceptions on; a signal that comes meanwhile must not be raised in the hook
+    # (Python would swallow it as the hook's own error), but after it.
+    sys.unraisablehook.previous = lambda _unraisable: os.kill(os.getpid(), signal.SIGINT)
+    with pytest.raises(SystemExit) as ended:
+        doomed = RaisesWhenDeleted()
+        del doomed
+        time.sleep(5)
+    assert ended.value.code == 130
+    assert capfd.readouterr().err.splitlines() == [
+        "error: interrupted by SIGINT while tokenising data.path=corpus.jsonl"]
