@@ -105,12 +105,12 @@ def write_folder(folder: Path, args) -> None:
     from safetensors.torch import save_file
 
     from ppctl.config import compose_config, validate
-    from ppctl.model.from_config import model_shape
+    from ppctl.model.family import resolve_model
     from ppctl.model.llama.hf import FORMAT
 
     config = compose_config(run_overrides(args, None))
     validate(config)
-    hf_config = {**FORMAT.hf_config(model_shape(config)), "dtype": "float32"}
+    hf_config = {**FORMAT.hf_config(resolve_model(config).shape), "dtype": "float32"}
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
     shapes = hf_shapes(hf_config)

@@ -1,6 +1,7 @@
-"""Files written whole or not at all, their digests, and the error behind a file reader's wrapped one.
+"""Files written whole or not at all, their digests, the error behind a file reader's wrapped one, and why an OS
+call failed in words.
 
-Shared by the data cache, checkpoints and config files. Pure.
+Shared by the data cache, checkpoints, config files, the run directory and the command line. Pure.
 """
 
 from __future__ import annotations
@@ -59,3 +60,11 @@ def mount_point(path: Path) -> Path:
     while not os.path.ismount(found) and found != found.parent:
         found = found.parent
     return found
+
+
+def os_reason(error: OSError, named: Optional[Path] = None) -> str:
+    """Why an OS call failed, and on which file when that is not ``named`` (already in the message)."""
+    reason = error.strerror or str(error)
+    if error.filename and (named is None or Path(error.filename) != named):
+        reason += f" ({error.filename})"
+    return reason

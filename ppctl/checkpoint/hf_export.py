@@ -34,7 +34,7 @@ from ppctl.checkpoint.pieces import Piece
 from ppctl.checkpoint.store import Sharded, load_state
 from ppctl.config import PpctlConfig, load_config_file
 from ppctl.fileio import mount_point
-from ppctl.model.from_config import family_of, model_shape, parameter_rules
+from ppctl.model.family import ResolvedModel, hf_experts_formats, resolve_model
 from ppctl.model.hf_format import CONFIG_FILE, GENERATION_FILE, INDEX_FILE, WEIGHTS_FILE, HFError, hf_format_of
 from ppctl.model.hf_weights import to_hf_tensors
 from ppctl.model.rules import QKV_ROWS
@@ -145,28 +145,28 @@ def export_checkpoint(checkpoint: Path, config: PpctlConfig, out_dir: Path,
     """Write the HF folder of ``checkpoint`` (saved by a run of ``config``) into ``out_dir``; return the notes."""
     refuse_occupied(out_dir)
     try:
-        hf = hf_format_of(family_of(config))
-        _check_experts_writable(config, hf)
-        model = model_shape(config)
-        architecture = hf.hf_config(model)  # refuses what the format cannot express before anything is read
-        dense = read_dense_model(checkpoint, parameter_rules(config))
+        model = resolve_model(config)
+        hf = hf_format_of(model.family)
+        _check_experts_writable(model)
+        architecture = hf.hf_config(model.shape)  # refuses what the format cannot express before anything is read
+        dense = read_dense_model(checkpoint, model.rules)
         dtype = next(iter(dense.values())).dtype
         tokenizer, notes = tokenizer_files(config, read_index(checkpoint))
         hf_config = {**architecture, "dtype": DTYPE_NAMES[dtype], **_special_tokens(tokenizer)}
-        tensors = to_hf_tensors(hf, model, hf_config, dense)
+        tensors = to_hf_tensors(hf, model.shape, hf_config, dense)
     except HFError as error:
         raise ExportError(f"{checkpoint}: {error}") from None
     _write_folder(out_dir, hf_config, tensors, tokenizer, max_shard_bytes)
     return notes
 
 
-def _check_experts_writable(config: PpctlConfig, hf) -> None:
-    """``HFError`` for a model with experts whose family's format writes none (GPT's GELU experts: Hugging Face's
-    mixtures are Mixtral's SwiGLU ones, ``model.family=llama``)."""
-    experts = config.model.moe.num_experts
-    if experts and getattr(hf, "moe_architecture", None) is None:
-        raise HFError(f"model.moe.num_experts={experts} with model.family={config.model.family}: ppctl writes a "
-                      f"mixture of experts as Mixtral only, whose experts are SwiGLU MLPs (model.family=llama)")
+def _check_experts_writable(model: ResolvedModel) -> None:
+    """``HFError`` for a model with experts whose family's format writes none (its capability
+    ``hf_moe_architecture``)."""
+    experts = model.settings.moe.num_experts
+    if experts and model.hf_moe_architecture is None:
+        raise HFError(f"model.moe.num_experts={experts} with model.family={model.family.name}: this family's "
+                      f"Hugging Face format writes no mixture of experts (ppctl writes them as {hf_experts_formats()})")
 
 
 def read_dense_model(checkpoint: Path, rule_for) -> dict[str, torch.Tensor]:

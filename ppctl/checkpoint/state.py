@@ -40,7 +40,6 @@ from ppctl.checkpoint.files import DATA_KEYS, commit, model_record, read_index, 
 from ppctl.checkpoint.pieces import parameter_pieces
 from ppctl.checkpoint.store import add_pieces, load_state, save_state
 from ppctl.data.tokenizer import tokenizer_record
-from ppctl.model.from_config import parameter_rules
 
 OBJECTS = ("optimizer/steps", "trainer", "loss_scaler", "data", "rng")
 
@@ -107,7 +106,7 @@ def checkpoint_state(trainer, states: dict[str, Any], loading: bool) -> dict[str
     config, context = trainer.config, trainer.context
     tp_size, tp_rank, vocab = context.layout.tp, context.coords["tp"], config.model.vocab_size
     experts = {"ep_size": context.layout.ep, "ep_rank": context.layout.expert_coords(context.rank)["ep"]}
-    rule_for = parameter_rules(config)
+    rule_for = trainer.resolved.model.rules
     state: dict[str, Any] = {}
     weights = [("model", chunk_state) for chunk_state in states["model"]]
     if states["previous"] is not None:  # optimizer.gradient_delay=1: the previous version too

@@ -5,28 +5,33 @@ Every command that reads config takes Hydra overrides as trailing arguments
 ``--config-name`` for a user's own config tree. A bad config exits with status 2
 and one line on stderr, before any process starts. Heavy imports (torch) happen
 inside the commands that need them, so ``inspect-layout`` starts quickly.
+
+Here are the commands' faces only: their options, their one-line refusals and exit statuses, what they
+print. The work is below: a launch's (its run directory, resume point, lock) in ``ppctl.run.start``,
+``ppctl.run.rundir`` and ``ppctl.run.resume_point``, whose exceptions carry the line said here; the
+signal handlers before any worker starts (``ppctl.run.interrupt.BeforeStartSignals``), which ``main``
+builds and hands to the commands, and the stdout guard (``ppctl.run.stdout_guard``). No function here
+is longer than 40 lines (``tests/unit/test_cli_faces.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
-import signal
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, List, Optional
 
 import typer
 
 from ppctl.config import ConfigError, PpctlConfig, compose_config, to_yaml
+from ppctl.fileio import os_reason
 
 if TYPE_CHECKING:
     from ppctl.config.resolved import ResolvedConfig
+    from ppctl.run.interrupt import BeforeStartSignals
     from ppctl.run.launch import LaunchRequest
-    from ppctl.run.rundir import RunDirLock
 
 app = typer.Typer(
     add_completion=False,
@@ -72,12 +77,22 @@ def _steps(text: str) -> int:
     return parsed_or_fail(parse_steps, text)
 
 
-def os_reason(error: OSError, named: Optional[Path] = None) -> str:
-    """Why an OS call failed, and on which file when that is not ``named`` (already in the message)."""
-    reason = error.strerror or str(error)
-    if error.filename and (named is None or Path(error.filename) != named):
-        reason += f" ({error.filename})"
-    return reason
+@contextlib.contextmanager
+def refused_in_one_line(*errors: type[Exception]) -> Iterator[None]:
+    """Within the block, one of ``errors`` (whose message is one line) ends the command: that line, and its
+    ``exit_code`` (default 2)."""
+    try:
+        yield
+    except errors as error:
+        fail(str(error), getattr(error, "exit_code", 2))
+
+
+def before_start_signals(ctx: typer.Context) -> "BeforeStartSignals":
+    """The handlers of SIGINT and SIGTERM that ``main`` installed and handed to the command (``app(obj=...)``); a
+    bare one, installed nowhere, where the app runs without ``main`` (a test's ``CliRunner``)."""
+    from ppctl.run.interrupt import BeforeStartSignals
+
+    return ctx.obj if isinstance(ctx.obj, BeforeStartSignals) else BeforeStartSignals()
 
 
 def load_config(
@@ -195,9 +210,8 @@ def plan(
     overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
     gpus: int = typer.Option(..., "--gpus", parser=_gpus, metavar="N",
                              help="Devices to plan for (the product of tp, cp, pp and dp), at most 1,048,576."),
-    memory_gb: Optional[float] = typer.Option(None, "--memory-gb", min=0.001,
-                                              help="GiB per device every rank's predicted memory must fit (default: "
-                                                   "the device's)."),
+    memory_gb: Optional[float] = typer.Option(None, "--memory-gb", min=0.001, help="GiB per device every rank's "
+                                              "predicted memory must fit (default: the device's)."),
     device_name: str = typer.Option("h100", "--device",
                                     help="The device's throughput, memory and links: h100, h200 or a100."),
     top: int = typer.Option(10, "--top", min=1, help="How many candidates to print, fastest first."),
@@ -213,20 +227,14 @@ def plan(
     config_name: str = CONFIG_NAME_OPTION,
 ) -> None:
     """Rank the layouts of the model on N devices that fit in memory by predicted step time."""
-    from ppctl.cli.calibrate import calibration_of
+    from ppctl.cli.plan_report import print_plan
     from ppctl.config import validate_data
-    from ppctl.plan.search import DEVICES, calibrated_device, plan as search
+    from ppctl.plan.search import DEVICES, plan as search
 
     if device_name not in DEVICES:
         fail(f"--device {device_name!r}: choose one of {', '.join(DEVICES)}")
     config = load_config(overrides, config_dir, config_name, validate_data)
-    device = DEVICES[device_name]
-    if calibrate is not None:
-        try:
-            calibration = calibration_of(calibrate, config.schedule.name)
-            device = calibrated_device(device, calibration, calibration.measured_config())
-        except (ValueError, ConfigError) as error:
-            fail(str(error))
+    device = _plan_device(DEVICES[device_name], calibrate, config)
     memory_bytes = (memory_gb or device.memory_gb) * 2 ** 30
     result = search(config, gpus, memory_bytes, top, device)
     if explain is not None and result.candidates:  # else the reasons nothing fits, below
@@ -234,12 +242,25 @@ def plan(
     elif as_json:
         sys.stdout.write(json.dumps(result.to_json(), separators=(",", ":")) + "\n")
     else:
-        from ppctl.cli.plan_report import print_plan
-
         print_plan(result, list(overrides or []), gpus, memory_bytes, device.describe())
     if not result.candidates:
         fail(f"no layout of --gpus {gpus} fits: each was left out for a reason counted "
              f"{'in refused' if as_json else 'above'}", code=1)
+
+
+def _plan_device(device, calibrate: Optional[Path], config: PpctlConfig):
+    """``ppctl plan``'s device: ``device``'s figures, or those measured in the ``--calibrate`` run directory; one line
+    and exit 2 when that run cannot calibrate this config."""
+    from ppctl.cli.calibrate import calibration_of
+    from ppctl.plan.search import calibrated_device
+
+    if calibrate is None:
+        return device
+    try:
+        calibration = calibration_of(calibrate, config.schedule.name)
+        return calibrated_device(device, calibration, calibration.measured_config())
+    except (ValueError, ConfigError) as error:
+        fail(str(error))
 
 
 def _explain(result, number: int, config: PpctlConfig, device, user_overrides: list[str]) -> None:
@@ -255,6 +276,7 @@ def _explain(result, number: int, config: PpctlConfig, device, user_overrides: l
 
 @app.command("train")
 def train(
+    ctx: typer.Context,
     overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the torchrun command and run directory; start nothing."),
     config_dir: Optional[Path] = CONFIG_DIR_OPTION,
@@ -262,6 +284,7 @@ def train(
 ) -> None:
     """Validate, create the run directory, start the torchrun workers and train."""
     from ppctl.run.launch import LaunchRequest
+    from ppctl.run.rundir import run_dir_of
 
     resolved = load_resolved(overrides, config_dir, config_name)
     config = resolved.config
@@ -269,75 +292,20 @@ def train(
         fail("launcher=slurm: submit the run with ppctl submit (ppctl train runs it here, outside Slurm; "
              "launcher=local to do that)")
     resume_from, run_dir = _resume_point(config)
-    _launch(resolved, LaunchRequest("train", _run_dir(run_dir), resume_from), dry_run)
-
-
-def _run_dir(configured: str | None) -> Path:
-    """The run directory of a launch: ``configured`` (``trainer.out_dir``), else a new ``runs/<timestamp>``."""
-    from ppctl.run.rundir import default_run_dir
-
-    return Path(configured) if configured else default_run_dir()
+    _launch(resolved, LaunchRequest("train", run_dir_of(run_dir), resume_from), dry_run, before_start_signals(ctx))
 
 
 def _resume_point(config: PpctlConfig) -> tuple[str | None, str | None]:
-    """The verified checkpoint a training run resumes from (None: step 0) and its run directory
-    (``trainer.out_dir``; unset, the run directory ``trainer.resume_from`` names: resuming a run continues it)."""
-    from ppctl.checkpoint.files import is_run_dir_checkpoint
+    """``ppctl.run.resume_point.resume_point``: the verified checkpoint a training run resumes from and its run
+    directory; a refusal is one line and exit 2, a run already complete says so and exits 0."""
+    from ppctl.run.resume_point import ResumeRefused, RunComplete, resume_point
 
-    location = _auto_resume_location(config) or config.trainer.resume_from
-    if not location:
-        return None, config.trainer.out_dir
-    checkpoint = _verified_checkpoint(config, location)
-    continued = is_run_dir_checkpoint(location) and not config.trainer.out_dir
-    return checkpoint, str(location) if continued else config.trainer.out_dir
-
-
-def _auto_resume_location(config: PpctlConfig) -> str | None:
-    """``trainer.auto_resume``: the run directory, when it holds a complete checkpoint to resume from; a run that
-    already reached ``trainer.max_steps`` there has nothing left to do (exit 0, say so)."""
-    from ppctl.checkpoint.files import CheckpointError, latest_checkpoint, read_index
-    from ppctl.run.rundir import path_length_problem
-
-    if not config.trainer.auto_resume:
-        return None
-    problem = path_length_problem(Path(config.trainer.out_dir))  # before its checkpoints are looked for
-    if problem is not None:
-        fail(problem)
     try:
-        latest = latest_checkpoint(Path(config.trainer.out_dir))
-        step = read_index(latest)["step"] if latest is not None else 0
-    except CheckpointError as error:
-        fail(str(error))
-    if latest is None:
-        return None
-    if step >= config.trainer.max_steps:
-        typer.echo(f"{config.trainer.out_dir}: the run is complete (its latest checkpoint, {latest}, is at step "
-                   f"{step} of trainer.max_steps={config.trainer.max_steps}); nothing to do", err=True)
+        with refused_in_one_line(ResumeRefused):
+            return resume_point(config)
+    except RunComplete as complete:
+        typer.echo(str(complete), err=True)
         raise typer.Exit(0)
-    return config.trainer.out_dir
-
-
-def _verified_checkpoint(config: PpctlConfig, location: str) -> str:
-    """The one verified checkpoint ``location`` (``trainer.resume_from``: a run directory or a checkpoint) names,
-    which fits this run (the settings it records, then its model's every tensor: ``ppctl.run.resume``); else one
-    line, exit 2."""
-    from ppctl.checkpoint.files import CheckpointError, read_index, resolve_checkpoint, resume_problem
-    from ppctl.data.tokenizer import tokenizer_record
-
-    try:
-        checkpoint = resolve_checkpoint(location)
-        index = read_index(checkpoint)
-    except CheckpointError as error:
-        fail(str(error))
-    problem = resume_problem(index, vars(config.model), vars(config.trainer), config.trainer.precision,
-                             config.trainer.max_steps, config.optimizer.gradient_delay, tokenizer_record(config.data))
-    if problem is None:  # the settings it records agree: then every tensor, by name and shape
-        from ppctl.run.resume import model_shape_problem
-
-        problem = model_shape_problem(config, checkpoint)
-    if problem is not None:
-        fail(f"trainer.resume_from={location}: cannot resume from {checkpoint}: {problem}")
-    return str(checkpoint)
 
 
 @app.command("submit")
@@ -349,39 +317,13 @@ def submit(
     config_name: str = CONFIG_NAME_OPTION,
 ) -> None:
     """Validate, write the run directory and its Slurm job script (launcher=slurm), and submit it with sbatch."""
-    from dataclasses import replace
-
-    from ppctl.checkpoint.files import is_run_dir_checkpoint
-    from ppctl.run.rundir import default_run_dir, run_dir_problem
-    from ppctl.run.slurm import (JOB_SCRIPT, SlurmError, job_script, ppctl_command, record_job, script_problem,
-                                 submit_job)
+    from ppctl.run.slurm import JOB_SCRIPT, SlurmError, record_job, submit_job
 
     resolved = load_resolved(overrides, config_dir, config_name)
-    config = resolved.config
-    if config.launcher.kind != "slurm":
+    if resolved.config.launcher.kind != "slurm":
         fail("ppctl submit hands the run to Slurm: add launcher=slurm (and launcher.slurm.* for the allocation); "
              "ppctl train runs it here")
-    location = config.trainer.resume_from
-    resume_from = _verified_checkpoint(config, location) if location else None
-    continued = location and is_run_dir_checkpoint(location) and not config.trainer.out_dir
-    run_dir = Path(location if continued else config.trainer.out_dir or default_run_dir()).resolve()  # the job may
-    workdir = Path.cwd().resolve()                                                                     # start anywhere
-    problem = script_problem(run_dir, workdir) or run_dir_problem(run_dir, "train", resume_from,
-                                                                  config.trainer.overwrite)
-    if problem is not None:
-        fail(problem)
-    lock = write_run_dir(resolved, run_dir, "train")
-    try:
-        if _clears_earlier_run(config, run_dir, "train"):
-            _clear_earlier_run(run_dir)
-        # The job's own config: its run directory and checkpoint pinned, and the earlier run cleared now, once, so
-        # that the job's starts (a requeue too) continue the run instead of deleting it again.
-        job = replace(config, trainer=replace(config.trainer, out_dir=str(run_dir), resume_from=resume_from,
-                                              overwrite=False))
-        _write_files(run_dir, {"config.yaml": to_yaml(job), JOB_SCRIPT: job_script(job, run_dir, workdir,
-                                                                                    ppctl_command())})
-    finally:
-        lock.release()
+    run_dir = _write_job_dir(resolved)
     script = run_dir / JOB_SCRIPT
     if dry_run:
         typer.echo(script.read_text(), nl=False)
@@ -394,6 +336,21 @@ def submit(
     record_job(run_dir, job_id)
     typer.echo(f"submitted job {job_id}: run directory {run_dir}")
     typer.echo(f"follow it with: ppctl status {run_dir}", err=True)
+
+
+def _write_job_dir(resolved: "ResolvedConfig") -> Path:
+    """``ppctl submit``'s run directory, the checkpoint it resumes from verified, written with the job's config and
+    script (``ppctl.run.start.write_job_dir``); return it. A refusal is one line and exit 2."""
+    from ppctl.run.resume_point import ResumeRefused, resume_point_at
+    from ppctl.run.rundir import RunDirError, default_run_dir
+    from ppctl.run.start import write_job_dir
+
+    config = resolved.config
+    with refused_in_one_line(ResumeRefused, RunDirError):
+        resume_from, run_dir = resume_point_at(config, config.trainer.resume_from)
+        run_dir = Path(run_dir or default_run_dir()).resolve()  # the job may start anywhere
+        write_job_dir(config, run_dir, Path.cwd().resolve(), resume_from, _layout_json(resolved))
+    return run_dir
 
 
 @app.command("verify")
@@ -410,15 +367,28 @@ def verify(
     config_name: str = CONFIG_NAME_OPTION,
 ) -> None:
     """Train the configured layout and the same run as one process, compare them by the tolerance rule."""
-    from ppctl.cli.verify_report import print_verdict, verdict_json
-    from ppctl.verify.compare import VerifyError, judge
-    from ppctl.verify.runs import PARALLEL, SINGLE, config_options, earlier_verify, launch, train_command, verify_plan
-    from ppctl.verify.shrink import shrink_overrides, shrink_refusal
+    from ppctl.verify.runs import PARALLEL, SINGLE, verify_plan
 
     if precision not in ("fp64", "fp32"):
         fail(f"--precision {precision}: choose fp64 or fp32 (half precision is compared by trajectory, not proven "
              f"equal)")
-    user = list(overrides or [])
+    user, shrunk = _verify_overrides(list(overrides or []), out, shrink, config_dir, config_name)
+    plan = verify_plan(user, steps, precision, (out or _verify_dir()).resolve())
+    runs = {name: load_resolved(plan.overrides[name], config_dir, config_name) for name in (PARALLEL, SINGLE)}
+    problem = _single_fit_problem(runs[SINGLE], shrink)
+    if problem is not None:
+        fail(problem)
+    if _verify_runs(plan, runs, steps, config_dir, config_name):
+        _judge_verify(plan, runs[SINGLE].config, steps, shrunk, as_json)
+
+
+def _verify_overrides(user: list[str], out: Optional[Path], shrink: bool, config_dir: Optional[Path],
+                      config_name: str) -> tuple[list[str], list[str]]:
+    """``ppctl verify``'s overrides (the user's, and ``--shrink``'s) and what shrank; one line and exit 2 for a
+    multi-node verify without ``--out``, an ``--out`` that holds an earlier verify, or a model that cannot shrink."""
+    from ppctl.verify.runs import earlier_verify
+    from ppctl.verify.shrink import shrink_overrides, shrink_refusal
+
     given = load_resolved(user, config_dir, config_name, data=False).config
     if given.launcher.nnodes > 1 and out is None:
         fail(f"verify on launcher.nnodes={given.launcher.nnodes} needs --out DIR, the same on every node and on a "
@@ -427,18 +397,21 @@ def verify(
     if used is not None:
         fail(f"--out {out} holds an earlier verify ({used}), which this one would overwrite; give each verify a "
              f"folder of its own (a new --out DIR, or no --out for a new runs/verify-<timestamp>)")
-    shrunk: list[str] = []
-    if shrink:
-        refusal = shrink_refusal(given)
-        if refusal is not None:
-            fail(refusal)
-        extra, shrunk = shrink_overrides(given)
-        user += extra
-    plan = verify_plan(user, steps, precision, (out or _verify_dir()).resolve())
-    runs = {name: load_resolved(plan.overrides[name], config_dir, config_name) for name in (PARALLEL, SINGLE)}
-    problem = _single_fit_problem(runs[SINGLE], shrink)
-    if problem is not None:
-        fail(problem)
+    if not shrink:
+        return user, []
+    refusal = shrink_refusal(given)
+    if refusal is not None:
+        fail(refusal)
+    extra, shrunk = shrink_overrides(given)
+    return user + extra, shrunk
+
+
+def _verify_runs(plan, runs: dict[str, "ResolvedConfig"], steps: int, config_dir: Optional[Path],
+                 config_name: str) -> bool:
+    """Run ``ppctl verify``'s two runs (off node 0, its part of the parallel one only); a failed one is one line and
+    exit 1. Returns whether this node compares them."""
+    from ppctl.verify.runs import PARALLEL, SINGLE, config_options, launch, train_command
+
     options = config_options(config_dir, config_name)
     own_part_only = runs[PARALLEL].config.launcher.node_rank != 0  # another node's share of the parallel run
     for name in (PARALLEL,) if own_part_only else (PARALLEL, SINGLE):
@@ -449,9 +422,17 @@ def verify(
                  code=1)
     if own_part_only:
         typer.echo("verify: this node's part of the parallel run is done; node 0 compares", err=True)
-        return
+    return not own_part_only
+
+
+def _judge_verify(plan, single: PpctlConfig, steps: int, shrunk: list[str], as_json: bool) -> None:
+    """Compare ``ppctl verify``'s two runs and print the verdict; exit 1 when they differ (or cannot be read)."""
+    from ppctl.cli.verify_report import print_verdict, verdict_json
+    from ppctl.verify.compare import VerifyError, judge
+    from ppctl.verify.runs import PARALLEL, SINGLE
+
     try:
-        verdict = judge(plan.run_dirs[PARALLEL], plan.run_dirs[SINGLE], runs[SINGLE].config, steps)
+        verdict = judge(plan.run_dirs[PARALLEL], plan.run_dirs[SINGLE], single, steps)
     except VerifyError as error:
         fail(str(error), code=1)
     if as_json:
@@ -551,6 +532,7 @@ def checkpoints(run_dir: Path = typer.Argument(..., help="A run directory (train
 
 @app.command("export")
 def export(
+    ctx: typer.Context,
     run_dir: Path = typer.Argument(..., help="A run directory (trainer.out_dir of a run), or one of its checkpoints."),
     out_dir: Path = typer.Argument(..., help="The Hugging Face model folder to write: new, or an empty folder."),
     step: Optional[int] = typer.Option(None, "--step", help="Export the checkpoint of this step (default: latest)."),
@@ -563,7 +545,7 @@ def export(
     if max_shard_bytes < 1:
         fail(f"--max-shard-bytes={max_shard_bytes} must be at least 1")
     try:  # a signal ends it in one line; the hidden folder it was writing is removed
-        with interruption_says(f"while exporting to {out_dir} (written whole or not at all)"):
+        with before_start_signals(ctx).saying(f"while exporting to {out_dir} (written whole or not at all)"):
             exported = export_run(run_dir, out_dir, step, max_shard_bytes)
     except ExportError as error:
         fail(str(error))
@@ -574,6 +556,7 @@ def export(
 
 @app.command("generate")
 def generate(
+    ctx: typer.Context,
     source: Path = typer.Argument(..., help="A run directory (its latest checkpoint), one of its checkpoints, or a "
                                             "Hugging Face model folder."),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="The text to continue."),
@@ -605,7 +588,7 @@ def generate(
     from ppctl.model.hf_format import HFError
 
     try:
-        with interruption_says("while generating"):
+        with before_start_signals(ctx).saying("while generating"):
             generate_and_print(source, prompt, max_new_tokens, sampling, seed, as_json)
     except (GenerateError, HFError) as error:  # a folder's readers say HFError: one line, whichever reads
         fail(str(error))
@@ -639,6 +622,7 @@ def describe_checkpoint(info, is_latest: bool) -> str:
 
 @app.command("prepare-data")
 def prepare_data(
+    ctx: typer.Context,
     overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
     config_dir: Optional[Path] = CONFIG_DIR_OPTION,
     config_name: str = CONFIG_NAME_OPTION,
@@ -647,15 +631,16 @@ def prepare_data(
     from ppctl.config import validate
 
     config = load_config(overrides, config_dir, config_name, validate)
-    summary = _prepare(config)
+    summary = _prepare(config, before_start_signals(ctx))
     typer.echo(summary or f"data.source={config.data.source} needs no preparation")
 
 
-def _prepare(config: PpctlConfig) -> str | None:
+def _prepare(config: PpctlConfig, signals: "BeforeStartSignals") -> str | None:
     """Prepare the token cache of a token-file source and check that each split the run reads holds a window.
 
     Returns a one-line summary, or None for synthetic data; a source that cannot be
-    prepared exits with status 2 and one line. Progress bars go to stderr when it is a terminal.
+    prepared exits with status 2 and one line. Progress bars go to stderr when it is a terminal; a signal
+    meanwhile is said by ``signals`` as one line naming what was tokenised.
     """
     if config.data.source == "synthetic":
         return None
@@ -664,7 +649,7 @@ def _prepare(config: PpctlConfig) -> str | None:
 
     spec = CorpusSpec.of(config.data)
     try:
-        with interruption_says(f"while tokenising {spec.label}; the cache was left as it was"):
+        with signals.saying(f"while tokenising {spec.label}; the cache was left as it was"):
             prepared = prepare_corpus(spec, progress=sys.stderr.isatty())
         prepared.check_split("train", config.trainer.seq_length)
         if config.trainer.eval_every > 0:
@@ -678,6 +663,7 @@ def _prepare(config: PpctlConfig) -> str | None:
 
 @app.command("check-cluster")
 def check_cluster(
+    ctx: typer.Context,
     overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the torchrun command; start nothing."),
     config_dir: Optional[Path] = CONFIG_DIR_OPTION,
@@ -685,13 +671,16 @@ def check_cluster(
 ) -> None:
     """Start the workers as training would, prove every group, measure links, print one table."""
     from ppctl.run.launch import LaunchRequest
+    from ppctl.run.rundir import run_dir_of
 
     resolved = load_resolved(overrides, config_dir, config_name)
-    _launch(resolved, LaunchRequest("check-cluster", _run_dir(resolved.config.trainer.out_dir)), dry_run)
+    _launch(resolved, LaunchRequest("check-cluster", run_dir_of(resolved.config.trainer.out_dir)), dry_run,
+            before_start_signals(ctx))
 
 
 @app.command("bench")
 def bench(
+    ctx: typer.Context,
     overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
     against: str = typer.Option("auto", "--against",
                                 help="torch: torch.distributed.pipelining's class of the same schedule; plain: a "
@@ -708,6 +697,7 @@ def bench(
     """Time ppctl's training step against torch.distributed.pipelining or a plain loop on the same work."""
     from ppctl.bench.rules import BenchRequest, bench_problem, resolve_against
     from ppctl.run.launch import LaunchRequest
+    from ppctl.run.rundir import run_dir_of
 
     names = [name.strip() for name in schedules.split(",") if name.strip()] if schedules else [None]
     runs = [load_resolved(list(overrides or []) + ([f"schedule={name}"] if name else []), config_dir, config_name)
@@ -721,7 +711,8 @@ def bench(
     files = {f"bench/{index}_{config.schedule.name}.yaml": to_yaml(config) for index, config in enumerate(configs)}
     request = BenchRequest(side, steps, repeats, tuple(files))
     files["bench_request.json"] = json.dumps(request.to_json())
-    run_dir = _launch(runs[0], LaunchRequest("bench", _run_dir(configs[0].trainer.out_dir)), False, files)
+    run_dir = _launch(runs[0], LaunchRequest("bench", run_dir_of(configs[0].trainer.out_dir)), False,
+                      before_start_signals(ctx), files)
     _report_bench(run_dir, as_json)
 
 
@@ -739,254 +730,46 @@ def _report_bench(run_dir: Path, as_json: bool) -> None:
         fail(problem, code=1)
 
 
-def _launch(resolved: "ResolvedConfig", request: "LaunchRequest", dry_run: bool,
+def _launch(resolved: "ResolvedConfig", request: "LaunchRequest", dry_run: bool, signals: "BeforeStartSignals",
             files: dict[str, str] | None = None) -> Path:
     """Create and lock the run directory (writing ``files`` into it too), run the workers; return the run directory.
+    ``signals`` say what the command does while it prepares the data.
 
-    A failure exits 1, an interruption 128 + the signal."""
-    from ppctl.run.launch import (backend_problem, build_launch_plan, describe_interruption, describe_workers,
-                                  local_gpus, resolve_backend, run_plan, saved_on_stop)
-    from ppctl.run.rendezvous import rendezvous_problem
-    from ppctl.run.rundir import run_dir_problem
-
-    config, run_dir, task = resolved.config, request.run_dir, request.task
-    # before anything starts or changes in the directory, the dry run included
-    problem = run_dir_problem(run_dir, task, request.resume_from, config.trainer.overwrite)
-    if problem is not None:
-        fail(problem)
-    backend = resolve_backend(config.launcher.backend, resolved.sizes.nproc_per_node)
-    problem = backend_problem(backend, resolved.sizes.nproc_per_node, local_gpus())
-    if problem is not None:
-        fail(problem)
-    plan = build_launch_plan(config, request, backend)
-    banner = (f"run directory: {run_dir}  ({task}, {backend}, {config.launcher.nnodes} node(s), "
-              f"{describe_workers(config)})")
-    if dry_run:
-        typer.echo(banner)
-        if _clears_earlier_run(config, run_dir, task):
-            typer.echo(f"trainer.overwrite=true: would delete the earlier run's checkpoints and TensorBoard logs in "
-                       f"{run_dir}")
-        typer.echo(plan.printable())
-        return run_dir
-    if task in ("train", "bench"):
-        _prepare(config)  # once, here, before any worker starts
-    problem = rendezvous_problem(config.launcher)
-    if problem is not None:
-        fail(problem)
-    lock = write_run_dir(resolved, run_dir, task)  # one line and exit 2 when it cannot be made or written, or busy
-    started = time.time()
-    try:
-        if _clears_earlier_run(config, run_dir, task):
-            _clear_earlier_run(run_dir)  # only now, under the lock: never a live run's checkpoints
-        _write_files(run_dir, files or {})
-        typer.echo(banner, err=True)
-        result = run_plan(plan)
-    finally:
-        lock.release()
-    if result.interrupted is not None:
-        resumable = task == "train" and config.trainer.checkpoints
-        saved = resumable and saved_on_stop(run_dir, result.interrupted, started)
-        typer.echo(describe_interruption(result, run_dir, resumable, saved), err=True)
-        raise typer.Exit(result.exit_code)
-    if result.failure:
-        fail(result.failure, code=1)
-    return run_dir
-
-
-def _write_files(run_dir: Path, files: dict[str, str]) -> None:
-    """Write each ``relative path -> text`` into the run directory (one line and exit 2 when one cannot be)."""
-    for relative, text in files.items():
-        path = run_dir / relative
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-        except OSError as error:
-            fail(f"trainer.out_dir={run_dir}: cannot write {relative}: {os_reason(error, path)}")
-
-
-def _clears_earlier_run(config: PpctlConfig, run_dir: Path, task: str) -> bool:
-    """Whether this launch deletes an earlier run's checkpoints in ``run_dir`` (``trainer.overwrite=true``; node 0
-    alone, as the nodes of a job share the run directory)."""
-    from ppctl.run.rundir import committed_steps
-
-    return (task == "train" and config.trainer.overwrite and config.launcher.node_rank == 0
-            and bool(committed_steps(run_dir)))
-
-
-def _clear_earlier_run(run_dir: Path) -> None:
-    """Delete the earlier run's checkpoints and logs and say so; one line and exit 2 when they cannot be deleted."""
-    from ppctl.run.rundir import clear_earlier_run
+    A refusal exits 2, a failure 1, an interruption 128 + the signal, each with one line (``ppctl.run.start``)."""
+    from ppctl.run.rundir import RunDirError
+    from ppctl.run.start import LaunchError, LaunchInterrupted, dry_run_lines, plan_launch, start_launch
 
     try:
-        said = clear_earlier_run(run_dir)
-    except OSError as error:
-        fail(f"trainer.overwrite=true: cannot delete the earlier run's files in {run_dir}: {os_reason(error)}")
-    if said:
-        typer.echo(said, err=True)
+        with refused_in_one_line(LaunchError, RunDirError):
+            launch = plan_launch(resolved, request)  # before anything starts or changes in the directory
+            if dry_run:
+                for line in dry_run_lines(launch):
+                    typer.echo(line)
+                return request.run_dir
+            if request.task in ("train", "bench"):
+                _prepare(resolved.config, signals)  # once, here, before any worker starts
+            start_launch(launch, _layout_json(resolved), files or {})
+    except LaunchInterrupted as interrupted:
+        typer.echo(str(interrupted), err=True)
+        raise typer.Exit(interrupted.exit_code)
+    return request.run_dir
 
 
-def write_run_dir(resolved: "ResolvedConfig", run_dir: Path, task: str) -> RunDirLock:
-    """Create the run directory, check that it can be written, lock it, write which ``task`` runs there, the resolved
-    ``config.yaml`` and ``layout.json``; return the lock.
-
-    The check and the lock come before the files: a run refused because the directory cannot be written, or
-    because another one holds it, changes nothing in it. Each refusal is one line and exit 2.
-    """
-    from ppctl.run.rundir import TASK_RECORD, RunDirBusy, RunDirLock, writable_problem
+def _layout_json(resolved: "ResolvedConfig") -> str:
+    """The run directory's ``layout.json``: ``ppctl inspect-layout --json``'s report, indented."""
     from ppctl.cli.layout_report import layout_report
 
-    config = resolved.config
-    lock = RunDirLock(run_dir, config.launcher.node_rank)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        problem = writable_problem(run_dir, task == "train" and config.trainer.checkpoints)
-        if problem is not None:
-            fail(problem)
-        lock.acquire()
-        (run_dir / TASK_RECORD).write_text(f"{task}\n")
-        (run_dir / "config.yaml").write_text(to_yaml(config))
-        (run_dir / "layout.json").write_text(json.dumps(layout_report(resolved), indent=1))
-    except RunDirBusy as error:
-        fail(str(error))
-    except OSError as error:
-        lock.release()
-        fail(f"trainer.out_dir={run_dir}: cannot create the run directory: {os_reason(error, run_dir)}")
-    return lock
+    return json.dumps(layout_report(resolved), indent=1)
 
 
 def main() -> None:
-    """Console-script entry point."""
-    install_before_start_handlers()  # the launch installs its own while workers run
-    sys.stdout = GuardedStdout(sys.stdout)
-    try:
-        app()
-    except StdoutError as error:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), STDOUT_FD)  # the interpreter's last flush must not fail again
-        if error.errno != errno.EPIPE:  # a reader that went away (`| head`) wants no message
-            typer.echo(f"error: cannot write the output to stdout: {error.strerror}", err=True)
-        raise SystemExit(1) from None
+    """Console-script entry point: SIGINT and SIGTERM said in one line until the launch installs its own handlers
+    (``BeforeStartSignals``, handed to the commands), and a stdout that cannot be written said in one line."""
+    from ppctl.run.interrupt import BeforeStartSignals
+    from ppctl.run.stdout_guard import run_guarding_stdout
 
-
-STDOUT_FD = 1
-
-
-class StdoutError(Exception):
-    """Writing to stdout failed (a full disk, ``/dev/full``, a closed pipe): not an ``OSError``, so that neither
-    Click nor a command's own file handling takes it for theirs."""
-
-    def __init__(self, error: OSError) -> None:
-        super().__init__(error.strerror)
-        self.errno, self.strerror = error.errno, error.strerror or str(error)
-
-
-class GuardedStdout:
-    """``sys.stdout`` whose failed writes raise ``StdoutError``; everything else is the stream's own."""
-
-    def __init__(self, stream) -> None:
-        self._stream = stream
-
-    def write(self, text: str) -> int:
-        """Write ``text``; ``StdoutError`` when the stream refuses it."""
-        try:
-            return self._stream.write(text)
-        except OSError as error:
-            raise StdoutError(error) from None
-
-    def flush(self) -> None:
-        """Flush; ``StdoutError`` when the stream refuses it."""
-        try:
-            self._stream.flush()
-        except OSError as error:
-            raise StdoutError(error) from None
-
-    def __getattr__(self, name: str):
-        return getattr(self._stream, name)
-
-
-BEFORE_START_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_handlers_pid: int | None = None  # the process that installed ``interrupted_before_start``
-_fork_hook_registered = False  # ``os.register_at_fork`` cannot undo a hook: it is registered once per process
-_interrupted_while: str | None = None  # what the line of ``interrupted_before_start`` says ppctl was doing
-_parent_death = None  # the ``ParentDeathSignal`` a process forked before the launch arms, built in ppctl's own
-
-
-def install_before_start_handlers() -> None:
-    """Make SIGINT and SIGTERM end ``ppctl`` with one line until the launch installs its own handlers.
-
-    A process forked meanwhile (the tokenising processes of ``datasets``, which their pool ends
-    with SIGTERM) gets the default action back, in a process group of its own (``_detach_forked_child``).
-    """
-    from ppctl.run.interrupt import ParentDeathSignal, RaiseSwallowedAgain
-
-    global _handlers_pid, _fork_hook_registered, _parent_death
-    if not _fork_hook_registered:
-        os.register_at_fork(after_in_child=_detach_forked_child)
-        _fork_hook_registered = True
-    _handlers_pid, _parent_death = os.getpid(), ParentDeathSignal(signal.SIGTERM)
-    if not isinstance(sys.unraisablehook, RaiseSwallowedAgain):  # a signal while a __del__ runs: see its docstring
-        sys.unraisablehook = RaiseSwallowedAgain(sys.unraisablehook)
-    for signum in BEFORE_START_SIGNALS:
-        signal.signal(signum, interrupted_before_start)
-
-
-def _detach_forked_child() -> None:
-    """In a process forked before the launch: the default action for each signal that still runs
-    ``interrupted_before_start``, a process group of its own, and SIGTERM when ppctl ends.
-
-    A Python handler there would print a false "interrupted" line, and can miss the signal
-    altogether (one that comes just before the child blocks on a lock runs no Python code). In
-    ppctl's process group, a terminal's Ctrl-C (or ``kill -- -PGID``) would kill a pool process
-    waiting for work while it holds the pool's lock, and ppctl, ending the pool, would wait for that
-    lock for ever; outside it, the signal reaches ppctl alone, which ends the pool with SIGTERM. The
-    parent-death signal keeps what the terminal's hang-up no longer reaches from outliving ppctl.
-    """
-    forked_before_start = False
-    for signum in BEFORE_START_SIGNALS:
-        if signal.getsignal(signum) is interrupted_before_start:
-            signal.signal(signum, signal.SIG_DFL)
-            forked_before_start = True
-    if not forked_before_start:
-        return
-    os.setpgid(0, 0)
-    if _parent_death is not None and not _parent_death.arm(_handlers_pid):
-        os.kill(os.getpid(), signal.SIGTERM)  # ppctl ended before the signal was armed
-
-
-def interrupted_before_start(signum: int, frame) -> None:
-    """SIGINT/SIGTERM while composing, validating or preparing data: one line, exit 128 + the signal.
-
-    Only in the process that installed it: in a child that still runs it (a signal that came
-    between its fork and ``_detach_forked_child``), the signal takes its default action. Where
-    Python swallows the exit (the signal came while a ``__del__`` ran), ``RaiseSwallowedAgain``,
-    installed beside it, signals again: the line is said once.
-    """
-    from ppctl.run.interrupt import Interruption, RaiseSwallowedAgain
-
-    if _handlers_pid is not None and os.getpid() != _handlers_pid:
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        return
-    hook = sys.unraisablehook if isinstance(sys.unraisablehook, RaiseSwallowedAgain) else None
-    said = hook is not None and hook.said(signum)
-    if hook is not None and hook.running_in(frame):  # raised in the hook, the exit would be swallowed again
-        hook.signal_later(signum, said)
-        return
-    if not said:
-        doing = _interrupted_while or "before any worker started"
-        typer.echo(f"error: interrupted by {signal.Signals(signum).name} {doing}", err=True)
-    raise Interruption(signum)
-
-
-@contextlib.contextmanager
-def interruption_says(doing: str) -> Iterator[None]:
-    """Within the block, the line of ``interrupted_before_start`` says ``doing`` (``while tokenising ...``) instead
-    of ``before any worker started``; the block's own clean-up runs as its ``SystemExit`` unwinds it."""
-    global _interrupted_while
-    outer, _interrupted_while = _interrupted_while, doing
-    try:
-        yield
-    finally:
-        _interrupted_while = outer
+    signals = BeforeStartSignals().install()
+    run_guarding_stdout(lambda: app(obj=signals))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import itertools
 
 from ppctl.config import PpctlConfig, message_seq_length, schedule_spec
 from ppctl.config.resolved import ResolvedConfig, stage_counts
-from ppctl.model.moe.shape import moe_shape_of
 from ppctl.parallel.layout import ParallelLayout, context_parallel_slices
 from ppctl.plan.balance import balance_summary, layout_string
 from ppctl.plan.memory import config_memory
@@ -70,7 +69,7 @@ def layout_report(resolved: ResolvedConfig) -> dict:
         "world_size": layout.world_size,
         "order": layout.order,
         "sizes": {name: layout.sizes[name] for name in ("tp", "cp", "dp", "pp", "vpp")},
-        "experts": experts_report(config, layout),
+        "experts": experts_report(resolved),
         "placement": {"stages": list(placement.owners), "copies": placement.copies,
                       "describe": schedule_spec(config).placement_name},
         "sequence": {"seq_length": config.trainer.seq_length, "cp_comm": config.parallel.cp_comm,
@@ -83,14 +82,15 @@ def layout_report(resolved: ResolvedConfig) -> dict:
     }
 
 
-def experts_report(config: PpctlConfig, layout: ParallelLayout) -> dict | None:
+def experts_report(resolved: ResolvedConfig) -> dict | None:
     """The expert view of an MoE model (None for a dense one): the experts per MoE layer, which layers route, and the
     fold's sizes (``ep``, ``etp``, ``edp``: each rank holds ``num_experts / ep`` consecutive experts)."""
-    moe = moe_shape_of(config.model)
+    moe, layout = resolved.model.moe, resolved.layout
     if moe is None:
         return None
     return {"num_experts": moe.num_experts, "topk": moe.topk,
-            "moe_layers": list(moe.layer_ids(config.model.num_layers)), "ep": layout.ep, "etp": layout.etp, "edp": layout.edp, "per_rank": moe.num_experts // layout.ep}
+            "moe_layers": list(moe.layer_ids(resolved.config.model.num_layers)), "ep": layout.ep, "etp": layout.etp,
+            "edp": layout.edp, "per_rank": moe.num_experts // layout.ep}
 
 
 def is_summarised(report: dict) -> bool:
@@ -198,7 +198,7 @@ def pipeline_layout_text(report: dict, resolved: ResolvedConfig) -> str:
     text = f"pipeline layout: {report['pipeline_layout']}"
     if resolved.config.parallel.balance != "auto":
         return text
-    summary = balance_summary(resolved.config, resolved.layout.placement, stage_counts(resolved))
+    summary = balance_summary(resolved, stage_counts(resolved))
     return (f"{text} (balance=auto: the slowest rank's predicted work {flop_text(summary.slowest_flops)} per "
             f"microbatch, {flop_text(summary.even_slowest_flops)} with the even split {summary.even_layout})")
 

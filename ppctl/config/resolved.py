@@ -1,11 +1,12 @@
-"""A config resolved once: its layout, schedule, split into stages, layer map, model family and sizes, frozen.
+"""A config resolved once: its layout, schedule, split into stages, layer map, model and sizes, frozen.
 
 ``resolve(config)`` validates a composed config and builds, once, every object the rest of ppctl reads
 from it: the ``ParallelLayout`` (with the schedule's stage placement), the built ``Schedule`` (a custom
 one read from its file once), the layout string of the model's split (``parallel.balance=auto``'s choice,
-fitted to ``parallel.balance_memory_gb`` by the memory model), the layer map, the model family and the
-derived sizes. The CLI resolves once per command and each worker once per process; the trainer, the
-reports and the planner take the ``ResolvedConfig``. Its config is frozen (``schema.freeze``): a setting
+fitted to ``parallel.balance_memory_gb`` by the memory model), the layer map, the model (its family's
+``ResolvedModel``, made once by validation: shapes, padded vocabulary, rules, HF format) and the derived sizes.
+The CLI resolves once per command and each worker once per process; the trainer, the reports and the planner
+take the ``ResolvedConfig``. Its config is frozen (``schema.freeze``): a setting
 assigned after resolution raises, so nothing downstream sees a config other than the one validated.
 Where a run starts and what it resumes from belong to the launch (``ppctl.run.launch``), not the config.
 Pure: no torch.
@@ -19,13 +20,13 @@ from types import MappingProxyType
 from typing import Mapping
 
 from ppctl.config.derived import (configured_schedule, interleaves_experts, layout_of, nproc_per_node,
-                                  num_microbatches, padded_vocab_size, pipeline_layout_of)
+                                  num_microbatches, pipeline_layout_of)
 from ppctl.config.schema import ConfigError, PpctlConfig, freeze
 from ppctl.config.validate import validate
-from ppctl.model.family import ModelFamily, model_family
+from ppctl.model.family import ResolvedModel, resolve_model
 from ppctl.parallel.layout import LayoutError, ParallelLayout, StageLayers
 from ppctl.pipeline.schedules import CUSTOM, Schedule, ScheduleError
-from ppctl.plan.balance import balanced_counts, config_part_costs, fitted_counts, layout_string
+from ppctl.plan.balance import balanced_counts, model_part_costs, fitted_counts, layout_string
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Sizes:
 
     world_size: int
     num_microbatches: int      # per DP rank per step
-    padded_vocab_size: int     # the embedding's rows, padded for TP (Megatron's rule)
+    padded_vocab_size: int     # the embedding's rows, padded for TP (``ResolvedModel.padded_vocab_size``)
     nproc_per_node: int
 
 
@@ -46,7 +47,7 @@ class ResolvedConfig:
     layout: ParallelLayout
     pipeline_layout: str | None  # the split's layout string; None: the plain even split
     layer_map: Mapping[tuple[int, int], StageLayers]  # (pp_rank, chunk) -> the stage's layers
-    family: ModelFamily
+    model: ResolvedModel  # the model, resolved once by its family: every reader of the model asks it
     sizes: Sizes
     split_problem: str | None = None  # why the layers do not split into the stages (resolve(layer_split=False))
 
@@ -77,15 +78,15 @@ def resolve(config: PpctlConfig, check: bool = True, data: bool = True, prove_sc
     ``validate``'s (``inspect-schedule`` draws a schedule whatever the model: its layer map is then empty when
     the layers do not split).
     """
-    if check:
-        validate(config, layer_split=layer_split, data=data, prove_schedule=prove_schedule)
+    model = (validate(config, layer_split=layer_split, data=data, prove_schedule=prove_schedule).model if check
+             else resolve_model(config))  # the model, resolved once: by validation where it runs
     layout = layout_of(config)
     try:
-        resolved = _assemble(config, layout, _split(config, layout))
+        resolved = _assemble(config, layout, model, _split(config, layout, model))
     except ConfigError as error:
         if layer_split:
             raise
-        resolved = _assemble(config, layout, None, {}, split_problem=str(error))
+        resolved = _assemble(config, layout, model, None, {}, split_problem=str(error))
     freeze(config)
     return resolved
 
@@ -95,8 +96,8 @@ def _resolved_again(config: PpctlConfig, layer_split: bool) -> ResolvedConfig:
     return resolve(config, check=False, layer_split=layer_split)
 
 
-def _assemble(config: PpctlConfig, layout: ParallelLayout, split: str | None, layers: dict | None = None,
-              split_problem: str | None = None) -> ResolvedConfig:
+def _assemble(config: PpctlConfig, layout: ParallelLayout, model: ResolvedModel, split: str | None,
+              layers: dict | None = None, split_problem: str | None = None) -> ResolvedConfig:
     """The ``ResolvedConfig`` of parts already built, its layer map built unless given (the config is not frozen
     here); ``ConfigError`` where the layers do not split."""
     if layers is None:
@@ -104,14 +105,10 @@ def _assemble(config: PpctlConfig, layout: ParallelLayout, split: str | None, la
             layers = layout.layer_map(config.model.num_layers, split)
         except LayoutError as error:
             raise ConfigError(str(error)) from None
-    model = config.model
     sizes = Sizes(world_size=layout.world_size, num_microbatches=num_microbatches(config),
-                  padded_vocab_size=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by,
-                                                      config.parallel.tp),
-                  nproc_per_node=nproc_per_node(config))
-    return ResolvedConfig(config=config, layout=layout, pipeline_layout=split,
-                          layer_map=MappingProxyType(layers), family=model_family(model.family), sizes=sizes,
-                          split_problem=split_problem)
+                  padded_vocab_size=model.padded_vocab_size, nproc_per_node=nproc_per_node(config))
+    return ResolvedConfig(config=config, layout=layout, pipeline_layout=split, layer_map=MappingProxyType(layers),
+                          model=model, sizes=sizes, split_problem=split_problem)
 
 
 def _built_schedule(config: PpctlConfig) -> Schedule:
@@ -128,12 +125,12 @@ def _built_schedule(config: PpctlConfig) -> Schedule:
     return schedule.with_weight_fills() if interleaves_experts(config) and schedule.splits_backward else schedule
 
 
-def _split(config: PpctlConfig, layout: ParallelLayout) -> str | None:
+def _split(config: PpctlConfig, layout: ParallelLayout, model: ResolvedModel) -> str | None:
     """The layout string of the model's split: ``parallel.balance=auto``'s choice, or the configured one."""
     parallel = config.parallel
     if parallel.balance != "auto":
         return pipeline_layout_of(config)
-    costs, placement = config_part_costs(config), layout.placement
+    costs, placement = model_part_costs(model, config.trainer.seq_length), layout.placement
     if parallel.balance_memory_gb is None:
         return layout_string(balanced_counts(config.model.num_layers, placement, costs))
     memory_of = functools.partial(_split_memory, config, layout)
@@ -150,7 +147,7 @@ def _split_memory(config: PpctlConfig, layout: ParallelLayout, counts: tuple[int
     candidate = replace(config, model=replace(config.model, num_layers=sum(counts)),
                         parallel=replace(config.parallel, balance="even", balance_memory_gb=None,
                                          pipeline_layout=split))
-    return [parts.total for parts in config_memory(_assemble(candidate, layout, split))]
+    return [parts.total for parts in config_memory(_assemble(candidate, layout, resolve_model(candidate), split))]
 
 
 def stage_counts(resolved: ResolvedConfig) -> tuple[int, ...]:

@@ -14,12 +14,12 @@ import re
 from dataclasses import dataclass, fields, is_dataclass
 
 from ppctl.config.derived import (configured_schedule, interleaves_experts, layout_of, nproc_per_node,
-                                  num_microbatches, padded_vocab_size, parse_endpoint, pipeline_layout_of,
-                                  schedule_spec, tokenizer_vocab_size)
+                                  num_microbatches, parse_endpoint, pipeline_layout_of, schedule_spec,
+                                  tokenizer_vocab_size)
 from ppctl.config.schema import (ACTIVATIONS, BACKENDS, BALANCE_MODES, DATA_SOURCES, DROP_POLICIES, LAUNCHERS,
                                  POSITION_EMBEDDINGS, PRECISIONS, RECOMPUTE_METHODS, RECOMPUTE_MODES, ROUTER_SCORES,
                                  ConfigError, MoEConfig, PpctlConfig, require)
-from ppctl.model.family import model_family
+from ppctl.model.family import ResolvedModel, hf_experts_formats, resolve_model
 from ppctl.model.hf_format import init_from_problem
 from ppctl.optim.lr import DECAY_STYLES
 from ppctl.parallel.layout import CP_COMM_MODES, LayoutError, ParallelLayout, split_layers
@@ -27,12 +27,13 @@ from ppctl.parallel.layout import CP_COMM_MODES, LayoutError, ParallelLayout, sp
 
 @dataclass(frozen=True)
 class DerivedSizes:
-    """Numbers that follow from a valid config."""
+    """Numbers that follow from a valid config, and its model as its family resolved it while validating."""
 
     world_size: int
     num_microbatches: int
     padded_vocab_size: int
     nproc_per_node: int
+    model: ResolvedModel
 
 
 def validate(config: PpctlConfig, layer_split: bool = True, data: bool = True,
@@ -54,20 +55,19 @@ def validate(config: PpctlConfig, layer_split: bool = True, data: bool = True,
     layout = layout_of(config)
     if layer_split:
         _check_layer_split(config, layout)
-    _check_model(config)
+    model = _check_model(config)
     _check_batch(config, layout)
     _check_schedule(config)
-    _check_misc(config, data)
+    _check_misc(config, model, data)
     _check_lr_schedule(config)
     if prove_schedule:
         _check_schedule_plan(config)
     return DerivedSizes(
         world_size=layout.world_size,
         num_microbatches=num_microbatches(config),
-        padded_vocab_size=padded_vocab_size(
-            config.model.vocab_size, config.model.make_vocab_size_divisible_by, config.parallel.tp
-        ),
+        padded_vocab_size=model.padded_vocab_size,
         nproc_per_node=nproc_per_node(config),
+        model=model,
     )
 
 
@@ -260,17 +260,15 @@ def _check_positive(config: PpctlConfig) -> None:
     require(config.optimizer.weight_decay >= 0, "optimizer.weight_decay must be >= 0")
 
 
-def _check_model(config: PpctlConfig) -> None:
+def _check_model(config: PpctlConfig) -> ResolvedModel:
+    """The model's rules, its family's own among them; returns the model its family resolves."""
     model, parallel = config.model, config.parallel
-    try:
-        family = model_family(model.family)
-    except KeyError as error:
-        raise ConfigError(error.args[0]) from None
+    resolved = resolve_model(config)  # ConfigError for a family that is not installed
     # Before the family's rules, so that a misspelled value is named as such rather than as another family's key.
     require(model.activation in ACTIVATIONS,
             f"model.activation={model.activation!r} must be one of {', '.join(ACTIVATIONS)}")
     _check_model_ranges(config)
-    family.check(config)
+    resolved.family.check(config)
     require(
         model.num_heads % parallel.tp == 0,
         f"model.num_heads={model.num_heads} must be divisible by parallel.tp={parallel.tp}",
@@ -285,7 +283,8 @@ def _check_model(config: PpctlConfig) -> None:
     )
     _check_recompute(config)
     _check_context_parallel_attention(config)
-    _check_moe(config)
+    _check_moe(config, resolved)
+    return resolved
 
 
 def _check_model_ranges(config: PpctlConfig) -> None:
@@ -309,7 +308,7 @@ def _check_recompute(config: PpctlConfig) -> None:
     require(model.recompute_num_layers >= 1, f"model.recompute_num_layers={model.recompute_num_layers} must be >= 1")
 
 
-def _check_moe(config: PpctlConfig) -> None:
+def _check_moe(config: PpctlConfig, model: ResolvedModel) -> None:
     """``model.moe``: its keys only with experts, each within its range, and no layout MoE cannot run yet."""
     moe, num_layers = config.model.moe, config.model.num_layers
     require(moe.num_experts >= 0, f"model.moe.num_experts={moe.num_experts} must be >= 0 (0: a dense model)")
@@ -344,7 +343,7 @@ def _check_moe(config: PpctlConfig) -> None:
             f"model.moe.capacity_factor={moe.capacity_factor} must be positive, or unset (dropless)")
     require(moe.drop_policy in DROP_POLICIES,
             f"model.moe.drop_policy={moe.drop_policy!r} must be one of {', '.join(DROP_POLICIES)}")
-    _check_moe_layout(config)
+    _check_moe_layout(config, model)
 
 
 def _check_expert_tensor_parallel(config: PpctlConfig) -> None:
@@ -369,11 +368,12 @@ def _check_expert_parallel(config: PpctlConfig) -> None:
                                         "experts")
 
 
-def _check_moe_layout(config: PpctlConfig) -> None:
+def _check_moe_layout(config: PpctlConfig, model: ResolvedModel) -> None:
     """What MoE runs with: TP only with sequence parallelism (each TP rank routes its own tokens, as Megatron-Core
     asks), a capacity only on unsplit microbatches (its drop ranks a microbatch's tokens together), no
     stream of steps (its per-step routing statistics reduce over every rank), a Hugging Face folder to start from
-    only a Mixtral one (``init_from_problem`` checks that it is one, of this run's shape)."""
+    only where the family's format reads a mixture (``hf_moe_architecture``; ``init_from_problem`` checks that the
+    folder is one, of this run's shape)."""
     parallel, moe = config.parallel, config.model.moe
     experts = f"model.moe.num_experts={moe.num_experts}"
     require(parallel.tp == 1 or parallel.sequence_parallel,
@@ -386,9 +386,9 @@ def _check_moe_layout(config: PpctlConfig) -> None:
     require(not schedule_spec(config).streams_steps,
             f"schedule {config.schedule.name} streams steps with no barrier between them, but {experts} reduces its "
             f"routing statistics (expert load, bias) over every rank after each step; choose another schedule")
-    require(not config.model.init_from or config.model.family == "llama",
-            f"model.init_from with {experts} and model.family={config.model.family}: ppctl reads a mixture of "
-            f"experts from Mixtral folders only (SwiGLU experts: model.family=llama)")
+    require(not config.model.init_from or model.hf_moe_architecture is not None,
+            f"model.init_from with {experts} and model.family={config.model.family}: this family's Hugging Face "
+            f"format reads no mixture of experts (ppctl reads them as {hf_experts_formats()})")
     shared_width = moe.shared_experts * (moe.expert_ffn_hidden_size or config.model.ffn_hidden_size)
     require(shared_width % parallel.tp == 0,
             f"model.moe.shared_experts={moe.shared_experts} gives a shared MLP {shared_width} wide, which must be a "
@@ -492,14 +492,14 @@ def _check_stream(config: PpctlConfig, name: str) -> None:
             f"step on any rank's overflow; use trainer.precision=bf16 or fp32")
 
 
-def _check_misc(config: PpctlConfig, data: bool = True) -> None:
+def _check_misc(config: PpctlConfig, model: ResolvedModel, data: bool = True) -> None:
     require(
         config.trainer.precision in PRECISIONS,
         f"trainer.precision={config.trainer.precision!r} must be one of {', '.join(PRECISIONS)}",
     )
     if data:
         _check_data(config)
-        _check_init_from(config)
+        _check_init_from(config, model)
     require(config.optimizer.gradient_delay in (0, 1),
             f"optimizer.gradient_delay={config.optimizer.gradient_delay} must be 0 (the usual update) or 1 "
             f"(PipeDream-2BW's, one step late)")
@@ -531,7 +531,7 @@ def _check_misc(config: PpctlConfig, data: bool = True) -> None:
     )
 
 
-def _check_init_from(config: PpctlConfig) -> None:
+def _check_init_from(config: PpctlConfig, model: ResolvedModel) -> None:
     """``model.init_from``: a Hugging Face folder of this model's architecture and shape, with every tensor it needs
     (a run that resumes reads its checkpoint and ignores it), whose ``tokenizer.json`` is the run's tokenizer; an
     empty name (an unset shell variable) is refused: no folder is ``null``."""
@@ -541,7 +541,7 @@ def _check_init_from(config: PpctlConfig) -> None:
     if config.model.init_from and not config.trainer.resume_from:
         from ppctl.data.tokenizer import init_from_tokenizer_problem
 
-        problem = (init_from_problem(config.model, model_family(config.model.family))
+        problem = (init_from_problem(config.model, model.family)
                    or init_from_tokenizer_problem(config.model.init_from, config.data))
         require(problem is None, problem or "")
 

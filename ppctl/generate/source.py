@@ -26,8 +26,8 @@ from ppctl.config import ConfigError, compose_config, load_config_file
 from ppctl.data.tokenizer import (FOLDER_TOKENIZER, Tokenizer, TokenizerFile, build_tokenizer, folder_tokenizer,
                                   tokenizer_record)
 from ppctl.generate.inputs import prompt_problem
-from ppctl.model.family import family_names, model_family
-from ppctl.model.from_config import build_chunk, parameter_rules
+from ppctl.model.family import installed_families, resolve_model
+from ppctl.model.from_config import build_chunk
 from ppctl.model.hf_format import (CONFIG_FILE, GENERATION_FILE, HFError, architecture_of, folder_shape,
                                    hf_format_of, init_from_problem, read_folder_json, read_hf_config, set_setting)
 from ppctl.model.recompute import Recompute
@@ -96,9 +96,11 @@ def load_model(path: Path, precision: str | None = None) -> Model:
                         f"(no {CONFIG_FILE})")
 
 
-def _whole_model(config) -> torch.nn.Module:
-    """Every layer of ``config``'s model as one chunk on one process, no recomputation, in eval mode."""
-    chunk = build_chunk(config, range(config.model.num_layers), True, True, TPGroup.single(), recompute=Recompute())
+def _whole_model(config, model=None) -> torch.nn.Module:
+    """Every layer of ``config``'s model (its ``ResolvedModel``, resolved here if not given) as one chunk on one
+    process, no recomputation, in eval mode."""
+    chunk = build_chunk(config, range(config.model.num_layers), True, True, TPGroup.single(), recompute=Recompute(),
+                        model=model)
     return chunk.eval().requires_grad_(False)
 
 
@@ -132,8 +134,9 @@ def _from_run(run_dir: Path, named: Path | None, precision: str | None) -> Model
             tokenizer = run_tokenizer(config, index, run_dir)
             config = replace(config, model=replace(config.model, init_from=None),  # the checkpoint holds the weights
                              trainer=replace(config.trainer, precision=precision or config.trainer.precision))
-            chunk = _whole_model(config)
-            load_dense_model(chunk, read_dense_model(checkpoint, parameter_rules(config)), checkpoint)
+            model = resolve_model(config)
+            chunk = _whole_model(config, model)
+            load_dense_model(chunk, read_dense_model(checkpoint, model.rules), checkpoint)
     except CheckpointError as error:
         raise GenerateError(str(error)) from None
     return replace(_model(chunk, tokenizer, {tokenizer.eod_id}, config), checkpoint=checkpoint, step=index["step"])
@@ -235,11 +238,10 @@ def _hf_run_config(folder: Path, precision: str):
 def _family_reading(architecture: str):
     """The model family whose Hugging Face format reads ``architecture``; ``HFError`` naming those that exist."""
     readers = {}
-    for name in family_names():
-        family = model_family(name)
+    for family in installed_families():
         if family.hf is not None:
-            readers[name] = family.hf().architectures
-            if architecture in readers[name]:
+            readers[family.name] = family.hf().architectures
+            if architecture in readers[family.name]:
                 return family
     known = ", ".join(f"{name}: {', '.join(names)}" for name, names in readers.items())
     raise HFError(f"its {CONFIG_FILE} is {architecture}, which no model family reads ({known})")

@@ -1,10 +1,14 @@
-"""A model family as a plug-in: one folder under ``ppctl/model/`` whose ``__init__`` exports ``FAMILY``.
+"""A model family as a plug-in, and a config's model resolved once by it (pure: no torch).
 
-``model.family`` names the folder; the rest of ppctl reads a family only through its ``ModelFamily``:
-the shape a config describes, the stage chunk built from it, and each parameter's TP split and
-initialisation. A family's ``__init__`` imports no torch (config validation and the planner read it),
-its chunk is imported when one is built. Adding a family is a folder plus its tests and presets
-(``conf/model/``): nothing else names it.
+A family is one folder under ``ppctl/model/`` whose ``__init__`` exports ``FAMILY``, a ``ModelFamily``;
+``model.family`` names the folder. ``resolve_model(config)`` is the one place a config's model is resolved: it
+looks the family up and makes one frozen ``ResolvedModel`` holding the family, the padded vocabulary (Megatron's
+rule, ``padded_vocab_size``), the memory/FLOP shape (``ModelShape``) the memory model and the planner read, the
+family's own shape its chunk is built from, the parameter rules, its Hugging Face format and that format's
+capabilities, and the builder of a stage chunk. ``ResolvedConfig.model`` holds the one of a resolved config; the
+rest of ppctl reads that object, asks it capabilities (never a family's name), and recomputes none of it.
+A family's ``__init__`` imports no torch (validation and the planner read it); its shape and chunk classes are
+imported when first read. Adding a family is a folder plus its tests and presets (``conf/model/``).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import pkgutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+from ppctl.model.memory_shape import ModelShape, memory_shape_of
 
 FAMILIES_PACKAGE = "ppctl.model"
 
@@ -39,9 +45,9 @@ class Architecture:
 class ModelFamily:
     """What ppctl reads of a model family.
 
-    ``shape_of(config)``: the family's frozen model shape for a ``PpctlConfig`` (vocabulary padded for its tp);
-    ``chunk_class()``: the stage chunk class, built as ``cls(shape, layer_ids, pre_process, post_process, tp,
-    seed, dtype, cp, recompute)`` (``seed`` None: parameters left zero); ``rule_of_name(shape)``: a function from
+    ``shape_of(model)``: the family's frozen model shape of a ``ResolvedModel`` (its ``settings``, padded
+    vocabulary and mixture); ``chunk_class()``: the stage chunk class, built as ``cls(shape, layer_ids,
+    pre_process, post_process, tp, seed, dtype, cp, recompute, ep)`` (``seed`` None: parameters left zero); ``rule_of_name(shape)``: a function from
     a global parameter name to its ``ParameterRule`` (for what holds names only: checkpoints); ``check(config)``:
     the family's own config rules, raising ``ConfigError`` in one line; ``hf()``: the family's Hugging Face format
     (its folder's ``hf.py``, imported when called; see ``ppctl.model.hf_format``), None for a family that reads
@@ -57,6 +63,68 @@ class ModelFamily:
     architecture: Architecture = Architecture()
 
 
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A config's model, resolved once by its family (``resolve_model``): what every reader of the model asks.
+
+    ``settings``: the ``model.*`` section it was resolved from (frozen with its config once that is resolved);
+    ``tp``: the tensor-parallel size its vocabulary is padded for. What follows from them is built on first read
+    and kept: the padded vocabulary and the memory shape are pure arithmetic; the family's ``shape`` imports its
+    model module (torch), so that validation and the planner, which never read it, stay torch-free.
+    """
+
+    family: ModelFamily
+    settings: Any
+    tp: int
+
+    @functools.cached_property
+    def padded_vocab_size(self) -> int:
+        """The embedding's and the output layer's rows: the vocabulary padded for TP (Megatron's rule)."""
+        from ppctl.config.derived import padded_vocab_size  # lazily: ppctl.config's validation imports this module
+
+        settings = self.settings
+        return padded_vocab_size(settings.vocab_size, settings.make_vocab_size_divisible_by, self.tp)
+
+    @functools.cached_property
+    def memory_shape(self) -> ModelShape:
+        """What the memory model, the FLOP count and the planner read of the model (``ppctl.model.memory_shape``)."""
+        return memory_shape_of(self.settings, self.padded_vocab_size, self.family.architecture)
+
+    @property
+    def moe(self):
+        """The mixture of experts (``MoEShape``), None for a dense model."""
+        return self.memory_shape.moe
+
+    @functools.cached_property
+    def shape(self) -> Any:
+        """The family's frozen model shape (``GPTConfig``, ``LlamaConfig``), which its chunks are built from."""
+        return self.family.shape_of(self)
+
+    @property
+    def rules(self) -> Callable[[str], Any]:
+        """The ``ParameterRule`` of each global parameter name (for what holds names only: checkpoints)."""
+        return self.family.rule_of_name(self.shape)
+
+    @functools.cached_property
+    def hf(self) -> Any:
+        """The family's Hugging Face format (``ppctl.model.hf_format``), None for a family that has none."""
+        return None if self.family.hf is None else self.family.hf()
+
+    @property
+    def hf_moe_architecture(self) -> str | None:
+        """The Hugging Face architecture a mixture of experts of this family is read and written as (Mixtral's),
+        None where its format has none (or it has no format)."""
+        return getattr(self.hf, "moe_architecture", None)
+
+    def build_chunk(self, layer_ids, pre_process: bool, post_process: bool, tp, seed: int | None, dtype, cp,
+                    recompute, ep=None):
+        """One stage chunk of the model (``layer_ids``, with the embedding and the output layer where
+        ``pre_process`` and ``post_process``) on this TP (and CP, EP) rank; ``seed`` None leaves its parameters
+        zero."""
+        return self.family.chunk_class()(self.shape, layer_ids, pre_process, post_process, tp, seed, dtype, cp,
+                                         recompute, ep)
+
+
 @functools.cache  # the installed folders do not change while ppctl runs; the planner asks per candidate
 def family_names() -> tuple[str, ...]:
     """The families installed: the folders under ``ppctl/model/`` that export ``FAMILY``."""
@@ -66,8 +134,31 @@ def family_names() -> tuple[str, ...]:
                                                   "FAMILY")))
 
 
-def model_family(name: str) -> ModelFamily:
-    """The family named ``name`` (``model.family``); ``KeyError`` naming the installed ones otherwise."""
+def installed_families() -> tuple[ModelFamily, ...]:
+    """Every installed family, by name (for what asks all of them: which one reads a Hugging Face folder)."""
+    return tuple(_family_named(name) for name in family_names())
+
+
+def resolve_model(config) -> ResolvedModel:
+    """The ``ResolvedModel`` of a ``PpctlConfig``: the one place its family is looked up (``ConfigError`` naming the
+    installed ones for an unknown ``model.family``) and its model resolved."""
+    from ppctl.config.schema import ConfigError  # lazily: ppctl.config's validation imports this module
+
+    name = config.model.family
     if name not in family_names():
-        raise KeyError(f"model.family={name!r} must be one of {', '.join(family_names())}")
+        raise ConfigError(f"model.family={name!r} must be one of {', '.join(family_names())}")
+    return ResolvedModel(family=_family_named(name), settings=config.model, tp=config.parallel.tp)
+
+
+def hf_experts_formats() -> str:
+    """The Hugging Face architectures a mixture of experts is read and written as, each with its family, for a
+    message: ``MixtralForCausalLM (model.family=llama)``; ``none`` where no family's format has one."""
+    formats = {family.name: family.hf() for family in installed_families() if family.hf is not None}
+    found = [f"{hf.moe_architecture} (model.family={name})" for name, hf in formats.items()
+             if getattr(hf, "moe_architecture", None)]
+    return " or ".join(found) or "none"
+
+
+def _family_named(name: str) -> ModelFamily:
+    """The installed family ``name`` (one of ``family_names()``)."""
     return importlib.import_module(f"{FAMILIES_PACKAGE}.{name}").FAMILY

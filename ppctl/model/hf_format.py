@@ -161,11 +161,10 @@ def architecture_of(hf_config: dict[str, Any]) -> str:
 
 def _model_types() -> dict[str, str]:
     """Every ``model_type`` a family reads -> its architecture."""
-    from ppctl.model.family import family_names, model_family
+    from ppctl.model.family import installed_families
 
     types = {}
-    for name in family_names():
-        family = model_family(name)
+    for family in installed_families():
         if family.hf is not None:
             types.update(family.hf().model_types)
     return types
@@ -468,12 +467,11 @@ def set_setting(model, key: str, value: Any) -> None:
 
 def _check_architecture(architecture: str, family) -> None:
     """``HFError`` naming the family that reads ``architecture`` when ``family`` does not."""
-    from ppctl.model.family import family_names, model_family
+    from ppctl.model.family import installed_families
 
     if architecture in hf_format_of(family).architectures:
         return
-    readers = {name: model_family(name) for name in family_names()}
-    reader = next(name for name, other in readers.items()
+    reader = next(other.name for other in installed_families()
                   if other.hf is not None and architecture in other.hf().architectures)
     raise HFError(f"its {CONFIG_FILE} is {architecture} (model.family={reader}), this run has "
                   f"model.family={family.name}")

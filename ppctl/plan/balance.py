@@ -178,18 +178,17 @@ def _unfit_message(num_layers: int, placement: Placement, limit_gb: float,
 
 # --- from a config ----------------------------------------------------------------------------
 
-def config_part_costs(config) -> PartCosts:
-    """The ``PartCosts`` of a ``PpctlConfig``'s model at its training sequence length and padded vocabulary; with
-    experts, a layer costs the mean of the model's layers (the dense ones and the MoE ones weighed alike)."""
-    from ppctl.plan.memory import model_shape
-
-    shape = model_shape(config)
-    costs = part_costs(shape.hidden, shape.ffn, config.trainer.seq_length, shape.padded_vocab, shape.attention_width,
+def model_part_costs(model, seq_length: int) -> PartCosts:
+    """The ``PartCosts`` of a resolved model (``ResolvedConfig.model``) at the training sequence length
+    ``seq_length``, with its padded vocabulary; with experts, a layer costs the mean of the model's layers (the
+    dense ones and the MoE ones weighed alike)."""
+    shape = model.memory_shape
+    costs = part_costs(shape.hidden, shape.ffn, seq_length, shape.padded_vocab, shape.attention_width,
                        shape.kv_width, shape.gated_mlp)
     if shape.moe is None:
         return costs
-    layers = config.model.num_layers
-    total = forward_flops_per_token(layers, shape.hidden, shape.ffn, config.trainer.seq_length, 0,
+    layers = model.settings.num_layers
+    total = forward_flops_per_token(layers, shape.hidden, shape.ffn, seq_length, 0,
                                     shape.attention_width, shape.kv_width, shape.gated_mlp, shape.moe,
                                     len(shape.moe.layer_ids(layers)))
     return replace(costs, layer=int(total / layers))
@@ -206,10 +205,11 @@ class BalanceSummary:
     even_slowest_flops: float
 
 
-def balance_summary(config, placement: Placement, chosen: Sequence[int]) -> BalanceSummary:
-    """The ``BalanceSummary`` of a ``PpctlConfig`` with ``parallel.balance=auto``, its stages placed by ``placement``,
-    whose balancer chose ``chosen`` layers per model stage."""
-    costs = config_part_costs(config)
+def balance_summary(resolved, chosen: Sequence[int]) -> BalanceSummary:
+    """The ``BalanceSummary`` of a ``ResolvedConfig`` with ``parallel.balance=auto`` (its stages placed by its
+    layout's placement), whose balancer chose ``chosen`` layers per model stage."""
+    config, placement = resolved.config, resolved.layout.placement
+    costs = model_part_costs(resolved.model, config.trainer.seq_length)
     parallel, trainer = config.parallel, config.trainer
     # training is three forwards; a device runs its TP share of its CP share of the microbatch's tokens
     scale = 3 * trainer.micro_batch_size * (trainer.seq_length // parallel.cp) / parallel.tp

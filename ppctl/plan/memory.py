@@ -1,6 +1,7 @@
 """The memory model: bytes per pipeline rank, by part, predicted from the config alone (pure: no torch).
 
-Per rank, for its model chunks (``ppctl.parallel.layout.layer_map``) on one TP rank:
+Per rank, for its model chunks (``ppctl.parallel.layout.layer_map``) on one TP rank, the model being the
+resolved config's ``ModelShape`` (``ResolvedConfig.model.memory_shape``, built once by the model's family):
 
 - ``parameters``: the chunks' parameters in the model's dtype (``chunk_parameters``, the
   same count as the family's chunk builds: TP shards, vocabulary padding, a tied output layer
@@ -54,7 +55,7 @@ from itertools import accumulate, compress, repeat
 from operator import ge, itemgetter
 from typing import Iterable, Sequence
 
-from ppctl.model.moe.shape import MoEShape, moe_shape_of
+from ppctl.model.memory_shape import ModelShape
 from ppctl.model.recompute import Recompute
 
 DTYPE_BYTES = {"fp32": 4, "fp64": 8, "bf16": 2, "fp16": 2}
@@ -87,47 +88,6 @@ class MemoryParts:
     def to_json(self) -> dict:
         """The parts and ``total``, in bytes."""
         return {**{field.name: getattr(self, field.name) for field in fields(self)}, "total": self.total}
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the memory of a model depends on (``model.*`` with the vocabulary padded for TP, and its family's
-    ``Architecture``: norms with a shift, a gated MLP, linear biases, a fused QKV). ``kv_heads`` and ``head_dim``
-    default to ``heads`` and ``hidden / heads``; ``vocab`` (the real vocabulary) to ``padded_vocab``; ``moe``: the
-    experts of the MoE layers, None for a dense model."""
-
-    hidden: int
-    heads: int
-    ffn: int
-    padded_vocab: int
-    max_seq_length: int
-    learned_positions: bool = True
-    rotary: bool = False
-    tie_embeddings: bool = False
-    kv_heads: int | None = None
-    head_dim: int | None = None
-    norm_has_bias: bool = True
-    gated_mlp: bool = False
-    linear_biases: bool = True
-    fused_qkv: bool = True
-    qkv_bias: bool = False
-    vocab: int | None = None
-    moe: MoEShape | None = None
-
-    @property
-    def attention_width(self) -> int:
-        """The query heads' width: heads x head width (``hidden`` without ``head_dim``)."""
-        return self.heads * (self.head_dim or self.hidden // self.heads)
-
-    @property
-    def kv_width(self) -> int:
-        """The key (or value) heads' width."""
-        return (self.kv_heads or self.heads) * (self.head_dim or self.hidden // self.heads)
-
-    @property
-    def norm_parameters(self) -> int:
-        """One norm's parameters: scale and shift (LayerNorm) or scale alone (RMSNorm)."""
-        return (2 if self.norm_has_bias else 1) * self.hidden
 
 
 @dataclass(frozen=True)
@@ -575,24 +535,6 @@ def rank_memory(shape: ModelShape, chunks: Sequence[Chunk], in_flight: Iterable[
 
 # --- from a config ----------------------------------------------------------------------------
 
-def model_shape(config) -> ModelShape:
-    """The ``ModelShape`` of a ``PpctlConfig`` (its vocabulary padded for its tp, its family's architecture)."""
-    from ppctl.config import padded_vocab_size
-    from ppctl.model.family import model_family
-
-    model = config.model
-    architecture = model_family(model.family).architecture
-    return ModelShape(hidden=model.hidden_size, heads=model.num_heads, ffn=model.ffn_hidden_size,
-                      padded_vocab=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by,
-                                                     config.parallel.tp),
-                      max_seq_length=model.max_seq_length, learned_positions=model.position_embedding == "learned",
-                      rotary=model.position_embedding == "rope", tie_embeddings=model.tie_embeddings,
-                      kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                      norm_has_bias=architecture.norm_has_bias, gated_mlp=architecture.gated_mlp,
-                      linear_biases=architecture.linear_biases, fused_qkv=architecture.fused_qkv,
-                      qkv_bias=model.qkv_bias, vocab=model.vocab_size, moe=moe_shape_of(model))
-
-
 @dataclass(frozen=True)
 class ConfigMemoryInputs:
     """What the memory model reads from a config: the model's shape, one microbatch's tokens on a rank, the parallel
@@ -623,7 +565,7 @@ def config_memory_inputs(resolved) -> ConfigMemoryInputs:
         expert_optimizer_shards=layout.edp * layout.placement.copies if config.optimizer.distributed else 1,
         recompute=model.recompute, recompute_method=model.recompute_method,
         recompute_num_layers=model.recompute_num_layers, split_backward=resolved.schedule.splits_backward)
-    return ConfigMemoryInputs(shape=model_shape(config),
+    return ConfigMemoryInputs(shape=resolved.model.memory_shape,
                               tokens=Tokens(trainer.micro_batch_size, trainer.seq_length // parallel_config.cp),
                               parallel=parallel, chunks=rank_chunks(resolved),
                               weight_versions=2 if streams or config.optimizer.gradient_delay else 1)
@@ -631,7 +573,7 @@ def config_memory_inputs(resolved) -> ConfigMemoryInputs:
 
 def rank_chunks(resolved) -> list[list[Chunk]]:
     """The ``Chunk`` of each stage of a ``ResolvedConfig``, per pp rank."""
-    moe = moe_shape_of(resolved.config.model)
+    moe = resolved.model.moe
     chunks: list[list[Chunk]] = [[] for _ in range(resolved.layout.pp)]
     for (pp_rank, _), stage in resolved.layer_map.items():
         moe_layers = sum(map(moe.is_moe_layer, stage.layers)) if moe is not None else 0

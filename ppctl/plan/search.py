@@ -36,14 +36,14 @@ from typing import NamedTuple
 
 from ppctl.config import ConfigError, PpctlConfig, num_microbatches
 from ppctl.config.resolved import ResolvedConfig, resolve
+from ppctl.model.family import resolve_model
 from ppctl.model.flops import forward_flops_per_token
 from ppctl.parallel.layout import parse_order
 from ppctl.pipeline.replay import gc_paused
 from ppctl.pipeline.schedules import ScheduleError
-from ppctl.plan.balance import config_part_costs
-from ppctl.model.moe.shape import moe_shape_of
+from ppctl.plan.balance import model_part_costs
 from ppctl.plan.memory import (DTYPE_BYTES, Chunk, MemoryParts, chunk_parameters, config_memory,
-                               expert_layer_parameters, model_shape, rank_chunks, schedule_in_flight_states)
+                               expert_layer_parameters, rank_chunks, schedule_in_flight_states)
 
 # (schedule, its vpp) tried for each pp; gpipe and 1f1b at vpp 1, the looped and V schedules at 2
 SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2), ("dualpipev", 2))
@@ -249,7 +249,7 @@ def expert_parallel_sizes(config: PpctlConfig, stage_ranks: int) -> list[int | N
     """The ep sizes a layout of ``stage_ranks`` ranks per pipeline stage is tried at: for a mixture of experts the
     divisors of ``stage_ranks`` that divide its experts (at etp=1), where ``parallel.order`` ends in pp (the fold of
     each stage's ranks needs them consecutive; else ep=1 alone); ``[None]`` for a dense model (no ep to set)."""
-    moe = moe_shape_of(config.model)
+    moe = resolve_model(config).moe
     if moe is None:
         return [None]
     if parse_order(config.parallel.order)[-1] != "pp":
@@ -308,7 +308,7 @@ def step_costs(resolved: ResolvedConfig, device: Device) -> StepCosts:
     collective = _tp_cp_seconds(config, device, tokens, element) * layers
     if parallel.ep > 1:  # the experts' exchanges, on the rank with the most MoE layers
         moe_layers = max(_rank_layers(resolved, moe_only=True)) / resolved.layout.placement.copies
-        collective += _all_to_all_seconds(config, device, tokens, element) * moe_layers
+        collective += _all_to_all_seconds(resolved, device, tokens, element) * moe_layers
     # full recomputation runs the layers' forward again, their TP and CP collectives included
     recompute = {"none": 0.0, "full": forward + collective,
                  "selective": tokens * layers * attention_core / parallel.tp / device.flops}
@@ -346,9 +346,9 @@ def forward_flops_per_microbatch(resolved: ResolvedConfig) -> float:
     """FLOPs of one microbatch's forward through the busiest rank's layers (of one model copy) on one device."""
     config = resolved.config
     model, parallel = config.model, config.parallel
-    layer = config_part_costs(config).layer  # with experts, the mean layer's
+    layer = model_part_costs(resolved.model, config.trainer.seq_length).layer  # with experts, the mean layer's
     layers = max(_rank_layers(resolved)) / resolved.layout.placement.copies
-    output = 2 * model.hidden_size * model_shape(config).padded_vocab
+    output = 2 * model.hidden_size * resolved.model.padded_vocab_size
     return _microbatch_tokens(config) * (layers * layer + output) / parallel.tp
 
 
@@ -363,14 +363,15 @@ def _microbatch_tokens(config: PpctlConfig) -> int:
     return config.trainer.micro_batch_size * config.trainer.seq_length // config.parallel.cp
 
 
-def reduction_s(config: PpctlConfig, device: Device) -> float:
+def reduction_s(resolved: ResolvedConfig, device: Device) -> float:
     """The data-parallel gradient reduction after the pipeline drains: a ring all-reduce (or reduce-scatter and
     all-gather, the same bytes) of a rank's fp32 gradients over its dp * cp replicas."""
+    config = resolved.config
     parallel = config.parallel
     replicas = parallel.dp * parallel.cp
     if replicas == 1:
         return 0.0
-    shape = model_shape(config)
+    shape = resolved.model.memory_shape
     moe_layers = len(shape.moe.layer_ids(config.model.num_layers)) if shape.moe is not None else 0
     whole = chunk_parameters(shape, Chunk(0, config.model.num_layers, True, True, moe_layers), parallel.tp,
                              parallel.ep)
@@ -388,7 +389,7 @@ def update_s(resolved: ResolvedConfig, device: Device) -> float:
     """The step's update after the reduction (clipping and AdamW) on the rank with the most parameters: each rank
     steps its own (the distributed optimizer: its 1 / (dp * cp) shard of them)."""
     config, layout = resolved.config, resolved.layout
-    shape, parallel = model_shape(config), config.parallel
+    shape, parallel = resolved.model.memory_shape, config.parallel
     if not config.optimizer.distributed or layout.ep == 1:
         stepped = max(sum(chunk_parameters(shape, chunk, parallel.tp, layout.ep) for chunk in chunks)
                       for chunks in rank_chunks(resolved))
@@ -406,7 +407,7 @@ def update_s(resolved: ResolvedConfig, device: Device) -> float:
 
 def after_pipeline_s(resolved: ResolvedConfig, device: Device) -> float:
     """What a step does once the pipeline has drained: the gradient reduction, then the update."""
-    return reduction_s(resolved.config, device) + update_s(resolved, device)
+    return reduction_s(resolved, device) + update_s(resolved, device)
 
 
 def compute_bound_s(resolved: ResolvedConfig, device: Device) -> float:
@@ -415,20 +416,21 @@ def compute_bound_s(resolved: ResolvedConfig, device: Device) -> float:
     CP collectives of its mean share of the layers in the forward and the backward, after its wait for the first
     microbatch to reach it (the fill), then the data-parallel reduction."""
     config = resolved.config
-    forward_s, microbatches = _mean_forward_s(config, device), resolved.sizes.num_microbatches
+    forward_s, microbatches = _mean_forward_s(resolved, device), resolved.sizes.num_microbatches
     tokens, element = _microbatch_tokens(config), DTYPE_BYTES[config.trainer.precision]
     collectives = _tp_cp_seconds(config, device, tokens, element) * config.model.num_layers / config.parallel.pp
     if config.parallel.ep > 1:  # the experts' exchanges of the mean rank's MoE layers
-        moe_layers = len(moe_shape_of(config.model).layer_ids(config.model.num_layers)) / config.parallel.pp
-        collectives += _all_to_all_seconds(config, device, tokens, element) * moe_layers
+        moe_layers = len(resolved.model.moe.layer_ids(config.model.num_layers)) / config.parallel.pp
+        collectives += _all_to_all_seconds(resolved, device, tokens, element) * moe_layers
     return (3 * microbatches * forward_s + 2 * microbatches * collectives
             + _fill_stages(resolved) * forward_s + after_pipeline_s(resolved, device))
 
 
-def _mean_forward_s(config: PpctlConfig, device: Device) -> float:
+def _mean_forward_s(resolved: ResolvedConfig, device: Device) -> float:
     """One microbatch's forward through the whole model, shared by tp * pp devices: the least a rank's can take."""
+    config = resolved.config
     model, parallel = config.model, config.parallel
-    shape = model_shape(config)
+    shape = resolved.model.memory_shape
     moe_layers = len(shape.moe.layer_ids(model.num_layers)) if shape.moe is not None else 0
     forward = forward_flops_per_token(model.num_layers, model.hidden_size, model.ffn_hidden_size,
                                       config.trainer.seq_length, shape.padded_vocab, shape.attention_width,
@@ -451,7 +453,7 @@ def schedule_bound_s(resolved: ResolvedConfig, device: Device) -> float:
     largest of ``COMM_RATIOS`` of that below the candidate's message time (the simulated makespan only grows with
     each cost, and scales with all of them together)."""
     config = resolved.config
-    forward_s = _mean_forward_s(config, device)
+    forward_s = _mean_forward_s(resolved, device)
     ratio = max(r for r in COMM_RATIOS if r * forward_s <= message_s(config, device))
     unit_makespan, _ = _simulated(_schedule_key(config), 1.0, 1.0, 1.0, ratio)
     return unit_makespan * forward_s + after_pipeline_s(resolved, device)
@@ -468,19 +470,20 @@ def _fill_stages(resolved: ResolvedConfig) -> float:
 
 def _rank_layers(resolved: ResolvedConfig, moe_only: bool = False) -> list[int]:
     """Transformer layers per pp rank (``moe_only``: its MoE layers)."""
-    moe = moe_shape_of(resolved.config.model)
+    moe = resolved.model.moe
     counts = [0] * resolved.layout.pp
     for (pp_rank, _), stage in resolved.layer_map.items():
         counts[pp_rank] += sum(map(moe.is_moe_layer, stage.layers)) if moe_only else len(stage.layers)
     return counts
 
 
-def _all_to_all_seconds(config: PpctlConfig, device: Device, tokens: int, element: int) -> float:
+def _all_to_all_seconds(resolved: ResolvedConfig, device: Device, tokens: int, element: int) -> float:
     """Per MoE layer and microbatch, one way (forward, or backward): the exchange's two all-to-alls over the ep
     ranks (dispatch, combine), each sending the ``(ep - 1) / ep`` of a rank's routed rows that leave it (dropless:
     tokens x topk; with a capacity, at most the experts' capacity), a latency per peer; in a node where the ep
     group's consecutive ranks fit one, and each waits ``collective_wait_s`` for its slowest member."""
-    moe, ep = moe_shape_of(config.model), config.parallel.ep
+    config, moe = resolved.config, resolved.model.moe
+    ep = config.parallel.ep
     tokens //= config.parallel.tp  # with experts, TP runs sequence-parallel: each TP rank routes seq / tp tokens
     capacity = moe.capacity(tokens)
     rows = tokens * moe.topk if capacity is None else min(tokens * moe.topk, moe.num_experts * capacity)

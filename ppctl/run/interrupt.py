@@ -6,22 +6,27 @@ checkpoint is saved); a second one ends the worker at once (the copies of one SI
 arrive together, as in a Slurm job, are one stop). ``ParentDeathSignal`` is
 Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG)``): the kernel signals a process
 when its parent ends, so that nothing of a job outlives ``ppctl`` even when ``ppctl`` is
-killed. ``Interruption`` is what ppctl's handler raises before any worker starts, and
-``RaiseSwallowedAgain`` raises it again where Python swallowed it (a signal that came while a
-``__del__`` ran). Nothing here imports torch: the launcher uses this module too.
+killed. ``BeforeStartSignals`` is ppctl's own handler until the launch installs its own: one per
+process, built by its entry point and handed to the commands, it raises ``Interruption`` in ppctl
+alone (never in a process forked meanwhile), and ``RaiseSwallowedAgain`` raises that again where
+Python swallowed it (a signal that came while a ``__del__`` ran). No module-level state; nothing
+here imports torch: the launcher uses this module too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+BEFORE_START_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+BEFORE_ANY_WORKER = "before any worker started"  # what the line of ``BeforeStartSignals`` says by default
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 # The threads' turns (``sys.setswitchinterval``; Python's default is 5 ms) while ``RaiseSwallowedAgain`` waits to
 # send a signal again.
@@ -183,3 +188,86 @@ class RaiseSwallowedAgain:
                 signal.pthread_kill(main_thread.ident, signum)
         finally:
             sys.setswitchinterval(self._switch_interval)
+
+
+class BeforeStartSignals:
+    """SIGINT and SIGTERM while ppctl composes, validates or prepares data: one line, exit 128 + the signal.
+
+    The process's entry point builds one and ``install``s it (the object itself is the handler) until the
+    launch installs its own; a command says what it is doing meanwhile with ``saying``. A process forked
+    meanwhile (the tokenising processes of ``datasets``, which their pool ends with SIGTERM) gets the
+    default action back, in a process group of its own (``_detach_forked_child``).
+    """
+
+    def __init__(self) -> None:
+        self.installer_pid: int | None = None  # the process that installed the handlers
+        self.doing: str | None = None  # what the line says ppctl was doing (None: ``BEFORE_ANY_WORKER``)
+        self._parent_death: ParentDeathSignal | None = None  # what a process forked meanwhile arms
+        self._fork_hook_registered = False  # ``os.register_at_fork`` cannot undo a hook: registered once
+
+    def install(self) -> BeforeStartSignals:
+        """Handle SIGINT and SIGTERM in this process from now on (and detach the processes it forks)."""
+        if not self._fork_hook_registered:
+            os.register_at_fork(after_in_child=self._detach_forked_child)
+            self._fork_hook_registered = True
+        self.installer_pid, self._parent_death = os.getpid(), ParentDeathSignal(signal.SIGTERM)
+        if not isinstance(sys.unraisablehook, RaiseSwallowedAgain):  # a signal while a __del__ runs: see its docstring
+            sys.unraisablehook = RaiseSwallowedAgain(sys.unraisablehook)
+        for signum in BEFORE_START_SIGNALS:
+            signal.signal(signum, self)
+        return self
+
+    def __call__(self, signum: int, frame) -> None:
+        """The handler: the line (once), then ``Interruption``.
+
+        Only in the process that installed it: in a child that still runs it (a signal that came
+        between its fork and ``_detach_forked_child``), the signal takes its default action. Where
+        Python swallows the exit (the signal came while a ``__del__`` ran), ``RaiseSwallowedAgain``,
+        installed beside it, signals again: the line is said once.
+        """
+        if self.installer_pid is not None and os.getpid() != self.installer_pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        hook = sys.unraisablehook if isinstance(sys.unraisablehook, RaiseSwallowedAgain) else None
+        said = hook is not None and hook.said(signum)
+        if hook is not None and hook.running_in(frame):  # raised in the hook, the exit would be swallowed again
+            hook.signal_later(signum, said)
+            return
+        if not said:
+            doing = self.doing or BEFORE_ANY_WORKER
+            sys.stderr.write(f"error: interrupted by {signal.Signals(signum).name} {doing}\n")
+            sys.stderr.flush()
+        raise Interruption(signum)
+
+    def _detach_forked_child(self) -> None:
+        """In a process forked before the launch: the default action for each signal this object still
+        handles, a process group of its own, and SIGTERM when ppctl ends.
+
+        A Python handler there would print a false "interrupted" line, and can miss the signal
+        altogether (one that comes just before the child blocks on a lock runs no Python code). In
+        ppctl's process group, a terminal's Ctrl-C (or ``kill -- -PGID``) would kill a pool process
+        waiting for work while it holds the pool's lock, and ppctl, ending the pool, would wait for that
+        lock for ever; outside it, the signal reaches ppctl alone, which ends the pool with SIGTERM. The
+        parent-death signal keeps what the terminal's hang-up no longer reaches from outliving ppctl.
+        """
+        forked_before_start = False
+        for signum in BEFORE_START_SIGNALS:
+            if signal.getsignal(signum) is self:
+                signal.signal(signum, signal.SIG_DFL)
+                forked_before_start = True
+        if not forked_before_start:
+            return
+        os.setpgid(0, 0)
+        if self._parent_death is not None and not self._parent_death.arm(self.installer_pid):
+            os.kill(os.getpid(), signal.SIGTERM)  # ppctl ended before the signal was armed
+
+    @contextlib.contextmanager
+    def saying(self, doing: str) -> Iterator[None]:
+        """Within the block, the line says ``doing`` (``while tokenising ...``) instead of ``before any worker
+        started``; the block's own clean-up runs as its ``SystemExit`` unwinds it."""
+        outer, self.doing = self.doing, doing
+        try:
+            yield
+        finally:
+            self.doing = outer

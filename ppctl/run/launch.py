@@ -1,12 +1,13 @@
 """Start the workers with torchrun: the command and its plan, the run, and the line that says how it ended.
 
-``ppctl train``, ``ppctl check-cluster`` and ``ppctl bench`` all come here: the run directory holds the
-resolved ``config.yaml``; every worker (``python -m ppctl.run.worker``) reads it. The pieces around a run
-live beside this module: ``supervise`` (torchrun's log and a stop on a signal), ``proctree`` (finding and
-signalling the workers), ``failures`` (the first failing rank in one line), ``rundir`` (what may go into a
-run directory, and its lock) and ``rendezvous`` (an explicit endpoint, checked before the start). A
-single-node run without an endpoint hosts its own rendezvous on a port the OS picks, under an id of its own.
-Nothing here imports torch at module level, so the CLI starts quickly.
+``ppctl train``, ``ppctl check-cluster`` and ``ppctl bench`` all come here, through ``start`` (a launch's
+steps in their order): the run directory holds the resolved ``config.yaml``; every worker (``python -m
+ppctl.run.worker``) reads it. The pieces around a run live beside this module: ``supervise`` (torchrun's log
+and a stop on a signal), ``proctree`` (finding and signalling the workers), ``failures`` (the first failing
+rank in one line), ``rundir`` (what may go into a run directory, and its lock) and ``rendezvous`` (an
+explicit endpoint, checked before the start). A single-node run without an endpoint hosts its own
+rendezvous on a port the OS picks, under an id of its own. Nothing here imports torch at module level, so
+the CLI starts quickly.
 """
 
 from __future__ import annotations

@@ -25,9 +25,9 @@ import torch
 from ppctl.config import PpctlConfig
 from ppctl.data.dataset import build_microbatch, global_batch_sample_ids
 from ppctl.data.dataset import Microbatch
+from ppctl.model.family import ResolvedModel, resolve_model
 from ppctl.model.from_config import build_chunk, dataset_of
 from ppctl.model.moe.layer import set_router_loss_scale
-from ppctl.model.moe.shape import moe_shape_of
 from ppctl.model.moe.statistics import routing_statistics, routing_table, update_expert_biases
 from ppctl.model.recompute import Recompute
 from ppctl.optim.delay import DelayedWeights
@@ -46,11 +46,11 @@ class ReferenceRun:
     parameters: dict[str, torch.Tensor]
 
 
-def reference_model(config: PpctlConfig) -> torch.nn.Module:
-    """The whole model of ``config`` as one chunk (one process: nothing of a parallel layout, and no recomputation:
-    a run that recomputes must compute the same)."""
+def reference_model(config: PpctlConfig, resolved: ResolvedModel | None = None) -> torch.nn.Module:
+    """The whole model of ``config`` (its ``ResolvedModel``, resolved here if not given) as one chunk (one process:
+    nothing of a parallel layout, and no recomputation: a run that recomputes must compute the same)."""
     layers = range(config.model.num_layers)
-    return build_chunk(config, layers, True, True, TPGroup.single(), recompute=Recompute())
+    return build_chunk(config, layers, True, True, TPGroup.single(), recompute=Recompute(), model=resolved)
 
 
 def reference_step(model: torch.nn.Module, optimizer, batch, clip_grad: float,
@@ -103,13 +103,13 @@ def _accumulated_token_loss(model: torch.nn.Module, batch, micro_batch_size: int
 
 def run_reference(config: PpctlConfig, steps: int | None = None) -> ReferenceRun:
     """Train ``steps`` (default ``trainer.max_steps``) full-batch steps in this process."""
-    trainer = config.trainer
-    model = reference_model(config)
+    trainer, resolved = config.trainer, resolve_model(config)
+    model = reference_model(config, resolved)
     optimizer = build_optimizer([model], config.optimizer)
     schedule = lr_schedule_of(config)
     dataset = dataset_of(config)
     delayed = DelayedWeights(dict(model.named_parameters())) if config.optimizer.gradient_delay else None
-    moe = moe_shape_of(config.model)
+    moe = resolved.moe
     losses, norms, first_gradients = [], [], {}
     for step in range(trainer.max_steps if steps is None else steps):
         ids = global_batch_sample_ids(trainer.seed, step, trainer.global_batch_size, len(dataset))

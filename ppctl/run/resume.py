@@ -45,16 +45,15 @@ def run_model_shapes(config: PpctlConfig) -> Shapes:
 
     from ppctl.checkpoint.pieces import checkpoint_view
     from ppctl.checkpoint.state import checkpoint_name
-    from ppctl.model.family import model_family
+    from ppctl.model.family import resolve_model
     from ppctl.model.recompute import Recompute
     from ppctl.parallel.tensor_parallel import TPGroup
 
-    family = model_family(config.model.family)
-    shape = family.shape_of(config)
+    resolved = resolve_model(config)
     with torch.device("meta"):
-        model = family.chunk_class()(shape, range(config.model.num_layers), True, True, TPGroup.single(), None,
+        model = resolved.build_chunk(range(config.model.num_layers), True, True, TPGroup.single(), None,
                                      torch.float32, None, Recompute())
-    rule_of = family.rule_of_name(shape)
+    rule_of = resolved.rules
     shapes = {}
     for name, tensor in model.state_dict().items():
         rule = rule_of(name)

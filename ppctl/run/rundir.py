@@ -1,11 +1,13 @@
-"""The run directory: its name, what may go into it, and the lock a live run holds on it.
+"""The run directory: its name, what may go into it, its writing and clearing, and the lock a live run holds on it.
 
 Before anything starts or changes in the directory: ``run_dir_problem`` refuses a path this file system
 cannot hold, a ``bench`` or ``check-cluster`` that would replace another command's run (its
 ``config.yaml``), and a fresh training run that would replace the checkpoints an earlier run left there;
 ``writable_problem`` refuses a directory (or its checkpoints folder) that cannot be written, which would
-otherwise be found at the first checkpoint, with every step before it lost. ``RunDirLock`` keeps a second
-run out of a live run's directory.
+otherwise be found at the first checkpoint, with every step before it lost. ``write_run_dir`` checks
+and locks before it writes (a refused run changes nothing there); ``RunDirLock`` keeps a second run out
+of a live run's directory, and an earlier run's checkpoints are cleared only under it. Every refusal is
+``RunDirError`` with one line; nothing here prints or exits.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import tempfile
 from pathlib import Path
 
 from ppctl.checkpoint.files import checkpoints_dir, list_checkpoints
+from ppctl.config import PpctlConfig, to_yaml
+from ppctl.fileio import os_reason
 
 TASK_RECORD = "task.txt"  # the command whose run a run directory holds: train, bench or check-cluster
 RUN_NAMES = {"train": "a training run", "bench": "a ppctl bench run", "check-cluster": "a ppctl check-cluster run"}
@@ -33,10 +37,19 @@ RUN_FILES_ROOM = 128
 SHOWN_CHARS = 100  # a longer path is shown by its ends in a refusal
 
 
+class RunDirError(RuntimeError):
+    """The run directory cannot be used, written or cleared, or another run holds it; the message is one line."""
+
+
 def default_run_dir(base: str = "runs") -> Path:
     """``runs/<timestamp>``, unique to the microsecond."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     return Path(base) / stamp
+
+
+def run_dir_of(configured: str | None) -> Path:
+    """The run directory of a launch: ``configured`` (``trainer.out_dir``), else a new ``runs/<timestamp>``."""
+    return Path(configured) if configured else default_run_dir()
 
 
 def run_dir_problem(run_dir: Path, task: str, resume_from: str | None = None, overwrite: bool = False) -> str | None:
@@ -205,23 +218,72 @@ def reuse_problem(run_dir: Path, resume_from: str | None, overwrite: bool) -> st
             f"trainer.out_dir, or set trainer.overwrite=true to delete them and start over")
 
 
+def clears_earlier_run(config: PpctlConfig, run_dir: Path, task: str) -> bool:
+    """Whether this launch deletes an earlier run's checkpoints in ``run_dir`` (``trainer.overwrite=true``; node 0
+    alone, as the nodes of a job share the run directory)."""
+    return (task == "train" and config.trainer.overwrite and config.launcher.node_rank == 0
+            and bool(committed_steps(run_dir)))
+
+
 def clear_earlier_run(run_dir: Path) -> str | None:
     """``trainer.overwrite=true``: delete the checkpoints an earlier run left in ``run_dir``, and its TensorBoard logs
     (a new run's curves would otherwise be drawn over the old ones). Returns the line that says so, None when there
-    was nothing to delete; OSError when something cannot be deleted."""
+    was nothing to delete; ``RunDirError`` when something cannot be deleted. Only under the run directory's lock:
+    never a live run's checkpoints."""
     steps = committed_steps(run_dir)
     if not steps:
         return None
-    for folder in (checkpoints_dir(run_dir), run_dir / "tensorboard"):
-        if folder.exists():
-            shutil.rmtree(folder)
+    try:
+        for folder in (checkpoints_dir(run_dir), run_dir / "tensorboard"):
+            if folder.exists():
+                shutil.rmtree(folder)
+    except OSError as error:
+        raise RunDirError(f"trainer.overwrite=true: cannot delete the earlier run's files in {run_dir}: "
+                          f"{os_reason(error)}") from None
     return (f"trainer.overwrite=true: deleted the earlier run's checkpoints (newest: step {steps[-1]}) and "
             f"TensorBoard logs in {run_dir}")
 
 
+# --- the run directory written, under its lock -------------------------------------------------------------
+
+def write_run_dir(run_dir: Path, config: PpctlConfig, task: str, layout_json: str) -> RunDirLock:
+    """Create the run directory, check that it can be written, lock it, write which ``task`` runs there, the resolved
+    ``config.yaml`` and ``layout_json`` (``layout.json``); return the lock.
+
+    The check and the lock come before the files: a run refused because the directory cannot be written, or
+    because another one holds it, changes nothing in it. Each refusal is ``RunDirError`` (``RunDirBusy``).
+    """
+    lock = RunDirLock(run_dir, config.launcher.node_rank)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        problem = writable_problem(run_dir, task == "train" and config.trainer.checkpoints)
+        if problem is not None:
+            raise RunDirError(problem)
+        lock.acquire()
+        (run_dir / TASK_RECORD).write_text(f"{task}\n")
+        (run_dir / "config.yaml").write_text(to_yaml(config))
+        (run_dir / "layout.json").write_text(layout_json)
+    except OSError as error:
+        lock.release()
+        raise RunDirError(f"trainer.out_dir={run_dir}: cannot create the run directory: "
+                          f"{os_reason(error, run_dir)}") from None
+    return lock
+
+
+def write_files(run_dir: Path, files: dict[str, str]) -> None:
+    """Write each ``relative path -> text`` into the run directory; ``RunDirError`` when one cannot be."""
+    for relative, text in files.items():
+        path = run_dir / relative
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        except OSError as error:
+            raise RunDirError(f"trainer.out_dir={run_dir}: cannot write {relative}: {os_reason(error, path)}") from None
+
+
 # --- the run directory's lock -----------------------------------------------------------------------------
 
-class RunDirBusy(RuntimeError):
+class RunDirBusy(RunDirError):
     """Another live run holds the run directory; the message is one line naming it."""
 
 

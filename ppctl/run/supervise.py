@@ -133,7 +133,7 @@ def _on_signals(stop: Stopping, received: list[int], torchrun_pid: int) -> None:
     for signum in received:
         if not stop.begun:
             stop.signum, stop.deadline = signum, time.monotonic() + stop.shutdown_timeout_s
-            _say(f"stopping ({signal.Signals(signum).name}): {stop.notice}; waiting up to "
+            say(f"stopping ({signal.Signals(signum).name}): {stop.notice}; waiting up to "
                  f"{stop.shutdown_timeout_s:g} s (Ctrl-C again to kill them now)")
         elif stop.killed is None:
             stop.killed = f"on a second signal ({signal.Signals(signum).name})"
@@ -143,7 +143,7 @@ def _on_signals(stop: Stopping, received: list[int], torchrun_pid: int) -> None:
     if time.monotonic() > stop.deadline:
         stop.killed = f"still running {stop.shutdown_timeout_s:g} s after the stop (launcher.shutdown_timeout_s)"
         if stop.log_error is None:  # a log failure ends with its own single line
-            _say(f"the workers are {stop.killed}: killing them")
+            say(f"the workers are {stop.killed}: killing them")
         kill_job(torchrun_pid)
     elif time.monotonic() >= stop.next_scan:
         # The user's signal itself, so that the checkpoint says which one stopped the run (a log that cannot be
@@ -152,6 +152,7 @@ def _on_signals(stop: Stopping, received: list[int], torchrun_pid: int) -> None:
         stop.next_scan = time.monotonic() + POLL_S
 
 
-def _say(line: str) -> None:
+def say(line: str) -> None:
+    """``line`` on stderr at once (the launcher's own lines, beside torchrun's)."""
     sys.stderr.write(line + "\n")
     sys.stderr.flush()

@@ -23,7 +23,6 @@ from ppctl.config.resolved import ResolvedConfig
 from ppctl.data.iterator import PipelineDataIterator
 from ppctl.model.from_config import build_chunk, dataset_of
 from ppctl.model.moe.layer import set_router_loss_scale
-from ppctl.model.moe.shape import moe_shape_of
 from ppctl.model.moe.statistics import RoutingStatistics, routing_statistics, routing_table, update_expert_biases
 from ppctl.model.stages import MaskedTokenLoss, build_stages
 from ppctl.optim.bucketed import weakly_bound
@@ -213,7 +212,7 @@ def build_chunks(resolved: ResolvedConfig, context: ParallelContext, load_init_f
     chunks = {}
     for stage in resolved.rank_stages(context.pp_rank):
         chunk = build_chunk(config, stage.layers, stage.pre_process, stage.post_process, tp, cp,
-                            load_init_from=load_init_from, ep=ep)
+                            load_init_from=load_init_from, ep=ep, model=resolved.model)
         chunks[stage.stage] = chunk.to(context.device)
     # Model-stage order: DualPipe's mirror ranks then list the same parameters in the same order.
     return dict(sorted(chunks.items(), key=lambda item: context.layout.placement.model_stage(item[0])))
@@ -300,7 +299,7 @@ class Trainer:
         self._eval_program: Program | None = None
         self.holds_loss = context.pp_rank in layout.placement.loss_pp_ranks
         self.logging_rank = layout.rank(pp=layout.placement.last_stage_rank)
-        self.moe = moe_shape_of(config.model)
+        self.moe = resolved.model.moe
         self.routing: RoutingStatistics | None = None  # the last step's, with experts
 
     def set_tracing(self, on: bool) -> None:

@@ -140,13 +140,13 @@ def parameter_row(differences: list[ParameterDifference], tolerance: Tolerance) 
 def judge(parallel_dir: Path, single_dir: Path, single_config, steps: int) -> Verdict:
     """The verdict on two finished runs of ``steps`` steps; ``single_config``: the single process's (resolved)
     config, whose precision sets the tolerance and whose optimizer the parameter bound."""
-    from ppctl.model.from_config import parameter_rules
+    from ppctl.model.family import resolve_model
     from ppctl.run.reference import run_reference
     from ppctl.verify.tolerance import tolerance_of
 
     tolerance = tolerance_of(single_config.trainer.precision)
     rows = scalar_rows(parallel_dir, single_dir, steps, tolerance)
-    rules, vocab = parameter_rules(single_config), single_config.model.vocab_size
+    rules, vocab = resolve_model(single_config).rules, single_config.model.vocab_size
     first_gradients = run_reference(single_config, 1).first_gradients  # step 0's, as the single run took it
     optimizer = single_config.optimizer
 

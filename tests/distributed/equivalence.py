@@ -216,9 +216,9 @@ def single_process_reference(overrides: list[str], steps: int = STEPS) -> Refere
 
 
 def _dense_and_expected(run: dict, name: str, shard: torch.Tensor, tensors: dict, reference: "Reference"):
-    from ppctl.model.from_config import parameter_rules
+    from ppctl.model.family import resolve_model
 
-    rule = parameter_rules(reference.config)(name)
+    rule = resolve_model(reference.config).rules(name)
     # A tied output layer on the last stage is a copy of the single process's word embedding.
     dense_name = rule.tied_to if name not in tensors else name
     return dense_name, expected_shard(name, rule, tensors[dense_name], shard, run["tp"], run["tp_rank"],

@@ -32,11 +32,11 @@ def save_step(run_dir: Path, config: PpctlConfig, step: int, keep_last: int = 1,
     """Save a checkpoint of ``config``'s model (random weights drawn from ``seed``, default ``step``) after ``step``
     steps, its tensors named and cut as a run's one process saves them, and commit it as a run's rank 0 does
     (``latest``, then pruning to ``keep_last``); return it."""
-    from ppctl.model.from_config import parameter_rules
+    from ppctl.model.family import resolve_model
     from ppctl.run.reference import reference_model
 
     torch.manual_seed(step if seed is None else seed)
-    rule_for, state = parameter_rules(config), {}
+    rule_for, state = resolve_model(config).rules, {}
     for name, param in reference_model(config).named_parameters():
         rule = rule_for(name)
         shape, pieces = parameter_pieces(rule, param.detach(), 1, 0, config.model.vocab_size)

@@ -11,7 +11,7 @@ from ppctl.config.resolved import resolve, stage_counts
 from ppctl.parallel.layout import parse_pipeline_layout
 from ppctl.parallel.placement import looped_placement, v_placement, wave_placement
 from ppctl.pipeline.schedules import SCHEDULE_SPECS
-from ppctl.plan.balance import (GIB, PartCosts, balance_summary, balanced_counts, config_part_costs, even_counts,
+from ppctl.plan.balance import (GIB, PartCosts, balance_summary, balanced_counts, model_part_costs, even_counts,
                                 layers_held, layout_string, part_costs, rank_loads)
 from ppctl.plan.memory import config_memory
 
@@ -102,9 +102,9 @@ def test_part_costs_follow_the_flop_count():
 def assert_config_optimal(run):
     """The resolved config's split is the optimum over every split, and no slower than the even one."""
     config, placement = run.config, run.layout.placement
-    costs, counts = config_part_costs(config), list(stage_counts(run))
+    costs, counts = model_part_costs(run.model, config.trainer.seq_length), list(stage_counts(run))
     assert max(rank_loads(placement, costs, counts)) == optimum(config.model.num_layers, placement, costs)
-    summary = balance_summary(config, placement, counts)
+    summary = balance_summary(run, counts)
     assert summary.layout == run.pipeline_layout and summary.slowest_flops <= summary.even_slowest_flops
     return counts, layers_held(placement, counts)
 
@@ -117,7 +117,7 @@ def test_gpt_small_at_pp4_gives_the_loss_stage_fewer_layers():
     counts, _ = assert_config_optimal(run)
     assert run.pipeline_layout == "Ettttttt|tttttttt|ttttttt|ttL"
     assert counts[-1] < min(counts[1:-1]) and counts[0] <= max(counts[1:-1])  # the embedding's stage: no more
-    summary = balance_summary(run.config, run.layout.placement, counts)
+    summary = balance_summary(run, counts)
     assert summary.even_layout == "Etttttt|tttttt|tttttt|ttttttL"
     assert summary.slowest_flops < 0.75 * summary.even_slowest_flops  # the last rank ran 6 layers and the output
     assert resolve(composed(*GPT_SMALL_LIKE, "parallel.pp=4")).pipeline_layout == "Etttt|tttt|tttt|L"  # 12 layers

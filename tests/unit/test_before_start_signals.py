@@ -12,18 +12,17 @@ import time
 
 import pytest
 
-from ppctl.cli import app
+from ppctl.run.interrupt import BeforeStartSignals
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @pytest.fixture
-def before_start_handlers(monkeypatch):
-    """``install_before_start_handlers()`` as ``main`` runs it; the handlers and the installer pid restored after."""
+def before_start_handlers():
+    """A ``BeforeStartSignals`` installed as ``main`` installs it; the handlers restored after."""
     saved = {signum: signal.getsignal(signum) for signum in SIGNALS}
-    monkeypatch.setattr(app, "_handlers_pid", app._handlers_pid)
-    app.install_before_start_handlers()
-    yield
+    signals = BeforeStartSignals().install()
+    yield signals
     for signum, handler in saved.items():
         signal.signal(signum, handler)
 
@@ -50,7 +49,7 @@ def test_a_child_still_running_the_handler_takes_the_default_action(before_start
     pid = os.fork()
     if pid == 0:  # the child
         try:
-            signal.signal(signal.SIGTERM, app.interrupted_before_start)
+            signal.signal(signal.SIGTERM, before_start_handlers)
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)
         finally:
@@ -61,9 +60,9 @@ def test_a_child_still_running_the_handler_takes_the_default_action(before_start
 
 
 def test_in_ppctl_itself_the_handler_still_says_it_in_one_line(before_start_handlers, capsys):
-    assert signal.getsignal(signal.SIGTERM) is app.interrupted_before_start
+    assert signal.getsignal(signal.SIGTERM) is before_start_handlers
     with pytest.raises(SystemExit) as ended:
-        app.interrupted_before_start(signal.SIGTERM, None)
+        before_start_handlers(signal.SIGTERM, None)
     assert ended.value.code == 143
     assert capsys.readouterr().err == "error: interrupted by SIGTERM before any worker started\n"
 
@@ -108,7 +107,7 @@ def test_a_forked_child_ends_with_ppctl(before_start_handlers):
     stand_in = os.fork()
     if stand_in == 0:  # ppctl, with a tokenising child of its own, then killed
         try:
-            app.install_before_start_handlers()
+            before_start_handlers.install()
             child = multiprocessing.get_context("fork").Process(target=sleep_until_ended)
             child.start()
             os.write(writer, str(child.pid).encode())

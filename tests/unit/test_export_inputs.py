@@ -40,10 +40,10 @@ def run(tmp_path):
     return run_dir, config
 
 
-def _invoke(*args: str):
+def _invoke(*args: str, **extra):
     from ppctl.cli.app import app
 
-    return CliRunner().invoke(app, list(args))
+    return CliRunner().invoke(app, list(args), **extra)
 
 
 def _left(tmp_path) -> list[str]:
@@ -86,17 +86,19 @@ def test_a_full_disk_is_one_line_naming_the_folder_and_nothing_is_left(run, tmp_
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_sigterm_while_writing_is_one_line_and_removes_the_hidden_folder(run, tmp_path, monkeypatch):
-    """The handler ppctl's ``main`` installs, and a real SIGTERM to this process while the weights are written."""
+    """The handler ppctl's ``main`` installs and hands to the command, and a real SIGTERM to this process while the
+    weights are written."""
     import os
 
-    from ppctl.cli import app
+    from ppctl.run.interrupt import BeforeStartSignals
 
     _writing_then(monkeypatch, lambda: os.kill(os.getpid(), signal.SIGTERM))
-    saved = signal.signal(signal.SIGTERM, app.interrupted_before_start)
-    monkeypatch.setattr(app, "_handlers_pid", os.getpid())
+    signals = BeforeStartSignals()
+    signals.installer_pid = os.getpid()
+    saved = signal.signal(signal.SIGTERM, signals)
     try:
         out = tmp_path / "hf"
-        result = _invoke("export", str(run[0]), str(out))
+        result = _invoke("export", str(run[0]), str(out), obj=signals)
     finally:
         signal.signal(signal.SIGTERM, saved)
     assert result.exit_code == 143

@@ -399,13 +399,14 @@ def test_a_transposed_or_split_tensor_of_another_shape_is_refused_naming_it(fold
 def test_the_shapes_checked_are_those_of_the_model_ppctl_builds(overrides_):
     """Every parameter of the model built on the meta device (nothing allocated) has the shape ``dense_shapes``
     gives, its vocabulary rows unpadded."""
-    from ppctl.model.from_config import build_chunk, family_of
+    from ppctl.model.family import resolve_model
+    from ppctl.model.from_config import build_chunk
     from ppctl.model.hf_format import hf_format_of
     from ppctl.model.rules import rule_of
     from ppctl.parallel.tensor_parallel import TPGroup
 
     config = compose_config(["parallel=single", "data=synthetic", *overrides_])
-    expected = hf_format_of(family_of(config)).dense_shapes(config.model)
+    expected = hf_format_of(resolve_model(config).family).dense_shapes(config.model)
     with torch.device("meta"):
         chunk = build_chunk(config, list(range(config.model.num_layers)), True, True, TPGroup.single(),
                             load_init_from=False)

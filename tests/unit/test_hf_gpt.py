@@ -131,9 +131,9 @@ def test_the_dense_tensors_map_back_to_the_folders_bit_for_bit(folders, architec
 
 
 def _shape(config):
-    from ppctl.model.from_config import model_shape
+    from ppctl.model.family import resolve_model
 
-    return model_shape(config)
+    return resolve_model(config).shape
 
 
 class _Twin:

@@ -138,7 +138,7 @@ def test_a_rank_reads_its_slices_only_a_piece_at_a_time(folders, monkeypatch):
 def test_the_dense_tensors_map_back_to_the_folders_bit_for_bit(folders, name):
     from safetensors.torch import load_file
 
-    from ppctl.model.from_config import model_shape
+    from ppctl.model.family import resolve_model
     from ppctl.model.hf_format import read_hf_config
     from ppctl.model.hf_weights import to_hf_tensors
     from ppctl.model.llama.hf import FORMAT
@@ -149,12 +149,12 @@ def test_the_dense_tensors_map_back_to_the_folders_bit_for_bit(folders, name):
     config = _config(folders, name, "trainer.precision=fp32")
     dense = {key: param.detach()[:VOCAB] if rule_of(param).vocab_rows else param.detach()
              for key, param in reference_model(config).named_parameters()}
-    written = to_hf_tensors(FORMAT, model_shape(config), read_hf_config(folder), dense)
+    written = to_hf_tensors(FORMAT, resolve_model(config).shape, read_hf_config(folder), dense)
     saved = load_file(str(folder / "model.safetensors"))
     assert sorted(written) == sorted(saved)
     for key, tensor in saved.items():
         assert torch.equal(written[key], tensor), key
-    exported = FORMAT.hf_config(model_shape(config))
+    exported = FORMAT.hf_config(resolve_model(config).shape)
     assert FORMAT.shape_from_hf(exported) == FORMAT.shape_from_hf(read_hf_config(folder))
 
 

@@ -76,7 +76,7 @@ def test_the_dense_tensors_map_back_to_the_folders_bit_for_bit(folder):
     (every expert of every layer by its hub name), and its config.json describes the same model."""
     from safetensors.torch import load_file
 
-    from ppctl.model.from_config import model_shape
+    from ppctl.model.family import resolve_model
     from ppctl.model.hf_format import read_hf_config
     from ppctl.model.hf_weights import to_hf_tensors
     from ppctl.model.llama.hf import FORMAT
@@ -85,13 +85,13 @@ def test_the_dense_tensors_map_back_to_the_folders_bit_for_bit(folder):
     config = _config(folder)
     dense = {key: param.detach()[:VOCAB] if rule_of(param).vocab_rows else param.detach()
              for key, param in _ppctl(config).named_parameters()}
-    written = to_hf_tensors(FORMAT, model_shape(config), read_hf_config(folder), dense)
+    written = to_hf_tensors(FORMAT, resolve_model(config).shape, read_hf_config(folder), dense)
     saved = load_file(str(folder / "model.safetensors"))
     assert sorted(written) == sorted(saved)
     assert "model.layers.3.block_sparse_moe.experts.3.w2.weight" in saved
     for key, tensor in saved.items():
         assert torch.equal(written[key], tensor), key
-    exported = FORMAT.hf_config(model_shape(config))
+    exported = FORMAT.hf_config(resolve_model(config).shape)
     assert FORMAT.shape_from_hf(exported) == FORMAT.shape_from_hf(read_hf_config(folder))
 
 
@@ -234,8 +234,8 @@ UNEXPRESSIBLE = [
     (["model.moe.capacity_factor=1.5"], "model.moe.capacity_factor=1.5: MixtralForCausalLM cannot express it "
                                         "(Mixtral drops no tokens"),
     (["model.qkv_bias=true"], "model.qkv_bias=true: MixtralForCausalLM has no q/k/v biases"),
-    (["model=gpt_tiny", "model.moe.num_experts=4"], "model.moe.num_experts=4 with model.family=gpt: ppctl writes a "
-                                                    "mixture of experts as Mixtral only"),
+    (["model=gpt_tiny", "model.moe.num_experts=4"], "model.moe.num_experts=4 with model.family=gpt: this family's "
+                                                    "Hugging Face format writes no mixture of experts"),
 ]
 
 
@@ -254,10 +254,10 @@ def test_what_mixtral_cannot_express_is_refused_in_one_line(tmp_path, settings, 
 
 
 def test_a_dense_run_exports_llama_as_before(tmp_path):
-    from ppctl.model.from_config import model_shape
+    from ppctl.model.family import resolve_model
     from ppctl.model.llama.hf import FORMAT
 
-    written = FORMAT.hf_config(model_shape(compose_config(["model=llama_tiny", "data=synthetic"])))
+    written = FORMAT.hf_config(resolve_model(compose_config(["model=llama_tiny", "data=synthetic"])).shape)
     assert written["architectures"] == ["LlamaForCausalLM"] and "num_local_experts" not in written
 
 
@@ -303,8 +303,8 @@ def test_a_dense_llama_folder_is_refused_to_a_run_with_experts(tmp_path):
 def test_a_gpt_run_with_experts_reads_no_folder(folder):
     config = compose_config(["model=gpt_tiny", "data=synthetic", "parallel=single", "model.moe.num_experts=4",
                              f"model.init_from={folder}"])
-    with pytest.raises(ConfigError, match="model.init_from with model.moe.num_experts=4 and model.family=gpt: ppctl "
-                                          "reads a mixture of experts from Mixtral folders only"):
+    with pytest.raises(ConfigError, match="model.init_from with model.moe.num_experts=4 and model.family=gpt: this "
+                                          "family's Hugging Face format reads no mixture of experts"):
         validate(config)
 
 

@@ -229,10 +229,10 @@ def test_signal_inbox_records_and_restores():
 def test_signal_before_any_worker_starts_is_one_line_and_128_plus_the_signal(capsys):
     import signal
 
-    from ppctl.cli.app import interrupted_before_start
+    from ppctl.run.interrupt import BeforeStartSignals
 
     with pytest.raises(SystemExit) as ended:
-        interrupted_before_start(signal.SIGINT, None)
+        BeforeStartSignals()(signal.SIGINT, None)
     assert ended.value.code == 130
     assert capsys.readouterr().err == "error: interrupted by SIGINT before any worker started\n"
 

@@ -14,8 +14,8 @@ PURE = ("ppctl.parallel.layout", "ppctl.parallel.placement", "ppctl.pipeline.sch
         "ppctl.pipeline.replay", "ppctl.pipeline.simulate", "ppctl.pipeline.check", "ppctl.pipeline.interleave",
         "ppctl.optim.lr", "ppctl.optim.loss_scale", "ppctl.config", "ppctl.checkpoint.files",
         "ppctl.run.interrupt", "ppctl.fileio", "ppctl.bench.rules", "ppctl.model.flops", "ppctl.model.recompute",
-        "ppctl.model.family", "ppctl.model.hf_format", "ppctl.model.gpt.hf", "ppctl.model.llama.hf",
-        "ppctl.model.moe.shape",
+        "ppctl.model.family", "ppctl.model.memory_shape", "ppctl.model.hf_format", "ppctl.model.gpt.hf",
+        "ppctl.model.llama.hf", "ppctl.model.moe.shape",
         "ppctl.plan", "ppctl.verify.tolerance", "ppctl.verify.runs", "ppctl.verify.shrink")
 # The folders are the layers. Each module's level is that of its longest listed prefix (a package covers
 # its modules, a module listed alone overrides its package); a module imports only from its level or below.
@@ -39,8 +39,9 @@ LEVELS = {
     "ppctl.model.from_config": 3, "ppctl.model.stages": 4, "ppctl.run.reference": 4, "ppctl.checkpoint.state": 4,
     "ppctl.checkpoint.hf_export": 4,  # ppctl export: a checkpoint and its run's config as a Hugging Face folder
     # 5 and 6, the launch path (run/): the training loop and what it logs, the launcher's parts (supervise,
-    # proctree, rundir, rendezvous, failures), then the worker and the launcher on them.
-    "ppctl.run": 5, "ppctl.run.worker": 6, "ppctl.run.launch": 6,
+    # proctree, rundir, rendezvous, failures, the resume point), then the worker, the launcher and a run's start
+    # (the launch's work behind the command line) on them.
+    "ppctl.run": 5, "ppctl.run.worker": 6, "ppctl.run.launch": 6, "ppctl.run.start": 6,
     # 5, ``ppctl bench``'s workers: the trainer against torch.distributed.pipelining or a plain loop.
     "ppctl.bench": 5,
     # 5, ``ppctl generate``: a run's checkpoint or a Hugging Face folder as one chunk, decoded with a KV cache.

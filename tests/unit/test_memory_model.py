@@ -49,18 +49,18 @@ def test_parameter_count_is_the_built_chunks(tp, pre, post, tied, rope):
 
 @pytest.mark.parametrize("family", [[], ["model=llama_tiny"]])
 def test_parameter_count_of_a_config_with_qkv_biases_is_the_built_chunks(family):
-    """``model.qkv_bias`` reaches the count from a config (``model_shape``): the gpt family's fused bias, split with
-    the QKV rows, and Llama's q/k/v biases."""
+    """``model.qkv_bias`` reaches the count from a config (``ResolvedModel.memory_shape``): the gpt family's fused
+    bias, split with the QKV rows, and Llama's q/k/v biases."""
     from ppctl.config import compose_config
     from ppctl.model.from_config import build_chunk
-    from ppctl.plan.memory import model_shape
+    from ppctl.model.family import resolve_model
 
     tp = 2
     for qkv_bias in (False, True):
         config = compose_config([*family, "data=synthetic", f"parallel.tp={tp}", f"model.qkv_bias={qkv_bias}"])
         chunk = build_chunk(config, [0, 1], True, True, TPGroup(None, tp, 0))
         expected = sum(param.numel() for param in chunk.parameters())
-        assert chunk_parameters(model_shape(config), Chunk(0, 2, True, True), tp) == expected, qkv_bias
+        assert chunk_parameters(resolve_model(config).memory_shape, Chunk(0, 2, True, True), tp) == expected, qkv_bias
 
 
 CASES = {"middle": dict(), "first": dict(pre=True), "last": dict(post=True), "whole": dict(pre=True, post=True),
@@ -222,10 +222,10 @@ def test_expert_parallel_parameter_count_is_each_ep_ranks_built_chunk(family, ep
     from ppctl.config import compose_config
     from ppctl.model.from_config import build_chunk
     from ppctl.parallel.expert_parallel import EPGroup
-    from ppctl.plan.memory import model_shape
+    from ppctl.model.family import resolve_model
 
     config = compose_config([*family, "data=synthetic", f"parallel.dp={ep}", f"parallel.ep={ep}"])
-    shape, layers = model_shape(config), config.model.num_layers
+    shape, layers = resolve_model(config).memory_shape, config.model.num_layers
     moe_layers = sum(map(shape.moe.is_moe_layer, range(layers)))
     planned = Chunk(0, layers, True, True, moe_layers)
     for ep_rank in range(ep):

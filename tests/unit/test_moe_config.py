@@ -66,8 +66,8 @@ RULES = [
      "parallel.ep=2 splits a mixture's experts, but the model has none"),
     (dict(parallel__ep=0), "parallel.ep=0 must be a positive integer"),
     (dict(model__init_from="/some/mixtral", model__family="gpt", model__num_kv_heads=None),
-     "model.init_from with model.moe.num_experts=8 and model.family=gpt: ppctl reads a mixture of experts from "
-     "Mixtral folders only"),
+     "model.init_from with model.moe.num_experts=8 and model.family=gpt: this family's Hugging Face format reads no "
+     "mixture of experts (ppctl reads them as MixtralForCausalLM (model.family=llama))"),
 ]
 
 

@@ -1,6 +1,6 @@
 """A signal that comes while Python runs code whose exceptions reach no caller still ends ``ppctl`` in one line.
 
-``interrupted_before_start`` raises ``SystemExit`` wherever the main thread is. In a ``__del__`` (a
+``BeforeStartSignals`` raises ``SystemExit`` wherever the main thread is. In a ``__del__`` (a
 ``datasets.Dataset`` going away while ``prepare-data`` tokenises), a weakref callback or an at-fork hook
 (logging's lock release), Python prints "Exception ignored in ..." with a traceback and goes on: the
 command said "interrupted", printed a traceback, then tokenised to the end and exited 0 (about one Ctrl-C in
@@ -15,19 +15,20 @@ import weakref
 
 import pytest
 
-from ppctl.cli import app
+from ppctl.run.interrupt import BeforeStartSignals
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @pytest.fixture
 def before_start_handlers(monkeypatch):
-    """``install_before_start_handlers()`` as ``main`` runs it; handlers, unraisable hook and installer restored."""
+    """A ``BeforeStartSignals`` installed as ``main`` installs it, saying it tokenises; handlers and unraisable hook
+    restored after."""
     saved = {signum: signal.getsignal(signum) for signum in SIGNALS}
-    monkeypatch.setattr(app, "_handlers_pid", app._handlers_pid)
     monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
-    with app.interruption_says("while tokenising data.path=corpus.jsonl"):
-        app.install_before_start_handlers()
+    signals = BeforeStartSignals()
+    with signals.saying("while tokenising data.path=corpus.jsonl"):
+        signals.install()
         yield
     for signum, handler in saved.items():
         signal.signal(signum, handler)

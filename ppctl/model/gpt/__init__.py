@@ -17,20 +17,18 @@ OTHER_FAMILIES_KEYS = ("num_kv_heads", "head_dim", "rope_scaling_factor", "rope_
                        "rope_high_freq_factor", "rope_original_max_position")
 
 
-def _shape_of(config):
-    """The ``GPTConfig`` a ``PpctlConfig`` describes: the tokenizer's vocabulary, its rows padded for TP."""
-    from ppctl.config import padded_vocab_size
-    from ppctl.model.moe.shape import moe_shape_of
+def _shape_of(resolved):
+    """The ``GPTConfig`` of a ``ResolvedModel``: its settings, padded vocabulary and mixture."""
     from ppctl.model.gpt.model import GPTConfig
 
-    model = config.model
+    model = resolved.settings
     return GPTConfig(
         num_layers=model.num_layers, hidden_size=model.hidden_size, num_heads=model.num_heads,
         ffn_hidden_size=model.ffn_hidden_size, activation=model.activation, vocab_size=model.vocab_size,
-        padded_vocab_size=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, config.parallel.tp),
+        padded_vocab_size=resolved.padded_vocab_size,
         max_seq_length=model.max_seq_length, position_embedding=model.position_embedding,
         tie_embeddings=model.tie_embeddings, norm_epsilon=model.norm_epsilon, init_std=model.init_std,
-        rope_base=model.rope_theta, qkv_bias=model.qkv_bias, moe=moe_shape_of(model),
+        rope_base=model.rope_theta, qkv_bias=model.qkv_bias, moe=resolved.moe,
     )
 
 

@@ -13,14 +13,12 @@ from ppctl.model.family import Architecture, ModelFamily
 from ppctl.model.llama.heads import head_dim_of, kv_heads_of
 
 
-def _shape_of(config):
-    """The ``LlamaConfig`` a ``PpctlConfig`` describes: the tokenizer's vocabulary, its rows padded for TP."""
-    from ppctl.config import padded_vocab_size
-    from ppctl.model.moe.shape import moe_shape_of
+def _shape_of(resolved):
+    """The ``LlamaConfig`` of a ``ResolvedModel``: its settings, padded vocabulary and mixture."""
     from ppctl.model.llama.layers import RopeScaling
     from ppctl.model.llama.model import LlamaConfig
 
-    model = config.model
+    model = resolved.settings
     scaling = None
     if model.rope_scaling_factor is not None:
         scaling = RopeScaling(model.rope_scaling_factor, model.rope_low_freq_factor, model.rope_high_freq_factor,
@@ -29,9 +27,9 @@ def _shape_of(config):
         num_layers=model.num_layers, hidden_size=model.hidden_size, num_heads=model.num_heads,
         num_kv_heads=kv_heads_of(model), head_dim=head_dim_of(model),
         ffn_hidden_size=model.ffn_hidden_size, vocab_size=model.vocab_size, max_seq_length=model.max_seq_length,
-        padded_vocab_size=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, config.parallel.tp),
+        padded_vocab_size=resolved.padded_vocab_size,
         tie_embeddings=model.tie_embeddings, norm_epsilon=model.norm_epsilon, init_std=model.init_std,
-        rope_theta=model.rope_theta, rope_scaling=scaling, qkv_bias=model.qkv_bias, moe=moe_shape_of(model),
+        rope_theta=model.rope_theta, rope_scaling=scaling, qkv_bias=model.qkv_bias, moe=resolved.moe,
     )
 
 
