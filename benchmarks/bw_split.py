@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.args import divides, non_negative_int, positive_int  # noqa: E402
 from ppctl.model.gpt.model import GPTChunk, GPTConfig  # noqa: E402
-from ppctl.parallel.tensor_parallel import TPGroup  # noqa: E402
+from ppctl.parallel.layout import StageLayers  # noqa: E402
 from ppctl.pipeline.stage import PipelineStage, StageIO, TensorSpec  # noqa: E402
 
 KEY = 0  # the microbatch
@@ -35,7 +35,7 @@ def middle_stage(args, split_backward: bool) -> PipelineStage:
     """A stage of ``args.layers`` transformer layers receiving and sending hidden states."""
     config = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
                        ffn_hidden_size=4 * args.hidden, vocab_size=256, max_seq_length=args.seq)
-    chunk = GPTChunk(config, range(args.layers), False, False, TPGroup.single(), seed=0)
+    chunk = GPTChunk(config, StageLayers(0, tuple(range(args.layers)), False, False), seed=0)
     spec = TensorSpec((args.micro_batch, args.seq, args.hidden), torch.float32)
     return PipelineStage(1, chunk, StageIO(input=spec, output=spec, fields=()),
                          lambda module, stage_input, _microbatch: module(stage_input), is_last=False,

@@ -161,19 +161,19 @@ def load_worker(rank: int, world_size: int, overrides: list[str], interval: floa
     """Build this rank's chunks from the folder as the trainer does; its memory before, at peak and after."""
     import torch.distributed as dist
 
-    from ppctl.config import compose_config, layout_of, validate
+    from ppctl.config import compose_config
+    from ppctl.config.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import build_chunks
 
-    config = compose_config(overrides)
-    validate(config)
-    context = build_parallel_context(layout_of(config), 600)
+    resolved = resolve(compose_config(overrides))
+    context = build_parallel_context(resolved.layout, 600)
     dist.barrier()  # every rank loads at the same time, as in a launch
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
     before, sampler = status(), AnonPeak(interval)
     sampler.start()
     started = time.perf_counter()
-    chunks = build_chunks(config, context)
+    chunks = build_chunks(resolved, context)
     seconds = time.perf_counter() - started
     anon_peak, after = sampler.stop(), status()
     share = sum(param.nbytes for chunk in chunks.values() for param in chunk.parameters())

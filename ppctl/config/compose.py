@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ppctl.config.derived import fill_unset
+from ppctl.config.init_from import folder_preset_of, stored_folder_preset
 from ppctl.config.schema import SCHEMA_GROUPS, ConfigError, PpctlConfig
 from ppctl.fileio import exception_in_chain
 
@@ -63,7 +64,7 @@ def compose_config(
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(primary), version_base=None):
-            composed = compose(config_name=name, overrides=list(overrides or []) + extra)
+            composed = _compose_with_folder(name, list(overrides or []), extra)
         composed = OmegaConf.merge(OmegaConf.structured(PpctlConfig), _without_hydra(composed))
         config = OmegaConf.to_object(composed)
         fill_unset(config)
@@ -74,6 +75,20 @@ def compose_config(
         raise ConfigError(_one_line(error)) from None
     finally:
         GlobalHydra.instance().clear()
+
+
+def _compose_with_folder(name: str, overrides: list[str], extra: list[str]) -> Any:
+    """Hydra's composition of config ``name`` with ``overrides`` (and ``extra``, ppctl's own); where it names a
+    Hugging Face folder (``model.init_from``) and keeps ppctl's default model preset, composed again with the
+    folder's settings in that preset's place (``ppctl.config.init_from``)."""
+    from hydra import compose
+
+    composed = compose(config_name=name, overrides=overrides + extra, return_hydra_config=True)
+    node = folder_preset_of(composed, overrides, PACKAGE_CONF_DIR / f"{PRIMARY_CONFIG}.yaml")
+    if node is None:
+        return composed
+    with stored_folder_preset(node) as chosen:
+        return compose(config_name=name, overrides=overrides + [chosen] + extra, return_hydra_config=True)
 
 
 def _without_hydra(composed: Any) -> Any:

@@ -134,7 +134,7 @@ class ModelConfig(Section):
     activation: str = setting(
         "gelu", "`gpt`: the MLP's GELU, `gelu` (exact, erf) or `gelu_tanh` (the tanh approximation GPT-2 was trained "
         "with: Hugging Face's `gelu_new` and `gelu_pytorch_tanh`, Megatron-LM's `--openai-gelu`); a "
-        "`model.init_from` folder's must be the same. `llama` (SwiGLU) refuses `gelu_tanh`")
+        "`model.init_from` folder gives its own, and one set must be the same. `llama` (SwiGLU) refuses `gelu_tanh`")
     vocab_size: Optional[int] = setting(
         None, "the classes the model predicts; unset: the tokenizer's (257 for `byte`: bytes + end of document; a "
         "tokenizer file's size, +1 when it has no end-of-text token; 257 for synthetic data); never smaller than "
@@ -160,7 +160,8 @@ class ModelConfig(Section):
         "original_max_position_embeddings")
     qkv_bias: bool = setting(
         False, "biases on the query, key and value projections (`gpt`: on the fused QKV, GPT-2's `c_attn.bias`; "
-        "`llama`: Qwen2's q/k/v biases); a `model.init_from` folder's must be the same: every GPT-2 has it")
+        "`llama`: Qwen2's q/k/v biases); a `model.init_from` folder gives its own (every GPT-2 has it), and one set "
+        "must be the same")
     position_embedding: str = setting("learned", "`learned` or `rope` (rotary)")
     tie_embeddings: bool = setting(
         False, "output layer shares the word embedding (across stages: gradients all-reduced over the "
@@ -170,8 +171,9 @@ class ModelConfig(Section):
         0.02, "std of the normal initialisation, >= 0 (layout independent: seeded by (seed, parameter name))")
     init_from: Optional[str] = setting(
         None, "a Hugging Face model folder (`config.json`, safetensors) to start from instead of `init_std`, at any "
-        "layout: its architecture and shape must be this model's (checked before any worker starts; see "
-        "docs/models.md); a run that resumes (`trainer.resume_from`) reads its checkpoint and ignores it")
+        "layout. Alone it gives every `model.*` key (with the default model preset) and `data.tokenizer` (its "
+        "`tokenizer.json`, if any); a key set, or a preset chosen, must be the folder's (checked before any worker "
+        "starts; see docs/models.md); a run that resumes (`trainer.resume_from`) reads its checkpoint and ignores it")
     make_vocab_size_divisible_by: int = setting(64, "vocabulary padding unit (times tp)")
     recompute: str = setting(
         "none", "activation recomputation: `none`, `full` (groups of whole layers keep only their input and run "
@@ -262,7 +264,8 @@ class DataConfig(Section):
     cache_dir: str = setting("data/cache", "where token files and their indexes are cached")
     tokenizer: str = setting(
         "byte", "`byte` (UTF-8 bytes, 256 = end of document) or the path of a Hugging Face `tokenizers` JSON file "
-        "(end of document: its own end-of-text token, else a new id)")
+        "(end of document: its own end-of-text token, else a new id); unset with `model.init_from`: the folder's "
+        "`tokenizer.json`, if it has one")
     token_dtype: str = setting(
         "auto", "dtype of the token file: `auto` (uint16 up to 65,536 ids, else uint32), `uint16`, `uint32`")
     validation_fraction: float = setting(

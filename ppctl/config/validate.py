@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from ppctl.config.derived import (configured_schedule, interleaves_experts, layout_of, nproc_per_node,
                                   num_microbatches, parse_endpoint, pipeline_layout_of, schedule_spec,
                                   tokenizer_vocab_size)
+from ppctl.config.init_from import starts_from_a_checkpoint
 from ppctl.config.schema import (ACTIVATIONS, BACKENDS, BALANCE_MODES, DATA_SOURCES, DROP_POLICIES, LAUNCHERS,
                                  POSITION_EMBEDDINGS, PRECISIONS, RECOMPUTE_METHODS, RECOMPUTE_MODES, ROUTER_SCORES,
                                  ConfigError, MoEConfig, PpctlConfig, require)
@@ -533,12 +534,14 @@ def _check_misc(config: PpctlConfig, model: ResolvedModel, data: bool = True) ->
 
 def _check_init_from(config: PpctlConfig, model: ResolvedModel) -> None:
     """``model.init_from``: a Hugging Face folder of this model's architecture and shape, with every tensor it needs
-    (a run that resumes reads its checkpoint and ignores it), whose ``tokenizer.json`` is the run's tokenizer; an
-    empty name (an unset shell variable) is refused: no folder is ``null``."""
+    (a run that resumes reads its checkpoint and ignores it: ``starts_from_a_checkpoint``), whose ``tokenizer.json``
+    is the run's tokenizer; an empty name (an unset shell variable) is refused: no folder is ``null``."""
     require(config.model.init_from != "", "model.init_from='' names no folder (an unset shell variable?): give a "
                                           "Hugging Face model folder, or leave model.init_from out (null) to start "
                                           "from random values")
-    if config.model.init_from and not config.trainer.resume_from:
+    trainer = config.trainer
+    if config.model.init_from and not starts_from_a_checkpoint(trainer.resume_from, trainer.auto_resume,
+                                                               trainer.out_dir):
         from ppctl.data.tokenizer import init_from_tokenizer_problem
 
         problem = (init_from_problem(config.model, model.family)

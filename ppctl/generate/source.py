@@ -26,13 +26,13 @@ from ppctl.config import ConfigError, compose_config, load_config_file
 from ppctl.data.tokenizer import (FOLDER_TOKENIZER, Tokenizer, TokenizerFile, build_tokenizer, folder_tokenizer,
                                   tokenizer_record)
 from ppctl.generate.inputs import prompt_problem
-from ppctl.model.family import installed_families, resolve_model
+from ppctl.model.family import resolve_model
 from ppctl.model.from_config import build_chunk
-from ppctl.model.hf_format import (CONFIG_FILE, GENERATION_FILE, HFError, architecture_of, folder_shape,
-                                   hf_format_of, init_from_problem, read_folder_json, read_hf_config, set_setting)
+from ppctl.model.hf_format import (CONFIG_FILE, GENERATION_FILE, HFError, folder_model, init_from_problem,
+                                   read_folder_json, set_setting)
 from ppctl.model.recompute import Recompute
 from ppctl.model.rules import rule_of
-from ppctl.parallel.tensor_parallel import TPGroup
+from ppctl.parallel.layout import StageLayers
 
 RUN_CONFIG = "config.yaml"
 
@@ -99,8 +99,7 @@ def load_model(path: Path, precision: str | None = None) -> Model:
 def _whole_model(config, model=None) -> torch.nn.Module:
     """Every layer of ``config``'s model (its ``ResolvedModel``, resolved here if not given) as one chunk on one
     process, no recomputation, in eval mode."""
-    chunk = build_chunk(config, range(config.model.num_layers), True, True, TPGroup.single(), recompute=Recompute(),
-                        model=model)
+    chunk = build_chunk(config, StageLayers.whole(config.model.num_layers), recompute=Recompute(), model=model)
     return chunk.eval().requires_grad_(False)
 
 
@@ -222,10 +221,9 @@ def _from_hf(folder: Path, precision: str) -> Model:
 def _hf_run_config(folder: Path, precision: str):
     """``(the config of a single-process run of the folder's model, its config.json)``; ``HFError`` or
     ``ConfigError`` where ``model.init_from`` would refuse the folder."""
-    hf_config = read_hf_config(folder)
-    family = _family_reading(architecture_of(hf_config))
+    family, hf_config, settings = folder_model(folder)
     config = compose_config(["parallel=single", "data=synthetic", f"trainer.precision={precision}"])
-    for key, value in folder_shape(folder, hf_format_of(family), hf_config).items():
+    for key, value in settings.items():
         set_setting(config.model, key, value)
     config.model.name, config.model.init_from = folder.name, str(folder)
     family.check(config)
@@ -233,18 +231,6 @@ def _hf_run_config(folder: Path, precision: str):
     if problem is not None:
         raise HFError(problem)
     return config, hf_config
-
-
-def _family_reading(architecture: str):
-    """The model family whose Hugging Face format reads ``architecture``; ``HFError`` naming those that exist."""
-    readers = {}
-    for family in installed_families():
-        if family.hf is not None:
-            readers[family.name] = family.hf().architectures
-            if architecture in readers[family.name]:
-                return family
-    known = ", ".join(f"{name}: {', '.join(names)}" for name, names in readers.items())
-    raise HFError(f"its {CONFIG_FILE} is {architecture}, which no model family reads ({known})")
 
 
 def _hf_tokenizer(folder: Path, vocab_size: int) -> TokenizerFile:

@@ -23,56 +23,48 @@ from ppctl.autograd.weight_grad import DefersWeightGrads
 from ppctl.model.kv_cache import KVCache
 from ppctl.model.recompute import Recompute
 from ppctl.model.rules import attach_rules, initialise
-from ppctl.parallel.context_parallel import CPGroup
-from ppctl.parallel.expert_parallel import EPGroup
-from ppctl.parallel.tensor_parallel import (
-    ColumnParallelLinear,
-    TPGroup,
-    column_parallel_linear,
-    vocab_parallel_cross_entropy,
-)
+from ppctl.parallel.groups import RankGroups
+from ppctl.parallel.layout import StageLayers
+from ppctl.parallel.tensor_parallel import ColumnParallelLinear, column_parallel_linear, vocab_parallel_cross_entropy
 
 
 class DecoderChunk(DefersWeightGrads, nn.Module):
     """One pipeline stage chunk of a decoder-only model on one TP rank.
 
-    ``layer_ids`` are the global ids of the decoder layers it runs, in order;
-    ``pre_process`` adds the embedding, ``post_process`` the final norm, output layer
-    and loss. Parameters are initialised from ``seed`` independently of the layout
-    (see ``ppctl.model.rules``); with ``seed`` None they stay zero for the caller to fill
-    (``model.init_from`` reads every one: drawing dense values would only hold whole
-    tensors). ``cp``: the context-parallel group attention reaches the rest of the
-    sequence through (one rank by default). Its norms and linear layers
-    (the output layer too, tied or not) can defer their weight gradients to a pipeline
-    W: a stage hands them its store (``ppctl.autograd.weight_grad.attach_weight_grad_store``).
-    ``recompute``: which of its layers run their forward again in the backward
-    (``ppctl.model.recompute``; the same numbers, less memory). ``config`` is the family's
-    shape (``num_layers``, ``hidden_size``, ``padded_vocab_size``, ``vocab_size``, ``tie_embeddings``, and ``moe``: the
-    ``MoEShape`` that makes some layers' MLP routed experts, or None). ``ep``: the expert-parallel group its MoE
-    layers split their experts over (one rank by default).
+    ``config`` is the family's shape (``num_layers``, ``hidden_size``, ``padded_vocab_size``, ``vocab_size``,
+    ``tie_embeddings``, and ``moe``: the ``MoEShape`` that makes some layers' MLP routed experts, or None).
+    ``stage`` (``ppctl.parallel.layout.StageLayers``) names the global ids of the decoder layers it runs, in order
+    (``layer_ids``); its ``pre_process`` adds the embedding, its ``post_process`` the final norm, output layer and
+    loss. ``groups`` (``ppctl.parallel.groups.RankGroups``; one process by default) are the rank groups its layers
+    communicate in: ``tp``, ``cp`` (attention reaches the rest of the sequence through it), ``ep`` (its MoE layers
+    split their experts over it) and the ``token_split`` of each microbatch. Parameters are initialised from ``seed``
+    independently of the layout (see ``ppctl.model.rules``); with ``seed`` None they stay zero for the caller to
+    fill (``model.init_from`` reads every one: drawing dense values would only hold whole tensors). Its norms and
+    linear layers (the output layer too, tied or not) can defer their weight gradients to a pipeline W: a stage
+    hands them its store (``ppctl.autograd.weight_grad.attach_weight_grad_store``). ``recompute``: which of its
+    layers run their forward again in the backward (``ppctl.model.recompute``; the same numbers, less memory).
     """
 
-    def __init__(self, config, layer_ids: Sequence[int], pre_process: bool, post_process: bool,
-                 tp: TPGroup, seed: int | None, dtype: torch.dtype = torch.float32, cp: CPGroup | None = None,
-                 recompute: Recompute = Recompute(), ep: EPGroup | None = None):
+    def __init__(self, config, stage: StageLayers, groups: RankGroups = RankGroups.single(), *, seed: int | None,
+                 dtype: torch.dtype = torch.float32, recompute: Recompute = Recompute()):
         super().__init__()
-        self.check_tp_divides(config, tp.size)
-        self.layer_ids = _checked_layer_ids(layer_ids, config.num_layers)
-        self.config, self.tp, self.cp = config, tp, cp or CPGroup.single()
-        self.ep = ep or EPGroup.single()
+        self.check_tp_divides(config, groups.tp.size)
+        self.layer_ids = _checked_layer_ids(stage.layers, config.num_layers)
+        self.config, self.groups = config, groups
+        self.tp, self.cp, self.ep = groups.tp, groups.cp, groups.ep
         self.recompute = recompute
-        self.pre_process, self.post_process = pre_process, post_process
-        self.shares_output_weight = pre_process and post_process and config.tie_embeddings
+        self.pre_process, self.post_process = stage.pre_process, stage.post_process
+        self.shares_output_weight = self.pre_process and self.post_process and config.tie_embeddings
 
-        if pre_process:
+        if self.pre_process:
             self.embedding = self.make_embedding(dtype)
         self.layers = nn.ModuleDict({str(layer_id): self.make_layer(dtype, recompute.attention_core,
                                                                     self._moe_mlp_of(layer_id, dtype))
                                      for layer_id in self.layer_ids})
-        if post_process:
+        if self.post_process:
             self.final_norm = self.make_final_norm(dtype)
             if not self.shares_output_weight:
-                self.output_layer = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size, tp,
+                self.output_layer = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size, self.tp,
                                                          bias=False, dtype=dtype)
         attach_rules(self, self.parameter_rule)
         if seed is not None:

@@ -46,12 +46,15 @@ class ModelFamily:
     """What ppctl reads of a model family.
 
     ``shape_of(model)``: the family's frozen model shape of a ``ResolvedModel`` (its ``settings``, padded
-    vocabulary and mixture); ``chunk_class()``: the stage chunk class, built as ``cls(shape, layer_ids,
-    pre_process, post_process, tp, seed, dtype, cp, recompute, ep)`` (``seed`` None: parameters left zero); ``rule_of_name(shape)``: a function from
-    a global parameter name to its ``ParameterRule`` (for what holds names only: checkpoints); ``check(config)``:
-    the family's own config rules, raising ``ConfigError`` in one line; ``hf()``: the family's Hugging Face format
-    (its folder's ``hf.py``, imported when called; see ``ppctl.model.hf_format``), None for a family that reads
-    and writes no HF checkpoints; ``architecture``: what the memory model and the FLOP count read of its layers.
+    vocabulary and mixture); ``chunk_class()``: the stage chunk class (a ``ppctl.model.chunk.DecoderChunk``), built
+    as ``cls(shape, stage, groups, seed=..., dtype=..., recompute=...)``: ``stage`` a
+    ``ppctl.parallel.layout.StageLayers`` (its layer ids, whether it holds the embedding and the loss), ``groups``
+    the ``ppctl.parallel.groups.RankGroups`` its layers communicate in, ``seed`` None leaving its parameters zero;
+    ``rule_of_name(shape)``: a function from a global parameter name to its ``ParameterRule`` (for what holds names
+    only: checkpoints); ``check(config)``: the family's own config rules, raising ``ConfigError`` in one line;
+    ``hf()``: the family's Hugging Face format (its folder's ``hf.py``, imported when called; see
+    ``ppctl.model.hf_format``), None for a family that reads and writes no HF checkpoints; ``architecture``: what
+    the memory model and the FLOP count read of its layers.
     """
 
     name: str
@@ -116,13 +119,11 @@ class ResolvedModel:
         None where its format has none (or it has no format)."""
         return getattr(self.hf, "moe_architecture", None)
 
-    def build_chunk(self, layer_ids, pre_process: bool, post_process: bool, tp, seed: int | None, dtype, cp,
-                    recompute, ep=None):
-        """One stage chunk of the model (``layer_ids``, with the embedding and the output layer where
-        ``pre_process`` and ``post_process``) on this TP (and CP, EP) rank; ``seed`` None leaves its parameters
-        zero."""
-        return self.family.chunk_class()(self.shape, layer_ids, pre_process, post_process, tp, seed, dtype, cp,
-                                         recompute, ep)
+    def build_chunk(self, stage, groups, *, seed: int | None, dtype, recompute):
+        """One stage chunk of the model: ``stage``'s layers (a ``StageLayers``, with the embedding and the output
+        layer where it holds them) on this rank of ``groups`` (a ``RankGroups``); ``seed`` None leaves its
+        parameters zero; ``recompute``: what it recomputes in the backward."""
+        return self.family.chunk_class()(self.shape, stage, groups, seed=seed, dtype=dtype, recompute=recompute)
 
 
 @functools.cache  # the installed folders do not change while ppctl runs; the planner asks per candidate

@@ -17,24 +17,26 @@ from ppctl.model.family import ResolvedModel, resolve_model
 from ppctl.model.hf_format import hf_format_of
 from ppctl.model.hf_weights import load_hf_weights
 from ppctl.model.recompute import Recompute
+from ppctl.parallel.groups import RankGroups
+from ppctl.parallel.layout import StageLayers
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def build_chunk(config: PpctlConfig, layer_ids, pre_process: bool, post_process: bool, tp, cp=None,
-                recompute: Recompute | None = None, load_init_from: bool = True, ep=None,
-                model: ResolvedModel | None = None):
-    """One stage chunk of the configured model on this TP (and CP, EP) rank, initialised from ``trainer.seed``, or
-    from the Hugging Face folder ``model.init_from`` (this rank's slices only) unless ``load_init_from`` is False
-    (a run that resumes reads its checkpoint instead); ``recompute``: what it recomputes (default: as
-    configured); ``model``: the config's ``ResolvedModel`` (``ResolvedConfig.model``), resolved here if not given."""
+def build_chunk(config: PpctlConfig, stage: StageLayers, groups: RankGroups = RankGroups.single(), *,
+                recompute: Recompute | None = None, load_init_from: bool = True, model: ResolvedModel | None = None):
+    """One stage chunk of the configured model (``stage``'s layers) on this rank of ``groups``, initialised from
+    ``trainer.seed``, or from the Hugging Face folder ``model.init_from`` (this rank's slices only) unless
+    ``load_init_from`` is False (a run that resumes reads its checkpoint instead); ``recompute``: what it recomputes
+    (default: as configured); ``model``: the config's ``ResolvedModel`` (``ResolvedConfig.model``), resolved here if
+    not given."""
     model = model or resolve_model(config)
     reads_hf = bool(config.model.init_from and load_init_from)
     seed = None if reads_hf else config.trainer.seed  # every parameter is read: no random dense values drawn
-    chunk = model.build_chunk(layer_ids, pre_process, post_process, tp, seed, parameter_dtype(config), cp,
-                              recompute_of(config) if recompute is None else recompute, ep)
+    chunk = model.build_chunk(stage, groups, seed=seed, dtype=parameter_dtype(config),
+                              recompute=recompute_of(config) if recompute is None else recompute)
     if reads_hf:
-        load_hf_weights(chunk, config.model.init_from, hf_format_of(model.family), model.shape, tp, chunk.ep)
+        load_hf_weights(chunk, config.model.init_from, hf_format_of(model.family), model.shape, groups.tp, groups.ep)
     return chunk
 
 

@@ -416,6 +416,31 @@ def _same_values(first: TensorHeader, second: TensorHeader) -> bool:
     return True
 
 
+def folder_model(folder: str | Path) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """``(family, config.json, settings)`` of an HF folder: the family that reads its architecture and the ``model.*``
+    settings it describes as transformers reads it (``folder_shape``). The one reader of a folder's model: composition
+    puts its settings in the model preset's place (``ppctl.config.init_from``), ``ppctl generate`` builds from them;
+    ``HFError`` in one line for a folder neither can read."""
+    hf_config = read_hf_config(folder)
+    family = family_reading(architecture_of(hf_config))
+    return family, hf_config, folder_shape(folder, hf_format_of(family), hf_config)
+
+
+def family_reading(architecture: str):
+    """The installed model family whose Hugging Face format reads ``architecture``; ``HFError`` naming those that
+    exist and what each reads."""
+    from ppctl.model.family import installed_families
+
+    readers = {}
+    for family in installed_families():
+        if family.hf is not None:
+            readers[family.name] = family.hf().architectures
+            if architecture in readers[family.name]:
+                return family
+    known = ", ".join(f"{name}: {', '.join(names)}" for name, names in readers.items())
+    raise HFError(f"its {CONFIG_FILE} is {architecture}, which no model family reads ({known})")
+
+
 def init_from_problem(model, family) -> str | None:
     """Why the HF folder ``model.init_from`` names cannot start a run of ``model`` (a ``ModelConfig``, its
     vocabulary filled) in ``family`` (None when it can): its architecture, a shape key, a malformed file, or a
@@ -467,14 +492,10 @@ def set_setting(model, key: str, value: Any) -> None:
 
 def _check_architecture(architecture: str, family) -> None:
     """``HFError`` naming the family that reads ``architecture`` when ``family`` does not."""
-    from ppctl.model.family import installed_families
-
     if architecture in hf_format_of(family).architectures:
         return
-    reader = next(other.name for other in installed_families()
-                  if other.hf is not None and architecture in other.hf().architectures)
-    raise HFError(f"its {CONFIG_FILE} is {architecture} (model.family={reader}), this run has "
-                  f"model.family={family.name}")
+    raise HFError(f"its {CONFIG_FILE} is {architecture} (model.family={family_reading(architecture).name}), this run "
+                  f"has model.family={family.name}")
 
 
 def _check_tensors(headers: dict[str, TensorHeader], model, hf, hf_config: dict[str, Any]) -> None:

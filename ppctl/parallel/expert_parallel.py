@@ -60,15 +60,15 @@ class EPGroup:
     """The expert-parallel group of one rank: a ``torch.distributed`` ProcessGroup (None when ``size`` is 1),
     ``size`` ranks, this rank's index ``rank``; ``backward_group``: the second communicator of the same ranks, for
     the backward's exchanges (None: ``group``); ``on_exchange(start, end, lane)``: told the ``perf_counter`` span
-    of each exchange (a tracer's), or None; ``tokens``: the ``TokenSplit`` of this rank's microbatches;
-    ``interleave``: the runtime's ``ppctl.pipeline.interleave.PairInterleave`` (each posted exchange lets the other
-    half of an overlapped pair compute), or None."""
+    of each exchange (a tracer's), or None; ``interleave``: the runtime's ``ppctl.pipeline.interleave.PairInterleave``
+    (each posted exchange lets the other half of an overlapped pair compute), or None. The ranks that split each
+    microbatch's tokens are a group of their own (``TokenSplit``, held beside this one in
+    ``ppctl.parallel.groups.RankGroups``)."""
 
     group: object | None
     size: int
     rank: int
     backward_group: object | None = None
-    tokens: TokenSplit = TokenSplit()
     on_exchange: Optional[Callable[[float, float, int], None]] = field(default=None, compare=False, repr=False)
     interleave: object | None = field(default=None, compare=False, repr=False)
 
@@ -77,10 +77,9 @@ class EPGroup:
             raise ValueError(f"EPGroup: rank must be in [0, size) and size >= 1, got rank={self.rank} size={self.size}")
 
     @staticmethod
-    def single(tokens: TokenSplit = TokenSplit()) -> "EPGroup":
-        """The trivial group (ep=1): this rank holds every expert and exchanges nothing (``tokens``: its microbatches'
-        ``TokenSplit``)."""
-        return EPGroup(group=None, size=1, rank=0, tokens=tokens)
+    def single() -> "EPGroup":
+        """The trivial group (ep=1): this rank holds every expert and exchanges nothing."""
+        return EPGroup(group=None, size=1, rank=0)
 
     def lane_group(self, lane: int):
         """The communicator of ``lane`` (``FORWARD_LANE`` or ``BACKWARD_LANE``)."""

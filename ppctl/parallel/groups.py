@@ -1,8 +1,10 @@
-"""Real process groups built from the pure layout, checked against it.
+"""Real process groups built from the pure layout, checked against it, and the bundle a model chunk receives.
 
 ``build_parallel_context`` is called once per worker after ``init_process_group``;
 the returned ``ParallelContext`` (layout + this rank's groups) is passed down to
-everything that communicates. There is no module-level group state.
+everything that communicates. There is no module-level group state. ``rank_groups_of`` makes from it the one
+``RankGroups`` a chunk's layers communicate through (Megatron-Core's ``ProcessGroupCollection``): the TP, CP and EP
+groups and the token split, with the backward lanes wired in there when overlapped pairs run interleaved.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from ppctl.parallel.context_parallel import CPGroup
+from ppctl.parallel.expert_parallel import EPGroup, TokenSplit
 from ppctl.parallel.layout import ParallelLayout
+from ppctl.parallel.tensor_parallel import TPGroup
 
 # The backward lane's second communicator of each group an MoE layer talks to (``ppctl.parallel.lanes``), made
 # with expert parallelism: "<group>_backward".
@@ -52,6 +57,81 @@ class ParallelContext:
     def pp_peer(self, pp_rank: int) -> int:
         """Global rank of the pipeline rank ``pp_rank`` in this rank's pipeline group."""
         return self.group_ranks["pp"][pp_rank]
+
+
+@dataclass(frozen=True)
+class RankGroups:
+    """The rank groups one model chunk's layers communicate in (Megatron-Core's ``ProcessGroupCollection``).
+
+    ``tp``: the tensor-parallel group (its sequence parallelism with it); ``cp``: the context-parallel group
+    attention reaches the rest of the sequence through; ``ep``: the expert-parallel group MoE layers split their
+    experts over; ``token_split``: the ranks that hold one microbatch's tokens between them (the layout's ``tp_cp``),
+    over which the router's statistics are summed. Built once per worker by ``rank_groups_of``; ``single()`` for
+    one process.
+    """
+
+    tp: TPGroup = TPGroup.single()
+    cp: CPGroup = CPGroup.single()
+    ep: EPGroup = EPGroup.single()
+    token_split: TokenSplit = TokenSplit()
+
+    @staticmethod
+    def single() -> "RankGroups":
+        """The groups of one process (tp = cp = ep = 1): every collective is a no-op."""
+        return RankGroups()
+
+
+def rank_groups_of(context: ParallelContext, *, sequence_parallel: bool = False, cp_comm: str = "allgather",
+                   on_exchange=None, interleave=None) -> RankGroups:
+    """The ``RankGroups`` of this rank's chunks, from its layout and process groups (the one place they are made).
+
+    ``sequence_parallel`` and ``cp_comm``: the config's ``parallel.*``; ``on_exchange(start, end, lane)``: told the
+    span of each expert-parallel all-to-all (a tracer's), or None; ``interleave``: the runtime's
+    ``ppctl.pipeline.interleave.PairInterleave`` where overlapped pairs run interleaved, else None. With it the TP,
+    CP and token-split groups get their backward-lane communicators (``ppctl.parallel.lanes``); the EP group has
+    its own whenever ep > 1.
+    """
+    return RankGroups(tp=_tp_group(context, sequence_parallel, interleave), cp=_cp_group(context, cp_comm, interleave),
+                      ep=_ep_group(context, on_exchange, interleave), token_split=_token_split(context, interleave))
+
+
+def _tp_group(context: ParallelContext, sequence_parallel: bool, interleave) -> TPGroup:
+    """The TP group object the model layers use."""
+    if context.size("tp") == 1:
+        return TPGroup.single()
+    return TPGroup(context.groups["tp"], context.size("tp"), context.index("tp"), sequence_parallel,
+                   backward_group=_backward_lane_group(context, "tp", interleave), interleave=interleave)
+
+
+def _cp_group(context: ParallelContext, comm: str, interleave) -> CPGroup:
+    """The CP group object attention uses, with its communication mode."""
+    if context.size("cp") == 1:
+        return CPGroup.single()
+    return CPGroup(context.groups["cp"], context.size("cp"), context.index("cp"),
+                   tuple(context.group_ranks["cp"]), comm, _backward_lane_group(context, "cp", interleave), interleave)
+
+
+def _ep_group(context: ParallelContext, on_exchange, interleave) -> EPGroup:
+    """The expert-parallel group object the MoE layers use."""
+    if context.layout.ep == 1:
+        return EPGroup.single()
+    return EPGroup(context.groups["ep"], context.size("ep"), context.index("ep"), context.groups[backward_lane("ep")],
+                   on_exchange=on_exchange, interleave=interleave)
+
+
+def _token_split(context: ParallelContext, interleave) -> TokenSplit:
+    """The split of each microbatch's tokens over ``tp_cp`` (validation asks for sequence parallelism with TP and
+    experts)."""
+    if context.size("tp_cp") <= 1:
+        return TokenSplit()
+    return TokenSplit(context.groups["tp_cp"], context.size("tp_cp"), context.index("tp_cp"),
+                      _backward_lane_group(context, "tp_cp", interleave), interleave)
+
+
+def _backward_lane_group(context: ParallelContext, name: str, interleave):
+    """Group ``name``'s backward-lane communicator where pairs run interleaved (``ppctl.parallel.lanes``), else
+    None: one communicator, as everything runs in the program's order."""
+    return context.groups[backward_lane(name)] if interleave is not None else None
 
 
 def build_parallel_context(layout: ParallelLayout, timeout_s: float, device: str = "cpu") -> ParallelContext:

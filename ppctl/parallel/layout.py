@@ -395,6 +395,11 @@ class StageLayers:
     pre_process: bool
     post_process: bool
 
+    @staticmethod
+    def whole(num_layers: int) -> "StageLayers":
+        """The one stage of a model run whole in one chunk: every layer, the embedding and the loss."""
+        return StageLayers(stage=0, layers=tuple(range(num_layers)), pre_process=True, post_process=True)
+
 
 _LAYOUT_GROUP = re.compile(r"\(([^()]*)\)\*(\d+)")  # an innermost group and its repetition: (tt|)*3
 _LAYOUT_REPEAT = re.compile(r"([EtL|])\*(\d+)")  # one symbol repeated: t*3

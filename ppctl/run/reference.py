@@ -33,7 +33,7 @@ from ppctl.model.recompute import Recompute
 from ppctl.optim.delay import DelayedWeights
 from ppctl.optim.grads import build_optimizer
 from ppctl.optim.lr import learning_rate, lr_schedule_of, set_learning_rate
-from ppctl.parallel.tensor_parallel import TPGroup
+from ppctl.parallel.layout import StageLayers
 
 
 @dataclass
@@ -49,8 +49,7 @@ class ReferenceRun:
 def reference_model(config: PpctlConfig, resolved: ResolvedModel | None = None) -> torch.nn.Module:
     """The whole model of ``config`` (its ``ResolvedModel``, resolved here if not given) as one chunk (one process:
     nothing of a parallel layout, and no recomputation: a run that recomputes must compute the same)."""
-    layers = range(config.model.num_layers)
-    return build_chunk(config, layers, True, True, TPGroup.single(), recompute=Recompute(), model=resolved)
+    return build_chunk(config, StageLayers.whole(config.model.num_layers), recompute=Recompute(), model=resolved)
 
 
 def reference_step(model: torch.nn.Module, optimizer, batch, clip_grad: float,

@@ -47,12 +47,13 @@ def run_model_shapes(config: PpctlConfig) -> Shapes:
     from ppctl.checkpoint.state import checkpoint_name
     from ppctl.model.family import resolve_model
     from ppctl.model.recompute import Recompute
-    from ppctl.parallel.tensor_parallel import TPGroup
+    from ppctl.parallel.groups import RankGroups
+    from ppctl.parallel.layout import StageLayers
 
     resolved = resolve_model(config)
     with torch.device("meta"):
-        model = resolved.build_chunk(range(config.model.num_layers), True, True, TPGroup.single(), None,
-                                     torch.float32, None, Recompute())
+        model = resolved.build_chunk(StageLayers.whole(config.model.num_layers), RankGroups.single(), seed=None,
+                                     dtype=torch.float32, recompute=Recompute())
     rule_of = resolved.rules
     shapes = {}
     for name, tensor in model.state_dict().items():

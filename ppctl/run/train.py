@@ -31,10 +31,7 @@ from ppctl.optim.grads import clip_coefficient
 from ppctl.optim.loss_scale import DynamicLossScaler
 from ppctl.optim.optimizer import build_trainer_optimizer
 from ppctl.optim.lr import learning_rate, lr_schedule_of, set_learning_rate
-from ppctl.parallel.context_parallel import CPGroup
-from ppctl.parallel.expert_parallel import EPGroup, TokenSplit
-from ppctl.parallel.groups import ParallelContext, backward_lane
-from ppctl.parallel.tensor_parallel import TPGroup
+from ppctl.parallel.groups import ParallelContext, rank_groups_of
 from ppctl.pipeline.check import check_program, check_schedule
 from ppctl.pipeline.interleave import PairInterleave
 from ppctl.pipeline.program import Message, Program, lower
@@ -161,58 +158,17 @@ def unpack_fields(packed: torch.Tensor, layout: list, kind):
     return kind(**fields)
 
 
-def tp_group_of(context: ParallelContext, sequence_parallel: bool = False,
-                interleave: PairInterleave | None = None) -> TPGroup:
-    """The TP group object the model layers use; with an ``interleave`` (overlapped pairs at ep > 1) its collectives
-    go through two lanes (``ppctl.parallel.lanes``)."""
-    if context.size("tp") == 1:
-        return TPGroup.single()
-    return TPGroup(context.groups["tp"], context.size("tp"), context.index("tp"), sequence_parallel,
-                   backward_group=_backward_lane_group(context, "tp", interleave), interleave=interleave)
-
-
-def _backward_lane_group(context: ParallelContext, name: str, interleave: PairInterleave | None):
-    """Group ``name``'s backward-lane communicator where pairs run interleaved (``ppctl.parallel.lanes``), else
-    None: one communicator, as everything runs in the program's order."""
-    return context.groups[backward_lane(name)] if interleave is not None else None
-
-
-def cp_group_of(context: ParallelContext, comm: str, interleave: PairInterleave | None = None) -> CPGroup:
-    """The CP group object attention uses, with its communication mode; with an ``interleave`` its exchanges go
-    through two lanes (``tp_group_of``)."""
-    if context.size("cp") == 1:
-        return CPGroup.single()
-    return CPGroup(context.groups["cp"], context.size("cp"), context.index("cp"),
-                   tuple(context.group_ranks["cp"]), comm, _backward_lane_group(context, "cp", interleave), interleave)
-
-
-def ep_group_of(context: ParallelContext, on_exchange=None, interleave: PairInterleave | None = None) -> EPGroup:
-    """The expert-parallel group object the MoE layers use (``on_exchange``: told each exchange's span;
-    ``interleave``: the runtime's, for overlapped pairs), with the split of each microbatch's tokens over ``tp_cp``
-    (validation asks for sequence parallelism with TP and experts)."""
-    tokens = TokenSplit()
-    if context.size("tp_cp") > 1:
-        tokens = TokenSplit(context.groups["tp_cp"], context.size("tp_cp"), context.index("tp_cp"),
-                            _backward_lane_group(context, "tp_cp", interleave), interleave)
-    if context.layout.ep == 1:
-        return EPGroup.single(tokens)
-    return EPGroup(context.groups["ep"], context.size("ep"), context.index("ep"), context.groups[backward_lane("ep")],
-                   on_exchange=on_exchange, tokens=tokens, interleave=interleave)
-
-
 def build_chunks(resolved: ResolvedConfig, context: ParallelContext, load_init_from: bool = True,
                  on_exchange=None, interleave: PairInterleave | None = None) -> dict[int, torch.nn.Module]:
     """This rank's model chunks, keyed by global stage, from the resolved layer map (its placement); their weights
     read from ``model.init_from`` unless ``load_init_from`` is False (a resumed run reads its checkpoint);
     ``on_exchange``: told the span of each expert-parallel all-to-all; ``interleave``: the runtime's."""
     config = resolved.config
-    tp = tp_group_of(context, config.parallel.sequence_parallel, interleave)
-    cp = cp_group_of(context, config.parallel.cp_comm, interleave)
-    ep = ep_group_of(context, on_exchange, interleave)
+    groups = rank_groups_of(context, sequence_parallel=config.parallel.sequence_parallel,
+                            cp_comm=config.parallel.cp_comm, on_exchange=on_exchange, interleave=interleave)
     chunks = {}
     for stage in resolved.rank_stages(context.pp_rank):
-        chunk = build_chunk(config, stage.layers, stage.pre_process, stage.post_process, tp, cp,
-                            load_init_from=load_init_from, ep=ep, model=resolved.model)
+        chunk = build_chunk(config, stage, groups, load_init_from=load_init_from, model=resolved.model)
         chunks[stage.stage] = chunk.to(context.device)
     # Model-stage order: DualPipe's mirror ranks then list the same parameters in the same order.
     return dict(sorted(chunks.items(), key=lambda item: context.layout.placement.model_stage(item[0])))

@@ -1,7 +1,8 @@
 """End to end: train from a Hugging Face folder at tp=2 pp=2 dp=2, export the trained run, load it in transformers.
 
 One ``ppctl train`` launch (8 workers, float64): an untied Llama with grouped-query attention (4 query heads on
-2 key/value heads: one per TP rank; ``tests/harness/hf_models.py``) starts with ``model.init_from``, trains 3
+2 key/value heads: one per TP rank; ``tests/harness/hf_models.py``) starts with ``model.init_from`` and no other
+model key (the folder's ``config.json`` gives the family and the shape; its ``config.yaml`` says so), trains 3
 steps and takes the validation loss after them. Its logged loss of step 0 (the folder's weights) must be
 transformers' cross-entropy on the same batch, and the export of its checkpoint (``ppctl export``), loaded by
 ``AutoModelForCausalLM``, must give the logged validation loss on the validation batch (both logged as float32:
@@ -20,7 +21,8 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.cli.runs import series
-from tests.harness.hf_models import GPT2, LLAMA, STARCODER2, batch_loss, hf_model, overrides, save_tiny, step_batch
+from tests.harness.hf_models import (GPT2, LLAMA, STARCODER2, batch_loss, folder_overrides, hf_model, overrides,
+                                     save_tiny, step_batch)
 
 pytestmark = [pytest.mark.cli, pytest.mark.timeout(400)]
 
@@ -48,7 +50,7 @@ def trained(tmp_path_factory):
         root = tmp_path_factory.mktemp(f"hf_cli_{architecture}")
         folder = save_tiny(root / architecture, architecture, tie)
         run = root / "run"
-        result = run_ppctl("train", *overrides(folder, architecture, tie), *LAYOUT, f"trainer.out_dir={run}")
+        result = run_ppctl("train", *folder_overrides(folder), *LAYOUT, f"trainer.out_dir={run}")  # no model key
         assert result.returncode == 0, result.stderr[-3000:]
         runs[architecture] = folder, run, load_config_file(run / "config.yaml")
     return runs
@@ -60,6 +62,12 @@ def test_the_first_logged_loss_is_transformers_cross_entropy_of_the_folder(train
     assert config.model.init_from == str(folder)
     expected = batch_loss(hf_model(folder), step_batch(config, 0))
     assert series(run, "train/loss")[0] == pytest.approx(expected, rel=LOGGED)
+
+
+def test_the_run_trained_the_folders_model(trained):
+    folder, _run, config = trained[LLAMA]
+    assert (config.model.family, config.model.name, config.model.num_kv_heads) == ("llama", LLAMA, 2)
+    assert config.model.tie_embeddings is TIED[LLAMA]
 
 
 @pytest.mark.parametrize("architecture", TIED)
@@ -102,6 +110,18 @@ def test_an_init_from_that_does_not_fit_is_refused_before_anything_starts(tmp_pa
         f"error: model.init_from={folder}: its config.json is Starcoder2ForCausalLM (model.position_embedding=rope), "
         f"this run has model.position_embedding=learned\n"), result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_gpt2_folder_alone_is_a_run(tmp_path):
+    """``ppctl train model.init_from=DIR --dry-run`` with no model key: the folder's model at tp=2 pp=2."""
+    folder = save_tiny(tmp_path / "gpt2", GPT2)
+    result = _invoke("train", *folder_overrides(folder), "parallel.tp=2", "parallel.pp=2",
+                     f"trainer.out_dir={tmp_path / 'run'}", "--dry-run")
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    assert result.stdout.startswith(f"run directory: {tmp_path / 'run'}  (train, gloo, 1 node(s), 4 workers")
+    refused = _invoke("train", *folder_overrides(folder), "model.num_heads=2", "--dry-run")
+    assert refused.exit_code == 2 and refused.stderr == (
+        f"error: model.init_from={folder}: its config.json gives model.num_heads=4, this run has model.num_heads=2\n")
 
 
 def test_a_run_dir_without_checkpoints_exports_nothing(tmp_path):

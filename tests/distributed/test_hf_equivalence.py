@@ -1,7 +1,8 @@
 """Hugging Face in and out at parallel layouts: ``model.init_from`` read in slices by 4 gloo workers, the loss on a
 batch against transformers', and ``ppctl export`` of checkpoints saved at two layouts.
 
-For a tiny GPT-2 (untied, with GPT-2's own tanh GELU ``gelu_new``: ``model.activation=gelu_tanh``) and a tiny
+For a tiny GPT-2 (untied, with GPT-2's own tanh GELU ``gelu_new``: ``model.activation=gelu_tanh``; named by its folder
+alone, ``model.init_from`` and the layout, the folder giving every model key) and a tiny
 StarCoder2 (rotary, tied, the exact GELU; ``tests/harness/hf_models.py``), both with random QKV biases, each in float64
 at two layouts of 4 workers (tp=2 pp=2 and pp=2 dp=2; tp=2 pp=2 and tp=4: the vocabulary padded to 128 and 256
 rows, a tied output layer on its own stage): the forward-only loss of global batch 0 equals transformers'
@@ -16,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.equivalence import composed_runs
-from tests.harness.hf_models import GPT2, STARCODER2, batch_loss, hf_model, overrides, save_tiny, step_batch
+from tests.harness.hf_models import (GPT2, STARCODER2, batch_loss, folder_overrides, hf_model, overrides, save_tiny,
+                                     step_batch)
 from tests.harness.pool import run_workers
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
@@ -55,11 +57,13 @@ def runs(tmp_path_factory):
     keys, items = [], []
     for architecture, layouts in LAYOUTS.items():
         hf_activation, activation = ACTIVATION[architecture]
+        # GPT-2 from its folder alone (the folder gives every model key); StarCoder2 with every key written out.
         folder = save_tiny(root / architecture, architecture, TIED[architecture], activation=hf_activation)
         for index, layout in enumerate(layouts):
             keys.append((architecture, index))
-            items.append([*overrides(folder, architecture, TIED[architecture]), f"model.activation={activation}",
-                          "trainer.precision=fp64", *layout])
+            start = (folder_overrides(folder) if architecture == GPT2
+                     else [*overrides(folder, architecture, TIED[architecture]), f"model.activation={activation}"])
+            items.append([*start, "trainer.precision=fp64", *layout])
     configs = composed_runs(items)
     per_rank = run_workers(_save_and_evaluate, 4, str(root / "runs"), configs, timeout=240)
     return {key: (config, Path(per_rank[0][index][0]), [ranks[index][1] for ranks in per_rank])

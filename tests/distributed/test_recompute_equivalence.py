@@ -75,14 +75,14 @@ def test_recompute_keeps_fewer_tensors_for_the_backward():
 
     from ppctl.model.gpt.model import GPTChunk, GPTConfig
     from ppctl.model.recompute import Recompute
-    from ppctl.parallel.tensor_parallel import TPGroup
+    from ppctl.parallel.layout import StageLayers
 
     config = GPTConfig(num_layers=4, hidden_size=32, num_heads=4, ffn_hidden_size=64, vocab_size=64,
                        max_seq_length=16)
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
 
     def saved_bytes_and_grads(recompute: Recompute):
-        chunk = GPTChunk(config, range(4), True, True, TPGroup.single(), 7, torch.float64, recompute=recompute)
+        chunk = GPTChunk(config, StageLayers.whole(4), seed=7, dtype=torch.float64, recompute=recompute)
         saved = {}
 
         def pack(tensor):

@@ -138,6 +138,8 @@ def _gpt_checks(tp, dtype, case: dict) -> dict:
     """A GPT model on this TP layout against the same model built with tp=1 in this process."""
     from ppctl.model.gpt.model import GPTChunk, GPTConfig
     from ppctl.model.rules import dense_to_tp_shard, rule_of
+    from ppctl.parallel.groups import RankGroups
+    from ppctl.parallel.layout import StageLayers
     from ppctl.parallel.tensor_parallel import TPGroup
 
     config = GPTConfig(num_layers=2, hidden_size=32, num_heads=4, ffn_hidden_size=64, vocab_size=64,
@@ -152,7 +154,8 @@ def _gpt_checks(tp, dtype, case: dict) -> dict:
     last = len(groups) - 1
 
     def build(group):
-        return [GPTChunk(config, ids, index == 0, index == last, group, seed=99, dtype=dtype)
+        return [GPTChunk(config, StageLayers(index, tuple(ids), index == 0, index == last), RankGroups(tp=group),
+                         seed=99, dtype=dtype)
                 for index, ids in enumerate(groups)]
 
     dense_chunks, tp_chunks = build(TPGroup.single()), build(tp)

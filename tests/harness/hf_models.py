@@ -4,10 +4,10 @@
 bias random, the QKV biases included, as in real checkpoints; the exact ``gelu`` unless ``activation`` names
 another transformers activation), Llama, Qwen2 or Mixtral (grouped-query attention, 4 query heads on 2 key/value
 heads; Qwen2's q/k/v biases drawn; optionally Llama 3's rotary scaling; Mixtral's ``EXPERTS`` experts, top-``TOPK``)
-model of the shape ``OVERRIDES`` gives ppctl, its
-weights drawn wide enough that a wrong mapping moves the logits by far more than rounding; ``overrides(folder,
-architecture, tie)`` is the ppctl config that starts from it (``model.qkv_bias=true`` for GPT-2 and StarCoder2:
-both have the bias). ``hf_model`` loads one in float64 with what
+model of the shape ``OVERRIDES`` gives ppctl, its weights drawn wide enough that a wrong mapping moves the logits by
+far more than rounding; ``overrides(folder, architecture, tie)`` is the ppctl config that starts from it with every
+model key written out (``model.qkv_bias=true`` for GPT-2 and StarCoder2: both have the bias), and
+``folder_overrides(folder)`` the one that names the folder alone. ``hf_model`` loads one in float64 with what
 transformers computes in float32 whatever the model's dtype computed in float64 too: the rotary angles (alone
 ~1e-8 in the logits), Llama's RMSNorm and Mixtral's router softmax (its experts in transformers' plain loop: its
 grouped kernels take no float64).
@@ -23,10 +23,11 @@ GPT2, STARCODER2, LLAMA, QWEN2, MIXTRAL = "gpt2", "starcoder2", "llama", "qwen2"
 LLAMA_FAMILY = (LLAMA, QWEN2, MIXTRAL)
 EXPERTS, TOPK = 4, 2
 VOCAB, LAYERS, HIDDEN, HEADS, KV_HEADS, FFN, POSITIONS, NORM_EPSILON = 50, 4, 32, 4, 2, 64, 16, 1e-5
-OVERRIDES = ["data=synthetic", f"model.vocab_size={VOCAB}", f"model.num_layers={LAYERS}",
-             f"model.hidden_size={HIDDEN}", f"model.num_heads={HEADS}", f"model.ffn_hidden_size={FFN}",
-             f"model.max_seq_length={POSITIONS}", f"trainer.seq_length={POSITIONS}", "trainer.global_batch_size=8",
-             "trainer.micro_batch_size=1", "trainer.tensorboard=false"]
+# What a run of the tiny models sets besides the model: synthetic data, the folder's sequence length, 8 microbatches.
+RUN_OVERRIDES = ["data=synthetic", f"trainer.seq_length={POSITIONS}", "trainer.global_batch_size=8",
+                 "trainer.micro_batch_size=1", "trainer.tensorboard=false"]
+OVERRIDES = [*RUN_OVERRIDES, f"model.vocab_size={VOCAB}", f"model.num_layers={LAYERS}", f"model.hidden_size={HIDDEN}",
+             f"model.num_heads={HEADS}", f"model.ffn_hidden_size={FFN}", f"model.max_seq_length={POSITIONS}"]
 
 
 def hf_config(architecture: str, tie: bool, activation: str = "gelu", rope_scaling: dict | None = None):
@@ -66,6 +67,24 @@ def save_tiny(folder: Path, architecture: str = GPT2, tie: bool = False, seed: i
                 param.normal_(0.0, 0.2)
     model.save_pretrained(folder)
     return Path(folder)
+
+
+def folder_overrides(folder: Path) -> list[str]:
+    """The ppctl overrides of a run that starts from the tiny model in ``folder`` with no model key but
+    ``model.init_from``: the folder gives the rest (``ppctl.config.init_from``)."""
+    return [*RUN_OVERRIDES, f"model.init_from={folder}"]
+
+
+def save_numbered_tokenizer(path: Path, prefix: str, size: int = VOCAB) -> Path:
+    """A WordLevel ``tokenizers`` file of ``size`` ids: ``<prefix><i>`` words, ``<unk>`` and ``<|endoftext|>``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = [f"{prefix}{index}" for index in range(size - 2)] + ["<unk>", "<|endoftext|>"]
+    tokenizer = Tokenizer(models.WordLevel({word: index for index, word in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["<|endoftext|>"])
+    tokenizer.save(str(path))
+    return path
 
 
 def overrides(folder: Path, architecture: str = GPT2, tie: bool = False, rope_scaling: dict | None = None) -> list[str]:

@@ -58,13 +58,15 @@ def lockstep_logits(config, tokens: torch.Tensor, monkeypatch) -> torch.Tensor:
     import ppctl.parallel.tensor_parallel as tensor_parallel
     from ppctl.model.from_config import build_chunk
     from ppctl.model.recompute import Recompute
+    from ppctl.parallel.groups import RankGroups
+    from ppctl.parallel.layout import StageLayers
     from ppctl.parallel.tensor_parallel import TPGroup
 
-    tp, layers = config.parallel.tp, range(config.model.num_layers)
+    tp, stage = config.parallel.tp, StageLayers.whole(config.model.num_layers)
     monkeypatch.setattr(tensor_parallel, "dist", _Lockstep(tp))
 
     def rank_logits(rank: int) -> torch.Tensor:
-        chunk = build_chunk(config, layers, True, True, TPGroup(_Rank(rank), tp, rank), recompute=Recompute())
+        chunk = build_chunk(config, stage, RankGroups(tp=TPGroup(_Rank(rank), tp, rank)), recompute=Recompute())
         with torch.no_grad():
             return chunk(tokens)
 

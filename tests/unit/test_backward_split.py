@@ -21,7 +21,7 @@ from ppctl.autograd.weight_grad import (
 )
 from ppctl.model.moe.shape import MoEShape
 from ppctl.model.recompute import Recompute
-from ppctl.parallel.tensor_parallel import TPGroup
+from ppctl.parallel.layout import StageLayers
 from ppctl.pipeline.stage import PipelineStage, StageIO, TensorSpec, run_backward
 
 SEED = 7
@@ -46,7 +46,7 @@ def make_stage(last: bool, dtype=torch.float64, tie_embeddings=False, recompute=
     """A middle stage (layers 0-1) or a last stage (layer 2, final norm, output layer, loss); ``moe``: its layers'
     MLPs are experts."""
     config = GPTConfig(**CONFIG, tie_embeddings=tie_embeddings, moe=moe)
-    chunk = GPTChunk(config, [2] if last else [0, 1], False, last, TPGroup.single(), SEED, dtype,
+    chunk = GPTChunk(config, StageLayers(0, (2,) if last else (0, 1), False, last), seed=SEED, dtype=dtype,
                      recompute=recompute)
     spec = TensorSpec((BATCH, SEQ, config.hidden_size), dtype)
     io = StageIO(input=spec, output=None if last else spec, fields=())
@@ -203,9 +203,9 @@ def test_a_tied_output_layer_defers_and_its_weight_gets_both_uses_once():
     def loss_of(chunk):
         return weighted_loss(chunk(tokens, labels=tokens.roll(-1, dims=1)), None)[0]
 
-    whole = GPTChunk(config, [0], True, True, TPGroup.single(), SEED, torch.float64)
+    whole = GPTChunk(config, StageLayers.whole(1), seed=SEED, dtype=torch.float64)
     loss_of(whole).backward()
-    split = GPTChunk(config, [0], True, True, TPGroup.single(), SEED, torch.float64)
+    split = GPTChunk(config, StageLayers.whole(1), seed=SEED, dtype=torch.float64)
     store = WeightGradStore()
     attach_weight_grad_store(split, store)
     weights = tuple(split.parameters())

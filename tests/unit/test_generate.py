@@ -69,10 +69,10 @@ def test_the_comparison_sees_a_wrong_position():
 
 def test_generate_step_refuses_a_partial_model():
     from ppctl.model.from_config import build_chunk
-    from ppctl.parallel.tensor_parallel import TPGroup
+    from ppctl.parallel.layout import StageLayers
 
     config = compose_config(["parallel=single", "data=synthetic"])
-    chunk = build_chunk(config, [0, 1], True, False, TPGroup.single())
+    chunk = build_chunk(config, StageLayers(0, (0, 1), True, False))
     with pytest.raises(ValueError, match="whole model in one process"):
         chunk.generate_step(torch.zeros(1, 2, dtype=torch.int64), torch.arange(2)[None], KVCache(2))
 

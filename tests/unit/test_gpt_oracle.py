@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ppctl.model.gpt.model import GPTChunk, GPTConfig
-from ppctl.parallel.tensor_parallel import TPGroup
+from ppctl.parallel.layout import StageLayers
 from tests.harness.gpt_oracle import OracleConfig, OracleGPT
 
 VOCAB, HIDDEN, HEADS, FFN, LAYERS = 37, 32, 4, 64, 3
@@ -63,7 +63,7 @@ def oracle_config_of(config: GPTConfig) -> OracleConfig:
 
 def build_chunk(config: GPTConfig) -> GPTChunk:
     """One float64 chunk holding every layer, embedding and output on one TP rank."""
-    return GPTChunk(config, range(config.num_layers), True, True, TPGroup.single(), MODEL_SEED, torch.float64)
+    return GPTChunk(config, StageLayers.whole(config.num_layers), seed=MODEL_SEED, dtype=torch.float64)
 
 
 def build_oracle(config: GPTConfig, chunk_parameters: dict[str, torch.Tensor]) -> OracleGPT:

@@ -403,13 +403,12 @@ def test_the_shapes_checked_are_those_of_the_model_ppctl_builds(overrides_):
     from ppctl.model.from_config import build_chunk
     from ppctl.model.hf_format import hf_format_of
     from ppctl.model.rules import rule_of
-    from ppctl.parallel.tensor_parallel import TPGroup
+    from ppctl.parallel.layout import StageLayers
 
     config = compose_config(["parallel=single", "data=synthetic", *overrides_])
     expected = hf_format_of(resolve_model(config).family).dense_shapes(config.model)
     with torch.device("meta"):
-        chunk = build_chunk(config, list(range(config.model.num_layers)), True, True, TPGroup.single(),
-                            load_init_from=False)
+        chunk = build_chunk(config, StageLayers.whole(config.model.num_layers), load_init_from=False)
     for name, param in chunk.named_parameters():
         shape = tuple(param.shape)
         if rule_of(param).vocab_rows:

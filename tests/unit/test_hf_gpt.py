@@ -88,6 +88,8 @@ def test_each_tp_rank_reads_the_dense_models_shard(folders, monkeypatch, archite
     import ppctl.model.hf_weights as hf_weights
     from ppctl.model.from_config import build_chunk
     from ppctl.model.rules import rule_of
+    from ppctl.parallel.groups import RankGroups
+    from ppctl.parallel.layout import StageLayers
     from ppctl.parallel.tensor_parallel import TPGroup
     from tests.distributed.equivalence import expected_shard
 
@@ -97,7 +99,8 @@ def test_each_tp_rank_reads_the_dense_models_shard(folders, monkeypatch, archite
     monkeypatch.setattr(hf_weights, "READ_ELEMENTS", 100)
     for tp_rank in range(tp):
         for pre, post in ((True, False), (False, True)):  # a tied output layer alone on the last stage reads wte
-            chunk = build_chunk(config, [1, 2] if pre else [3], pre, post, TPGroup(None, tp, tp_rank))
+            chunk = build_chunk(config, StageLayers(0, (1, 2) if pre else (3,), pre, post),
+                                RankGroups(tp=TPGroup(None, tp, tp_rank)))
             for name, param in chunk.named_parameters():
                 rule = rule_of(param)
                 expected = expected_shard(name, rule, dense[rule.tied_to or name], param, tp, tp_rank, VOCAB)
@@ -243,7 +246,7 @@ def test_a_shape_mismatch_names_the_key_and_both_values(folders, tanh_folders):
                        f"model.hidden_size=64")
     tied = _refusal(*overrides(folder, GPT2, True))
     assert "model.tie_embeddings=False, this run has model.tie_embeddings=True" in tied
-    assert _refusal(*overrides(tanh_folders[GPT2])) == (
+    assert _refusal(*overrides(tanh_folders[GPT2]), "model.activation=gelu") == (
         f"model.init_from={tanh_folders[GPT2]}: its config.json gives model.activation=gelu_tanh, this run has "
         f"model.activation=gelu")
     assert "gives model.activation=gelu, this run has model.activation=gelu_tanh" in _refusal(

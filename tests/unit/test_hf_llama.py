@@ -74,6 +74,8 @@ def test_each_tp_rank_reads_the_dense_models_shard(folders, tp):
     """Each TP rank's chunk holds the single process's shards: whole key/value heads, rows and columns."""
     from ppctl.model.from_config import build_chunk
     from ppctl.model.rules import rule_of
+    from ppctl.parallel.groups import RankGroups
+    from ppctl.parallel.layout import StageLayers
     from ppctl.parallel.tensor_parallel import TPGroup
     from ppctl.run.reference import reference_model
     from tests.distributed.equivalence import expected_shard
@@ -81,7 +83,7 @@ def test_each_tp_rank_reads_the_dense_models_shard(folders, tp):
     dense = dict(reference_model(_config(folders, "qwen2")).named_parameters())
     config = _config(folders, "qwen2", f"parallel.tp={tp}")
     for tp_rank in range(tp):
-        chunk = build_chunk(config, [0, 1, 2], True, True, TPGroup(None, tp, tp_rank))
+        chunk = build_chunk(config, StageLayers.whole(3), RankGroups(tp=TPGroup(None, tp, tp_rank)))
         for name, param in chunk.named_parameters():
             rule = rule_of(param)
             assert torch.equal(param, expected_shard(name, rule, dense[rule.tied_to or name], param, tp, tp_rank,
@@ -95,6 +97,8 @@ def test_a_rank_reads_its_slices_only_a_piece_at_a_time(folders, monkeypatch):
     import ppctl.model.hf_weights as hf_weights
     import ppctl.model.rules as rules
     from ppctl.model.from_config import build_chunk
+    from ppctl.parallel.groups import RankGroups
+    from ppctl.parallel.layout import StageLayers
     from ppctl.parallel.tensor_parallel import TPGroup
     from ppctl.run.reference import reference_model
     from tests.distributed.equivalence import expected_shard
@@ -122,7 +126,7 @@ def test_a_rank_reads_its_slices_only_a_piece_at_a_time(folders, monkeypatch):
     config = _config(folders, "llama", "parallel.tp=2")
     for tp_rank in range(2):
         reads.clear()
-        chunk = build_chunk(config, [0, 1, 2], True, True, TPGroup(None, 2, tp_rank))
+        chunk = build_chunk(config, StageLayers.whole(3), RankGroups(tp=TPGroup(None, 2, tp_rank)))
         real = 0
         for name, param in chunk.named_parameters():
             rule = rules.rule_of(param)

@@ -99,12 +99,12 @@ def test_each_pipeline_stage_reads_its_own_layers_experts(folder):
     """Two stages' chunks (layers 0-1 with the embedding, 2-3 with the output layer) hold the single process's
     parameters, every expert of every layer read from its own tensor."""
     from ppctl.model.from_config import build_chunk
-    from ppctl.parallel.tensor_parallel import TPGroup
+    from ppctl.parallel.layout import StageLayers
 
     config = _config(folder)
     whole = dict(_ppctl(config).named_parameters())
     for layer_ids, first, last in (([0, 1], True, False), ([2, 3], False, True)):
-        chunk = build_chunk(config, layer_ids, first, last, TPGroup(None, 1, 0))
+        chunk = build_chunk(config, StageLayers(0, tuple(layer_ids), first, last))
         names = [name for name, _param in chunk.named_parameters()]
         assert f"layers.{layer_ids[0]}.mlp.experts.down_proj.weight" in names
         for name, param in chunk.named_parameters():
@@ -118,13 +118,14 @@ def test_each_expert_parallel_rank_reads_its_own_experts(folder, ep):
     from ppctl.model.from_config import build_chunk
     from ppctl.model.rules import rule_of
     from ppctl.parallel.expert_parallel import EPGroup
-    from ppctl.parallel.tensor_parallel import TPGroup
+    from ppctl.parallel.groups import RankGroups
+    from ppctl.parallel.layout import StageLayers
 
     config = _config(folder)
     whole = dict(_ppctl(config).named_parameters())
     per_rank = EXPERTS // ep
     for rank in range(ep):
-        chunk = build_chunk(config, [0, 1, 2, 3], True, True, TPGroup(None, 1, 0), ep=EPGroup(None, ep, rank))
+        chunk = build_chunk(config, StageLayers.whole(4), RankGroups(ep=EPGroup(None, ep, rank)))
         for name, param in chunk.named_parameters():
             expected = whole[name][rank * per_rank:(rank + 1) * per_rank] if rule_of(param).experts else whole[name]
             assert torch.equal(param, expected), (name, rank)

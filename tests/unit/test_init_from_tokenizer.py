@@ -17,21 +17,9 @@ import shutil
 import pytest
 
 from ppctl.config import ConfigError, compose_config, validate
-from tests.harness.hf_models import GPT2, hf_config, overrides
+from tests.harness.hf_models import GPT2, hf_config, overrides, save_numbered_tokenizer
 
 VOCAB = 300
-
-
-def save_numbered_tokenizer(path, prefix: str, size: int = VOCAB):
-    """A WordLevel ``tokenizers`` file of ``size`` ids: ``<prefix><i>`` words, ``<unk>`` and ``<|endoftext|>``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = [f"{prefix}{index}" for index in range(size - 2)] + ["<unk>", "<|endoftext|>"]
-    tokenizer = Tokenizer(models.WordLevel({word: index for index, word in enumerate(words)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.add_special_tokens(["<|endoftext|>"])
-    tokenizer.save(str(path))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +31,7 @@ def folder(tmp_path_factory):
     config = hf_config(GPT2, False)
     config.vocab_size = VOCAB
     AutoModelForCausalLM.from_config(config).save_pretrained(root / "gpt2")
-    save_numbered_tokenizer(root / "gpt2" / "tokenizer.json", "word")
+    save_numbered_tokenizer(root / "gpt2" / "tokenizer.json", "word", VOCAB)
     (root / "corpus.txt").write_text("word1 word2 word3\n")
     return root / "gpt2"
 
@@ -62,7 +50,7 @@ def _refusal(items) -> str:
 
 
 def test_another_tokenizer_of_as_many_ids_is_refused(folder, tmp_path):
-    other = save_numbered_tokenizer(tmp_path / "other.json", "token")
+    other = save_numbered_tokenizer(tmp_path / "other.json", "token", VOCAB)
     message = _refusal(_run(folder, f"data.tokenizer={other}"))
     assert message.startswith(f"model.init_from={folder}: its tokenizer.json is not this run's data.tokenizer="
                               f"{other} (as many ids, 300, other tokens): ")
@@ -70,8 +58,14 @@ def test_another_tokenizer_of_as_many_ids_is_refused(folder, tmp_path):
                             f"tokenizer)")
 
 
+def test_the_folders_tokenizer_is_the_runs_by_default(folder):
+    config = compose_config(_run(folder))
+    assert config.data.tokenizer == str(folder / "tokenizer.json")
+    validate(config)
+
+
 def test_the_byte_tokenizer_beside_a_folders_tokenizer_is_refused(folder):
-    message = _refusal(_run(folder))  # data.tokenizer=byte: 257 ids, within model.vocab_size=300
+    message = _refusal(_run(folder, "data.tokenizer=byte"))  # 257 ids, within model.vocab_size=300
     assert message.startswith(f"model.init_from={folder}: its tokenizer.json is not this run's data.tokenizer=byte "
                               f"(300 ids in the folder's, 257 in the run's): each embedding row")
     assert f"set data.tokenizer={folder / 'tokenizer.json'}" in message
@@ -124,8 +118,8 @@ def test_train_refuses_both_in_one_line_before_anything_starts(folder, tmp_path)
 
     from ppctl.cli.app import app
 
-    for items, expected in ((_run(folder), f"error: model.init_from={folder}: its tokenizer.json is not this run's "
-                                           f"data.tokenizer=byte "),
+    byte = f"error: model.init_from={folder}: its tokenizer.json is not this run's data.tokenizer=byte "
+    for items, expected in ((_run(folder, "data.tokenizer=byte"), byte),
                             (["data=synthetic", "model.init_from="], "error: model.init_from='' names no folder")):
         result = CliRunner().invoke(app, ["train", *items, f"trainer.out_dir={tmp_path / 'run'}", "--dry-run"])
         assert result.exit_code == 2 and result.stderr.startswith(expected), (result.stderr, result.exception)

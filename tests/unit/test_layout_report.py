@@ -10,7 +10,7 @@ from ppctl.config import compose_config
 from ppctl.config.resolved import resolve
 from ppctl.cli.layout_report import (MAX_LISTED_RANKS, SUMMARY_MEMBERS, SUMMARY_RANKS, is_summarised, layout_report,
                                  print_layout)
-from ppctl.parallel.layout import GROUP_NAMES, ParallelLayout
+from ppctl.parallel.layout import GROUP_NAMES, ParallelLayout, StageLayers
 from ppctl.plan.memory import config_memory
 
 HUGE = ["parallel.dp=10000000", "trainer.global_batch_size=10000000"]  # 20 million ranks (pp=2)
@@ -105,7 +105,7 @@ def test_each_ranks_memory_holds_its_share_of_the_experts(capsys):
     exactly, and the table says so; at ep=1 (the twin: experts whole) each rank holds every expert."""
     from ppctl.model.from_config import build_chunk
     from ppctl.parallel.expert_parallel import EPGroup
-    from ppctl.parallel.tensor_parallel import TPGroup
+    from ppctl.parallel.groups import RankGroups
 
     overrides = ["model=mixtral_tiny", "data=synthetic", "parallel.pp=2", "parallel.dp=2"]
     split, whole = (resolve(compose_config(overrides + [f"parallel.ep={ep}"])) for ep in (2, 1))
@@ -114,8 +114,9 @@ def test_each_ranks_memory_holds_its_share_of_the_experts(capsys):
     for entry in report["ranks"]:
         group = EPGroup(None, 2, entry["expert"]["ep"])
         built = sum(param.numel() for stage in report["layers"] if stage["pp_rank"] == entry["pp"]
-                    for param in build_chunk(split.config, stage["layers"], stage["pre_process"],
-                                             stage["post_process"], TPGroup.single(), ep=group).parameters())
+                    for param in build_chunk(split.config, StageLayers(0, tuple(stage["layers"]), stage["pre_process"],
+                                                                 stage["post_process"]),
+                                             RankGroups(ep=group)).parameters())
         assert entry["memory"]["parameters"] == 4 * built  # fp32
         assert layout_report(whole)["ranks"][entry["rank"]]["memory"]["parameters"] > entry["memory"]["parameters"]
     print_layout(report, split)

@@ -17,6 +17,8 @@ from ppctl.model.gpt.model import GPTChunk, GPTConfig
 from ppctl.model.llama.model import LlamaChunk, LlamaConfig
 from ppctl.model.moe.shape import MoEShape
 from ppctl.model.recompute import Recompute
+from ppctl.parallel.groups import RankGroups
+from ppctl.parallel.layout import StageLayers
 from ppctl.parallel.tensor_parallel import TPGroup
 from ppctl.plan.memory import (Chunk, ModelShape, Parallelism, Tokens, chunk_activation_bytes, chunk_parameters,
                                held_bytes_change, in_flight_peak, in_flight_states, peak_in_flight_bytes,
@@ -30,7 +32,8 @@ B, S, H, F, N, V = 2, 16, 32, 64, 4, 128
 def built(layers, pre, post, tp=1, rope=False, tied=False, dtype=torch.float32, recompute=Recompute()):
     config = GPTConfig(num_layers=max(layers, 1), hidden_size=H, num_heads=N, ffn_hidden_size=F, vocab_size=V,
                        max_seq_length=S, position_embedding="rope" if rope else "learned", tie_embeddings=tied)
-    return GPTChunk(config, range(layers), pre, post, TPGroup(None, tp, 0), 1, dtype, recompute=recompute)
+    stage = StageLayers(0, tuple(range(layers)), pre, post)
+    return GPTChunk(config, stage, RankGroups(tp=TPGroup(None, tp, 0)), seed=1, dtype=dtype, recompute=recompute)
 
 
 def shape(rope=False, tied=False) -> ModelShape:
@@ -58,7 +61,7 @@ def test_parameter_count_of_a_config_with_qkv_biases_is_the_built_chunks(family)
     tp = 2
     for qkv_bias in (False, True):
         config = compose_config([*family, "data=synthetic", f"parallel.tp={tp}", f"model.qkv_bias={qkv_bias}"])
-        chunk = build_chunk(config, [0, 1], True, True, TPGroup(None, tp, 0))
+        chunk = build_chunk(config, StageLayers.whole(2), RankGroups(tp=TPGroup(None, tp, 0)))
         expected = sum(param.numel() for param in chunk.parameters())
         assert chunk_parameters(resolve_model(config).memory_shape, Chunk(0, 2, True, True), tp) == expected, qkv_bias
 
@@ -190,15 +193,16 @@ MOE = {"dropless": MoEShape(4, 2, 48), "shared sigmoid": MoEShape(8, 2, 32, shar
 def built_moe(family: str, moe: MoEShape, layers: int, pre: bool, post: bool):
     """A chunk of GPT (GELU experts with biases) or Llama (SwiGLU experts) layers, the first dense, and its shape."""
     moe = dataclasses.replace(moe, first_dense_layers=1)
+    stage = StageLayers(0, tuple(range(layers)), pre, post)
     if family == "gpt":
         config = GPTConfig(num_layers=layers, hidden_size=H, num_heads=N, ffn_hidden_size=F, vocab_size=V,
                            max_seq_length=S, moe=moe)
-        return GPTChunk(config, range(layers), pre, post, TPGroup.single(), 1), ModelShape(H, N, F, V, S, moe=moe)
+        return GPTChunk(config, stage, seed=1), ModelShape(H, N, F, V, S, moe=moe)
     config = LlamaConfig(num_layers=layers, hidden_size=H, num_heads=N, num_kv_heads=2, head_dim=8, ffn_hidden_size=F,
                          vocab_size=V, max_seq_length=S, padded_vocab_size=V, moe=moe)
     shape = ModelShape(H, N, F, V, S, learned_positions=False, rotary=True, kv_heads=2, head_dim=8, norm_has_bias=False,
                        gated_mlp=True, linear_biases=False, fused_qkv=False, moe=moe)
-    return LlamaChunk(config, range(layers), pre, post, TPGroup.single(), 1), shape
+    return LlamaChunk(config, stage, seed=1), shape
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
@@ -229,9 +233,9 @@ def test_expert_parallel_parameter_count_is_each_ep_ranks_built_chunk(family, ep
     moe_layers = sum(map(shape.moe.is_moe_layer, range(layers)))
     planned = Chunk(0, layers, True, True, moe_layers)
     for ep_rank in range(ep):
-        chunk = build_chunk(config, range(layers), True, True, TPGroup.single(), ep=EPGroup(None, ep, ep_rank))
+        chunk = build_chunk(config, StageLayers.whole(layers), RankGroups(ep=EPGroup(None, ep, ep_rank)))
         assert chunk_parameters(shape, planned, 1, ep) == sum(param.numel() for param in chunk.parameters())
-    whole = sum(param.numel() for param in build_chunk(config, range(layers), True, True, TPGroup.single()).parameters())
+    whole = sum(param.numel() for param in build_chunk(config, StageLayers.whole(layers)).parameters())
     assert chunk_parameters(shape, planned, 1) == whole != chunk_parameters(shape, planned, 1, ep)  # the twin
     sharded = Parallelism(precision="bf16", bucketed_optimizer=True, optimizer_shards=4, ep=2, expert_optimizer_shards=2)
     assert state_parts(1000, sharded, 600) == (2000, 4000, 3 * (100 + 300) * 4)

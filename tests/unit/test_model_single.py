@@ -8,6 +8,8 @@ from ppctl.model.gpt.rules import gpt_rule
 from ppctl.model.rules import dense_to_tp_shard, rule_of
 from ppctl.model.gpt.model import GPTChunk, GPTConfig
 from ppctl.model.layers import apply_rotary, rotary_cos_sin
+from ppctl.parallel.groups import RankGroups
+from ppctl.parallel.layout import StageLayers
 from ppctl.parallel.tensor_parallel import TPGroup, vocab_parallel_cross_entropy
 
 SEED = 1234
@@ -31,7 +33,7 @@ def make_batch(config: GPTConfig, seed: int = 0):
 def build_chunks(config: GPTConfig, layer_groups, dtype=torch.float32, seed=SEED):
     """Build the chunks of one model, one per entry of ``layer_groups``."""
     last = len(layer_groups) - 1
-    return [GPTChunk(config, ids, index == 0, index == last, TPGroup.single(), seed, dtype)
+    return [GPTChunk(config, StageLayers(index, tuple(ids), index == 0, index == last), seed=seed, dtype=dtype)
             for index, ids in enumerate(layer_groups)]
 
 
@@ -134,8 +136,9 @@ def test_tp_shards_are_slices_of_the_dense_model(tp_size):
     hidden, heads_per_rank = config.hidden_size, config.num_heads // tp_size
     for tp_rank in range(tp_size):
         tp = TPGroup(group=None, size=tp_size, rank=tp_rank)
-        shards = dict(GPTChunk(config, [0], True, False, tp, SEED).named_parameters())
-        shards.update(GPTChunk(config, [1, 2], False, True, tp, SEED).named_parameters())
+        first, last = StageLayers(0, (0,), True, False), StageLayers(1, (1, 2), False, True)
+        shards = dict(GPTChunk(config, first, RankGroups(tp=tp), seed=SEED).named_parameters())
+        shards.update(GPTChunk(config, last, RankGroups(tp=tp), seed=SEED).named_parameters())
         assert sorted(shards) == sorted(dense)
         for name, shard in shards.items():
             torch.testing.assert_close(shard, dense_to_tp_shard(rule_of(shard), dense[name], tp), rtol=0, atol=0)
@@ -169,7 +172,7 @@ def test_single_chunk_tie_shares_the_weight():
 
 
 def _hidden_before_head(chunk, tokens, positions):
-    without_head = GPTChunk(chunk.config, chunk.layer_ids, True, False, TPGroup.single(), SEED)
+    without_head = GPTChunk(chunk.config, StageLayers(0, tuple(chunk.layer_ids), True, False), seed=SEED)
     return without_head(tokens, positions)
 
 
@@ -225,9 +228,9 @@ def test_bad_config_and_layout_are_refused():
     with pytest.raises(ValueError, match="position_embedding"):
         make_config(position_embedding="alibi")
     with pytest.raises(ValueError, match="parallel.tp=3"):
-        GPTChunk(make_config(), [0], True, True, TPGroup(None, 3, 0), SEED)
+        GPTChunk(make_config(), StageLayers.whole(1), RankGroups(tp=TPGroup(None, 3, 0)), seed=SEED)
     with pytest.raises(ValueError, match="layer_ids"):
-        GPTChunk(make_config(), [0, 3], True, True, TPGroup.single(), SEED)
+        GPTChunk(make_config(), StageLayers(0, (0, 3), True, True), seed=SEED)
 
 
 def test_replicated_parameters():
@@ -245,7 +248,7 @@ def test_every_parameter_is_used_through_its_own_module(tie_embeddings):
     """The distributed optimizer waits for a parameter's all-gather in a forward pre-hook of the module
     owning it: every parameter-owning module must run as a module before its parameters are used."""
     config = make_config(tie_embeddings=tie_embeddings, position_embedding="learned")
-    chunk = GPTChunk(config, list(range(config.num_layers)), True, True, TPGroup.single(), SEED)
+    chunk = GPTChunk(config, StageLayers.whole(config.num_layers), seed=SEED)
     called, owners = [], [module for module in chunk.modules() if list(module.parameters(recurse=False))]
     for module in owners:
         module.register_forward_pre_hook(lambda module, _inputs: called.append(module))

@@ -126,7 +126,7 @@ class GPTChunk(DecoderChunk):
         experts = GeluExperts(local_experts, config.hidden_size, moe.expert_ffn_hidden_size, dtype, approximate)
         shared = (MLP(config.hidden_size, moe.shared_ffn_hidden_size, self.tp, dtype, approximate)
                   if moe.shared_experts else None)
-        return MoEMLP(config.hidden_size, moe, experts, shared, dtype, self.ep)
+        return MoEMLP(config.hidden_size, moe, experts, shared, dtype, self.ep, self.groups.token_split)
 
     def make_final_norm(self, dtype: torch.dtype) -> nn.Module:
         """LayerNorm."""

@@ -94,7 +94,7 @@ class LlamaChunk(DecoderChunk):
         experts = SwiGLUExperts(local_experts, config.hidden_size, moe.expert_ffn_hidden_size, dtype)
         shared = (SwiGLUMLP(config.hidden_size, moe.shared_ffn_hidden_size, self.tp, dtype)
                   if moe.shared_experts else None)
-        return MoEMLP(config.hidden_size, moe, experts, shared, dtype, self.ep)
+        return MoEMLP(config.hidden_size, moe, experts, shared, dtype, self.ep, self.groups.token_split)
 
     def make_final_norm(self, dtype: torch.dtype) -> nn.Module:
         """RMSNorm."""

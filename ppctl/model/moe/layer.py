@@ -28,7 +28,7 @@ from torch import nn
 from ppctl.model.moe.dispatch import permute, plan_dispatch, unpermute_and_combine
 from ppctl.model.moe.router import Router, Routing, balancing_loss, z_loss
 from ppctl.model.moe.shape import MoEShape
-from ppctl.parallel.expert_parallel import EPGroup, ExpertExchange
+from ppctl.parallel.expert_parallel import EPGroup, ExpertExchange, TokenSplit
 
 
 class RoutingRecord:
@@ -74,13 +74,15 @@ class MoEMLP(nn.Module):
 
     ``experts``: the family's stacked experts (``ppctl.model.moe.experts``) of this rank's share of ``ep``'s,
     called as ``(rows, counts)``; ``shared_experts``: the family's dense MLP of ``shape.shared_ffn_hidden_size``
-    features, or None; ``ep``: the expert-parallel group (default: one rank, every expert here).
+    features, or None; ``ep``: the expert-parallel group (default: one rank, every expert here); ``token_split``:
+    the ranks that hold each microbatch's tokens between them (``ppctl.parallel.expert_parallel.TokenSplit``; default:
+    this one alone).
     """
 
     def __init__(self, hidden_size: int, shape: MoEShape, experts: nn.Module, shared_experts: nn.Module | None,
-                 dtype: torch.dtype, ep: EPGroup = EPGroup.single()):
+                 dtype: torch.dtype, ep: EPGroup = EPGroup.single(), token_split: TokenSplit = TokenSplit()):
         super().__init__()
-        self.shape, self.ep = shape, ep
+        self.shape, self.ep, self.token_split = shape, ep, token_split
         self.router = Router(hidden_size, shape, dtype)
         self.experts = experts
         self.shared_experts = shared_experts
@@ -112,10 +114,10 @@ class MoEMLP(nn.Module):
     def _with_router_losses(self, output: torch.Tensor, routing: Routing) -> torch.Tensor:
         """``output`` through the identity that adds the router losses' gradient and records the statistics.
 
-        With the microbatch's tokens split over ranks (``EPGroup.tokens``), the losses are this rank's part of the
+        With the microbatch's tokens split over ranks (``token_split``), the losses are this rank's part of the
         microbatch's (``ppctl.model.moe.router``), from the load summed over the split; the first rank of the split
         counts the microbatch."""
-        shape, split = self.shape, self.ep.tokens
+        shape, split = self.shape, self.token_split
         load = routing.load(shape.num_experts)
         tokens = routing.experts.shape[0] * split.size  # every rank of the split holds an equal share
         balancing, z = balancing_loss(routing, split.total(load), tokens), z_loss(routing, tokens)
