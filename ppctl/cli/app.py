@@ -48,7 +48,11 @@ CONFIG_NAME_OPTION = typer.Option("config", "--config-name",
 
 
 def fail(message: str, code: int = 2) -> None:
-    """Print one error line on stderr and exit with ``code``."""
+    """Print one error line on stderr and exit with ``code``; a signal whose exit Python swallowed meanwhile (its line
+    said) ends the command instead, what went wrong after it being its consequence."""
+    from ppctl.run.interrupt import raise_swallowed_interruption
+
+    raise_swallowed_interruption()
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
 

@@ -232,7 +232,12 @@ def commit_entry(staged: Path, token_file: Path, index: dict) -> None:
     """
     os.chmod(staged, 0o644)  # mkstemp creates 0600; caches are meant to be shared
     os.replace(staged, token_file)
-    write_index(token_file, index)
+    try:
+        write_index(token_file, index)
+    except BaseException:  # a signal or an error between the two: no token file without its index is left
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(token_file)
+        raise
 
 
 def token_file_record(token_file: Path, dtype: str) -> dict:

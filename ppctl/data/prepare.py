@@ -28,6 +28,7 @@ from ppctl.data.corpus import Corpus, CorpusSpec
 from ppctl.data.hub import hub_fingerprint, load_hub
 from ppctl.data.tokenise import tokenise_corpus
 from ppctl.data.tokenizer import Tokenizer, build_tokenizer
+from ppctl.run.interrupt import raise_swallowed_interruption
 
 
 def prepare_corpus(spec: CorpusSpec, progress: bool = False) -> PreparedCorpus:
@@ -85,5 +86,6 @@ def _build_cache(spec: CorpusSpec, corpus: Corpus, hub_documents, tokenizer: Tok
             **keys,
             **split_entries(content["num_tokens"], spec.validation_fraction),
         }
+        raise_swallowed_interruption()  # a signal whose exit Python swallowed meanwhile: nothing enters the cache
         commit_entry(staged, token_file, index)
     return index

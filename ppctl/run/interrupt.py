@@ -139,6 +139,7 @@ class RaiseSwallowedAgain:
     def __init__(self, previous: Callable[..., object]) -> None:
         self.previous = previous
         self._said: set[int] = set()  # signals sent again whose line the handler already said
+        self._superseded: set[int] = set()  # pending ones raised by ``take_pending``: their signal, if sent, ignored
         self._switch_interval = sys.getswitchinterval()
 
     def __call__(self, unraisable) -> None:
@@ -164,6 +165,25 @@ class RaiseSwallowedAgain:
         self._said.discard(signum)
         return True
 
+    def take_pending(self) -> int | None:
+        """A signal whose ``Interruption`` was swallowed and not yet raised again (its line said), now to be raised by
+        the caller: whatever the main thread ran into meanwhile (the swallowed exit can leave the code it cut short
+        half done, and the next error is a consequence) gives way to it. Its signal, if already on its way, is
+        ignored once (``superseded``)."""
+        if not self._said:
+            return None
+        signum = self._said.pop()
+        self._superseded.add(signum)
+        return signum
+
+    def superseded(self, signum: int) -> bool:
+        """Whether ``signum`` is the signal sent again for an interruption ``take_pending`` raised already (forgotten
+        once asked): the exit is under way."""
+        if signum not in self._superseded:
+            return False
+        self._superseded.discard(signum)
+        return True
+
     @staticmethod
     def running_in(frame) -> bool:
         """Whether ``frame`` is this hook's or one it called: a handler's exception raised there is swallowed."""
@@ -184,10 +204,26 @@ class RaiseSwallowedAgain:
         try:
             while self.running_in(sys._current_frames().get(main_thread.ident)):
                 time.sleep(0)
-            if signal.getsignal(signum) is handler:
+            if signum in self._superseded:  # raised by ``take_pending`` meanwhile: nothing left to send
+                self._superseded.discard(signum)
+            elif signal.getsignal(signum) is handler:
                 signal.pthread_kill(main_thread.ident, signum)
         finally:
             sys.setswitchinterval(self._switch_interval)
+
+
+def swallowing_hook() -> RaiseSwallowedAgain | None:
+    """The ``RaiseSwallowedAgain`` installed as ``sys.unraisablehook``, None when there is none."""
+    return sys.unraisablehook if isinstance(sys.unraisablehook, RaiseSwallowedAgain) else None
+
+
+def raise_swallowed_interruption() -> None:
+    """Raise the ``Interruption`` Python swallowed and that was not raised again yet (its line already said), if
+    there is one: called where a command ends, well or with its own error, so that the signal decides the exit."""
+    hook = swallowing_hook()
+    signum = None if hook is None else hook.take_pending()
+    if signum is not None:
+        raise Interruption(signum) from None
 
 
 class BeforeStartSignals:
@@ -229,7 +265,9 @@ class BeforeStartSignals:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        hook = sys.unraisablehook if isinstance(sys.unraisablehook, RaiseSwallowedAgain) else None
+        hook = swallowing_hook()
+        if hook is not None and hook.superseded(signum):
+            return
         said = hook is not None and hook.said(signum)
         if hook is not None and hook.running_in(frame):  # raised in the hook, the exit would be swallowed again
             hook.signal_later(signum, said)
@@ -269,5 +307,10 @@ class BeforeStartSignals:
         outer, self.doing = self.doing, doing
         try:
             yield
+        except BaseException:
+            raise_swallowed_interruption()
+            raise
+        else:
+            raise_swallowed_interruption()
         finally:
             self.doing = outer
