@@ -8,6 +8,7 @@ SIGTERM before any worker started", and not miss the signal while it blocks on a
 import multiprocessing
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -18,9 +19,11 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @pytest.fixture
-def before_start_handlers():
-    """A ``BeforeStartSignals`` installed as ``main`` installs it; the handlers restored after."""
+def before_start_handlers(monkeypatch):
+    """A ``BeforeStartSignals`` installed as ``main`` installs it (with an unraisable hook of its own); the handlers
+    and the unraisable hook restored after."""
     saved = {signum: signal.getsignal(signum) for signum in SIGNALS}
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
     signals = BeforeStartSignals().install()
     yield signals
     for signum, handler in saved.items():

@@ -25,7 +25,7 @@ def before_start_handlers(monkeypatch):
     """A ``BeforeStartSignals`` installed as ``main`` installs it, saying it tokenises; handlers and unraisable hook
     restored after."""
     saved = {signum: signal.getsignal(signum) for signum in SIGNALS}
-    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)  # a hook of its own, no state shared
     signals = BeforeStartSignals()
     with signals.saying("while tokenising data.path=corpus.jsonl"):
         signals.install()
@@ -132,7 +132,7 @@ def not_sent_again(monkeypatch):
 @pytest.fixture
 def installed(not_sent_again, monkeypatch):
     """A ``BeforeStartSignals`` installed (nothing sent again); the handlers and the unraisable hook restored after."""
-    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)  # a hook of its own, no state shared
     saved = {signum: signal.getsignal(signum) for signum in SIGNALS}
     try:
         yield BeforeStartSignals().install()
