@@ -313,9 +313,10 @@ DATA_KEYS = ("seed", "global_batch_size", "seq_length")
 
 
 def model_record(model: dict[str, Any]) -> dict[str, Any]:
-    """What a checkpoint records of the model (``vars`` of a ``ModelConfig``): its ``MODEL_KEYS``, its activation,
-    and ``model.moe``'s ``MOE_KEYS`` as ``moe.<key>`` (with experts, an unset expert width is ``ffn_hidden_size``)."""
-    record = {key: model[key] for key in (*MODEL_KEYS, "activation")}
+    """What a checkpoint records of the model (``vars`` of its family's ``ModelConfig``): its ``MODEL_KEYS``, its
+    activation where its family has one (GPT's), and ``model.moe``'s ``MOE_KEYS`` as ``moe.<key>`` (with experts, an
+    unset expert width is ``ffn_hidden_size``)."""
+    record = {key: model[key] for key in (*MODEL_KEYS, "activation") if key in model}
     moe = model["moe"]
     record.update({f"moe.{key}": getattr(moe, key) for key in MOE_KEYS})
     if moe.num_experts and moe.expert_ffn_hidden_size is None:
@@ -356,8 +357,8 @@ def model_problem(index: dict[str, Any], model: dict[str, Any], having: str = "t
     recorded it) is taken as it is. Resuming, exporting and generating all ask it."""
     model = model_record(model) if "moe" in model else model
     for key in MODEL_KEYS + RECORDED_LATER:
-        if key in RECORDED_LATER and key not in index["model"]:
-            continue
+        if key in RECORDED_LATER and (key not in index["model"] or key not in model):
+            continue  # recorded since issue 45, or a key this model's family has not (Llama's MLP has no GELU)
         saved = index["model"].get(key)
         if saved != model[key]:
             return f"it was saved with model.{key}={saved}, {having} {model[key]}"

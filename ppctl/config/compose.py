@@ -1,13 +1,18 @@
 """Composition: Hydra builds a typed ``PpctlConfig`` from ppctl's config groups, a user's tree and overrides.
 
 ``compose_config`` composes (the schema registered in Hydra's ConfigStore refuses unknown keys and
-wrong types); ``load_config_file`` and ``to_yaml`` read and write a resolved ``config.yaml``. Hydra's
+wrong types; its ``model`` section holds every installed family's keys, and the composed ``config.model`` is
+the selected family's own class: ``ppctl.model.family.family_settings``); ``load_config_file`` and ``to_yaml``
+read and write a resolved ``config.yaml`` (one written before the family keys had their own classes reads the
+same way: another family's keys at their defaults are dropped). Hydra's
 and OmegaConf's errors are folded into one ``ConfigError`` line; YAML syntax errors name the file, the
 line and the column, and an override that does not parse names itself and the column.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import re
 from pathlib import Path
@@ -17,6 +22,7 @@ from ppctl.config.derived import fill_unset
 from ppctl.config.init_from import folder_preset_of, stored_folder_preset
 from ppctl.config.schema import SCHEMA_GROUPS, ConfigError, PpctlConfig
 from ppctl.fileio import exception_in_chain
+from ppctl.model.family import family_settings, settings_schema
 
 PACKAGE_CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # ppctl/conf: ppctl's config groups
 
@@ -29,8 +35,8 @@ def _register_schema() -> None:
     from omegaconf import OmegaConf
 
     store = ConfigStore.instance()
-    store.store(name="ppctl_schema", node=PpctlConfig)
-    for group, node in SCHEMA_GROUPS.items():
+    store.store(name="ppctl_schema", node=composition_schema())
+    for group, node in {**SCHEMA_GROUPS, "model": settings_schema()}.items():
         store.store(group=group, name=f"{group}_schema", node=node)
     # A user tree without a primary config composes on ppctl's. Hydra looks the primary up before it adds
     # ppctl's folder to the search path (and remembers that it found none), but the ConfigStore is searched from
@@ -65,10 +71,7 @@ def compose_config(
     try:
         with initialize_config_dir(config_dir=str(primary), version_base=None):
             composed = _compose_with_folder(name, list(overrides or []), extra)
-        composed = OmegaConf.merge(OmegaConf.structured(PpctlConfig), _without_hydra(composed))
-        config = OmegaConf.to_object(composed)
-        fill_unset(config)
-        return config
+        return _typed(_without_hydra(composed))
     except ConfigError:
         raise
     except Exception as error:  # Hydra and OmegaConf errors are many classes; report one line
@@ -89,6 +92,27 @@ def _compose_with_folder(name: str, overrides: list[str], extra: list[str]) -> A
         return composed
     with stored_folder_preset(node) as chosen:
         return compose(config_name=name, overrides=overrides + [chosen] + extra, return_hydra_config=True)
+
+
+@functools.cache  # the installed families do not change while ppctl runs
+def composition_schema() -> type:
+    """``PpctlConfig`` with a ``model`` section that accepts every installed family's keys (``settings_schema``)."""
+    model = settings_schema()
+    return dataclasses.make_dataclass("PpctlSchema", [("model", model, dataclasses.field(default_factory=model))],
+                                      bases=(PpctlConfig,))
+
+
+def _typed(tree: Any) -> PpctlConfig:
+    """A composed or loaded tree (OmegaConf) as a typed ``PpctlConfig`` whose ``model`` is its family's class,
+    with the unset settings that follow another part filled. ``ConfigError`` for an unknown key or family, a wrong
+    type, or another family's key set."""
+    from omegaconf import OmegaConf
+
+    schema_config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(composition_schema()), tree))
+    sections = {item.name: getattr(schema_config, item.name) for item in dataclasses.fields(PpctlConfig)}
+    config = PpctlConfig(**{**sections, "model": family_settings(schema_config.model)})
+    fill_unset(config)
+    return config
 
 
 def _without_hydra(composed: Any) -> Any:
@@ -219,7 +243,4 @@ def load_config_file(path: str | os.PathLike) -> PpctlConfig:
     """Read a resolved ``config.yaml`` back into a typed ``PpctlConfig``."""
     from omegaconf import OmegaConf
 
-    loaded = OmegaConf.merge(OmegaConf.structured(PpctlConfig), OmegaConf.load(path))
-    config = OmegaConf.to_object(loaded)
-    fill_unset(config)
-    return config
+    return _typed(OmegaConf.load(path))

@@ -1,6 +1,7 @@
 """The key reference: every schema field with its default and meaning, as the markdown table of
 docs/configuration.md (between its markers; ``tests/unit/test_config_defaults.py`` checks that the two
-agree). ``python -m ppctl.config`` prints the table to paste there.
+agree). ``python -m ppctl.config`` prints the table to paste there. A family's own ``model.*`` keys
+(``ppctl.model.family``) follow the shared ones, each meaning led by the families that read it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import MISSING, fields, is_dataclass
 from typing import Any
 
 from ppctl.config.schema import PpctlConfig
+from ppctl.model.family import family_own_keys
 
 
 def render_default(value: Any) -> str:
@@ -32,6 +34,9 @@ def config_reference() -> list[tuple[str, Any, str]]:
     rows = []
     for section in fields(PpctlConfig):
         rows += _section_rows(section.name, section.default_factory)
+        if section.name == "model":
+            rows += [(f"model.{item.name}", item.default, f"{', '.join(f'`{name}`' for name in readers)}: "
+                      f"{item.metadata['doc']}") for item, readers in family_own_keys()]
     return rows
 
 

@@ -80,6 +80,8 @@ def resolve(config: PpctlConfig, check: bool = True, data: bool = True, prove_sc
     """
     model = (validate(config, layer_split=layer_split, data=data, prove_schedule=prove_schedule).model if check
              else resolve_model(config))  # the model, resolved once: by validation where it runs
+    if config.model is not model.settings:  # a config built by hand holds the shared keys only: its family's class
+        config.model = model.settings
     layout = layout_of(config)
     try:
         resolved = _assemble(config, layout, model, _split(config, layout, model))

@@ -2,7 +2,7 @@
 
 The tree is ``PpctlConfig`` (model, parallel, schedule, data, optimizer, trainer, launcher), registered
 in Hydra's ConfigStore by ``ppctl.config.compose`` so that a misspelled key or a wrong type is refused
-while composing. The schema also names the values some fields allow (``POSITION_EMBEDDINGS``, ``ACTIVATIONS``,
+while composing. The schema also names the values some fields allow (``POSITION_EMBEDDINGS``,
 ``PRECISIONS``, ``DATA_SOURCES``, ``BACKENDS``) and ``ConfigError``.
 
 This module imports nothing of ppctl's (``tests/unit/test_layering.py`` checks it): what a default or a
@@ -23,7 +23,6 @@ from typing import Any, Optional
 
 # The values some fields allow (validation refuses others; their doc strings name them).
 POSITION_EMBEDDINGS = ("learned", "rope")
-ACTIVATIONS = ("gelu", "gelu_tanh")  # the gpt family's MLP: torch's F.gelu, approximate "none" or "tanh"
 RECOMPUTE_MODES = ("none", "full", "selective")  # ppctl.model.recompute
 RECOMPUTE_METHODS = ("uniform", "block")
 PRECISIONS = ("fp32", "fp64", "bf16", "fp16")
@@ -121,7 +120,9 @@ class MoEConfig(Section):
 
 @dataclass
 class ModelConfig(Section):
-    """GPT shape. ``vocab_size`` follows the tokenizer unless set; it is padded for TP (see ``padded_vocab_size``)."""
+    """The model settings every family reads alike. A family's own keys are its subclass of this one
+    (``ppctl/model/<family>/settings.py``); the composed ``config.model`` is an instance of the selected family's.
+    ``vocab_size`` follows the tokenizer unless set; it is padded for TP (see ``padded_vocab_size``)."""
 
     name: str = setting("gpt_tiny", "a label for logs")
     family: str = setting(
@@ -131,33 +132,15 @@ class ModelConfig(Section):
     hidden_size: int = setting(64, "width of the residual stream; divisible by `num_heads`")
     num_heads: int = setting(4, "attention heads; divisible by `parallel.tp`")
     ffn_hidden_size: int = setting(256, "MLP inner width; divisible by `parallel.tp`")
-    activation: str = setting(
-        "gelu", "`gpt`: the MLP's GELU, `gelu` (exact, erf) or `gelu_tanh` (the tanh approximation GPT-2 was trained "
-        "with: Hugging Face's `gelu_new` and `gelu_pytorch_tanh`, Megatron-LM's `--openai-gelu`); a "
-        "`model.init_from` folder gives its own, and one set must be the same. `llama` (SwiGLU) refuses `gelu_tanh`")
     vocab_size: Optional[int] = setting(
         None, "the classes the model predicts; unset: the tokenizer's (257 for `byte`: bytes + end of document; a "
         "tokenizer file's size, +1 when it has no end-of-text token; 257 for synthetic data); never smaller than "
         "the tokenizer's. The embedding rows are padded to a multiple of `make_vocab_size_divisible_by * tp` "
         "(shown by `inspect-layout`), padded rows never enter the math")
     max_seq_length: int = setting(256, "longest sequence (learned position table size)")
-    num_kv_heads: Optional[int] = setting(
-        None, "`llama`: key/value heads of grouped-query attention (a multiple of `parallel.tp`, dividing "
-        "`num_heads`); unset (null, not 0): `num_heads`")
-    head_dim: Optional[int] = setting(
-        None, "`llama`: width of one head, a positive even number; unset (null, not 0): `hidden_size / num_heads`")
     rope_theta: float = setting(
         10000.0, "base of the rotary frequencies, > 0 (`position_embedding=rope`, and `llama`; with learned "
         "positions it is read by nothing, and a changed value is refused)")
-    rope_scaling_factor: Optional[float] = setting(
-        None, "`llama`: Llama 3's rotary frequency scaling factor; unset: no scaling")
-    rope_low_freq_factor: float = setting(
-        1.0, "`llama`, with `rope_scaling_factor` (a changed value without it is refused): Llama 3's low_freq_factor")
-    rope_high_freq_factor: float = setting(
-        4.0, "`llama`, with `rope_scaling_factor` (a changed value without it is refused): Llama 3's high_freq_factor")
-    rope_original_max_position: int = setting(
-        8192, "`llama`, with `rope_scaling_factor` (a changed value without it is refused): Llama 3's "
-        "original_max_position_embeddings")
     qkv_bias: bool = setting(
         False, "biases on the query, key and value projections (`gpt`: on the fused QKV, GPT-2's `c_attn.bias`; "
         "`llama`: Qwen2's q/k/v biases); a `model.init_from` folder gives its own (every GPT-2 has it), and one set "

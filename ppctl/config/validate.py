@@ -17,7 +17,7 @@ from ppctl.config.derived import (configured_schedule, interleaves_experts, layo
                                   num_microbatches, parse_endpoint, pipeline_layout_of, schedule_spec,
                                   tokenizer_vocab_size)
 from ppctl.config.init_from import starts_from_a_checkpoint
-from ppctl.config.schema import (ACTIVATIONS, BACKENDS, BALANCE_MODES, DATA_SOURCES, DROP_POLICIES, LAUNCHERS,
+from ppctl.config.schema import (BACKENDS, BALANCE_MODES, DATA_SOURCES, DROP_POLICIES, LAUNCHERS,
                                  POSITION_EMBEDDINGS, PRECISIONS, RECOMPUTE_METHODS, RECOMPUTE_MODES, ROUTER_SCORES,
                                  ConfigError, MoEConfig, PpctlConfig, require)
 from ppctl.model.family import ResolvedModel, hf_experts_formats, resolve_model
@@ -211,7 +211,6 @@ POSITIVE_FIELDS = {
 
 # Settings that are a positive integer or unset (null): 0 is refused, not read as unset.
 POSITIVE_OR_UNSET_FIELDS = {
-    "model": ("num_kv_heads", "head_dim"),
     "launcher": ("nproc_per_node", "threads_per_worker"),
 }
 
@@ -265,11 +264,8 @@ def _check_model(config: PpctlConfig) -> ResolvedModel:
     """The model's rules, its family's own among them; returns the model its family resolves."""
     model, parallel = config.model, config.parallel
     resolved = resolve_model(config)  # ConfigError for a family that is not installed
-    # Before the family's rules, so that a misspelled value is named as such rather than as another family's key.
-    require(model.activation in ACTIVATIONS,
-            f"model.activation={model.activation!r} must be one of {', '.join(ACTIVATIONS)}")
     _check_model_ranges(config)
-    resolved.family.check(config)
+    resolved.family.check(resolved.settings, config)
     require(
         model.num_heads % parallel.tp == 0,
         f"model.num_heads={model.num_heads} must be divisible by parallel.tp={parallel.tp}",

@@ -222,11 +222,12 @@ def _hf_run_config(folder: Path, precision: str):
     """``(the config of a single-process run of the folder's model, its config.json)``; ``HFError`` or
     ``ConfigError`` where ``model.init_from`` would refuse the folder."""
     family, hf_config, settings = folder_model(folder)
-    config = compose_config(["parallel=single", "data=synthetic", f"trainer.precision={precision}"])
+    config = compose_config(["parallel=single", "data=synthetic", f"trainer.precision={precision}",
+                             f"model.family={family.name}"])  # config.model: the family's settings, to set
     for key, value in settings.items():
         set_setting(config.model, key, value)
     config.model.name, config.model.init_from = folder.name, str(folder)
-    family.check(config)
+    family.check(config.model, config)
     problem = init_from_problem(config.model, family)
     if problem is not None:
         raise HFError(problem)

@@ -1,7 +1,11 @@
 """A model family as a plug-in, and a config's model resolved once by it (pure: no torch).
 
 A family is one folder under ``ppctl/model/`` whose ``__init__`` exports ``FAMILY``, a ``ModelFamily``;
-``model.family`` names the folder. ``resolve_model(config)`` is the one place a config's model is resolved: it
+``model.family`` names the folder. A family declares its own ``model.*`` keys as its subclass of the shared
+``ModelConfig`` (``ModelFamily.settings``, its folder's ``settings.py``); ``settings_schema()`` is every installed
+family's keys together (what composition accepts on the command line) and ``family_settings`` turns a config's
+``model.*`` into the selected family's class, refusing in one line a key only other families read that was set.
+``resolve_model(config)`` is the one place a config's model is resolved: it
 looks the family up and makes one frozen ``ResolvedModel`` holding the family, the padded vocabulary (Megatron's
 rule, ``padded_vocab_size``), the memory/FLOP shape (``ModelShape``) the memory model and the planner read, the
 family's own shape its chunk is built from, the parameter rules, its Hugging Face format and that format's
@@ -13,12 +17,16 @@ imported when first read. Adding a family is a folder plus its tests and presets
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import pkgutil
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+from ppctl.config.schema import ConfigError, ModelConfig
 
 from ppctl.model.memory_shape import ModelShape, memory_shape_of
 
@@ -51,26 +59,32 @@ class ModelFamily:
     ``ppctl.parallel.layout.StageLayers`` (its layer ids, whether it holds the embedding and the loss), ``groups``
     the ``ppctl.parallel.groups.RankGroups`` its layers communicate in, ``seed`` None leaving its parameters zero;
     ``rule_of_name(shape)``: a function from a global parameter name to its ``ParameterRule`` (for what holds names
-    only: checkpoints); ``check(config)``: the family's own config rules, raising ``ConfigError`` in one line;
+    only: checkpoints); ``check(settings, config)``: the family's own config rules (``settings``: the run's
+    ``model.*`` as the family's ``settings`` class), raising ``ConfigError`` in one line;
     ``hf()``: the family's Hugging Face format (its folder's ``hf.py``, imported when called; see
     ``ppctl.model.hf_format``), None for a family that reads and writes no HF checkpoints; ``architecture``: what
-    the memory model and the FLOP count read of its layers.
+    the memory model and the FLOP count read of its layers; ``settings``: its ``model.*`` keys, a subclass of
+    ``ModelConfig`` (its folder's ``settings.py``); ``memory_shape(settings, padded_vocab, architecture)``: its
+    ``ModelShape`` (``memory_shape_of`` of the shared keys unless its own keys change it: grouped-query attention).
     """
 
     name: str
     shape_of: Callable[[Any], Any]
     chunk_class: Callable[[], type]
     rule_of_name: Callable[[Any], Callable[[str], Any]]
-    check: Callable[[Any], None] = lambda config: None
+    check: Callable[[Any, Any], None] = lambda settings, config: None
     hf: Callable[[], Any] | None = None
     architecture: Architecture = Architecture()
+    settings: type = ModelConfig
+    memory_shape: Callable[[Any, int, Architecture], ModelShape] = memory_shape_of
 
 
 @dataclass(frozen=True)
 class ResolvedModel:
     """A config's model, resolved once by its family (``resolve_model``): what every reader of the model asks.
 
-    ``settings``: the ``model.*`` section it was resolved from (frozen with its config once that is resolved);
+    ``settings``: the ``model.*`` section it was resolved from, an instance of the family's ``settings`` class
+    (frozen with its config once that is resolved);
     ``tp``: the tensor-parallel size its vocabulary is padded for. What follows from them is built on first read
     and kept: the padded vocabulary and the memory shape are pure arithmetic; the family's ``shape`` imports its
     model module (torch), so that validation and the planner, which never read it, stay torch-free.
@@ -91,7 +105,7 @@ class ResolvedModel:
     @functools.cached_property
     def memory_shape(self) -> ModelShape:
         """What the memory model, the FLOP count and the planner read of the model (``ppctl.model.memory_shape``)."""
-        return memory_shape_of(self.settings, self.padded_vocab_size, self.family.architecture)
+        return self.family.memory_shape(self.settings, self.padded_vocab_size, self.family.architecture)
 
     @property
     def moe(self):
@@ -143,12 +157,69 @@ def installed_families() -> tuple[ModelFamily, ...]:
 def resolve_model(config) -> ResolvedModel:
     """The ``ResolvedModel`` of a ``PpctlConfig``: the one place its family is looked up (``ConfigError`` naming the
     installed ones for an unknown ``model.family``) and its model resolved."""
-    from ppctl.config.schema import ConfigError  # lazily: ppctl.config's validation imports this module
+    family = family_of(config.model)
+    return ResolvedModel(family=family, settings=family_settings(config.model), tp=config.parallel.tp)
 
-    name = config.model.family
-    if name not in family_names():
-        raise ConfigError(f"model.family={name!r} must be one of {', '.join(family_names())}")
-    return ResolvedModel(family=_family_named(name), settings=config.model, tp=config.parallel.tp)
+
+def family_of(model) -> ModelFamily:
+    """The installed family ``model.family`` names; ``ConfigError`` naming the installed ones for another name."""
+    if model.family not in family_names():
+        raise ConfigError(f"model.family={model.family!r} must be one of {', '.join(family_names())}")
+    return _family_named(model.family)
+
+
+@functools.cache  # the installed families do not change while ppctl runs
+def settings_schema() -> type:
+    """Every installed family's ``model.*`` keys in one class (a subclass of ``ModelConfig``): what composition
+    accepts, before ``family_settings`` keeps the selected family's. A key two families declare has one type and
+    one default (``TypeError`` otherwise: a family's mistake, caught by its tests)."""
+    own: dict[str, tuple[Any, dataclasses.Field]] = {}
+    for family in installed_families():
+        hints = typing.get_type_hints(family.settings)  # the annotations are strings (``from __future__``)
+        for item in _own_fields(family.settings):
+            known_type, known = own.setdefault(item.name, (hints[item.name], item))
+            if (known_type, known.default) != (hints[item.name], item.default):
+                raise TypeError(f"model.{item.name} is declared by several families with other types or defaults")
+    extra = [(name, kind, dataclasses.field(default=item.default, metadata=item.metadata))
+             for name, (kind, item) in own.items()]
+    return dataclasses.make_dataclass("ModelSettings", extra, bases=(ModelConfig,))
+
+
+def family_settings(model) -> ModelConfig:
+    """``model`` (the ``model.*`` section: any ``ModelConfig``) as an instance of its family's ``settings`` class;
+    ``ConfigError`` in one line for a key only other families read that holds another value than its default (a
+    key a family does not read keeps its meaning of "not used"). A family's own key ``model`` lacks takes its
+    default."""
+    family = family_of(model)
+    if type(model) is family.settings:
+        return model
+    kept = {item.name for item in dataclasses.fields(family.settings)}
+    for item in dataclasses.fields(model):
+        if item.name not in kept and getattr(model, item.name) != item.default:
+            readers = [other.name for other in installed_families()
+                       if item.name in {field.name for field in dataclasses.fields(other.settings)}]
+            raise ConfigError(f"model.{item.name}={getattr(model, item.name)} is read by model.family="
+                              f"{' or '.join(readers)} only; this model is model.family={model.family} (drop the "
+                              f"key, or set model.family={readers[0]})")
+    values = {item.name: getattr(model, item.name) for item in dataclasses.fields(model) if item.name in kept}
+    return family.settings(**values)
+
+
+def family_own_keys() -> list[tuple[dataclasses.Field, tuple[str, ...]]]:
+    """Each key a family adds to the shared ``ModelConfig``, once, with the families that read it (for the key
+    reference of docs/configuration.md)."""
+    readers: dict[str, tuple[dataclasses.Field, tuple[str, ...]]] = {}
+    for family in installed_families():
+        for item in _own_fields(family.settings):
+            known, names = readers.get(item.name, (item, ()))
+            readers[item.name] = known, (*names, family.name)
+    return list(readers.values())
+
+
+def _own_fields(settings: type) -> list[dataclasses.Field]:
+    """The fields a family's ``settings`` class adds to the shared ``ModelConfig``."""
+    shared = {item.name for item in dataclasses.fields(ModelConfig)}
+    return [item for item in dataclasses.fields(settings) if item.name not in shared]
 
 
 def hf_experts_formats() -> str:

@@ -55,13 +55,13 @@ class ModelShape:
 
 
 def memory_shape_of(settings, padded_vocab: int, architecture) -> ModelShape:
-    """The ``ModelShape`` of the ``model.*`` settings (a ``ModelConfig``), its vocabulary padded to ``padded_vocab``
-    rows, its layers as the family's ``Architecture`` builds them."""
+    """The ``ModelShape`` of the shared ``model.*`` settings (a ``ModelConfig``), its vocabulary padded to
+    ``padded_vocab`` rows, its layers as the family's ``Architecture`` builds them, as many key/value heads as heads
+    (a family with its own attention widths replaces ``kv_heads`` and ``head_dim``: ``ModelFamily.memory_shape``)."""
     return ModelShape(hidden=settings.hidden_size, heads=settings.num_heads, ffn=settings.ffn_hidden_size,
                       padded_vocab=padded_vocab, max_seq_length=settings.max_seq_length,
                       learned_positions=settings.position_embedding == "learned",
                       rotary=settings.position_embedding == "rope", tie_embeddings=settings.tie_embeddings,
-                      kv_heads=settings.num_kv_heads, head_dim=settings.head_dim,
                       norm_has_bias=architecture.norm_has_bias, gated_mlp=architecture.gated_mlp,
                       linear_biases=architecture.linear_biases, fused_qkv=architecture.fused_qkv,
                       qkv_bias=settings.qkv_bias, vocab=settings.vocab_size, moe=moe_shape_of(settings))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ppctl.config.schema import PpctlConfig
+from ppctl.config.schema import ModelConfig, PpctlConfig
 
 MODEL_PREFIX = "model/"
 # Model settings that decide tensors and that ppctl.json does not record (the recorded ones are compared first):
@@ -88,21 +88,35 @@ def _candidate_values(config: PpctlConfig, saved: Shapes):
     model = config.model
     yield from (("family", name) for name in family_names() if name != model.family)
     yield "qkv_bias", not model.qkv_bias
+    yield from _attention_widths(model, saved)
+
+
+def _attention_widths(model, saved: Shapes):
+    """``(setting, value)`` pairs of the head widths and key/value head counts the checkpoint's dimensions allow,
+    for those of the two settings the model's family has."""
+    declared = {item.name for item in dataclasses.fields(model)}
     dims = sorted({size for shape in saved.values() for size in shape})
-    head_dims = {dim // model.num_heads for dim in dims if dim % model.num_heads == 0}
-    yield from (("head_dim", width) for width in sorted(head_dims) if width != model.head_dim)
-    if model.head_dim is not None:
-        yield "head_dim", None
-    width = model.head_dim if model.head_dim is not None else model.hidden_size // model.num_heads
-    kv_heads = {dim // width for dim in dims if dim % width == 0 and 0 < dim // width <= model.num_heads}
-    yield from (("num_kv_heads", heads) for heads in sorted(kv_heads) if heads != model.num_kv_heads)
-    if model.num_kv_heads is not None:
-        yield "num_kv_heads", None
+    head_dim = getattr(model, "head_dim", None)
+    if "head_dim" in declared:
+        head_dims = {dim // model.num_heads for dim in dims if dim % model.num_heads == 0}
+        yield from (("head_dim", width) for width in sorted(head_dims) if width != head_dim)
+        if head_dim is not None:
+            yield "head_dim", None
+    if "num_kv_heads" in declared:
+        width = head_dim if head_dim is not None else model.hidden_size // model.num_heads
+        kv_heads = {dim // width for dim in dims if dim % width == 0 and 0 < dim // width <= model.num_heads}
+        yield from (("num_kv_heads", heads) for heads in sorted(kv_heads) if heads != model.num_kv_heads)
+        if model.num_kv_heads is not None:
+            yield "num_kv_heads", None
 
 
 def _shapes_with(config: PpctlConfig, key: str, value) -> Shapes | None:
-    """``run_model_shapes`` of ``config`` with ``model.<key>=value``; None when that model cannot be built."""
-    changed = dataclasses.replace(config, model=dataclasses.replace(config.model, **{key: value}))
+    """``run_model_shapes`` of ``config`` with ``model.<key>=value`` (another family with the shared keys alone, its
+    own at their defaults); None when that model cannot be built."""
+    model = config.model
+    if key == "family":
+        model = ModelConfig(**{item.name: getattr(model, item.name) for item in dataclasses.fields(ModelConfig)})
+    changed = dataclasses.replace(config, model=dataclasses.replace(model, **{key: value}))
     try:
         return run_model_shapes(changed)
     except Exception:  # noqa: BLE001  (a candidate no model has, whatever the layer says: not the explanation)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 from ppctl.config import PpctlConfig
+from ppctl.model.family import resolve_model
 from ppctl.pipeline.schedules import CUSTOM
 
 HEAD_DIM = 8  # even, for rotary
@@ -48,7 +49,7 @@ def shrink_overrides(config: PpctlConfig) -> tuple[list[str], list[str]]:
                  f"model.vocab_size={VOCAB}", "model.make_vocab_size_divisible_by=1", f"trainer.seq_length={sequence}",
                  f"model.max_seq_length={sequence}", "trainer.micro_batch_size=1",
                  f"trainer.global_batch_size={batch}"]
-    if model.head_dim is not None:
+    if resolve_model(config).memory_shape.head_dim is not None:  # a family's own head width, set
         overrides.append(f"model.head_dim={HEAD_DIM}")
     if model.moe.num_experts and model.moe.expert_ffn_hidden_size is not None:
         overrides.append(f"model.moe.expert_ffn_hidden_size={hidden}")  # experts keep their count and routing

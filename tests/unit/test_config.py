@@ -88,10 +88,12 @@ RULES = [
     (["trainer.precision=fp8"], "trainer.precision='fp8' must be one of"),
     (["model.position_embedding=alibi"], "model.position_embedding='alibi' must be one of"),
     (["model.activation=relu"], "model.activation='relu' must be one of gelu, gelu_tanh"),
-    (["model=llama_tiny", "model.activation=relu"], "model.activation='relu' must be one of gelu, gelu_tanh"),
+    (["model=llama_tiny", "model.activation=relu"],
+     "model.activation=relu is read by model.family=gpt only; this model is model.family=llama (drop the key, or "
+     "set model.family=gpt)"),
     (["model=llama_tiny", "model.activation=gelu_tanh"],
-     "model.activation=gelu_tanh is read by model.family=gpt only; this model is model.family=llama, whose "
-     "MLP is SwiGLU (drop the key, or set model.family=gpt)"),
+     "model.activation=gelu_tanh is read by model.family=gpt only; this model is model.family=llama (drop the key, "
+     "or set model.family=gpt)"),
     (["data=text"], "data.source=text needs data.path"),
     (["data=text", "data.path=/nonexistent/file.txt"], "data.path=/nonexistent/file.txt: no such file, folder or glob"),
     (["launcher.backend=mpi"], "launcher.backend='mpi' must be one of"),

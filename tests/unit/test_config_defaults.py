@@ -16,6 +16,8 @@ from ppctl.config import (
     render_default,
 )
 
+from ppctl.model.family import family_own_keys, family_settings
+
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 TABLE_START, TABLE_END = "<!-- config-table:start -->\n", "<!-- config-table:end -->"
 
@@ -106,9 +108,11 @@ def _flat_items(prefix: str, values: dict):
             yield f"{prefix}{key}", value
 
 
-def schema_defaults() -> PpctlConfig:
-    """The schema's defaults, with the settings it leaves unset filled as composing fills them."""
+def schema_defaults(family: str = "gpt") -> PpctlConfig:
+    """The schema's defaults, ``model.family=family`` with that family's own keys at their defaults, with the
+    settings it leaves unset filled as composing fills them."""
     config = PpctlConfig()
+    config.model = family_settings(dataclasses.replace(config.model, family=family))
     fill_unset(config)
     return config
 
@@ -129,7 +133,8 @@ def test_every_shipped_option_is_in_the_table():
 
 @pytest.mark.parametrize("option", sorted(OPTION_CHANGES))
 def test_each_option_composes_as_before(option):
-    expected = {**flat(schema_defaults()), **OPTION_CHANGES[option]}
+    family = OPTION_CHANGES[option].get("model.family", "gpt")
+    expected = {**flat(schema_defaults(family)), **OPTION_CHANGES[option]}
     assert flat(compose_config([option])) == expected
 
 
@@ -140,7 +145,8 @@ def test_key_overrides_still_win_over_options():
 
 def test_every_field_is_documented_once_in_one_line():
     rows = config_reference()
-    assert [key for key, _, _ in rows] == list(flat(PpctlConfig()))
+    own = [f"model.{item.name}" for item, _ in family_own_keys()]
+    assert sorted(key for key, _, _ in rows) == sorted([*flat(PpctlConfig()), *own])
     for key, _, doc in rows:
         assert doc.strip() and "\n" not in doc, key
 

@@ -7,8 +7,7 @@ from dataclasses import fields
 import pytest
 
 from ppctl.config import DataConfig, PpctlConfig, ScheduleConfig, compose_config, fill_unset
-from ppctl.config.schema import (ACTIVATIONS, BACKENDS, DATA_SOURCES, POSITION_EMBEDDINGS, PRECISIONS,
-                                 SYNTHETIC_VOCAB_SIZE)
+from ppctl.config.schema import BACKENDS, DATA_SOURCES, POSITION_EMBEDDINGS, PRECISIONS, SYNTHETIC_VOCAB_SIZE
 from ppctl.data.cache import TOKEN_DTYPES
 from ppctl.data.tokenizer import build_tokenizer
 from ppctl.optim.lr import DECAY_STYLES
@@ -57,7 +56,6 @@ def test_vpp_doc_names_the_schedules_that_place_a_fixed_number_of_chunks():
 
 @pytest.mark.parametrize("section, name, allowed", [
     ("model", "position_embedding", POSITION_EMBEDDINGS),
-    ("model", "activation", ACTIVATIONS),
     ("parallel", "cp_comm", CP_COMM_MODES),
     ("data", "source", DATA_SOURCES),
     ("data", "token_dtype", TOKEN_DTYPES),
@@ -88,6 +86,9 @@ def test_unset_settings_are_filled_from_the_schedule_and_the_tokenizer_where_a_c
 def test_the_activations_are_those_the_gpt_family_computes_reads_and_writes():
     from ppctl.model.gpt.hf import EXPORTED_ACTIVATIONS, HF_ACTIVATIONS
     from ppctl.model.gpt.model import GELU_APPROXIMATIONS
+    from ppctl.model.gpt.settings import ACTIVATIONS, GPTSettings
 
+    text = doc(GPTSettings, "activation")
+    assert set(ACTIVATIONS) <= quoted(text) and default(GPTSettings, "activation") in ACTIVATIONS, text
     assert tuple(GELU_APPROXIMATIONS) == tuple(HF_ACTIVATIONS) == ACTIVATIONS
     assert all(tuple(exported) == ACTIVATIONS for exported in EXPORTED_ACTIVATIONS.values())

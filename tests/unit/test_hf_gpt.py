@@ -392,13 +392,13 @@ def test_a_tanh_gelu_folder_gives_transformers_logits_and_is_written_back_as_it_
 
 
 def test_export_names_each_activation_as_its_architecture_does_and_reads_it_back():
-    from ppctl.config import ModelConfig
     from ppctl.model.gpt.hf import FORMAT
+    from ppctl.model.gpt.settings import GPTSettings
 
     for position, key, tanh in (("learned", "activation_function", "gelu_new"),
                                 ("rope", "hidden_act", "gelu_pytorch_tanh")):
         for activation, name in (("gelu", "gelu"), ("gelu_tanh", tanh)):
-            written = FORMAT.hf_config(ModelConfig(vocab_size=VOCAB, position_embedding=position,
+            written = FORMAT.hf_config(GPTSettings(vocab_size=VOCAB, position_embedding=position,
                                                    activation=activation))
             assert written[key] == name and FORMAT.shape_from_hf(written)["activation"] == activation
 

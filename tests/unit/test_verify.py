@@ -42,8 +42,9 @@ def test_a_shrunk_layout_keeps_its_split_and_resolves(layout):
     extra, said = shrink_overrides(original.config)
     shrunk = resolve(compose_config(["data=synthetic", *layout, *extra]))
     model, before = shrunk.config.model, original.config.model
-    assert (model.num_layers, model.num_heads, model.num_kv_heads) == (before.num_layers, before.num_heads,
-                                                                       before.num_kv_heads)
+    shape, shape_before = shrunk.model.memory_shape, original.model.memory_shape
+    assert (model.num_layers, model.num_heads, shape.kv_heads) == (before.num_layers, before.num_heads,
+                                                                   shape_before.kv_heads)
     assert shrunk.layout == original.layout and dict(shrunk.layer_map) == dict(original.layer_map)
     assert shrunk.sizes.num_microbatches == min(original.sizes.num_microbatches, 2 * shrunk.layout.pp)
     assert model.hidden_size == 8 * model.num_heads and model.vocab_size == 64

@@ -3,7 +3,7 @@
 ``model.activation`` picks the MLP's GELU: exact (``gelu``) or its tanh approximation (``gelu_tanh``, GPT-2's own);
 ``model.qkv_bias`` gives the fused QKV projection a bias (GPT-2's ``c_attn.bias``, off by default).
 
-``FAMILY`` is what the rest of ppctl reads (``ppctl.model.family``); the chunk (``model.py``) and the
+``FAMILY`` is what the rest of ppctl reads (``ppctl.model.family``); its keys are ``settings.GPTSettings``; the chunk (``model.py``) and the
 parameter rules (``rules.py``) are imported when a model is built, so that this module needs no torch.
 """
 
@@ -11,10 +11,7 @@ from __future__ import annotations
 
 from ppctl.config.schema import ConfigError, ModelConfig, default_of
 from ppctl.model.family import ModelFamily
-
-# Keys another family reads: here they must keep their schema default (which means "not used").
-OTHER_FAMILIES_KEYS = ("num_kv_heads", "head_dim", "rope_scaling_factor", "rope_low_freq_factor",
-                       "rope_high_freq_factor", "rope_original_max_position")
+from ppctl.model.gpt.settings import ACTIVATIONS, GPTSettings
 
 
 def _shape_of(resolved):
@@ -44,19 +41,16 @@ def _rule_of_name(shape):
     return lambda name: gpt_rule(name, shape.tie_embeddings)
 
 
-def _check(config) -> None:
-    """GPT's own rules: whole heads of ``hidden_size``, an even head width for rotary, no other family's keys, no
-    rotary base without rotary positions."""
-    model = config.model
+def _check(model: GPTSettings, config) -> None:
+    """GPT's own rules (``model``: the run's ``GPTSettings``): a known GELU, whole heads of ``hidden_size``, an even
+    head width for rotary, no rotary base without rotary positions."""
+    if model.activation not in ACTIVATIONS:
+        raise ConfigError(f"model.activation={model.activation!r} must be one of {', '.join(ACTIVATIONS)}")
     if model.hidden_size % model.num_heads:
         raise ConfigError(f"model.hidden_size={model.hidden_size} must be divisible by model.num_heads="
                           f"{model.num_heads}")
     if model.position_embedding == "rope" and (model.hidden_size // model.num_heads) % 2:
         raise ConfigError("model.position_embedding=rope needs an even head dim")
-    for key in OTHER_FAMILIES_KEYS:
-        if getattr(model, key) != default_of(ModelConfig, key):
-            raise ConfigError(f"model.{key}={getattr(model, key)} is read by model.family=llama only; this model is "
-                              f"model.family=gpt (drop the key, or set model.family=llama)")
     if model.position_embedding == "learned" and model.rope_theta != default_of(ModelConfig, "rope_theta"):
         raise ConfigError(f"model.rope_theta={model.rope_theta} is read only with model.position_embedding=rope; this "
                           f"model has learned positions (drop the key, or set model.position_embedding=rope)")
@@ -69,4 +63,4 @@ def _hf():
 
 
 FAMILY = ModelFamily(name="gpt", shape_of=_shape_of, chunk_class=_chunk_class, rule_of_name=_rule_of_name,
-                     check=_check, hf=_hf)
+                     check=_check, hf=_hf, settings=GPTSettings)

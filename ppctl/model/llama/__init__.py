@@ -1,6 +1,6 @@
 """The Llama family: RMSNorm, SwiGLU, grouped-query attention, rotary positions (Llama 2 and 3, Qwen2's q/k/v bias).
 
-``FAMILY`` is what the rest of ppctl reads (``ppctl.model.family``); the chunk (``model.py``), its
+``FAMILY`` is what the rest of ppctl reads (``ppctl.model.family``); its keys are ``settings.LlamaSettings``; the chunk (``model.py``), its
 layers (``layers.py``) and the parameter rules (``rules.py``) are imported when a model is built, so
 that this module needs no torch. Each TP rank owns whole key/value heads: ``model.num_kv_heads``
 must be a multiple of ``parallel.tp`` (refused otherwise; Megatron would replicate them instead).
@@ -8,9 +8,13 @@ must be a multiple of ``parallel.tp`` (refused otherwise; Megatron would replica
 
 from __future__ import annotations
 
-from ppctl.config.schema import ConfigError, ModelConfig, default_of
+import dataclasses
+
+from ppctl.config.schema import ConfigError, default_of
 from ppctl.model.family import Architecture, ModelFamily
 from ppctl.model.llama.heads import head_dim_of, kv_heads_of
+from ppctl.model.llama.settings import LlamaSettings
+from ppctl.model.memory_shape import ModelShape, memory_shape_of
 
 
 def _shape_of(resolved):
@@ -49,16 +53,16 @@ def _rule_of_name(shape):
     return lambda name: llama_rule(name, shape.tie_embeddings)
 
 
-def _check(config) -> None:
-    """Llama's own rules: rotary positions, SwiGLU (``model.activation`` left at its default), whole KV groups per TP
-    rank, an even head width, sane scaling."""
-    model, tp = config.model, config.parallel.tp
+def _check(model: LlamaSettings, config) -> None:
+    """Llama's own rules (``model``: the run's ``LlamaSettings``): rotary positions, whole KV groups per TP rank, an
+    even head width, sane scaling."""
+    tp = config.parallel.tp
+    for key in ("num_kv_heads", "head_dim"):  # unset is null: 0 is refused, not read as unset
+        value = getattr(model, key)
+        _require(value is None or value >= 1, f"model.{key}={value} must be a positive integer, or unset (null)")
     kv_heads = kv_heads_of(model)
-    _require(model.position_embedding == "rope", f"model.family=llama has rotary positions: set "
+    _require(model.position_embedding == "rope", f"model.family={model.family} has rotary positions: set "
                                                  f"model.position_embedding=rope (got {model.position_embedding})")
-    _require(model.activation == "gelu", f"model.activation={model.activation} is read by model.family=gpt only; this "
-                                         f"model is model.family=llama, whose MLP is SwiGLU (drop the key, or set "
-                                         f"model.family=gpt)")
     _require(kv_heads >= 1 and model.num_heads % kv_heads == 0,
              f"model.num_heads={model.num_heads} must be a multiple of model.num_kv_heads={kv_heads}")
     _require(kv_heads % tp == 0, f"model.num_kv_heads={kv_heads} must be divisible by parallel.tp={tp} (each TP rank "
@@ -74,7 +78,7 @@ def _check_rope_scaling(model) -> None:
     """Llama 3's scaling: sane factors, and its sub-keys only with ``model.rope_scaling_factor`` (unread without)."""
     if model.rope_scaling_factor is None:
         for key in ROPE_SCALING_KEYS:
-            _require(getattr(model, key) == default_of(ModelConfig, key),
+            _require(getattr(model, key) == default_of(LlamaSettings, key),
                      f"model.{key}={getattr(model, key)} is read only with model.rope_scaling_factor (Llama 3's "
                      f"scaling), which is unset: set it too, or drop the key")
         return
@@ -83,6 +87,12 @@ def _check_rope_scaling(model) -> None:
              f"model.rope_low_freq_factor < model.rope_high_freq_factor")
     _require(model.rope_original_max_position >= 1,
              f"model.rope_original_max_position={model.rope_original_max_position} must be a positive integer")
+
+
+def _memory_shape(model: LlamaSettings, padded_vocab: int, architecture: Architecture) -> ModelShape:
+    """The memory shape of the shared keys with grouped-query attention's widths."""
+    shape = memory_shape_of(model, padded_vocab, architecture)
+    return dataclasses.replace(shape, kv_heads=model.num_kv_heads, head_dim=model.head_dim)
 
 
 def _hf():
@@ -97,5 +107,6 @@ def _require(condition: bool, message: str) -> None:
 
 
 FAMILY = ModelFamily(name="llama", shape_of=_shape_of, chunk_class=_chunk_class, rule_of_name=_rule_of_name,
-                     check=_check, hf=_hf, architecture=Architecture(norm_has_bias=False, gated_mlp=True,
-                                                             linear_biases=False, fused_qkv=False))
+                     check=_check, hf=_hf, settings=LlamaSettings, memory_shape=_memory_shape,
+                     architecture=Architecture(norm_has_bias=False, gated_mlp=True, linear_biases=False,
+                                               fused_qkv=False))

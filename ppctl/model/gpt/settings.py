@@ -1,0 +1,22 @@
+"""The GPT family's own settings: the shared ``model.*`` keys (``ModelConfig``) and the MLP's GELU (pure).
+
+``config.model`` is a ``GPTSettings`` when ``model.family=gpt``; a family built on GPT's blocks subclasses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ppctl.config.schema import ModelConfig, setting
+
+ACTIVATIONS = ("gelu", "gelu_tanh")  # the MLP's GELU: torch's F.gelu, approximate "none" or "tanh"
+
+
+@dataclass
+class GPTSettings(ModelConfig):
+    """``model.*`` of a GPT-2-shaped model: the shared keys and the MLP's GELU."""
+
+    activation: str = setting(
+        "gelu", "the MLP's GELU, `gelu` (exact, erf) or `gelu_tanh` (the tanh approximation GPT-2 was trained with: "
+        "Hugging Face's `gelu_new` and `gelu_pytorch_tanh`, Megatron-LM's `--openai-gelu`); a `model.init_from` "
+        "folder gives its own, and one set must be the same")
