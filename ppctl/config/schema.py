@@ -95,6 +95,9 @@ class MoEConfig(Section):
     shared_experts: int = setting(
         0, "experts every token goes through besides its routed ones, run as one MLP of width "
         "`shared_experts * expert_ffn_hidden_size` (DeepSeek's n_shared_experts)")
+    shared_expert_gate: bool = setting(
+        False, "with `shared_experts`: each token's shared-expert output scaled by sigmoid(w . x), one learned "
+        "vector w per MoE layer (Qwen2-MoE's shared_expert_gate); false: added whole (DeepSeek)")
     router_score: str = setting(
         "softmax", "the router's scores of its logits: `softmax` (over the experts, Mixtral) or `sigmoid` (each "
         "expert alone, DeepSeek-V3)")

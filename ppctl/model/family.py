@@ -196,13 +196,23 @@ def family_settings(model) -> ModelConfig:
     kept = {item.name for item in dataclasses.fields(family.settings)}
     for item in dataclasses.fields(model):
         if item.name not in kept and getattr(model, item.name) != item.default:
-            readers = [other.name for other in installed_families()
-                       if item.name in {field.name for field in dataclasses.fields(other.settings)}]
-            raise ConfigError(f"model.{item.name}={getattr(model, item.name)} is read by model.family="
-                              f"{' or '.join(readers)} only; this model is model.family={model.family} (drop the "
-                              f"key, or set model.family={readers[0]})")
+            home, others = _readers(item.name)
+            also = f" (and {', '.join(others)})" if others else ""
+            raise ConfigError(f"model.{item.name}={getattr(model, item.name)} is read by model.family={home}{also} "
+                              f"only; this model is model.family={model.family} (drop the key, or set "
+                              f"model.family={home})")
     values = {item.name: getattr(model, item.name) for item in dataclasses.fields(model) if item.name in kept}
     return family.settings(**values)
+
+
+def _readers(key: str) -> tuple[str, list[str]]:
+    """The family that declares ``key`` (its settings class is its own folder's), and the others that read it too."""
+    readers = [family for family in installed_families()
+               if key in {item.name for item in dataclasses.fields(family.settings)}]
+    declaring = [family for family in readers if key in vars(family.settings).get("__annotations__", {})
+                 and family.settings.__module__ == f"{FAMILIES_PACKAGE}.{family.name}.settings"]
+    home = (declaring or readers)[0].name
+    return home, [family.name for family in readers if family.name != home]
 
 
 def family_own_keys() -> list[tuple[dataclasses.Field, tuple[str, ...]]]:

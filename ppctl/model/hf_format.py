@@ -74,13 +74,17 @@ class HFTensor:
     several: a split, such as q, k and v); empty: HF has no such tensor and ppctl's is zero. ``transpose``: HF
     stores each ``[in, out]`` (GPT-2's ``Conv1D``) where ppctl stores ``[out, in]``. ``rows``: each part's ppctl
     rows (None: equal parts). ``stacked``: each name is one slice of the ppctl tensor's first dimension instead
-    (the experts of stacked expert weights, in order: Mixtral's ``experts.<j>.w1``).
+    (the experts of stacked expert weights, in order: Mixtral's ``experts.<j>.w1``). ``fused``: ``(offset,
+    rows)``: the ppctl tensor is instead rows ``[offset, offset + its rows)`` of the one HF tensor named, which has
+    ``rows`` rows in all (a part of a fused tensor: Phi-3's ``qkv_proj`` holds q, k and v one below the other);
+    written back, the parts of one HF tensor are joined in row order.
     """
 
     names: tuple[str, ...]
     transpose: bool = False
     rows: tuple[int, ...] | None = None
     stacked: bool = False
+    fused: tuple[int, int] | None = None
 
 
 # --- the files of a folder ------------------------------------------------------------------------------------
@@ -518,6 +522,8 @@ def _hf_shapes(spec: HFTensor, dense: tuple[int, ...]) -> list[tuple[int, ...]]:
     """The shape each HF tensor of ``spec`` must have for a ppctl tensor of shape ``dense``."""
     if spec.stacked:
         return [tuple(dense[1:])] * len(spec.names)
+    if spec.fused:  # the whole fused tensor
+        return [(spec.fused[1], *dense[1:])]
     if not spec.names:
         return []
     rows = spec.rows or [dense[0] // len(spec.names)] * len(spec.names)

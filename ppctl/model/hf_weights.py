@@ -9,9 +9,11 @@ for ``REPLICATED``; on a transposed HF tensor rows are read as columns and the o
 rows beyond the HF vocabulary (TP padding) stay zero. A tied output layer reads the word embedding. A tensor
 stored without the base model's prefix (``h.0.attn.c_attn.weight`` for ``transformer.h.0.attn.c_attn.weight``)
 is found under that name (``ppctl.model.hf_format.stored_name``). Stacked experts (``HFTensor.stacked``) are
-one HF tensor per expert both ways: expert j's slice is written as, and read from, the j-th name. Each shard is
-planned as blocks (``shard_blocks``) and read straight into its parameter a few MiB at a time, so a rank holds
-its own share and one such read, never a whole tensor (``benchmarks/hf_load.py`` measures it).
+one HF tensor per expert both ways: expert j's slice is written as, and read from, the j-th name. A part of a
+fused HF tensor (``HFTensor.fused``: Phi-3's q, k and v in ``qkv_proj``) is read from its own rows, and the parts are
+joined again on export. Each shard is planned as blocks (``shard_blocks``) and read straight into its parameter a
+few MiB at a time, so a rank holds its own share and one such read, never a whole tensor (``benchmarks/hf_load.py``
+measures it).
 """
 
 from __future__ import annotations
@@ -40,9 +42,13 @@ def to_hf_tensors(hf, model, hf_config: dict, dense: dict[str, torch.Tensor]) ->
     if unmapped or missing:
         raise HFError(f"the checkpoint's tensors and the {hf_config['architectures'][0]} mapping differ "
                       f"(not mapped: {unmapped[:3]}, not in the checkpoint: {missing[:3]})")
-    tensors = {}
+    tensors, fused = {}, {}
     for name, spec in specs.items():
+        if spec.fused:
+            fused.setdefault(spec.names[0], []).append((spec.fused, dense[name]))
+            continue
         tensors.update(_split(name, spec, dense[name]))
+    tensors.update({hf_name: _joined(hf_name, parts) for hf_name, parts in fused.items()})
     dtype = next(iter(dense.values())).dtype
     tensors.update({name: torch.zeros(shape, dtype=dtype) for name, shape in hf.zero_tensors(model, hf_config).items()})
     return tensors
@@ -60,6 +66,21 @@ def _split(name: str, spec: HFTensor, tensor: torch.Tensor) -> dict[str, torch.T
     parts = tensor.split(list(rows), dim=0)
     return {hf_name: (part.t() if spec.transpose and part.dim() == 2 else part).contiguous()
             for hf_name, part in zip(spec.names, parts)}
+
+
+def _joined(hf_name: str, parts: list[tuple[tuple[int, int], torch.Tensor]]) -> torch.Tensor:
+    """The fused HF tensor ``hf_name`` of its ppctl parts (``HFTensor.fused``), one below the other by offset;
+    ``HFError`` unless they cover its rows exactly."""
+    parts = sorted(parts, key=lambda part: part[0][0])
+    offset, total = 0, parts[0][0][1]
+    for (start, _rows), tensor in parts:
+        if start != offset:
+            raise HFError(f"the parts of {hf_name} leave a gap or overlap at row {offset} (the next starts at "
+                          f"{start})")
+        offset += tensor.shape[0]
+    if offset != total:
+        raise HFError(f"the parts of {hf_name} hold {offset} of its {total} rows")
+    return torch.cat([tensor for _fused, tensor in parts], dim=0).contiguous()
 
 
 class HFWeights(contextlib.ExitStack):
@@ -134,6 +155,11 @@ def shard_blocks(weights: HFWeights, spec: HFTensor, split: str, dense: tuple[in
                  vocab_rows: bool) -> list[Block]:
     """The blocks of this TP rank's shard of the ppctl tensor ``spec`` maps, top to bottom (nothing read yet)."""
     dim, ranges = local_ranges(split, dense, tp)
+    if spec.fused:  # rows of one HF tensor from the part's offset
+        offset, name = spec.fused[0], spec.names[0]
+        if dim == 1:
+            return [Block(name, (offset, offset + dense[0]), ranges[0])]
+        return [Block(name, (offset + start, offset + stop)) for start, stop in ranges]
     if dim == 1:  # each HF part's rows, this rank's columns
         return [Block(name, (0, weights.ppctl_shape(name, spec.transpose)[0]), ranges[0]) for name in spec.names]
     return [block for start, stop in ranges for block in _row_blocks(weights, spec, start, stop, vocab_rows)]

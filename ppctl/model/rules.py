@@ -40,7 +40,9 @@ class ParameterRule:
     output table (no weight decay unless ``optimizer.decay_embeddings``). ``experts``: dim 0 is a mixture's
     expert dimension (``ppctl.model.moe``): expert parallelism splits it over the EP ranks and reduces its
     gradient over the expert-data-parallel group (``expert_replica``); at ep=1 every rank holds every expert and
-    the gradient reduces over data parallelism like a dense weight's.
+    the gradient reduces over data parallelism like a dense weight's. ``tp_partial``: a TP-replicated scale every
+    attention head applies (a per-head q/k norm's): each TP rank's gradient is its own heads' share, so it is summed
+    over TP at every layout, not only under sequence parallelism.
     """
 
     split: str
@@ -49,11 +51,17 @@ class ParameterRule:
     tied_to: str | None = None
     embedding: bool = False
     experts: bool = False
+    tp_partial: bool = False
 
     @property
     def tp_replicated(self) -> bool:
         """Every TP rank holds the whole parameter: count it once in a global norm, reduce it over TP under SP."""
         return self.split == REPLICATED
+
+    def summed_over_tp(self, sequence_parallel: bool) -> bool:
+        """Whether each TP rank's gradient is a share to sum over TP: a replicated parameter's under SP (its rank's
+        tokens), a ``tp_partial`` one's always (its rank's heads)."""
+        return self.tp_replicated and (sequence_parallel or self.tp_partial)
 
 
 _LAYER_PREFIX = re.compile(r"^layers\.\d+\.")

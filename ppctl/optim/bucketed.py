@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from ppctl.optim.grads import (AdamWStateful, StateTensors, adam_state, adamw, all_reduce_coalesced,
                               optimizer_state_bytes, reduction_group_name, stage_expert_squares, sum_of_squares,
-                              tied_output_copy, tp_replicated)
+                              tied_output_copy, tp_replicated, tp_summed)
 from ppctl.parallel.tensor_parallel import all_gather_single, reduce_scatter_single
 
 # The context groups a bucket's gradients reduce over (``grads.reduction_group_name`` picks a parameter's): dense
@@ -135,8 +135,9 @@ def ordered_parameters(chunks: Mapping[int, torch.nn.Module], context) -> list[t
     ``chunks`` come in model-stage order (the trainer builds them so): reversed, that is
     about the order in which the backward finishes them, and it is the same on every
     rank of the ``replica`` group, DualPipe's mirror ranks included (they hold the same
-    model stages as two different global stages). ``sequence_parallel``: the parameter
-    sees only this TP rank's tokens (TP-replicated, under SP).
+    model stages as two different global stages). ``sequence_parallel``: the parameter's
+    gradient is this TP rank's share, summed over TP (``grads.tp_summed``: its tokens under SP,
+    or its heads for a q/k norm).
     """
     ordered, seen = [], set()
     for stage in reversed(list(chunks)):
@@ -144,7 +145,7 @@ def ordered_parameters(chunks: Mapping[int, torch.nn.Module], context) -> list[t
         for name, param in reversed(list(chunk.named_parameters())):
             if id(param) not in seen:
                 seen.add(id(param))
-                ordered.append((name, param, chunk.tp.sequence_parallel and tp_replicated(param, context)))
+                ordered.append((name, param, tp_summed(param, chunk, context)))
     return ordered
 
 
@@ -344,9 +345,10 @@ class BucketedOptimizer(AdamWStateful):
                 grad.copy_(grads[0])
 
     def _sum_sequence_parallel_shards(self) -> None:
-        """Under SP, sum over TP the shard gradients of TP-replicated parameters (same layout on every TP rank)."""
+        """Sum over TP the shard gradients of TP-replicated parameters whose ranks hold shares (``tp_summed``: under
+        SP, and a q/k norm's; same layout on every TP rank)."""
         grads = [piece.main.grad for piece in self.pieces if piece.slot.sequence_parallel]
-        if grads:
+        if grads and self.context.size("tp") > 1:
             all_reduce_coalesced(grads, self.context.groups["tp"])
 
     def grad_norm(self) -> float:

@@ -198,15 +198,23 @@ def stage_expert_squares(experts: torch.Tensor, context) -> torch.Tensor:
     return experts if context.coords["tp"] == 0 else torch.zeros_like(experts)
 
 
+def tp_summed(param: torch.Tensor, chunk: torch.nn.Module, context) -> bool:
+    """Whether ``param`` of ``chunk`` is TP-replicated and its gradient on this TP rank a share to sum over TP (its
+    rank's tokens under SP; a per-head q/k norm's heads at every layout: ``ParameterRule.summed_over_tp``)."""
+    return tp_replicated(param, context) and rule_of(param).summed_over_tp(chunk.tp.sequence_parallel)
+
+
 def reduce_sequence_parallel_gradients(chunks: Mapping[int, torch.nn.Module], context) -> None:
-    """Sum over TP the gradients of TP-replicated parameters (norms, row-parallel biases, positions) under SP.
+    """Sum over TP the gradients of TP-replicated parameters (norms, row-parallel biases, positions) under SP, and
+    of the per-head q/k norms at every layout.
 
     With sequence parallelism they act on each TP rank's own tokens, so each rank's
-    gradient is a partial sum (Megatron-LM all-reduces its layer-norm gradients the same way).
+    gradient is a partial sum (Megatron-LM all-reduces its layer-norm gradients the same way);
+    a q/k norm's scale acts on each TP rank's own heads (Megatron-LM's qk_layernorm, likewise).
     """
-    grads = [param.grad for chunk in chunks.values() if chunk.tp.sequence_parallel
-             for param in chunk.parameters() if tp_replicated(param, context) and param.grad is not None]
-    if grads:
+    grads = [param.grad for chunk in chunks.values() for param in chunk.parameters()
+             if param.grad is not None and tp_summed(param, chunk, context)]
+    if grads and context.size("tp") > 1:
         all_reduce_coalesced(grads, context.groups["tp"])
 
 

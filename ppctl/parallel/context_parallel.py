@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ppctl.parallel.lanes import OnTwoLanes, finish, lane_communicator
+from ppctl.parallel.lanes import ONE_LANE, Lanes, OnLanes
 from ppctl.parallel.layout import CP_COMM_MODES, context_parallel_chunks, context_parallel_positions
 from ppctl.parallel.tensor_parallel import all_gather_single, reduce_scatter_single
 
@@ -48,14 +48,14 @@ RING_QUERY_TILE_ROWS = 128
 
 
 @dataclass(frozen=True)
-class CPGroup(OnTwoLanes):
+class CPGroup(OnLanes):
     """The context-parallel group of one rank and how attention communicates in it.
 
     ``group`` is a ``torch.distributed`` ProcessGroup (None when ``size`` is 1), ``rank``
     this process's index in the group, ``ranks`` the global ranks of the group in CP-rank
     order (the ring's neighbours; empty when ``size`` is 1) and ``comm`` one of
-    ``CP_COMM_MODES``; ``backward_group`` (the backward's communicator) and ``interleave`` as in
-    ``ppctl.parallel.lanes``.
+    ``CP_COMM_MODES``; ``lanes``: the worker's (``ppctl.parallel.lanes``), which its collectives go
+    through.
     """
 
     group: object | None
@@ -63,8 +63,7 @@ class CPGroup(OnTwoLanes):
     rank: int
     ranks: tuple[int, ...] = ()
     comm: str = "allgather"
-    backward_group: object | None = None
-    interleave: object | None = field(default=None, compare=False, repr=False)
+    lanes: Lanes = field(default=ONE_LANE, compare=False, repr=False)
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -327,15 +326,15 @@ class _RingExchange:
     """
 
     def __init__(self, tensor: torch.Tensor, cp: CPGroup):
-        self.sent, self.received, self.interleave = tensor, torch.empty_like(tensor), cp.interleave
-        group = lane_communicator(cp.group, cp.backward_group)
+        self.sent, self.received, self.lanes = tensor, torch.empty_like(tensor), cp.lanes
+        group = cp.lanes.communicator(cp.group)
         self.requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, cp.next_rank, group),
                                                 dist.P2POp(dist.irecv, self.received, cp.previous_rank, group)])
 
     def wait(self) -> torch.Tensor:
         """Wait for the send and the receive (the other half of a pair computing meanwhile,
-        ``ppctl.parallel.lanes.finish``); return what was received."""
-        finish(_Requests(self.requests), self.interleave)
+        ``ppctl.parallel.lanes.Lanes.finish``); return what was received."""
+        self.lanes.finish(_Requests(self.requests))
         received, self.sent, self.received, self.requests = self.received, None, None, []
         return received
 

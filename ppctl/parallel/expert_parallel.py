@@ -11,11 +11,11 @@ so the rows' gradients travel back through the same ranks, and the experts' weig
 pipeline W computes them with no communication). Every rank of the group calls the exchanges in the same order:
 its members are data-parallel peers running the same pipeline program.
 
-Two communicators over the same ranks: the forward's exchanges use ``group``, the backward's (a recomputed
-forward inside a backward included) ``backward_group``. Each one's sequence of exchanges is then the same on every
-rank, so an overlapped pair (DualPipe's F&B, ``ppctl.pipeline.runtime``) can run its forward and its backward
-interleaved (``ppctl.pipeline.interleave``): each exchange is posted, the other half computes, then it is waited
-(``ppctl.parallel.lanes``, which the TP group and the ``TokenSplit`` share).
+Two communicators over the same ranks (the group's two lanes, ``ppctl.parallel.lanes``): the forward's exchanges use
+``group``, the backward's (a recomputed forward inside a backward included) its backward lane's. Each one's sequence
+of exchanges is then the same on every rank, so an overlapped pair (DualPipe's F&B, ``ppctl.pipeline.overlap``) can
+run its forward and its backward interleaved: each exchange is posted, the other half computes, then it is waited
+through the lanes' pacer.
 
 A ``TokenSplit`` is the other group an MoE layer talks to: the ranks that hold one microbatch's tokens between
 them (the TP ranks under sequence parallelism, times the CP ranks: the layout's ``tp_cp`` group), an equal share
@@ -31,20 +31,19 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ppctl.parallel.lanes import BACKWARD_LANE, OnTwoLanes, current_lane, finish, lane_communicator
+from ppctl.parallel.lanes import BACKWARD_LANE, ONE_LANE, Lanes, OnLanes, current_lane
 
 
 @dataclass(frozen=True)
-class TokenSplit(OnTwoLanes):
+class TokenSplit(OnLanes):
     """The ranks that hold one microbatch's tokens between them, an equal share each (module docstring): a
-    ``torch.distributed`` ProcessGroup (None for one rank), ``size`` ranks, this rank's index ``rank``;
-    ``backward_group`` and ``interleave`` as ``EPGroup``'s (``ppctl.parallel.lanes``)."""
+    ``torch.distributed`` ProcessGroup (None for one rank), ``size`` ranks, this rank's index ``rank``; ``lanes``:
+    the worker's (``ppctl.parallel.lanes``), which its collectives go through."""
 
     group: object | None = None
     size: int = 1
     rank: int = 0
-    backward_group: object | None = None
-    interleave: object | None = field(default=None, compare=False, repr=False)
+    lanes: Lanes = field(default=ONE_LANE, compare=False, repr=False)
 
     def total(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` summed over the split's ranks (a new tensor, no graph; itself for one rank)."""
@@ -58,19 +57,17 @@ class TokenSplit(OnTwoLanes):
 @dataclass(frozen=True)
 class EPGroup:
     """The expert-parallel group of one rank: a ``torch.distributed`` ProcessGroup (None when ``size`` is 1),
-    ``size`` ranks, this rank's index ``rank``; ``backward_group``: the second communicator of the same ranks, for
-    the backward's exchanges (None: ``group``); ``on_exchange(start, end, lane)``: told the ``perf_counter`` span
-    of each exchange (a tracer's), or None; ``interleave``: the runtime's ``ppctl.pipeline.interleave.PairInterleave``
-    (each posted exchange lets the other half of an overlapped pair compute), or None. The ranks that split each
-    microbatch's tokens are a group of their own (``TokenSplit``, held beside this one in
+    ``size`` ranks, this rank's index ``rank``; ``on_exchange(start, end, lane)``: told the ``perf_counter`` span
+    of each exchange (a tracer's), or None; ``lanes``: the worker's (``ppctl.parallel.lanes``: the backward's
+    exchanges on a second communicator of the same ranks, each posted exchange finished through the pacer). The ranks
+    that split each microbatch's tokens are a group of their own (``TokenSplit``, held beside this one in
     ``ppctl.parallel.groups.RankGroups``)."""
 
     group: object | None
     size: int
     rank: int
-    backward_group: object | None = None
     on_exchange: Optional[Callable[[float, float, int], None]] = field(default=None, compare=False, repr=False)
-    interleave: object | None = field(default=None, compare=False, repr=False)
+    lanes: Lanes = field(default=ONE_LANE, compare=False, repr=False)
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -83,7 +80,7 @@ class EPGroup:
 
     def lane_group(self, lane: int):
         """The communicator of ``lane`` (``FORWARD_LANE`` or ``BACKWARD_LANE``)."""
-        return lane_communicator(self.group, self.backward_group, lane)
+        return self.lanes.communicator(self.group, lane)
 
     def local_experts(self, num_experts: int) -> range:
         """The global ids of the experts this rank holds (``num_experts`` divisible by ``size``)."""
@@ -115,7 +112,7 @@ def all_to_all_rows(rows: torch.Tensor, send: Sequence[int], recv: Sequence[int]
     started = time.perf_counter()
     work = dist.all_to_all_single(received, rows.contiguous(), list(recv), list(send), group=ep.lane_group(lane),
                                   async_op=True)
-    finish(work, ep.interleave)  # in an overlapped pair the other half computes while this one travels
+    ep.lanes.finish(work)  # in an overlapped pair the other half computes while this one travels
     if ep.on_exchange is not None:
         ep.on_exchange(started, time.perf_counter(), lane)
     return received

@@ -4,7 +4,8 @@
 the returned ``ParallelContext`` (layout + this rank's groups) is passed down to
 everything that communicates. There is no module-level group state. ``rank_groups_of`` makes from it the one
 ``RankGroups`` a chunk's layers communicate through (Megatron-Core's ``ProcessGroupCollection``): the TP, CP and EP
-groups and the token split, with the backward lanes wired in there when overlapped pairs run interleaved.
+groups and the token split, sharing the worker's ``Lanes`` (``lanes_of``: the backward lanes, and the pacer when
+overlapped pairs run interleaved), wired there and nowhere else.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from ppctl.parallel.context_parallel import CPGroup
 from ppctl.parallel.expert_parallel import EPGroup, TokenSplit
+from ppctl.parallel.lanes import Lanes, Pacer
 from ppctl.parallel.layout import ParallelLayout
 from ppctl.parallel.tensor_parallel import TPGroup
 
@@ -82,56 +84,57 @@ class RankGroups:
 
 
 def rank_groups_of(context: ParallelContext, *, sequence_parallel: bool = False, cp_comm: str = "allgather",
-                   on_exchange=None, interleave=None) -> RankGroups:
+                   on_exchange=None, pacer: Pacer | None = None) -> RankGroups:
     """The ``RankGroups`` of this rank's chunks, from its layout and process groups (the one place they are made).
 
     ``sequence_parallel`` and ``cp_comm``: the config's ``parallel.*``; ``on_exchange(start, end, lane)``: told the
-    span of each expert-parallel all-to-all (a tracer's), or None; ``interleave``: the runtime's
-    ``ppctl.pipeline.interleave.PairInterleave`` where overlapped pairs run interleaved, else None. With it the TP,
-    CP and token-split groups get their backward-lane communicators (``ppctl.parallel.lanes``); the EP group has
-    its own whenever ep > 1.
+    span of each expert-parallel all-to-all (a tracer's), or None; ``pacer``: the expert-exchange overlap's
+    (``ppctl.pipeline.overlap``) where overlapped pairs run interleaved, else None. Every member shares the lanes
+    ``lanes_of`` wires.
     """
-    return RankGroups(tp=_tp_group(context, sequence_parallel, interleave), cp=_cp_group(context, cp_comm, interleave),
-                      ep=_ep_group(context, on_exchange, interleave), token_split=_token_split(context, interleave))
+    lanes = lanes_of(context, pacer)
+    return RankGroups(tp=_tp_group(context, sequence_parallel, lanes), cp=_cp_group(context, cp_comm, lanes),
+                      ep=_ep_group(context, on_exchange, lanes), token_split=_token_split(context, lanes))
 
 
-def _tp_group(context: ParallelContext, sequence_parallel: bool, interleave) -> TPGroup:
+def lanes_of(context: ParallelContext, pacer: Pacer | None) -> Lanes:
+    """This worker's lanes (``ppctl.parallel.lanes``): with ep > 1 the experts' exchanges have a backward lane of
+    their own; with a ``pacer`` (overlapped pairs interleaved) the TP, CP and token-split groups too, and every
+    collective is finished through it. Without one the rest runs in the program's order on one communicator."""
+    names = BACKWARD_LANE_GROUPS if pacer is not None else ("ep",)
+    backward = tuple((context.groups[name], context.groups[backward_lane(name)]) for name in names
+                     if backward_lane(name) in context.groups)
+    return Lanes(backward, pacer)
+
+
+def _tp_group(context: ParallelContext, sequence_parallel: bool, lanes: Lanes) -> TPGroup:
     """The TP group object the model layers use."""
     if context.size("tp") == 1:
         return TPGroup.single()
-    return TPGroup(context.groups["tp"], context.size("tp"), context.index("tp"), sequence_parallel,
-                   backward_group=_backward_lane_group(context, "tp", interleave), interleave=interleave)
+    return TPGroup(context.groups["tp"], context.size("tp"), context.index("tp"), sequence_parallel, lanes)
 
 
-def _cp_group(context: ParallelContext, comm: str, interleave) -> CPGroup:
+def _cp_group(context: ParallelContext, comm: str, lanes: Lanes) -> CPGroup:
     """The CP group object attention uses, with its communication mode."""
     if context.size("cp") == 1:
         return CPGroup.single()
     return CPGroup(context.groups["cp"], context.size("cp"), context.index("cp"),
-                   tuple(context.group_ranks["cp"]), comm, _backward_lane_group(context, "cp", interleave), interleave)
+                   tuple(context.group_ranks["cp"]), comm, lanes)
 
 
-def _ep_group(context: ParallelContext, on_exchange, interleave) -> EPGroup:
+def _ep_group(context: ParallelContext, on_exchange, lanes: Lanes) -> EPGroup:
     """The expert-parallel group object the MoE layers use."""
     if context.layout.ep == 1:
         return EPGroup.single()
-    return EPGroup(context.groups["ep"], context.size("ep"), context.index("ep"), context.groups[backward_lane("ep")],
-                   on_exchange=on_exchange, interleave=interleave)
+    return EPGroup(context.groups["ep"], context.size("ep"), context.index("ep"), on_exchange, lanes)
 
 
-def _token_split(context: ParallelContext, interleave) -> TokenSplit:
+def _token_split(context: ParallelContext, lanes: Lanes) -> TokenSplit:
     """The split of each microbatch's tokens over ``tp_cp`` (validation asks for sequence parallelism with TP and
     experts)."""
     if context.size("tp_cp") <= 1:
         return TokenSplit()
-    return TokenSplit(context.groups["tp_cp"], context.size("tp_cp"), context.index("tp_cp"),
-                      _backward_lane_group(context, "tp_cp", interleave), interleave)
-
-
-def _backward_lane_group(context: ParallelContext, name: str, interleave):
-    """Group ``name``'s backward-lane communicator where pairs run interleaved (``ppctl.parallel.lanes``), else
-    None: one communicator, as everything runs in the program's order."""
-    return context.groups[backward_lane(name)] if interleave is not None else None
+    return TokenSplit(context.groups["tp_cp"], context.size("tp_cp"), context.index("tp_cp"), lanes)
 
 
 def build_parallel_context(layout: ParallelLayout, timeout_s: float, device: str = "cpu") -> ParallelContext:

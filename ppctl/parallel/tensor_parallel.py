@@ -23,9 +23,9 @@ The linear layers' matmuls and biases run through ``ppctl.autograd.weight_grad``
 pipeline B can defer their weight gradients to W; that Function does no communication:
 the regions around it stay as they are, and their backward collectives all run in B.
 
-Where overlapped pairs run interleaved (``parallel.overlap_ep_comm``) the group has a second
-communicator for the backward's collectives and each collective lets the other half compute
-while it travels (``ppctl.parallel.lanes``).
+Where overlapped pairs run interleaved (``parallel.overlap_ep_comm``) the group's lanes give it a
+second communicator for the backward's collectives and let the other half compute while each
+collective travels (``ppctl.parallel.lanes``).
 """
 
 from __future__ import annotations
@@ -37,24 +37,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ppctl.autograd.weight_grad import DefersWeightGrads, WeightGradStore, add_bias, linear
-from ppctl.parallel.lanes import OnTwoLanes
+from ppctl.parallel.lanes import ONE_LANE, Lanes, OnLanes
 
 
 @dataclass(frozen=True)
-class TPGroup(OnTwoLanes):
+class TPGroup(OnLanes):
     """The tensor-parallel group one rank belongs to.
 
     ``group`` is a ``torch.distributed`` ProcessGroup (None for tp=1, where nothing is
     communicated), ``size`` the number of TP ranks, ``rank`` this process's index in it;
-    ``backward_group`` (the backward's communicator) and ``interleave`` as in ``ppctl.parallel.lanes``.
+    ``lanes``: the worker's (``ppctl.parallel.lanes``), which its collectives go through.
     """
 
     group: object | None
     size: int
     rank: int
     sequence_parallel: bool = False
-    backward_group: object | None = None
-    interleave: object | None = field(default=None, compare=False, repr=False)
+    lanes: Lanes = field(default=ONE_LANE, compare=False, repr=False)
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:

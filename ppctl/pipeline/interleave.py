@@ -214,9 +214,9 @@ def _describe(state: tuple) -> str:
 
 
 class PairInterleave:
-    """Runs overlapped pairs' halves one at a time (module docstring); one per runtime, shared with the expert
-    exchanges (``ppctl.parallel.expert_parallel.EPGroup.interleave``). ``on_piece(half, start, end)``: told the
-    ``perf_counter`` span of each piece (a tracer's), or None.
+    """Runs overlapped pairs' halves one at a time (module docstring); one per worker (``ppctl.pipeline.overlap``),
+    also the pacer of its lanes, which every collective is finished through (``ppctl.parallel.lanes``).
+    ``on_piece(half, start, end)``: told the ``perf_counter`` span of each piece (a tracer's), or None.
 
     The turn: the forward holds it first; the backward first takes its inputs (``prepare``, which may wait for a
     message, outside the turn), then asks for it. At each exchange, and at its end, a half hands the turn to the

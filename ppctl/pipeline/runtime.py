@@ -1,41 +1,41 @@
 """One executor for every schedule: walks a rank's steps of the lowered program over its pipeline stages.
 
-The runtime is a table from action kind to handler; each handler calls one method of
-a ``PipelineStage`` (``ppctl.pipeline.stage``), which knows its chunk and keeps what
-passes between forward and backward. The runtime itself knows no model, no data
-field and no loss: those come from the stages and the step's ``loss_fn``.
+The runtime is a table from action kind to handler. Its own handler (``run_in_order``) runs
+each step through its action kind's computation, which calls one method of a ``PipelineStage``
+(``ppctl.pipeline.stage``), which knows its chunk and keeps what passes between forward and
+backward. The runtime itself knows no model, no data field and no loss: those come from the
+stages and the step's ``loss_fn``.
 
 Per step (``ppctl.pipeline.program`` gives the protocol): take the inputs (received or
-handed over on this rank), run the handler, then post the step's sends together with
+handed over on this rank), compute, then post the step's sends together with
 its receives. A remotely sent activation is released right after sending, keeping
 only its autograd node (Megatron's ``deallocate_output_tensor``).
 
-With an ``interleave`` an overlapped pair (DualPipe's F&B) runs its two halves interleaved
-(``ppctl.pipeline.interleave``): the backward in a second thread (it takes its inputs there, once
-the batch that receives them is posted), the forward here, whose batch is posted as soon as it
-ends; then the backward's batch. One half computes at a time, the turn changing at each posted
-expert all-to-all (and TP or CP collective; each half's on its own communicators,
-``ppctl.parallel.lanes``), so one half's exchange travels while the other computes. The batches go out in the program's
-order, so the checked program's proof holds. A weight fill (ZB's W beside a backward,
-``Schedule.with_weight_fills``) runs the same way: the backward here, the W in the second thread,
-computing its layers' weight gradients while the backward's exchanges travel.
+The table also holds the two-step actions a schedule marks (torch.distributed.pipelining's
+``OVERLAP_F_B``): an overlapped pair (``OVERLAP_F_B``: DualPipe's F&B) and a weight fill
+(``WEIGHT_FILL``: ZB's W beside a backward, ``Schedule.with_weight_fills``). Their handler runs the
+two steps one after the other unless one of their own is registered (``register``): the
+expert-exchange overlap's (``ppctl.pipeline.overlap``) runs them interleaved.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from ppctl.pipeline.interleave import PairInterleave
 from ppctl.pipeline.p2p import PipelineTransport
 from ppctl.pipeline.program import Message, Program, Step
-from ppctl.pipeline.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
+from ppctl.pipeline.schedules import ACTION_KINDS, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
 from ppctl.pipeline.stage import LossFn, PipelineStage, release_output
-from ppctl.pipeline.trace import FILL_LABEL, Tracer
+from ppctl.pipeline.trace import Tracer
+
+# The two-step actions: an overlapped pair (an F and a backward) and a weight fill (a backward and a W), each two
+# consecutive steps of a rank (``Schedule.pair_starts`` and ``Schedule.fill_starts``).
+OVERLAP_F_B = "OVERLAP_F_B"
+WEIGHT_FILL = "WEIGHT_FILL"
 
 
 @dataclass
@@ -56,7 +56,9 @@ class StepState:
         return sum(self.logged.values(), 0.0)
 
 
-Handler = Callable[[Step, list, StepState], "torch.Tensor | None"]
+Computation = Callable[[Step, list, StepState], "torch.Tensor | None"]  # one action's, on its inputs
+# Runs one entry of a rank's steps (one step, or a two-step action's two) on the runtime it is given.
+Handler = Callable[["PipelineRuntime", Sequence[Step], StepState], None]
 
 
 class ActionHooks(Protocol):
@@ -73,10 +75,8 @@ class PipelineRuntime:
     """Runs rank ``pp_rank``'s steps of programs over ``stages`` (global stage -> ``PipelineStage``)."""
 
     def __init__(self, pp_rank: int, stages: dict[int, PipelineStage], transport: PipelineTransport,
-                 tracer: Tracer | None = None, release_outputs: bool = True, track_memory: bool = False,
-                 interleave: PairInterleave | None = None):
+                 tracer: Tracer | None = None, release_outputs: bool = True, track_memory: bool = False):
         self.pp_rank = pp_rank
-        self.interleave = interleave  # runs overlapped pairs' halves interleaved; None: one after the other
         self.stages = stages
         self.transport = transport
         self.tracer = tracer
@@ -85,13 +85,25 @@ class PipelineRuntime:
         self.loss_fns: Sequence[LossFn | None] = ()  # the current run's, per microbatch: set by ``run``
         self.microbatches: Sequence = ()
         self.messages: Sequence[Message] = ()  # the current program's message table
-        self.handlers: dict[str, Handler] = {
+        self.hooks: ActionHooks | None = None  # the current run's
+        self.computations: dict[str, Computation] = {
             FORWARD: self._forward,
             BACKWARD: self._backward,
             BACKWARD_INPUT: self._backward_input,
             BACKWARD_WEIGHT: self._backward_weight,
         }
-        self.forward_only_handlers: dict[str, Handler] = {FORWARD: self._forward_only}
+        self.forward_only_computations: dict[str, Computation] = {FORWARD: self._forward_only}
+        self.run_computations: dict[str, Computation] = self.computations  # the current run's (``run``)
+        self.handlers: dict[str, Handler] = {kind: PipelineRuntime.run_in_order
+                                             for kind in (*ACTION_KINDS, OVERLAP_F_B, WEIGHT_FILL)}
+
+    def register(self, kind: str, handler: Handler) -> None:
+        """Run the actions of ``kind`` through ``handler(runtime, steps, state)`` (a two-step kind: ``OVERLAP_F_B`` or
+        ``WEIGHT_FILL``)."""
+        if kind not in (OVERLAP_F_B, WEIGHT_FILL):
+            raise ValueError(f"the runtime runs action kind {kind!r} itself; only {OVERLAP_F_B} and {WEIGHT_FILL} "
+                             f"take a handler of their own")
+        self.handlers[kind] = handler
 
     def run(self, program: Program, microbatches: Sequence, loss_fn: LossFn | Sequence[LossFn] | None,
             forward_only: bool = False, hooks: ActionHooks | None = None) -> StepState:
@@ -103,122 +115,83 @@ class PipelineRuntime:
         """
         state = StepState()
         self.loss_fns = loss_fn if isinstance(loss_fn, Sequence) else [loss_fn] * len(microbatches)
-        self.microbatches, self.messages = microbatches, program.messages
-        handlers = self.forward_only_handlers if forward_only else self.handlers
+        self.microbatches, self.messages, self.hooks = microbatches, program.messages, hooks
+        self.run_computations = self.forward_only_computations if forward_only else self.computations
         self.transport.post([], [self.messages[number] for number in program.initial_receives[self.pp_rank]])
-        steps = program.steps[self.pp_rank]
-        interleaved = self.overlap_pairs and not forward_only
-        pairs = set(program.schedule.pair_starts(self.pp_rank)) if interleaved else set()
-        fills = set(program.schedule.fill_starts(self.pp_rank)) if interleaved else set()
-        index = 0
-        while index < len(steps):
-            if index in pairs or index in fills:
-                run_two = self._run_pair if index in pairs else self._run_fill
-                run_two(steps[index], steps[index + 1], handlers, state, hooks)
-                index += 2
-                continue
-            step = steps[index]
-            inputs = [self._input(number, state) for number in step.inputs]
-            handler = self._handler(handlers, step)
-            if hooks is not None:
-                hooks.before(step.action)
-            started = self.tracer.mark() if self.tracer is not None else None
-            produced = handler(step, inputs, state)
-            if self.tracer is not None:
-                self.tracer.action(step.action, started)
-            self._hand_over(step, produced, state)
-            self._after(step, state, hooks)
-            index += 1
+        for kind, steps in self._entries(program):
+            handler = self.handlers.get(kind)
+            if handler is None:
+                raise ValueError(f"the runtime has no handler for action kind {kind!r}")
+            handler(self, steps, state)
         self.transport.finish()
         self._check_drained(state)
         return state
 
+    def _entries(self, program: Program) -> Iterator[tuple[str, Sequence[Step]]]:
+        """This rank's steps as the table's entries: each overlapped pair's and weight fill's two steps as one
+        action of its two-step kind, every other step alone under its own kind."""
+        steps = program.steps[self.pp_rank]
+        starts = dict.fromkeys(program.schedule.pair_starts(self.pp_rank), OVERLAP_F_B)
+        starts.update(dict.fromkeys(program.schedule.fill_starts(self.pp_rank), WEIGHT_FILL))
+        index = 0
+        while index < len(steps):
+            kind = starts.get(index)
+            if kind is None:
+                yield steps[index].action.kind, steps[index:index + 1]
+                index += 1
+            else:
+                yield kind, steps[index:index + 2]
+                index += 2
+
     @property
     def overlap_pairs(self) -> bool:
-        """Whether overlapped pairs run their halves interleaved."""
-        return self.interleave is not None
+        """Whether overlapped pairs run other than one step after the other (a handler of their own)."""
+        return self.handlers[OVERLAP_F_B] is not PipelineRuntime.run_in_order
 
-    @staticmethod
-    def _handler(handlers: dict[str, Handler], step: Step) -> Handler:
-        handler = handlers.get(step.action.kind)
-        if handler is None:
+    def run_in_order(self, steps: Sequence[Step], state: StepState) -> None:
+        """The runtime's own handler: each step in turn takes its inputs, computes and posts its batch."""
+        for step in steps:
+            inputs = self.inputs(step, state)
+            self.before(step)
+            started = self.mark()
+            produced = self.computation(step)(step, inputs, state)
+            self.traced(step, started)
+            self.hand_over(step, produced, state)
+            self.after(step, state)
+
+    # --- what a handler runs a step with ----------------------------------------------------
+
+    def computation(self, step: Step) -> Computation:
+        """The current run's computation of ``step``'s action kind."""
+        computation = self.run_computations.get(step.action.kind)
+        if computation is None:
             raise ValueError(f"the runtime has no handler for action kind {step.action.kind!r}")
-        return handler
+        return computation
 
-    def _after(self, step: Step, state: StepState, hooks: ActionHooks | None) -> None:
-        if hooks is not None:
-            hooks.after(step.action)
+    def inputs(self, step: Step, state: StepState) -> list[torch.Tensor]:
+        """``step``'s input messages: handed over on this rank, or received (waiting for them)."""
+        return [self._input(number, state) for number in step.inputs]
+
+    def before(self, step: Step) -> None:
+        """Told before ``step`` runs: the current run's hooks."""
+        if self.hooks is not None:
+            self.hooks.before(step.action)
+
+    def after(self, step: Step, state: StepState) -> None:
+        """Told after ``step`` ran and its batch was posted: the hooks, and the peak of held memory when tracked."""
+        if self.hooks is not None:
+            self.hooks.after(step.action)
         if self.track_memory:
             state.peak_held_bytes = max(state.peak_held_bytes, self.held_bytes())
 
-    def _run_pair(self, forward: Step, backward: Step, handlers: dict[str, Handler], state: StepState,
-                  hooks: ActionHooks | None) -> None:
-        """An overlapped pair's halves interleaved (module docstring): the backward in the pair thread."""
-        forward_posted = threading.Event()
-        if not set(backward.inputs) & set(forward.receives):
-            forward_posted.set()  # its receives were posted by an earlier batch
-        backward_inputs = []
+    def mark(self) -> tuple[float, float] | None:
+        """An action's start (``Tracer.mark``) when tracing, else None (called on the thread that computes it)."""
+        return Tracer.mark() if self.tracer is not None else None
 
-        def take_backward_inputs():
-            forward_posted.wait()
-            backward_inputs.extend(self._input(number, state) for number in backward.inputs)
-
-        def run_forward():
-            try:
-                started = self.tracer.mark() if self.tracer is not None else None
-                produced = self._handler(handlers, forward)(forward, inputs, state)
-                if self.tracer is not None:
-                    self.tracer.action(forward.action, started)
-                self._hand_over(forward, produced, state)
-            finally:
-                forward_posted.set()
-
-        def run_backward():
-            started = self.tracer.mark() if self.tracer is not None else None
-            produced = self._handler(handlers, backward)(backward, backward_inputs, state)
-            return produced, started, Tracer.mark() if self.tracer is not None else None
-
-        inputs = [self._input(number, state) for number in forward.inputs]
-        if hooks is not None:
-            hooks.before(forward.action)
-            hooks.before(backward.action)
-        _, (produced, started, ended) = self.interleave.run(run_forward, run_backward, take_backward_inputs)
+    def traced(self, step: Step, started, ended=None) -> None:
+        """Record ``step``'s action from ``started`` to now, or to ``ended`` (``Tracer.action``), when tracing."""
         if self.tracer is not None:
-            self.tracer.action(backward.action, started, ended)
-        self._hand_over(backward, produced, state)
-        self._after(forward, state, hooks)
-        self._after(backward, state, hooks)
-
-    def _run_fill(self, backward: Step, weight: Step, handlers: dict[str, Handler], state: StepState,
-                  hooks: ActionHooks | None) -> None:
-        """A weight fill (module docstring): the backward here, holding the turn first, its batch posted as soon
-        as it ends; the W in the pair thread, computing in the backward's exchange waits, then its batch."""
-        inputs = [self._input(number, state) for number in backward.inputs]
-        if hooks is not None:
-            hooks.before(backward.action)
-            hooks.before(weight.action)
-
-        def run_backward():
-            started = self.tracer.mark() if self.tracer is not None else None
-            produced = self._handler(handlers, backward)(backward, inputs, state)
-            if self.tracer is not None:
-                self.tracer.action(backward.action, started)
-            self._hand_over(backward, produced, state)
-
-        def run_weight():
-            started = self.tracer.mark() if self.tracer is not None else None
-            action = weight.action
-            self.stages[action.stage].backward_weight(action.microbatch, self.interleave.pause)
-            return started, Tracer.mark() if self.tracer is not None else None
-
-        _, (started, ended) = self.interleave.run(run_backward, run_weight,
-                                                  labels=(f"{FILL_LABEL} {backward.action.kind}",
-                                                          f"{FILL_LABEL} {weight.action.kind}"))
-        if self.tracer is not None:
-            self.tracer.action(weight.action, started, ended)
-        self._hand_over(weight, None, state)
-        self._after(backward, state, hooks)
-        self._after(weight, state, hooks)
+            self.tracer.action(step.action, started, ended)
 
     def _input(self, number: int, state: StepState) -> torch.Tensor:
         """Input message ``number``: handed over on this rank, or received."""
@@ -232,7 +205,7 @@ class PipelineRuntime:
         self.tracer.wait(started, time.perf_counter())
         return tensor
 
-    # --- handlers: one per action kind --------------------------------------------------
+    # --- computations: one per action kind --------------------------------------------------
 
     def _forward(self, step: Step, inputs: list, state: StepState) -> torch.Tensor | None:
         action = step.action
@@ -268,7 +241,7 @@ class PipelineRuntime:
 
     # --- communication ------------------------------------------------------------------------
 
-    def _hand_over(self, step: Step, produced: torch.Tensor | None, state: StepState) -> None:
+    def hand_over(self, step: Step, produced: torch.Tensor | None, state: StepState) -> None:
         """Post this step's sends with its receives; keep a local output in memory."""
         if step.local_output is not None:
             # The next stage runs on this rank: hand over a detached tensor, so the consumer's

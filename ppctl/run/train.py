@@ -33,7 +33,7 @@ from ppctl.optim.optimizer import build_trainer_optimizer
 from ppctl.optim.lr import learning_rate, lr_schedule_of, set_learning_rate
 from ppctl.parallel.groups import ParallelContext, rank_groups_of
 from ppctl.pipeline.check import check_program, check_schedule
-from ppctl.pipeline.interleave import PairInterleave
+from ppctl.pipeline.overlap import ExchangeOverlap
 from ppctl.pipeline.program import Message, Program, lower
 from ppctl.pipeline.p2p import PipelineTransport
 from ppctl.pipeline.runtime import PipelineRuntime
@@ -159,13 +159,15 @@ def unpack_fields(packed: torch.Tensor, layout: list, kind):
 
 
 def build_chunks(resolved: ResolvedConfig, context: ParallelContext, load_init_from: bool = True,
-                 on_exchange=None, interleave: PairInterleave | None = None) -> dict[int, torch.nn.Module]:
+                 on_exchange=None, overlap: ExchangeOverlap | None = None) -> dict[int, torch.nn.Module]:
     """This rank's model chunks, keyed by global stage, from the resolved layer map (its placement); their weights
     read from ``model.init_from`` unless ``load_init_from`` is False (a resumed run reads its checkpoint);
-    ``on_exchange``: told the span of each expert-parallel all-to-all; ``interleave``: the runtime's."""
+    ``on_exchange``: told the span of each expert-parallel all-to-all; ``overlap``: the runtime's expert-exchange
+    overlap, whose pacer the groups' lanes finish their collectives through (None: off)."""
     config = resolved.config
     groups = rank_groups_of(context, sequence_parallel=config.parallel.sequence_parallel,
-                            cp_comm=config.parallel.cp_comm, on_exchange=on_exchange, interleave=interleave)
+                            cp_comm=config.parallel.cp_comm, on_exchange=on_exchange,
+                            pacer=overlap.interleave if overlap is not None else None)
     chunks = {}
     for stage in resolved.rank_stages(context.pp_rank):
         chunk = build_chunk(config, stage, groups, load_init_from=load_init_from, model=resolved.model)
@@ -224,10 +226,10 @@ class Trainer:
                                f"{layout.placement.owners} ({layout.placement.copies})")
         self.schedule = schedule
         self.tracer = Tracer(context.rank) if config.trainer.trace else None
-        overlap_pairs = config.parallel.overlap_ep_comm and layout.ep > 1
-        interleave = PairInterleave(on_piece=weakly_bound(self._note_piece)) if overlap_pairs else None
+        overlaps = config.parallel.overlap_ep_comm and layout.ep > 1
+        overlap = ExchangeOverlap(on_piece=weakly_bound(self._note_piece)) if overlaps else None
         self.chunks = build_chunks(resolved, context, load_init_from=not resuming,
-                                   on_exchange=weakly_bound(self._note_exchange), interleave=interleave)
+                                   on_exchange=weakly_bound(self._note_exchange), overlap=overlap)
         self.stages = build_stages(self.chunks, config, schedule.splits_backward)
         self.padded_vocab_size = resolved.sizes.padded_vocab_size
         self.fields = tuple(sorted({name for stage in self.stages.values() for name in stage.io.fields}))
@@ -249,7 +251,9 @@ class Trainer:
         transport = PipelineTransport(context.pp_peer, self._receive_spec, context.device,
                                       timeout_s=config.launcher.timeout_s)
         self.runtime = PipelineRuntime(context.pp_rank, self.stages, transport, self.tracer, release_outputs,
-                                       track_memory, interleave)
+                                       track_memory)
+        if overlap is not None:
+            overlap.install(self.runtime)
         self.program = program
         self.last_program = program  # what the last training run walked (a stream's, for PipeDream-2BW)
         self._eval_program: Program | None = None

@@ -184,6 +184,15 @@ def _experts_summed_over_tp():
     return mock.patch.object(grads, "tp_replicated", lambda param, context: rule_of(param).tp_replicated)
 
 
+def _qk_norm_gradient_not_summed_over_tp():
+    """A per-head q/k norm's scale taken for a norm like the others: summed over TP under sequence parallelism only,
+    although each TP rank's gradient of it is its own heads' share at every layout."""
+    from ppctl.model.rules import ParameterRule
+
+    return mock.patch.object(ParameterRule, "summed_over_tp",
+                             lambda self, sequence_parallel: self.tp_replicated and sequence_parallel)
+
+
 DEFECTS = {
     "drop_microbatch_gradient": _drop_first_microbatch_gradient,
     "loss_scaled_twice": _loss_scaled_twice,
@@ -199,6 +208,7 @@ DEFECTS = {
     "token_sent_to_the_wrong_rank": _token_sent_to_the_wrong_rank,
     "balancing_load_of_own_tokens": _balancing_load_of_own_tokens,
     "experts_summed_over_tp": _experts_summed_over_tp,
+    "qk_norm_gradient_not_summed_over_tp": _qk_norm_gradient_not_summed_over_tp,
 }
 
 

@@ -41,6 +41,14 @@ LLAMA_MHA = ["model.family=llama", "model.position_embedding=rope"]
 # balanced by the expert bias, moved fast enough to change the routing within STEPS).
 MIXTRAL = LLAMA + ["model.moe.num_experts=4", "model.moe.topk=2", "model.moe.router_topk_norm=true",
                    "model.moe.aux_loss_coeff=0.02", "model.moe.z_loss_coeff=0.001"]
+# Qwen3 (model.family=qwen3): Llama's blocks with per-head q/k RMSNorms, heads of 16 beside hidden 32 / 4 heads.
+# Qwen2-MoE (model.family=qwen_moe): q/k/v biases, the first layer dense, a shared expert scaled by its sigmoid gate,
+# the top-k weights not renormalised (tests/unit/test_hf_qwen_moe.py).
+QWEN3 = LLAMA + ["model.family=qwen3", "model.head_dim=16"]
+QWEN2_MOE = LLAMA + ["model.family=qwen_moe", "model.qkv_bias=true", "model.moe.num_experts=4", "model.moe.topk=2",
+                     "model.moe.expert_ffn_hidden_size=32", "model.moe.first_dense_layers=1",
+                     "model.moe.shared_experts=1", "model.moe.shared_expert_gate=true",
+                     "model.moe.aux_loss_coeff=0.02"]
 DEEPSEEK = LLAMA + ["model.moe.num_experts=4", "model.moe.topk=2", "model.moe.expert_ffn_hidden_size=32",
                     "model.moe.first_dense_layers=1", "model.moe.shared_experts=1", "model.moe.router_score=sigmoid",
                     "model.moe.router_topk_norm=true", "model.moe.expert_bias=true",

@@ -9,10 +9,16 @@ losses and grad norms, step-0 gradients and final parameters, within the toleran
 
 import pytest
 
-from tests.distributed.equivalence import (BASE, DEEPSEEK, FP64, LLAMA, LLAMA_MHA, MASKED, MIXTRAL,
-                                           assert_equivalent)
+from tests.distributed.equivalence import (BASE, DEEPSEEK, FP64, LLAMA, LLAMA_MHA, MASKED, MIXTRAL, QWEN2_MOE,
+                                           QWEN3, assert_equivalent)
 
 ROPE_TIED = ["model.position_embedding=rope", "model.tie_embeddings=true"]
+# Llama's attention_bias (q, k, v and o_proj biases) with YaRN's rotary scaling; the Mistral and Phi-3 families
+# (Llama's chunk, their own Hugging Face formats: tests/unit/test_hf_mistral_phi3.py), Mistral's with linear scaling.
+BIASED_YARN = LLAMA + ["model.qkv_bias=true", "model.attention_output_bias=true", "model.rope_scaling_factor=4.0",
+                       "model.rope_scaling_type=yarn", "model.rope_original_max_position=2048"]
+MISTRAL_LINEAR = LLAMA + ["model.family=mistral", "model.rope_scaling_factor=4.0", "model.rope_scaling_type=linear"]
+PHI3 = LLAMA + ["model.family=phi3"]
 LAYOUTS = [  # (tp, pp, dp)
     (1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 4, 1), (4, 1, 1),
 ]
@@ -30,6 +36,9 @@ def test_gpipe_and_1f1b_match_single_process(tp, pp, dp):
     if tp * pp * dp >= 4:  # the bigger layouts also carry rotary, tied embeddings and a masked loss
         runs.append(BASE + layout + ["schedule=1f1b"] + ROPE_TIED + MASKED)
         runs.append(BASE + layout + ["schedule=gpipe"] + (LLAMA_MHA if tp == 4 else LLAMA) + MASKED)
+    if (tp, pp, dp) == (2, 2, 2):  # the output bias added once after the sum, its gradient summed over SP's tokens
+        runs += [BASE + layout + ["schedule=1f1b", "parallel.sequence_parallel=true"] + BIASED_YARN + FP64,
+                 BASE + layout + ["schedule=1f1b"] + MISTRAL_LINEAR + FP64, BASE + layout + ["schedule=gpipe"] + PHI3]
     assert_equivalent(runs, world_size=tp * pp * dp)
 
 
@@ -97,7 +106,9 @@ def test_mixtures_of_experts_with_tensor_and_context_parallelism_match_single_pr
     and token count of the balancing and z losses are the microbatch's (summed over tp x cp), and the EP ranks may be
     TP or CP ranks, each holding other experts (never summed over TP); at ep=1 every TP rank holds every expert.
     DualPipeV's pairs and weight fills run interleaved beside TP and beside CP's ring, whose collectives and
-    exchanges keep one order on each of two lanes (``ppctl.parallel.lanes``)."""
+    exchanges keep one order on each of two lanes (``ppctl.parallel.lanes``). Beside them: Qwen2-MoE's gated shared
+    expert under SP and EP, and Qwen3's per-head q/k norms at tp=2 without SP (each TP rank's norm gradient its own
+    heads' share, summed over TP) through ZB-V's split backward."""
     sp = ["parallel.tp=2", "parallel.sequence_parallel=true"]
     runs = [BASE + MIXTRAL + sp + ["parallel.cp=2", "parallel.pp=1", "parallel.dp=1", "parallel.ep=2"] + FP64,
             BASE + MIXTRAL + sp + ["parallel.pp=2", "parallel.dp=1", "parallel.ep=2", "schedule=dualpipev",
@@ -106,5 +117,7 @@ def test_mixtures_of_experts_with_tensor_and_context_parallelism_match_single_pr
                                "optimizer.distributed=true"],
             BASE + DEEPSEEK + sp + ["parallel.pp=2", "parallel.dp=1", "schedule=zbv"],  # ep=1
             BASE + MIXTRAL + ["parallel.cp=2", "parallel.cp_comm=ring", "parallel.pp=2", "parallel.dp=1",
-                              "parallel.ep=2", "schedule=dualpipev", "parallel.overlap_ep_comm=true"] + FP64]
+                              "parallel.ep=2", "schedule=dualpipev", "parallel.overlap_ep_comm=true"] + FP64,
+            BASE + QWEN2_MOE + sp + ["parallel.pp=2", "parallel.dp=1", "parallel.ep=2", "schedule=1f1b"] + FP64,
+            BASE + QWEN3 + ["parallel.tp=2", "parallel.pp=2", "parallel.dp=1", "schedule=zbv"] + FP64]
     assert_equivalent(runs, world_size=4)

@@ -7,7 +7,7 @@ the vocabulary padding in the softmax, a parameter left out of the step, PipeDre
 wrong weight version, a mixture's router losses dropped on the stage without the loss head or on the middle
 stages, its expert bias moved by each rank's own load, its expert gradients not reduced over expert data
 parallelism or summed over TP, a token sent to the wrong expert-parallel rank, a balancing loss from each rank's
-share of a microbatch's load), in float32 (the looser
+share of a microbatch's load, a per-head q/k norm's gradient not summed over TP), in float32 (the looser
 precision) and the subtlest in float64 too. Each comparison of the harness (losses, forward-only
 loss, grad norms, step-0 gradients, final parameters) runs on its own: every twin must fail the
 comparisons its defect reaches, so each of them is shown able to fail.
@@ -15,7 +15,7 @@ comparisons its defect reaches, so each of them is shown able to fail.
 
 import pytest
 
-from tests.distributed.equivalence import (BASE, DEEPSEEK, FP64, MASKED, MIXTRAL, equivalence_checks,
+from tests.distributed.equivalence import (BASE, DEEPSEEK, FP64, MASKED, MIXTRAL, QWEN3, equivalence_checks,
                                            train_in_workers)
 
 pytestmark = [pytest.mark.dist]
@@ -54,6 +54,8 @@ TWINS = [
     ("balancing_load_of_own_tokens", BASE + MIXTRAL + FP64 + TP2_CP2_EP2, BEFORE_OPTIMIZER),
     # The EP ranks are the TP ranks: summing the experts' gradients over TP adds other experts' to each.
     ("experts_summed_over_tp", BASE + MIXTRAL + FP64 + TP2_CP2_EP2, {"loss", *BEFORE_OPTIMIZER}),
+    # Qwen3's per-head q/k norms at tp=2 without SP: each TP rank's scale gradient is its own heads' share.
+    ("qk_norm_gradient_not_summed_over_tp", BASE + QWEN3 + FP64 + TP2_PP2, {"loss", *BEFORE_OPTIMIZER}),
 ]
 
 

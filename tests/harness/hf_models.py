@@ -20,6 +20,21 @@ from pathlib import Path
 import torch
 
 GPT2, STARCODER2, LLAMA, QWEN2, MIXTRAL = "gpt2", "starcoder2", "llama", "qwen2", "mixtral"
+# StarCoder2 with grouped key/value heads (model.family=gpt) and GPT-NeoX (its own family, on GPT's layers: a parallel
+# residual, rotary over NEOX_ROTARY of each head); tests/unit/test_hf_gpt_gqa_neox.py.
+STARCODER2_GQA, GPT_NEOX = "starcoder2_gqa", "gpt_neox"
+NEOX_ROTARY = 0.5  # 4 of a head's 8 dims: two frequencies, so the rotary base's exponent over 4 (not 8) is checked
+MISTRAL, PHI3 = "mistral", "phi3"  # Llama's math, each its own family (tests/unit/test_hf_mistral_phi3.py)
+# Qwen3 and the Qwen mixtures, each its own family (tests/unit/test_hf_qwen3.py, test_hf_qwen_moe.py): Qwen's head
+# width (not hidden / heads), its experts' and its shared expert's (two experts' worth) widths.
+QWEN3, QWEN2_MOE, QWEN3_MOE = "qwen3", "qwen2_moe", "qwen3_moe"
+QWEN_HEAD_DIM, QWEN_EXPERT_FFN, QWEN_SHARED_FFN = 16, 24, 48
+GEMMA, OLMO2 = "gemma", "olmo2"  # Llama-shaped, each its own family (tests/unit/test_hf_gemma.py, test_hf_olmo2.py)
+GEMMA_HEAD_DIM = 16  # Gemma's head width, not hidden / heads (8): as real Gemmas (256 beside 3072 / 16)
+# Qwen3 and the Qwen mixtures, each its own family (tests/unit/test_hf_qwen3.py, test_hf_qwen_moe.py): Qwen's head
+# width (not hidden / heads), its experts' and its shared expert's (two experts' worth) widths.
+QWEN3, QWEN2_MOE, QWEN3_MOE = "qwen3", "qwen2_moe", "qwen3_moe"
+QWEN_HEAD_DIM, QWEN_EXPERT_FFN, QWEN_SHARED_FFN = 16, 24, 48
 LLAMA_FAMILY = (LLAMA, QWEN2, MIXTRAL)
 EXPERTS, TOPK = 4, 2
 VOCAB, LAYERS, HIDDEN, HEADS, KV_HEADS, FFN, POSITIONS, NORM_EPSILON = 50, 4, 32, 4, 2, 64, 16, 1e-5
@@ -44,7 +59,21 @@ def hf_config(architecture: str, tie: bool, activation: str = "gelu", rope_scali
                  bos_token_id=None, eos_token_id=None)
     if architecture == STARCODER2:
         return Starcoder2Config(**shape, num_key_value_heads=HEADS, hidden_act=activation)
+    if architecture == STARCODER2_GQA:
+        return Starcoder2Config(**shape, num_key_value_heads=KV_HEADS, hidden_act=activation)
+    if architecture == GPT_NEOX:
+        from transformers import GPTNeoXConfig
+
+        return GPTNeoXConfig(**shape, hidden_act=activation, rotary_pct=NEOX_ROTARY, use_parallel_residual=True)
     rope = {"rope_type": "default", "rope_theta": 10000.0, **(rope_scaling or {})}
+    if architecture in (MISTRAL, PHI3):
+        return _mistral_phi3_config(architecture, shape, rope)
+    if architecture in (QWEN3, QWEN2_MOE, QWEN3_MOE):
+        return _qwen_config(architecture, shape, rope)
+    if architecture in (GEMMA, OLMO2):
+        return _gemma_olmo2_config(architecture, shape, rope)
+    if architecture in (QWEN3, QWEN2_MOE, QWEN3_MOE):
+        return _qwen_config(architecture, shape, rope)
     if architecture == MIXTRAL:
         return MixtralConfig(**shape, num_key_value_heads=KV_HEADS, rms_norm_eps=NORM_EPSILON, rope_parameters=rope,
                              num_local_experts=EXPERTS, num_experts_per_tok=TOPK)
@@ -52,13 +81,71 @@ def hf_config(architecture: str, tie: bool, activation: str = "gelu", rope_scali
                                                                    rms_norm_eps=NORM_EPSILON, rope_parameters=rope)
 
 
+def _mistral_phi3_config(architecture: str, shape: dict, rope: dict):
+    """Mistral with a window as long as the sequence (it hides nothing), or Phi-3 (fused q/k/v and gate/up; no padding
+    id: its default 32000 is beyond the tiny vocabulary)."""
+    from transformers import MistralConfig, Phi3Config
+
+    common = dict(**shape, num_key_value_heads=KV_HEADS, rms_norm_eps=NORM_EPSILON, rope_parameters=rope)
+    if architecture == MISTRAL:
+        return MistralConfig(**common, sliding_window=POSITIONS)
+    return Phi3Config(**common, pad_token_id=None)
+
+
+def _qwen_config(architecture: str, shape: dict, rope: dict):
+    """Qwen3 (q/k norms, heads of ``QWEN_HEAD_DIM``), Qwen2-MoE (its first layer dense, the others routed, a gated
+    shared expert, q/k/v biases, the top-k weights not renormalised) or Qwen3-MoE (q/k norms, every other layer from
+    the second routed, the top-k renormalised)."""
+    from transformers import Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(**shape, num_key_value_heads=KV_HEADS, rms_norm_eps=NORM_EPSILON, rope_parameters=rope)
+    if architecture == QWEN3:
+        return Qwen3Config(**common, head_dim=QWEN_HEAD_DIM)
+    experts = dict(num_experts=EXPERTS, num_experts_per_tok=TOPK, moe_intermediate_size=QWEN_EXPERT_FFN)
+    if architecture == QWEN2_MOE:
+        return Qwen2MoeConfig(**common, **experts, shared_expert_intermediate_size=QWEN_SHARED_FFN, mlp_only_layers=[0])
+    return Qwen3MoeConfig(**common, **experts, head_dim=QWEN_HEAD_DIM, decoder_sparse_step=2, norm_topk_prob=True)
+
+
+def _gemma_olmo2_config(architecture: str, shape: dict, rope: dict):
+    """Gemma (heads of ``GEMMA_HEAD_DIM``) or OLMo 2; no padding id (Gemma's default 0 would only freeze a row's
+    gradient in transformers, OLMo 2's 1 too)."""
+    from transformers import GemmaConfig, Olmo2Config
+
+    common = dict(**shape, num_key_value_heads=KV_HEADS, rms_norm_eps=NORM_EPSILON, rope_parameters=rope,
+                  pad_token_id=None)
+    if architecture == GEMMA:
+        return GemmaConfig(**common, head_dim=GEMMA_HEAD_DIM)
+    return Olmo2Config(**common)
+
+
+def _qwen_config(architecture: str, shape: dict, rope: dict):
+    """Qwen3 (q/k norms, heads of ``QWEN_HEAD_DIM``), Qwen2-MoE (its first layer dense, the others routed, a gated
+    shared expert, q/k/v biases, the top-k weights not renormalised) or Qwen3-MoE (q/k norms, every other layer from
+    the second routed, the top-k renormalised)."""
+    from transformers import Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(**shape, num_key_value_heads=KV_HEADS, rms_norm_eps=NORM_EPSILON, rope_parameters=rope)
+    if architecture == QWEN3:
+        return Qwen3Config(**common, head_dim=QWEN_HEAD_DIM)
+    experts = dict(num_experts=EXPERTS, num_experts_per_tok=TOPK, moe_intermediate_size=QWEN_EXPERT_FFN)
+    if architecture == QWEN2_MOE:
+        return Qwen2MoeConfig(**common, **experts, shared_expert_intermediate_size=QWEN_SHARED_FFN, mlp_only_layers=[0])
+    return Qwen3MoeConfig(**common, **experts, head_dim=QWEN_HEAD_DIM, decoder_sparse_step=2, norm_topk_prob=True)
+
+
 def save_tiny(folder: Path, architecture: str = GPT2, tie: bool = False, seed: int = 0, activation: str = "gelu",
               rope_scaling: dict | None = None) -> Path:
     """Write a tiny random model into ``folder`` with ``save_pretrained``; return the folder."""
+    return save_random(folder, hf_config(architecture, tie, activation, rope_scaling), seed)
+
+
+def save_random(folder: Path, config, seed: int = 0) -> Path:
+    """Write a random model of transformers config ``config`` into ``folder`` (norms around 1, the rest wide)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(architecture, tie, activation, rope_scaling))
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "ln" in name or "norm" in name:
@@ -90,6 +177,11 @@ def save_numbered_tokenizer(path: Path, prefix: str, size: int = VOCAB) -> Path:
 def overrides(folder: Path, architecture: str = GPT2, tie: bool = False, rope_scaling: dict | None = None) -> list[str]:
     """The ppctl overrides of a run that starts from the tiny model in ``folder`` (saved with ``rope_scaling``)."""
     common = [f"model.tie_embeddings={str(tie).lower()}", f"model.init_from={folder}"]
+    if architecture == STARCODER2_GQA:
+        return [*OVERRIDES, "model.position_embedding=rope", "model.qkv_bias=true", f"model.num_kv_heads={KV_HEADS}",
+                *common]
+    if architecture == GPT_NEOX:
+        return ["model=gpt_neox_tiny", *OVERRIDES, f"model.partial_rotary_factor={NEOX_ROTARY}", *common]
     if architecture not in LLAMA_FAMILY:
         position = "learned" if architecture == GPT2 else "rope"
         return [*OVERRIDES, f"model.position_embedding={position}", "model.qkv_bias=true", *common]
@@ -111,26 +203,56 @@ def _in_float64(model) -> None:
     from ppctl.model.llama.layers import RopeScaling, llama_inverse_frequencies
 
     for module in model.modules():
-        if type(module).__name__.endswith("RMSNorm"):
+        if type(module).__name__ == "GemmaRMSNorm":  # its scale is 1 + weight, its epsilon named eps
+            module.forward = (lambda norm: lambda hidden: (1 + norm.weight) * hidden * torch.rsqrt(
+                hidden.pow(2).mean(-1, keepdim=True) + norm.eps))(module)
+        elif type(module).__name__.endswith("RMSNorm"):
             module.forward = (lambda norm: lambda hidden: norm.weight * hidden * torch.rsqrt(
                 hidden.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))(module)
         if type(module).__name__ == "MixtralTopKRouter":
             module.forward = (lambda router: lambda hidden: _route_in_float64(router, hidden))(module)
-    config, rotary = model.config, model.model.rotary_emb
+        if type(module).__name__ in ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter"):
+            module.forward = (lambda router: lambda hidden: _qwen_route_in_float64(router, hidden))(module)
+    config, rotary = model.config, model.base_model.rotary_emb
     rope = config.rope_parameters
     scaling = None
     if rope.get("rope_type") == "llama3":
         scaling = RopeScaling(rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
                               rope["original_max_position_embeddings"])
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    inverse = llama_inverse_frequencies(head_dim, rope["rope_theta"], scaling)
+    rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))  # GPT-NeoX rotates part of each head
+    inverse, attention = llama_inverse_frequencies(rotary_dim, rope["rope_theta"], scaling), 1.0
+    if rope.get("rope_type") in ("linear", "yarn"):  # transformers' own formula, run in float64
+        inverse, attention = transformers_rope_in_float64(config)
 
     def forward(hidden, position_ids):
         angles = position_ids.to(torch.float64)[..., None] * inverse
         angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos().to(hidden.dtype), angles.sin().to(hidden.dtype)
+        return (angles.cos() * attention).to(hidden.dtype), (angles.sin() * attention).to(hidden.dtype)
 
     rotary.forward = forward
+
+
+class _Float64Torch:
+    """``torch`` with its float32 names meaning float64: transformers' rotary formulas, run under it, compute in
+    float64 (they name ``torch.float`` and ``torch.float32`` for their tables)."""
+
+    float = float32 = torch.float64
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def transformers_rope_in_float64(config) -> tuple[torch.Tensor, float]:
+    """``(inverse frequencies, attention factor)`` of a transformers config's scaled rotary embedding (``linear``,
+    ``yarn``...), by transformers' own ``ROPE_INIT_FUNCTIONS`` run in float64 instead of float32."""
+    from transformers import modeling_rope_utils
+
+    saved, modeling_rope_utils.torch = modeling_rope_utils.torch, _Float64Torch()
+    try:
+        return modeling_rope_utils.ROPE_INIT_FUNCTIONS[config.rope_parameters["rope_type"]](config)
+    finally:
+        modeling_rope_utils.torch = saved
 
 
 def _route_in_float64(router, hidden: torch.Tensor):
@@ -141,14 +263,24 @@ def _route_in_float64(router, hidden: torch.Tensor):
     return logits, top / top.sum(dim=-1, keepdim=True), experts
 
 
+def _qwen_route_in_float64(router, hidden: torch.Tensor):
+    """Qwen-MoE's router as transformers computes it (logits, softmax, top-k, renormalised with ``norm_topk_prob``),
+    the softmax in the logits' dtype rather than float32."""
+    logits = torch.nn.functional.linear(hidden.reshape(-1, router.hidden_dim), router.weight)
+    top, experts = torch.topk(torch.softmax(logits, dim=-1), router.top_k, dim=-1)
+    return logits, top / top.sum(dim=-1, keepdim=True) if router.norm_topk_prob else top, experts
+
+
 def hf_model(folder: Path, exact: bool = True):
     """The model in ``folder`` loaded by ``AutoModelForCausalLM``, in float64, eval mode; ``exact``: its float32
     parts (rotary angles, RMSNorm) in float64 too."""
     from transformers import AutoModelForCausalLM
 
-    experts = {"experts_implementation": "eager"} if "Mixtral" in (folder / "config.json").read_text() else {}
+    text = (folder / "config.json").read_text()
+    mixture = any(name in text for name in ("Mixtral", "Qwen2Moe", "Qwen3Moe"))
+    experts = {"experts_implementation": "eager"} if mixture else {}
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, **experts).eval()
-    if exact and hasattr(model, "model") and hasattr(model.model, "rotary_emb"):
+    if exact and hasattr(model.base_model, "rotary_emb"):
         _in_float64(model)
     return model
 

@@ -89,11 +89,11 @@ RULES = [
     (["model.position_embedding=alibi"], "model.position_embedding='alibi' must be one of"),
     (["model.activation=relu"], "model.activation='relu' must be one of gelu, gelu_tanh"),
     (["model=llama_tiny", "model.activation=relu"],
-     "model.activation=relu is read by model.family=gpt only; this model is model.family=llama (drop the key, or "
-     "set model.family=gpt)"),
+     "model.activation=relu is read by model.family=gpt (and gpt_neox) only; this model is model.family=llama "
+     "(drop the key, or set model.family=gpt)"),
     (["model=llama_tiny", "model.activation=gelu_tanh"],
-     "model.activation=gelu_tanh is read by model.family=gpt only; this model is model.family=llama (drop the key, "
-     "or set model.family=gpt)"),
+     "model.activation=gelu_tanh is read by model.family=gpt (and gpt_neox) only; this model is model.family=llama "
+     "(drop the key, or set model.family=gpt)"),
     (["data=text"], "data.source=text needs data.path"),
     (["data=text", "data.path=/nonexistent/file.txt"], "data.path=/nonexistent/file.txt: no such file, folder or glob"),
     (["launcher.backend=mpi"], "launcher.backend='mpi' must be one of"),
@@ -139,11 +139,11 @@ RULES = [
     (["model=llama_tiny", "model.head_dim=-16"], "model.head_dim=-16 must be a positive integer, or unset (null)"),
     # Keys the model would not read.
     (["model=llama_tiny", "model.rope_low_freq_factor=2"],
-     "model.rope_low_freq_factor=2.0 is read only with model.rope_scaling_factor (Llama 3's scaling), which is "
+     "model.rope_low_freq_factor=2.0 is read only with model.rope_scaling_factor, which is "
      "unset: set it too, or drop the key"),
     (["model=llama_tiny", "model.rope_original_max_position=4096"],
      "model.rope_original_max_position=4096 is read only with model.rope_scaling_factor"),
-    (["model.rope_high_freq_factor=8"], "model.rope_high_freq_factor=8.0 is read by model.family=llama only"),
+    (["model.rope_high_freq_factor=8"], "model.rope_high_freq_factor=8.0 is read by model.family=llama (and gemma, "),
     (["model.rope_theta=500000"],
      "model.rope_theta=500000.0 is read only with model.position_embedding=rope; this model has learned positions "
      "(drop the key, or set model.position_embedding=rope)"),

@@ -127,9 +127,9 @@ def test_a_llama3_rope_scaling_beside_plain_rope_parameters_gives_transformers_l
 
 @pytest.mark.parametrize("architecture, edit, expected", [
     (LLAMA, {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-             "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-     "its rope_scaling (which transformers reads over its rope_parameters) gives rope_type='linear': ppctl computes "
-     "the plain rotary embedding ('default') and Llama 3's scaling ('llama3') only"),
+             "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+     "its rope_scaling (which transformers reads over its rope_parameters) gives rope_type='dynamic': ppctl computes "
+     "the plain rotary embedding ('default') and the 'llama3', 'linear', 'yarn' scalings only"),
     (STARCODER2, {"rope_scaling": {"type": "linear", "factor": 4.0}, "rope_theta": 10000.0},
      "its rope_scaling gives rope_type='linear': ppctl's gpt has the plain rotary embedding ('default') only"),
     (STARCODER2, {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
@@ -139,7 +139,9 @@ def test_a_llama3_rope_scaling_beside_plain_rope_parameters_gives_transformers_l
 def test_a_rotary_scaling_transformers_applies_and_ppctl_does_not_compute_is_refused(folders, tmp_path, architecture,
                                                                                      edit, expected):
     folder = _edited(folders, tmp_path, architecture, edit, drop=("rope_parameters", "rope_theta"))
-    assert _transformers_config(folder).rope_parameters["rope_type"] == "linear"  # what transformers would compute
+    scaling = edit["rope_scaling"]
+    # what transformers would compute
+    assert _transformers_config(folder).rope_parameters["rope_type"] == scaling.get("rope_type", scaling.get("type"))
     assert _refusal(folder, architecture).startswith(expected)
 
 
@@ -224,7 +226,8 @@ def test_the_architecture_is_read_from_model_type_as_transformers_builds_it(fold
 def test_a_config_without_model_type_is_refused(folders, tmp_path):
     folder = _edited(folders, tmp_path, GPT2, drop=("model_type",))
     assert _refusal(folder, GPT2) == ("its config.json has no model_type, which transformers reads the architecture "
-                                      "from (one of gpt2, starcoder2, llama, qwen2, mixtral)")
+                                      "from (one of gemma, gemma2, gpt2, starcoder2, gpt_neox, llama, qwen2, "
+                                      "mixtral, mistral, olmo2, olmo, phi3, qwen3, qwen2_moe, qwen3_moe)")
 
 
 def test_swish_is_read_as_silu(folders, tmp_path):

@@ -236,7 +236,8 @@ def test_an_architecture_no_family_reads_is_refused(tmp_path, folders):
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "nosuch"}))
     assert _refusal(*overrides(folder)) == (
         f"model.init_from={folder}: its config.json has model_type='nosuch', which no model family reads (one of "
-        f"gpt2, starcoder2, llama, qwen2, mixtral)")
+        f"gemma, gemma2, gpt2, starcoder2, gpt_neox, llama, qwen2, mixtral, mistral, olmo2, olmo, phi3, qwen3, "
+        f"qwen2_moe, qwen3_moe)")
 
 
 def test_a_shape_mismatch_names_the_key_and_both_values(folders, tanh_folders):

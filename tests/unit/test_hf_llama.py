@@ -191,9 +191,9 @@ def test_a_broken_mapping_fails_the_comparison(folders, monkeypatch, defect):
 
 @pytest.mark.parametrize("edit, expected", [
     ({"hidden_act": "gelu"}, "its hidden_act='gelu': ppctl's llama computes SwiGLU with SiLU only"),
-    ({"attention_bias": True}, "its attention_bias=true puts a bias on the output projection too"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0}},
-     "its rope_parameters gives rope_type='yarn'"),
+    ({"mlp_bias": True}, "its mlp_bias=true: ppctl's llama MLP has no biases"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},
+     "its rope_parameters gives rope_type='dynamic'"),
 ])
 def test_what_llama_cannot_compute_is_refused(tmp_path, folders, edit, expected):
     import shutil

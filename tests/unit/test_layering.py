@@ -30,7 +30,8 @@ LEVELS = {
     "ppctl.model.recompute": 1, "ppctl.model.moe.shape": 1,
     # 2, what the core is configured and run with: config, the model, groups, the runtime, the optimizer.
     "ppctl.config": 2, "ppctl.model": 2, "ppctl.data.iterator": 2, "ppctl.parallel.groups": 2,
-    "ppctl.pipeline.p2p": 2, "ppctl.pipeline.trace": 2, "ppctl.pipeline.runtime": 2, "ppctl.optim": 2,
+    "ppctl.pipeline.p2p": 2, "ppctl.pipeline.trace": 2, "ppctl.pipeline.runtime": 2, "ppctl.pipeline.overlap": 2,
+    "ppctl.optim": 2,
     "ppctl.checkpoint": 2,
     # 3 and 4, a config built into a model, its pipeline stages, the single-process reference, checkpoints; the
     # config resolved once (its split under parallel.balance=auto asks the planner's balancer and memory model),

@@ -67,7 +67,8 @@ RULES = [
     (dict(parallel__ep=0), "parallel.ep=0 must be a positive integer"),
     (dict(model__init_from="/some/mixtral", model__family="gpt", model__num_kv_heads=None),
      "model.init_from with model.moe.num_experts=8 and model.family=gpt: this family's Hugging Face format reads no "
-     "mixture of experts (ppctl reads them as MixtralForCausalLM (model.family=llama))"),
+     "mixture of experts (ppctl reads them as MixtralForCausalLM (model.family=llama) or "
+     "Qwen2MoeForCausalLM/Qwen3MoeForCausalLM (model.family=qwen_moe))"),
 ]
 
 

@@ -10,8 +10,12 @@ import pytest
 
 from ppctl.model.gpt.model import GPTChunk, GPTConfig
 from ppctl.model.moe.shape import MoEShape
+from ppctl.parallel.context_parallel import CPGroup
+from ppctl.parallel.expert_parallel import EPGroup, TokenSplit
 from ppctl.parallel.groups import BACKWARD_LANE_GROUPS, ParallelContext, RankGroups, backward_lane, rank_groups_of
+from ppctl.parallel.lanes import BACKWARD_LANE, FORWARD_LANE, Lanes
 from ppctl.parallel.layout import ParallelLayout, StageLayers
+from ppctl.parallel.tensor_parallel import TPGroup
 
 
 def placeholder_context(layout: ParallelLayout, rank: int) -> ParallelContext:
@@ -43,20 +47,32 @@ def test_each_member_is_this_ranks_group_of_the_layout():
     assert (cp.group, cp.ranks, cp.comm) == ("cp of 5", tuple(layout.group_of("cp", 5)), "ring")
     assert (ep.group, ep.size, ep.rank) == ("ep of 5", 2, layout.group_of("ep", 5).index(5))
     assert (split.group, split.size) == ("tp_cp of 5", 4)
-    # Without the overlap only the experts' exchanges have a second communicator (their backward's).
-    assert (tp.backward_group, cp.backward_group, split.backward_group) == (None, None, None)
-    assert ep.backward_group == "ep_backward of 5" and ep.interleave is None
+    # Without the overlap only the experts' exchanges have a second communicator (their backward's), and no pacer.
+    lanes = tp.lanes
+    assert all(member.lanes is lanes for member in (cp, ep, split)) and lanes.pacer is None
+    assert [lanes.communicator(member.group, BACKWARD_LANE) for member in (tp, cp, split, ep)] == [
+        "tp of 5", "cp of 5", "tp_cp of 5", "ep_backward of 5"]
 
 
 def test_the_overlap_wires_every_groups_backward_lane_in_one_place():
-    interleave, on_exchange = object(), print
+    pacer, on_exchange = object(), print
     groups = rank_groups_of(placeholder_context(ParallelLayout(tp=2, cp=2, pp=2, ep=2), 0), sequence_parallel=True,
-                            on_exchange=on_exchange, interleave=interleave)
+                            on_exchange=on_exchange, pacer=pacer)
     members = {"tp": groups.tp, "cp": groups.cp, "tp_cp": groups.token_split, "ep": groups.ep}
-    assert {name: member.backward_group for name, member in members.items()} == {
+    lanes = groups.tp.lanes
+    assert all(member.lanes is lanes for member in members.values()) and lanes.pacer is pacer
+    assert {name: lanes.communicator(member.group, BACKWARD_LANE) for name, member in members.items()} == {
         name: f"{backward_lane(name)} of 0" for name in members}
-    assert all(member.interleave is interleave for member in members.values())
+    assert {name: lanes.communicator(member.group, FORWARD_LANE) for name, member in members.items()} == {
+        name: f"{name} of 0" for name in members}
     assert groups.ep.on_exchange is on_exchange
+
+
+@pytest.mark.parametrize("group_class", [TPGroup, CPGroup, EPGroup, TokenSplit])
+def test_the_group_classes_carry_no_field_of_the_overlap_but_the_workers_lanes(group_class):
+    names = [member.name for member in dataclasses.fields(group_class)]
+    assert not set(names) & {"interleave", "backward_group", "pacer"}
+    assert names[-1] == "lanes" and group_class.__dataclass_fields__["lanes"].type in ("Lanes", Lanes)
 
 
 def test_one_rank_dimensions_stay_single():

@@ -14,9 +14,12 @@ What the mapping rests on (checked against ``transformers`` in ``tests/unit/test
   that does not depend on the tensor's values keeps ``shape_from_hf`` a function of ``config.json``); a run
   without the bias exports zeros.
 * rotary positions: ppctl's GPT is ``Starcoder2ForCausalLM`` (LayerNorm with biases, a sequential residual,
-  rotate-half rotary over the whole head) with ``num_key_value_heads = num_attention_heads`` and no sliding
-  window; ppctl's QKV rows are ``q_proj``, ``k_proj`` and ``v_proj`` one after the other (their biases, with
-  ``use_bias``, the QKV bias likewise: ``qkv_bias`` is ``use_bias``), and its weights are ``nn.Linear``'s
+  rotate-half rotary over the whole head) whose ``sliding_window`` (if any) is no shorter than its
+  ``max_position_embeddings`` (a shorter one is refused: ppctl attends over the whole sequence; written back as
+  null); with ``num_key_value_heads = num_attention_heads`` ppctl's QKV rows are ``q_proj``, ``k_proj`` and
+  ``v_proj`` one after the other (their biases, with ``use_bias``, the QKV bias likewise: ``qkv_bias`` is
+  ``use_bias``); with fewer key/value heads (``model.num_kv_heads``, grouped-query attention) ppctl's
+  ``attention.query``, ``key`` and ``value`` are those three one to one. Its weights are ``nn.Linear``'s
   ``[out, in]``.
 * config.json: read by ``model_type`` (``gpt2``, ``starcoder2``), each key type-checked as transformers' strict
   fields check it (``"n_embd": "64"`` or ``64.0`` is refused, not read), sizes above 0; StarCoder2's rotary
@@ -65,7 +68,7 @@ STARCODER2_TYPES = {"vocab_size": (INT,), "hidden_size": (INT,), "intermediate_s
                     "norm_epsilon": (FLOAT,), "sliding_window": (INT, NONE), "use_bias": (BOOL,),
                     "tie_word_embeddings": (BOOL,), "partial_rotary_factor": (FLOAT, INT)}
 STARCODER2_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "head_dim", "max_position_embeddings")
+                    "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
 STARCODER2_DEFAULTS = {"vocab_size": 49152, "hidden_size": 3072, "intermediate_size": 12288, "num_hidden_layers": 30,
                        "num_attention_heads": 24, "num_key_value_heads": 2, "hidden_act": "gelu_pytorch_tanh",
                        "max_position_embeddings": 4096, "norm_epsilon": 1e-5, "sliding_window": None,
@@ -86,6 +89,10 @@ class GPTHuggingFace:
         common = {"vocab_size": model.vocab_size, "initializer_range": model.init_std,
                   "tie_word_embeddings": model.tie_embeddings, "use_cache": True}
         if model.position_embedding == "learned":
+            if _grouped(model):
+                raise HFError(f"{GPT2} has as many key/value heads as heads, this model has model.num_kv_heads="
+                              f"{kv_heads_of(model)} of model.num_heads={model.num_heads} (rotary positions write "
+                              f"{STARCODER2}, which has grouped-query attention)")
             return {"architectures": [GPT2], "model_type": "gpt2", **common, "n_positions": model.max_seq_length,
                     "n_embd": model.hidden_size, "n_layer": model.num_layers, "n_head": model.num_heads,
                     "n_inner": model.ffn_hidden_size,
@@ -97,7 +104,7 @@ class GPTHuggingFace:
         return {"architectures": [STARCODER2], "model_type": "starcoder2", **common,
                 "hidden_size": model.hidden_size, "intermediate_size": model.ffn_hidden_size,
                 "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_heads,
-                "num_key_value_heads": model.num_heads,
+                "num_key_value_heads": kv_heads_of(model),
                 "hidden_act": EXPORTED_ACTIVATIONS[STARCODER2][model.activation],
                 "max_position_embeddings": model.max_seq_length, "norm_epsilon": model.norm_epsilon,
                 "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta}, "rope_theta": rope_theta,
@@ -124,9 +131,13 @@ class GPTHuggingFace:
     def dense_shapes(self, model) -> dict[str, tuple[int, ...]]:
         """The dense shape of every ppctl GPT parameter (``model``: its settings by name; the vocabulary unpadded)."""
         hidden, ffn, vocab = model.hidden_size, model.ffn_hidden_size, model.vocab_size
+        kv_width = kv_heads_of(model) * (hidden // model.num_heads)
         roles = {"attn_norm.weight": (hidden,), "attn_norm.bias": (hidden,), "mlp_norm.weight": (hidden,),
                  "mlp_norm.bias": (hidden,), "attention.qkv.weight": (3 * hidden, hidden),
-                 "attention.qkv.bias": (3 * hidden,), "attention.proj.weight": (hidden, hidden),
+                 "attention.qkv.bias": (3 * hidden,), "attention.query.weight": (hidden, hidden),
+                 "attention.query.bias": (hidden,), "attention.key.weight": (kv_width, hidden),
+                 "attention.key.bias": (kv_width,), "attention.value.weight": (kv_width, hidden),
+                 "attention.value.bias": (kv_width,), "attention.proj.weight": (hidden, hidden),
                  "attention.proj.bias": (hidden,), "mlp.fc_in.weight": (ffn, hidden), "mlp.fc_in.bias": (ffn,),
                  "mlp.fc_out.weight": (hidden, ffn), "mlp.fc_out.bias": (hidden,)}
         shapes = {"embedding.word.weight": (vocab, hidden), "embedding.position.weight": (model.max_seq_length, hidden),
@@ -145,8 +156,22 @@ class GPTHuggingFace:
                     for layer in range(model.num_layers)}
         if not {**STARCODER2_DEFAULTS, **hf_config}["use_bias"]:
             return {}
-        return {f"model.layers.{layer}.self_attn.{part}_proj.bias": (model.hidden_size,)
-                for layer in range(model.num_layers) for part in ("q", "k", "v")}
+        kv_width = kv_heads_of(model) * (model.hidden_size // model.num_heads)
+        widths = {"q": model.hidden_size, "k": kv_width, "v": kv_width}
+        return {f"model.layers.{layer}.self_attn.{part}_proj.bias": (width,)
+                for layer in range(model.num_layers) for part, width in widths.items()}
+
+
+def kv_heads_of(model) -> int:
+    """The key/value heads of a GPT model (``model``: its settings by name, or its ``GPTConfig``): ``num_kv_heads``,
+    or ``num_heads`` when unset (None)."""
+    kv_heads = getattr(model, "num_kv_heads", None)
+    return model.num_heads if kv_heads is None else kv_heads
+
+
+def _grouped(model) -> bool:
+    """Whether the model has fewer key/value heads than heads: q, k and v projected apart."""
+    return kv_heads_of(model) != model.num_heads
 
 
 def _require(condition: bool, message: str) -> None:
@@ -154,7 +179,7 @@ def _require(condition: bool, message: str) -> None:
         raise HFError(message)
 
 
-def _activation(key: str, name: str) -> str:
+def activation_of(key: str, name: str) -> str:
     """The ``model.activation`` of the HF activation ``name`` (read from ``key``); ``HFError`` for one ppctl's gpt
     does not compute."""
     for activation, names in HF_ACTIVATIONS.items():
@@ -169,7 +194,7 @@ def _activation(key: str, name: str) -> str:
 def _gpt2_shape(hf: dict[str, Any]) -> dict[str, Any]:
     """The GPT shape of a GPT-2 config (defaults filled in)."""
     check_keys(hf, GPT2_TYPES, GPT2_SIZES)
-    activation = _activation("activation_function", hf["activation_function"])
+    activation = activation_of("activation_function", hf["activation_function"])
     _require(hf["scale_attn_weights"] and not hf["scale_attn_by_inverse_layer_idx"],
              "its attention scores are not scaled by 1/sqrt(head dim) alone (scale_attn_weights, "
              "scale_attn_by_inverse_layer_idx): ppctl's gpt cannot express it")
@@ -185,13 +210,11 @@ def _gpt2_shape(hf: dict[str, Any]) -> dict[str, Any]:
 def _starcoder2_shape(hf: dict[str, Any]) -> dict[str, Any]:
     """The rotary GPT shape of a StarCoder2 config (defaults filled in)."""
     check_keys(hf, STARCODER2_TYPES, STARCODER2_SIZES)
-    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
-    activation = _activation("hidden_act", hf["hidden_act"])
-    _require(hf["num_key_value_heads"] == heads,
-             f"its num_key_value_heads={hf['num_key_value_heads']} differs from num_attention_heads={heads}: "
-             f"grouped-query attention is model.family=llama's, not gpt's")
-    _require(hf["sliding_window"] is None, f"its sliding_window={hf['sliding_window']}: ppctl attends to the whole "
-                                           f"sequence")
+    heads, hidden, kv_heads = hf["num_attention_heads"], hf["hidden_size"], hf["num_key_value_heads"]
+    activation = activation_of("hidden_act", hf["hidden_act"])
+    _require(heads % kv_heads == 0, f"its num_attention_heads={heads} is not a multiple of its num_key_value_heads="
+                                    f"{kv_heads}: each key/value head serves a whole group of query heads")
+    _check_window(hf["sliding_window"], hf["max_position_embeddings"])
     _require(hf.get("head_dim", hidden // heads) == hidden // heads,
              f"its head_dim={hf.get('head_dim')} is not hidden_size / num_attention_heads: ppctl's gpt cannot "
              f"express it")
@@ -201,13 +224,25 @@ def _starcoder2_shape(hf: dict[str, Any]) -> dict[str, Any]:
     _require(rope["rope_type"] == "default",
              f"its {key} gives rope_type={rope['rope_type']!r}: ppctl's gpt has the plain rotary embedding "
              f"('default') only")
+    # As many key/value heads as heads is ppctl's unset model.num_kv_heads: the key is given for fewer only.
+    grouped = {"num_kv_heads": kv_heads} if kv_heads != heads else {}
     return {"family": "gpt", "position_embedding": "rope", "activation": activation,
             "num_layers": hf["num_hidden_layers"],
-            "hidden_size": hidden, "num_heads": heads, "ffn_hidden_size": hf["intermediate_size"],
+            "hidden_size": hidden, "num_heads": heads, **grouped, "ffn_hidden_size": hf["intermediate_size"],
             "vocab_size": hf["vocab_size"], "max_seq_length": hf["max_position_embeddings"],
             "tie_embeddings": bool(hf["tie_word_embeddings"]), "norm_epsilon": hf["norm_epsilon"],
             "rope_theta": float(rope["rope_theta"]),
             "qkv_bias": bool(hf["use_bias"])}
+
+
+def _check_window(window: int | None, longest: int) -> None:
+    """``HFError`` unless StarCoder2's ``sliding_window`` (transformers' mask: a query sees the keys fewer than
+    ``window`` positions back) hides nothing from sequences of up to ``max_position_embeddings`` positions (the run's
+    ``model.max_seq_length``: no training or generated sequence is longer)."""
+    _require(window is None or window >= longest,
+             f"its sliding_window={window} is shorter than its max_position_embeddings={longest} "
+             f"(model.max_seq_length, the run's longest sequence): the window hides keys {window} or more positions back, and ppctl's gpt "
+             f"attends over the whole sequence (a window of at least {longest}, or null, computes the same)")
 
 
 def _gpt2_tensors(model) -> dict[str, HFTensor]:
@@ -237,14 +272,13 @@ def _gpt2_tensors(model) -> dict[str, HFTensor]:
 
 
 def _starcoder2_tensors(model, use_bias: bool) -> dict[str, HFTensor]:
-    """ppctl name -> StarCoder2 tensor: renames, the fused QKV (and its bias) split into q, k and v (biases absent
-    without ``use_bias``: ppctl's are zero)."""
+    """ppctl name -> StarCoder2 tensor: renames, the fused QKV (and its bias) split into q, k and v, or under
+    grouped-query attention q, k and v one to one (biases absent without ``use_bias``: ppctl's are zero)."""
     tensors = {"embedding.word.weight": HFTensor(("model.embed_tokens.weight",))}
     for layer in range(model.num_layers):
         ppctl, hf = f"layers.{layer}", f"model.layers.{layer}"
         for kind in ("weight", "bias") if model.qkv_bias else ("weight",):
-            tensors[f"{ppctl}.attention.qkv.{kind}"] = HFTensor(
-                tuple(f"{hf}.self_attn.{part}_proj.{kind}" for part in ("q", "k", "v")))
+            tensors.update(_starcoder2_qkv(model, f"{ppctl}.attention", f"{hf}.self_attn", kind))
         for role, name in (("attn_norm.weight", "input_layernorm.weight"), ("attn_norm.bias", "input_layernorm.bias"),
                            ("attention.proj.weight", "self_attn.o_proj.weight"),
                            ("mlp_norm.weight", "post_attention_layernorm.weight"),
@@ -259,6 +293,15 @@ def _starcoder2_tensors(model, use_bias: bool) -> dict[str, HFTensor]:
     if not model.tie_embeddings:
         tensors["output_layer.weight"] = HFTensor(("lm_head.weight",))
     return tensors
+
+
+def _starcoder2_qkv(model, ppctl: str, hf: str, kind: str) -> dict[str, HFTensor]:
+    """ppctl's attention ``kind`` (weight or bias) tensors -> StarCoder2's q/k/v ones: split from the fused QKV,
+    or one to one under grouped-query attention."""
+    if _grouped(model):
+        return {f"{ppctl}.{role}.{kind}": HFTensor((f"{hf}.{part}_proj.{kind}",))
+                for role, part in (("query", "q"), ("key", "k"), ("value", "v"))}
+    return {f"{ppctl}.qkv.{kind}": HFTensor(tuple(f"{hf}.{part}_proj.{kind}" for part in ("q", "k", "v")))}
 
 
 FORMAT = GPTHuggingFace()

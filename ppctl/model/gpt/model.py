@@ -3,7 +3,9 @@
 A ``GPTChunk`` is a ``ppctl.model.chunk.DecoderChunk`` of GPT layers (``ppctl.model.layers``): the
 word/position embedding on the first stage, LayerNorm and a GELU MLP (exact or tanh-approximated), fused QKV
 (with a bias when ``qkv_bias``), learned or rotary positions, the final norm, output layer and vocab-parallel loss
-on the last.
+on the last. Grouped-query attention (``num_kv_heads``, StarCoder2's) projects q, k and v apart. GPT-NeoX's hooks,
+off by default (``ppctl.model.gpt_neox`` sets them): a parallel residual, rotary positions over the first
+``partial_rotary_factor`` of each head, a QKV fused per head.
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ class GPTConfig:
     rope_base: base of the rotary frequencies.
     qkv_bias: the fused QKV projection has a bias (GPT-2's ``c_attn.bias``), starting at zero.
     moe: the mixture of experts some layers' MLP is (``ppctl.model.moe``), or None (dense).
+    num_kv_heads: key/value heads of grouped-query attention (divides num_heads; TP splits them whole); None:
+        num_heads (one fused QKV).
+    partial_rotary_factor: the fraction of each head's dims rotary positions rotate (its first
+        ``int(head_dim * factor)``, an even number), the rest passed unchanged (GPT-NeoX's ``rotary_pct``).
+    parallel_residual: attention and MLP both read the layer's input (GPT-NeoX's ``use_parallel_residual``).
+    qkv_per_head: the fused QKV's rows are ``[q, k, v]`` head by head (GPT-NeoX's ``query_key_value``) rather
+        than ``[q; k; v]``.
     """
 
     num_layers: int
@@ -64,6 +73,10 @@ class GPTConfig:
     qkv_bias: bool = False
     padded_vocab_size: int | None = None
     moe: MoEShape | None = None
+    num_kv_heads: int | None = None
+    partial_rotary_factor: float = 1.0
+    parallel_residual: bool = False
+    qkv_per_head: bool = False
 
     def __post_init__(self):
         if self.padded_vocab_size is None:
@@ -83,20 +96,38 @@ class GPTConfig:
         if self.position_embedding not in POSITION_EMBEDDINGS:
             raise ValueError(f"GPTConfig.position_embedding must be one of {POSITION_EMBEDDINGS}, "
                              f"got {self.position_embedding!r}")
-        if self.position_embedding == "rope" and self.head_dim % 2 != 0:
-            raise ValueError(f"GPTConfig: rope needs an even head dim, got {self.head_dim}")
+        if self.position_embedding == "rope" and (self.rotary_dim % 2 != 0 or self.rotary_dim < 2):
+            raise ValueError(f"GPTConfig: rope needs an even number of rotated dims per head, got {self.rotary_dim}")
+        if self.num_heads % self.kv_heads != 0:
+            raise ValueError(f"GPTConfig: num_heads {self.num_heads} must be a multiple of num_kv_heads "
+                             f"{self.kv_heads}")
+        if self.qkv_per_head and self.kv_heads != self.num_heads:
+            raise ValueError("GPTConfig: a QKV fused per head has as many key/value heads as heads")
 
     @property
     def head_dim(self) -> int:
         """Width of one attention head."""
         return self.hidden_size // self.num_heads
 
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``num_kv_heads``, or ``num_heads`` when unset."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head rotary positions rotate: its first ``int(head_dim * partial_rotary_factor)``
+        (truncated, as transformers' GPT-NeoX)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
 
 def check_tp_divides(config: GPTConfig, tp_size: int) -> None:
-    """Raise ValueError unless heads, MLP width and padded vocabulary split evenly over ``tp_size`` ranks."""
-    for field in ("num_heads", "ffn_hidden_size", "padded_vocab_size"):
+    """Raise ValueError unless heads (whole key/value heads), MLP width and padded vocabulary split evenly over
+    ``tp_size`` ranks."""
+    for field in ("num_heads", "kv_heads", "ffn_hidden_size", "padded_vocab_size"):
         if getattr(config, field) % tp_size != 0:
-            raise ValueError(f"model.{field}={getattr(config, field)} must be a multiple of parallel.tp={tp_size}")
+            name = "num_kv_heads" if field == "kv_heads" else field
+            raise ValueError(f"model.{name}={getattr(config, field)} must be a multiple of parallel.tp={tp_size}")
 
 
 class GPTChunk(DecoderChunk):
@@ -116,7 +147,9 @@ class GPTChunk(DecoderChunk):
         config = self.config
         return TransformerLayer(config.hidden_size, config.num_heads, config.ffn_hidden_size, config.norm_epsilon,
                                 self.tp, dtype, self.cp, recompute_attention_core,
-                                GELU_APPROXIMATIONS[config.activation], config.qkv_bias, mlp)
+                                GELU_APPROXIMATIONS[config.activation], config.qkv_bias, mlp,
+                                num_kv_heads=config.num_kv_heads, qkv_per_head=config.qkv_per_head,
+                                parallel_residual=config.parallel_residual)
 
     def make_moe_mlp(self, dtype: torch.dtype) -> nn.Module:
         """Experts as GELU MLPs with biases; the shared experts as one dense GPT MLP."""
@@ -134,7 +167,7 @@ class GPTChunk(DecoderChunk):
 
     def parameter_rule(self, name: str):
         """The GPT rule of ``name`` (``ppctl.model.gpt.rules``)."""
-        return gpt_rule(name, self.config.tie_embeddings)
+        return gpt_rule(name, self.config.tie_embeddings, self.config.qkv_per_head)
 
     @property
     def layers_read_positions(self) -> bool:
@@ -142,5 +175,5 @@ class GPTChunk(DecoderChunk):
         return self.config.position_embedding == "rope" and bool(self.layer_ids)
 
     def rotary_tables(self, position_ids: torch.Tensor, dtype: torch.dtype):
-        """Rotary ``(cos, sin)`` of ``model.rope_base``."""
-        return rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_base, dtype)
+        """Rotary ``(cos, sin)`` of ``model.rope_base`` over the rotated dims of a head (``rotary_dim``)."""
+        return rotary_cos_sin(position_ids, self.config.rotary_dim, self.config.rope_base, dtype)

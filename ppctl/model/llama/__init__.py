@@ -26,19 +26,27 @@ def _shape_of(resolved):
     scaling = None
     if model.rope_scaling_factor is not None:
         scaling = RopeScaling(model.rope_scaling_factor, model.rope_low_freq_factor, model.rope_high_freq_factor,
-                              model.rope_original_max_position)
+                              model.rope_original_max_position, kind=model.rope_scaling_type,
+                              beta_fast=model.rope_yarn_beta_fast, beta_slow=model.rope_yarn_beta_slow,
+                              truncate=model.rope_yarn_truncate, attention_factor=model.rope_attention_factor)
     return LlamaConfig(
         num_layers=model.num_layers, hidden_size=model.hidden_size, num_heads=model.num_heads,
         num_kv_heads=kv_heads_of(model), head_dim=head_dim_of(model),
         ffn_hidden_size=model.ffn_hidden_size, vocab_size=model.vocab_size, max_seq_length=model.max_seq_length,
         padded_vocab_size=resolved.padded_vocab_size,
         tie_embeddings=model.tie_embeddings, norm_epsilon=model.norm_epsilon, init_std=model.init_std,
-        rope_theta=model.rope_theta, rope_scaling=scaling, qkv_bias=model.qkv_bias, moe=resolved.moe,
+        rope_theta=model.rope_theta, rope_scaling=scaling, qkv_bias=model.qkv_bias,
+        attention_output_bias=model.attention_output_bias, moe=resolved.moe,
     )
 
 
-# The rope scaling sub-keys: read only with ``model.rope_scaling_factor``, else they keep their schema default.
-ROPE_SCALING_KEYS = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position")
+# The keys each rotary scaling (``model.rope_scaling_type``) reads besides its factor; every other one, and all of
+# them without ``model.rope_scaling_factor``, keep their default.
+ROPE_SCALING_READS = {"llama3": ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position"),
+                      "linear": (),
+                      "yarn": ("rope_original_max_position", "rope_yarn_beta_fast", "rope_yarn_beta_slow",
+                               "rope_yarn_truncate", "rope_attention_factor")}
+ROPE_SCALING_KEYS = ("rope_scaling_type", *dict.fromkeys(key for keys in ROPE_SCALING_READS.values() for key in keys))
 
 
 def _chunk_class():
@@ -75,18 +83,36 @@ def _check(model: LlamaSettings, config) -> None:
 
 
 def _check_rope_scaling(model) -> None:
-    """Llama 3's scaling: sane factors, and its sub-keys only with ``model.rope_scaling_factor`` (unread without)."""
-    if model.rope_scaling_factor is None:
-        for key in ROPE_SCALING_KEYS:
-            _require(getattr(model, key) == default_of(LlamaSettings, key),
-                     f"model.{key}={getattr(model, key)} is read only with model.rope_scaling_factor (Llama 3's "
-                     f"scaling), which is unset: set it too, or drop the key")
+    """The rotary scaling: a known kind, sane values, and no key its kind does not read (none without
+    ``model.rope_scaling_factor``)."""
+    factor, kind = model.rope_scaling_factor, model.rope_scaling_type
+    if factor is not None:
+        _require(kind in ROPE_SCALING_READS, f"model.rope_scaling_type={kind!r} must be one of "
+                                             f"{', '.join(ROPE_SCALING_READS)}")
+    reads = ("rope_scaling_type", *ROPE_SCALING_READS[kind]) if factor is not None else ()
+    for key in ROPE_SCALING_KEYS:
+        value = getattr(model, key)
+        if key in reads or value == default_of(LlamaSettings, key):
+            continue
+        _require(factor is not None, f"model.{key}={value} is read only with model.rope_scaling_factor, which is "
+                                     f"unset: set it too, or drop the key")
+        readers = " or ".join(f"model.rope_scaling_type={name}" for name, keys in ROPE_SCALING_READS.items()
+                              if key in keys)
+        raise ConfigError(f"model.{key}={value} is read only with {readers}; this model has "
+                          f"model.rope_scaling_type={kind} (drop the key)")
+    if factor is None:
         return
-    _require(model.rope_scaling_factor > 0 and 0 < model.rope_low_freq_factor < model.rope_high_freq_factor,
-             f"model.rope_scaling_factor={model.rope_scaling_factor} must be > 0 and 0 < "
-             f"model.rope_low_freq_factor < model.rope_high_freq_factor")
+    _require(factor > 0, f"model.rope_scaling_factor={factor} must be > 0")
+    _require(kind != "llama3" or 0 < model.rope_low_freq_factor < model.rope_high_freq_factor,
+             f"model.rope_low_freq_factor={model.rope_low_freq_factor} and model.rope_high_freq_factor="
+             f"{model.rope_high_freq_factor}: Llama 3's scaling needs 0 < low < high")
     _require(model.rope_original_max_position >= 1,
              f"model.rope_original_max_position={model.rope_original_max_position} must be a positive integer")
+    _require(model.rope_yarn_beta_fast > 0 and model.rope_yarn_beta_slow > 0,
+             f"model.rope_yarn_beta_fast={model.rope_yarn_beta_fast} and model.rope_yarn_beta_slow="
+             f"{model.rope_yarn_beta_slow} must be > 0")
+    attention = model.rope_attention_factor
+    _require(attention is None or attention > 0, f"model.rope_attention_factor={attention} must be > 0, or unset")
 
 
 def _memory_shape(model: LlamaSettings, padded_vocab: int, architecture: Architecture) -> ModelShape:

@@ -5,9 +5,12 @@ ppctl's Llama layers carry Hugging Face's names (``self_attn.q_proj``, ``mlp.gat
 ``input_layernorm``...) under ``layers.<i>.``, so the mapping is a rename: ``embed_tokens`` is
 ``embedding.word``, ``norm`` is ``final_norm``, ``lm_head`` is ``output_layer``; every weight is
 ``nn.Linear``'s ``[out, in]`` on both sides. Both compute RMSNorm in float32, SwiGLU with SiLU and
-rotate-half rotary over the whole head (``rope_type`` ``default``, or ``llama3``'s frequency scaling).
+rotate-half rotary over the whole head (``rope_type`` ``default``, or the ``llama3``, ``linear`` or ``yarn``
+frequency scaling, YaRN's attention factor on cos and sin; each read as transformers' ``modeling_rope_utils`` reads
+it, ``partial_rotary_factor`` other than 1 refused).
 Refused, as not computed by ppctl: an activation other than SiLU (``silu``, or ``swish``, transformers' other
-name for it), biases on the output projection or the MLP (``attention_bias``, ``mlp_bias``), other rotary types
+name for it), biases on the MLP (``mlp_bias``; Llama's ``attention_bias``, on q, k, v and ``o_proj``, is read as
+``model.qkv_bias`` and ``model.attention_output_bias``), other rotary types
 (read where transformers reads them: ``hf_format.rope_of``, an older ``rope_scaling`` replacing
 ``rope_parameters``), a sliding window. ``config.json`` is read by ``model_type``, each key type-checked as
 transformers' strict fields check it, and a size of 0 (``head_dim``, ``num_key_value_heads``) is refused: transformers
@@ -25,6 +28,8 @@ shared experts, a sigmoid router, ``router_topk_norm=false``, the expert bias, d
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 from ppctl.model.hf_format import HFError, HFTensor, architecture_of, check_keys, rope_of
@@ -83,21 +88,18 @@ class LlamaHuggingFace:
     moe_architecture = MIXTRAL  # what a model with experts is written as
 
     def hf_config(self, model) -> dict[str, Any]:
-        """``config.json`` of a Llama model (a ``LlamaConfig``): Llama's, Qwen2's when it has q/k/v biases, Mixtral's
-        when it has experts (``HFError`` for a mixture Mixtral does not compute)."""
-        rope = _rope_parameters(model)
-        config = {"vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
-                  "intermediate_size": model.ffn_hidden_size, "num_hidden_layers": model.num_layers,
-                  "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads,
-                  "head_dim": model.head_dim, "hidden_act": "silu", "max_position_embeddings": model.max_seq_length,
-                  "rms_norm_eps": model.norm_epsilon, "initializer_range": model.init_std,
-                  "tie_word_embeddings": model.tie_embeddings, "rope_theta": float(model.rope_theta),
-                  "rope_parameters": rope, "attention_dropout": 0.0, "use_cache": True}
+        """``config.json`` of a Llama model (a ``LlamaConfig``): Llama's (with ``attention_bias`` when it has q/k/v
+        and output biases), Qwen2's when it has q/k/v biases alone, Mixtral's when it has experts (``HFError`` for a
+        mixture Mixtral does not compute, or an output bias without q/k/v biases)."""
+        config, output_bias = llama_config(model), model.attention_output_bias
         if model.moe is not None:
             return _mixtral_config(model, config)
-        if model.qkv_bias:
+        _require(model.qkv_bias or not output_bias, "model.attention_output_bias=true without model.qkv_bias: "
+                                                    "Llama's attention_bias puts biases on q, k, v and o_proj together "
+                                                    "(set model.qkv_bias=true too)")
+        if model.qkv_bias and not output_bias:
             return {"architectures": [QWEN2], "model_type": "qwen2", **config, "use_sliding_window": False}
-        return {"architectures": [LLAMA], "model_type": "llama", **config, "attention_bias": False,
+        return {"architectures": [LLAMA], "model_type": "llama", **config, "attention_bias": output_bias,
                 "mlp_bias": False, "pretraining_tp": 1}
 
     def shape_from_hf(self, hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -112,26 +114,20 @@ class LlamaHuggingFace:
         hf = {**defaults, **hf_config}
         check_keys(hf, MIXTRAL_TYPES if mixtral else LLAMA_TYPES, SIZES)
         _check_computable(hf, qwen2, mixtral)
-        heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
-        shape = {"family": "llama", "position_embedding": "rope", "num_layers": hf["num_hidden_layers"],
-                 "hidden_size": hf["hidden_size"], "num_heads": heads,
-                 "num_kv_heads": heads if kv_heads is None else kv_heads, "ffn_hidden_size": hf["intermediate_size"],
-                 "vocab_size": hf["vocab_size"], "max_seq_length": hf["max_position_embeddings"],
-                 "tie_embeddings": bool(hf["tie_word_embeddings"]), "norm_epsilon": hf["rms_norm_eps"],
-                 "qkv_bias": qwen2}
+        biases = qwen2 or (architecture == LLAMA and hf["attention_bias"])  # Llama's: on q, k, v and o_proj
+        shape = {**llama_shape(hf, "llama"), "qkv_bias": biases,
+                 "attention_output_bias": architecture == LLAMA and hf["attention_bias"]}
         if mixtral:  # every layer routes: its intermediate_size is the experts' (model.ffn_hidden_size by default)
             del shape["ffn_hidden_size"]
-        head_dim = hf["hidden_size"] // heads if hf["head_dim"] is None else hf["head_dim"]
-        if head_dim != hf["hidden_size"] // heads or hf["hidden_size"] % heads:
-            shape["head_dim"] = head_dim
-        return {**shape, **_rope_settings(hf), **(_mixtral_moe(hf) if mixtral else {"moe.num_experts": 0})}
+        return {**shape, **(_mixtral_moe(hf) if mixtral else {"moe.num_experts": 0})}
 
     def tensors(self, model, hf_config: dict[str, Any]) -> dict[str, HFTensor]:
         """Every ppctl Llama parameter (a tied output layer is the word embedding) -> its HF tensor: renames, and
         each MoE layer's experts one HF tensor per expert (Mixtral's)."""
         tensors = {"embedding.word.weight": HFTensor(("model.embed_tokens.weight",)),
                    "final_norm.weight": HFTensor(("model.norm.weight",))}
-        around = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight"]
+        around = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
+                  *(["self_attn.o_proj.bias"] if model.attention_output_bias else [])]
         qkv = [f"self_attn.{part}_proj.{kind}" for part in "qkv"
                for kind in (("weight", "bias") if model.qkv_bias else ("weight",))]
         moe = _moe_of(model)
@@ -154,7 +150,8 @@ class LlamaHuggingFace:
                   "output_layer.weight": (vocab, hidden)}
         for layer in range(model.num_layers):
             roles = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
-                     "self_attn.o_proj.weight": (hidden, queries), "self_attn.q_proj.weight": (queries, hidden),
+                     "self_attn.o_proj.weight": (hidden, queries), "self_attn.o_proj.bias": (hidden,),
+                     "self_attn.q_proj.weight": (queries, hidden),
                      "self_attn.q_proj.bias": (queries,), "self_attn.k_proj.weight": (keys, hidden),
                      "self_attn.k_proj.bias": (keys,), "self_attn.v_proj.weight": (keys, hidden),
                      "self_attn.v_proj.bias": (keys,)}
@@ -174,6 +171,35 @@ class LlamaHuggingFace:
     def zero_tensors(self, model, hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         """No tensor HF has and ppctl's Llama lacks: biases it does not compute are refused by ``shape_from_hf``."""
         return {}
+
+
+def llama_config(model) -> dict[str, Any]:
+    """The ``config.json`` keys every Llama-shaped architecture writes alike (``model``: a ``LlamaConfig``, or the
+    ``model.*`` settings by name): the sizes, SiLU, RMSNorm's epsilon, the embeddings' tie and the rotary
+    parameters."""
+    return {"vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
+            "intermediate_size": model.ffn_hidden_size, "num_hidden_layers": model.num_layers,
+            "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads,
+            "head_dim": model.head_dim, "hidden_act": "silu", "max_position_embeddings": model.max_seq_length,
+            "rms_norm_eps": model.norm_epsilon, "initializer_range": model.init_std,
+            "tie_word_embeddings": model.tie_embeddings, "rope_theta": float(model.rope_theta),
+            "rope_parameters": _rope_parameters(model), "attention_dropout": 0.0, "use_cache": True}
+
+
+def llama_shape(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """The ``model.*`` settings every Llama-shaped ``config.json`` gives alike (``hf``: its keys over its
+    architecture's defaults, type-checked), as model family ``family``: the sizes, the head width where it is not
+    ``hidden_size / num_heads``, RMSNorm's epsilon, the embeddings' tie and the rotary settings (``_rope_settings``)."""
+    heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
+    shape = {"family": family, "position_embedding": "rope", "num_layers": hf["num_hidden_layers"],
+             "hidden_size": hf["hidden_size"], "num_heads": heads,
+             "num_kv_heads": heads if kv_heads is None else kv_heads, "ffn_hidden_size": hf["intermediate_size"],
+             "vocab_size": hf["vocab_size"], "max_seq_length": hf["max_position_embeddings"],
+             "tie_embeddings": bool(hf["tie_word_embeddings"]), "norm_epsilon": hf["rms_norm_eps"]}
+    head_dim = hf["hidden_size"] // heads if hf.get("head_dim") is None else hf["head_dim"]
+    if head_dim != hf["hidden_size"] // heads or hf["hidden_size"] % heads:
+        shape["head_dim"] = head_dim
+    return {**shape, **_rope_settings(hf)}
 
 
 def _require(condition: bool, message: str) -> None:
@@ -212,6 +238,7 @@ def _mixtral_config(model, config: dict[str, Any]) -> dict[str, Any]:
         _require(getattr(moe, key) == mixtral, f"model.moe.{key}={getattr(moe, key)}: {MIXTRAL} cannot express it "
                                                f"({reason}: model.moe.{key}={mixtral})")
     _require(not model.qkv_bias, f"model.qkv_bias=true: {MIXTRAL} has no q/k/v biases")
+    _require(not model.attention_output_bias, f"model.attention_output_bias=true: {MIXTRAL} has no output bias")
     return {"architectures": [MIXTRAL], "model_type": "mixtral", **config,
             "intermediate_size": moe.expert_ffn_hidden_size, "num_local_experts": moe.num_experts,
             "num_experts_per_tok": moe.topk, "router_aux_loss_coef": moe.aux_loss_coeff,
@@ -229,8 +256,8 @@ def _check_computable(hf: dict[str, Any], qwen2: bool, mixtral: bool) -> None:
     """``HFError`` for what ppctl's Llama layers do not compute."""
     _require(hf["hidden_act"] in SILU, f"its hidden_act={hf['hidden_act']!r}: ppctl's llama computes SwiGLU with "
                                        f"SiLU only ({', '.join(SILU)})")
-    _require(qwen2 or not hf["attention_bias"], "its attention_bias=true puts a bias on the output projection too: "
-                                                "ppctl's llama has q/k/v biases only (Qwen2's)")
+    _require(not (mixtral and hf["attention_bias"]), "its attention_bias=true: ppctl's llama reads Llama's "
+                                                     "attention_bias only (not a Mixtral's)")
     _require(not hf.get("mlp_bias", False), "its mlp_bias=true: ppctl's llama MLP has no biases")
     _require(hf.get("pretraining_tp", 1) == 1, f"its pretraining_tp={hf.get('pretraining_tp')}: ppctl computes "
                                                f"the unsplit model only")
@@ -246,32 +273,101 @@ def _check_computable(hf: dict[str, Any], qwen2: bool, mixtral: bool) -> None:
 def _rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
     """The ``model.rope_*`` settings of a config's rotary parameters, read where transformers reads them
     (``rope_of``: ``rope_parameters``, or an older ``rope_scaling`` over it, ``rope_theta`` beside them; ``hf``
-    holds the architecture's default ``rope_theta``): the plain rotary embedding or Llama 3's scaling."""
+    holds the architecture's default ``rope_theta``): the plain rotary embedding, or Llama 3's, linear or YaRN
+    scaling (``ROPE_SCALING_READERS``) over the whole head."""
     key, rope = rope_of(hf, LLAMA_DEFAULTS["rope_theta"])  # hf holds its architecture's own rope_theta default
     kind, theta = rope["rope_type"], float(rope["rope_theta"])
-    if kind == "default":
+    if kind == "default":  # Llama's plain rotary embedding reads no partial_rotary_factor
         return {"rope_theta": theta}
-    _require(kind == "llama3", f"its {key} gives rope_type={kind!r}: ppctl computes the plain rotary embedding "
-                               f"('default') and Llama 3's scaling ('llama3') only")
-    missing = [name for name in LLAMA3_KEYS if type(rope.get(name)) not in (int, float)]
-    _require(not missing, f"its {key} (llama3) has no number {missing[0] if missing else ''}: Llama 3's scaling needs "
-                          f"{', '.join(LLAMA3_KEYS)}")
+    _require(kind in ROPE_SCALING_READERS, f"its {key} gives rope_type={kind!r}: ppctl computes the plain rotary "
+                                           f"embedding ('default') and the {', '.join(map(repr, ROPE_SCALING_READERS))}"
+                                           f" scalings only")
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    _require(partial == 1, f"its {key} ({kind}) has partial_rotary_factor={partial}: ppctl's llama rotates the whole "
+                           f"head (1.0) only")
+    return {"rope_theta": theta, "rope_scaling_type": kind, **ROPE_SCALING_READERS[kind](key, rope, hf)}
+
+
+def _number(key: str, rope: dict[str, Any], name: str, default: Any = None) -> float | None:
+    """Rotary parameter ``name`` as a float (``default`` when it is absent or null); ``HFError`` for another type."""
+    value = rope.get(name)
+    if value is None:
+        return default
+    _require(type(value) in (int, float) and math.isfinite(value), f"its {key}.{name}={json.dumps(value)} is not a "
+                                                                   f"finite number")
+    return float(value)
+
+
+def _original_positions(key: str, rope: dict[str, Any], hf: dict[str, Any]) -> int:
+    """``original_max_position_embeddings`` of the scaling: its own, else ``max_position_embeddings`` (as
+    transformers standardises it)."""
     original = rope.get("original_max_position_embeddings", hf["max_position_embeddings"])
     _require(type(original) is int and original > 0, f"its {key}.original_max_position_embeddings={original!r} is not "
                                                      f"a positive integer")
-    return {"rope_theta": theta, "rope_scaling_factor": float(rope["factor"]),
-            "rope_low_freq_factor": float(rope["low_freq_factor"]),
-            "rope_high_freq_factor": float(rope["high_freq_factor"]), "rope_original_max_position": original}
+    return original
+
+
+def _llama3_settings(key: str, rope: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
+    """Llama 3's scaling: its three factors and original context, each required."""
+    missing = [name for name in LLAMA3_KEYS if type(rope.get(name)) not in (int, float)]
+    _require(not missing, f"its {key} (llama3) has no number {missing[0] if missing else ''}: Llama 3's scaling needs "
+                          f"{', '.join(LLAMA3_KEYS)}")
+    return {"rope_scaling_factor": float(rope["factor"]), "rope_low_freq_factor": float(rope["low_freq_factor"]),
+            "rope_high_freq_factor": float(rope["high_freq_factor"]),
+            "rope_original_max_position": _original_positions(key, rope, hf)}
+
+
+def _linear_settings(key: str, rope: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
+    """Linear scaling: every frequency divided by ``factor`` (required)."""
+    factor = _number(key, rope, "factor")
+    _require(factor is not None and factor > 0, f"its {key} (linear) has no positive factor ({rope.get('factor')!r})")
+    return {"rope_scaling_factor": factor}
+
+
+def _yarn_settings(key: str, rope: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
+    """YaRN as transformers reads it: ``factor`` (null: ``max_position_embeddings`` over the original context),
+    ``beta_fast``/``beta_slow`` (absent, null or 0: 32 and 1, its ``or``), ``truncate`` (absent: true; null: false,
+    as its ``if`` reads it) and the attention factor: its own, else from ``mscale`` and ``mscale_all_dim`` when both
+    are non-zero, else YaRN's default (left unset)."""
+    original = _original_positions(key, rope, hf)
+    factor = _number(key, rope, "factor", hf["max_position_embeddings"] / original)
+    _require(factor > 0, f"its {key}.factor={factor} (yarn) must be positive")
+    truncate = rope.get("truncate", True)
+    _require(truncate in (True, False, None), f"its {key}.truncate={json.dumps(truncate)} is not true, false or null")
+    attention = _number(key, rope, "attention_factor")
+    mscale, mscale_all_dim = _number(key, rope, "mscale"), _number(key, rope, "mscale_all_dim")
+    if attention is None and mscale and mscale_all_dim:
+        attention = _mscale(factor, mscale) / _mscale(factor, mscale_all_dim)
+    return {"rope_scaling_factor": factor, "rope_original_max_position": original,
+            "rope_yarn_beta_fast": _number(key, rope, "beta_fast") or 32.0,
+            "rope_yarn_beta_slow": _number(key, rope, "beta_slow") or 1.0,
+            "rope_yarn_truncate": bool(truncate), "rope_attention_factor": attention}
+
+
+def _mscale(factor: float, mscale: float) -> float:
+    """YaRN's ``0.1 * mscale * ln(factor) + 1`` (1 for a factor of at most 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+# How each rotary scaling's parameters are read (``_rope_settings``).
+ROPE_SCALING_READERS = {"llama3": _llama3_settings, "linear": _linear_settings, "yarn": _yarn_settings}
 
 
 def _rope_parameters(model) -> dict[str, Any]:
-    """``rope_parameters`` of a Llama model: the plain rotary embedding, or Llama 3's scaling."""
-    scaling = model.rope_scaling
+    """``rope_parameters`` of a Llama model (a ``LlamaConfig``): the plain rotary embedding, or its scaling."""
+    scaling, theta = model.rope_scaling, float(model.rope_theta)
     if scaling is None:
-        return {"rope_type": "default", "rope_theta": float(model.rope_theta)}
-    return {"rope_type": "llama3", "rope_theta": float(model.rope_theta), "factor": float(scaling.factor),
-            "low_freq_factor": float(scaling.low_freq_factor), "high_freq_factor": float(scaling.high_freq_factor),
-            "original_max_position_embeddings": int(scaling.original_max_position_embeddings)}
+        return {"rope_type": "default", "rope_theta": theta}
+    common = {"rope_type": scaling.kind, "rope_theta": theta, "factor": float(scaling.factor)}
+    if scaling.kind == "linear":
+        return common
+    original = int(scaling.original_max_position_embeddings)
+    if scaling.kind == "yarn":
+        attention = {} if scaling.attention_factor is None else {"attention_factor": float(scaling.attention_factor)}
+        return {**common, "original_max_position_embeddings": original, "beta_fast": float(scaling.beta_fast),
+                "beta_slow": float(scaling.beta_slow), "truncate": bool(scaling.truncate), **attention}
+    return {**common, "low_freq_factor": float(scaling.low_freq_factor),
+            "high_freq_factor": float(scaling.high_freq_factor), "original_max_position_embeddings": original}
 
 
 FORMAT = LlamaHuggingFace()

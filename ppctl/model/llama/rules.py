@@ -2,7 +2,8 @@
 
 q/k/v and gate/up are separate column-parallel weights (split by rows: whole heads, whole KV
 groups, whole features), o_proj and down_proj row-parallel (split by columns), the norms
-replicated. The embedding and the output layer split the padded vocabulary. As in the GPT
+replicated (Qwen3's per-head q/k norms too, each TP rank's gradient its own heads' share:
+``tp_partial``). The embedding and the output layer split the padded vocabulary. As in the GPT
 family, projections into the residual stream start with the scaled normal.
 """
 
@@ -23,6 +24,11 @@ _DENSE_RULES = {
     "self_attn.k_proj.bias": ParameterRule(ROWS, "zeros"),
     "self_attn.v_proj.bias": ParameterRule(ROWS, "zeros"),
     "self_attn.o_proj.weight": ParameterRule(COLUMNS, "scaled_normal"),
+    "self_attn.q_norm.weight": ParameterRule(REPLICATED, "ones", tp_partial=True),
+    "self_attn.k_norm.weight": ParameterRule(REPLICATED, "ones", tp_partial=True),
+    "self_attn.o_proj.bias": ParameterRule(REPLICATED, "zeros"),  # Llama's attention_bias: added once, after the sum
+    "self_attn.q_norm.weight": ParameterRule(REPLICATED, "ones", tp_partial=True),
+    "self_attn.k_norm.weight": ParameterRule(REPLICATED, "ones", tp_partial=True),
     "post_attention_layernorm.weight": ParameterRule(REPLICATED, "ones"),
     "mlp.gate_proj.weight": ParameterRule(ROWS, "normal"),
     "mlp.up_proj.weight": ParameterRule(ROWS, "normal"),

@@ -3,9 +3,10 @@
 ``MoEMLP`` replaces a layer's dense MLP: each token goes to its top-k experts (``ppctl.model.moe.router``), the
 tokens are sorted by expert and dropped past the capacity (``dispatch``), each expert's MLP runs on its block,
 the outputs come back weighted by the routing weights, and the shared experts' MLP (a family's dense MLP) is
-added for every token. With expert parallelism this rank holds only its EP rank's experts: the sorted rows travel
-to their experts' ranks and back (``ppctl.parallel.expert_parallel``) around the experts; routing, the capacity
-drop and the router losses stay with the tokens' own rank, as one process computes them.
+added for every token, scaled by its sigmoid gate where the mixture has one (``shared_expert_gate``, Qwen2-MoE).
+With expert parallelism this rank holds only its EP rank's experts: the sorted rows travel to their experts' ranks
+and back (``ppctl.parallel.expert_parallel``) around the experts; routing, the capacity drop and the router losses
+stay with the tokens' own rank, as one process computes them.
 
 The objective of a step with M = global_batch_size / micro_batch_size microbatches (the same M at every layout
 with the same micro_batch_size) is the mean token loss plus, for each MoE layer and each microbatch m,
@@ -25,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ppctl.autograd.weight_grad import DefersWeightGrads, linear
 from ppctl.model.moe.dispatch import permute, plan_dispatch, unpermute_and_combine
 from ppctl.model.moe.router import Router, Routing, balancing_loss, z_loss
 from ppctl.model.moe.shape import MoEShape
@@ -69,14 +71,27 @@ class _RouterLossesToBackward(torch.autograd.Function):
         return grad_output, grad_losses, None, None, None, None, None, None
 
 
+class SharedExpertGate(DefersWeightGrads, nn.Module):
+    """Each token's weight of the shared experts' output, ``sigmoid(w . x)`` in the model's dtype (``weight [1,
+    hidden]``, Qwen2-MoE's ``shared_expert_gate``, deferred to a pipeline W like any linear's)."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, hidden_size, dtype=dtype))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., 1]`` gate values of ``hidden [..., hidden]``."""
+        return torch.sigmoid(linear(hidden, self.weight, None, self.weight_grad_store))
+
+
 class MoEMLP(nn.Module):
     """A layer's MLP as routed experts (module docstring).
 
     ``experts``: the family's stacked experts (``ppctl.model.moe.experts``) of this rank's share of ``ep``'s,
     called as ``(rows, counts)``; ``shared_experts``: the family's dense MLP of ``shape.shared_ffn_hidden_size``
-    features, or None; ``ep``: the expert-parallel group (default: one rank, every expert here); ``token_split``:
-    the ranks that hold each microbatch's tokens between them (``ppctl.parallel.expert_parallel.TokenSplit``; default:
-    this one alone).
+    features, or None, gated per token with ``shape.shared_expert_gate``; ``ep``: the expert-parallel group
+    (default: one rank, every expert here); ``token_split``: the ranks that hold each microbatch's tokens between
+    them (``ppctl.parallel.expert_parallel.TokenSplit``; default: this one alone).
     """
 
     def __init__(self, hidden_size: int, shape: MoEShape, experts: nn.Module, shared_experts: nn.Module | None,
@@ -86,6 +101,10 @@ class MoEMLP(nn.Module):
         self.router = Router(hidden_size, shape, dtype)
         self.experts = experts
         self.shared_experts = shared_experts
+        # Registered only when used, so that an ungated mixture keeps its parameters (and their order).
+        self.shared_expert_gate = None
+        if shape.shared_expert_gate and shared_experts is not None:
+            self.shared_expert_gate = SharedExpertGate(hidden_size, dtype)
         self.router_loss_scale = 1.0  # a plain backward of one microbatch's mean loss: the router losses as they are
         self.record = RoutingRecord()
 
@@ -98,11 +117,16 @@ class MoEMLP(nn.Module):
         rows = self._run_experts(permute(tokens, dispatch, self.shape.topk), dispatch.counts)
         output = unpermute_and_combine(rows, dispatch, routing.weights)
         if self.shared_experts is not None:
-            output = output + self.shared_experts(hidden).reshape(output.shape)
+            output = output + self._shared_output(hidden).reshape(output.shape)
         output = output.view_as(hidden)
         if torch.is_grad_enabled() and output.requires_grad:
             output = self._with_router_losses(output, routing)
         return output
+
+    def _shared_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The shared experts' output for ``hidden``, scaled by its gate when the mixture has one."""
+        shared = self.shared_experts(hidden)
+        return shared if self.shared_expert_gate is None else self.shared_expert_gate(hidden) * shared
 
     def _run_experts(self, rows: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
         """Rows sorted by expert (``counts[e]`` for expert e) through their experts, here or on their EP ranks."""

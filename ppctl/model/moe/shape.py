@@ -4,7 +4,8 @@ Layer ``i`` (0-based, global) is an MoE layer when ``i >= first_dense_layers`` a
 multiple of ``layer_freq``: ``layer_freq=1`` makes every layer after the dense ones an MoE layer (Mixtral,
 DeepSeek-V3 after its first dense layers), ``layer_freq=2`` every other one. The shared experts run as one MLP of
 ``shared_experts * expert_ffn_hidden_size`` features, as DeepSeek sizes them (``n_shared_experts *
-moe_intermediate_size``).
+moe_intermediate_size``), added whole (DeepSeek) or, with ``shared_expert_gate``, scaled per token by a sigmoid
+gate (Qwen2-MoE).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class MoEShape:
     layer_freq: int = 1
     first_dense_layers: int = 0
     shared_experts: int = 0
+    shared_expert_gate: bool = False
     router_score: str = "softmax"
     router_topk_norm: bool = False
     aux_loss_coeff: float = 0.0
@@ -60,7 +62,8 @@ def moe_shape_of(model) -> MoEShape | None:
     return MoEShape(num_experts=moe.num_experts, topk=moe.topk,
                     expert_ffn_hidden_size=moe.expert_ffn_hidden_size or model.ffn_hidden_size,
                     layer_freq=moe.layer_freq, first_dense_layers=moe.first_dense_layers,
-                    shared_experts=moe.shared_experts, router_score=moe.router_score,
+                    shared_experts=moe.shared_experts, shared_expert_gate=moe.shared_expert_gate,
+                    router_score=moe.router_score,
                     router_topk_norm=moe.router_topk_norm, aux_loss_coeff=moe.aux_loss_coeff,
                     z_loss_coeff=moe.z_loss_coeff, expert_bias=moe.expert_bias,
                     expert_bias_update_rate=moe.expert_bias_update_rate, capacity_factor=moe.capacity_factor,
