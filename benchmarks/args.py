@@ -84,8 +84,9 @@ def divides(parser: argparse.ArgumentParser, whole: tuple[str, int], part: tuple
 def check_ppctl_config(parser: argparse.ArgumentParser, overrides: list[str]) -> None:
     """``parser.error`` with ppctl's own line when ``overrides`` do not make a valid run (as ``ppctl train``
     composes and validates them); the data is synthetic or prepared by the run itself, so not checked here."""
-    from ppctl.config import ConfigError, compose_config
-    from ppctl.config.resolved import resolve
+    from ppctl.config import ConfigError
+    from ppctl.resolve import compose_config
+    from ppctl.resolve.resolved import resolve
 
     try:
         resolve(compose_config(overrides), data=False)

@@ -104,7 +104,7 @@ def write_folder(folder: Path, args) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from ppctl.config import compose_config, validate
+    from ppctl.resolve import compose_config, validate
     from ppctl.model.family import resolve_model
     from ppctl.model.llama.hf import FORMAT
 
@@ -161,8 +161,8 @@ def load_worker(rank: int, world_size: int, overrides: list[str], interval: floa
     """Build this rank's chunks from the folder as the trainer does; its memory before, at peak and after."""
     import torch.distributed as dist
 
-    from ppctl.config import compose_config
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve import compose_config
+    from ppctl.resolve.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import build_chunks
 

@@ -116,8 +116,8 @@ def predicted_exposed_ms(schedule, costs) -> float:
 
 def run_variant(args, label: str, variant: list[str], root: Path) -> dict:
     """Train one variant; its measured and predicted figures."""
-    from ppctl.config import compose_config
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve import compose_config
+    from ppctl.resolve.resolved import resolve
 
     out_dir = root / label.replace(",", "").replace(" ", "_")
     overrides = overrides_of(args, variant, out_dir)

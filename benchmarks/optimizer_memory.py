@@ -52,8 +52,8 @@ def variant_overrides(dp: int, variant: str, bucket_size: int, extra: list[str])
 
 def build_trainers(runs: dict[str, list[str]]) -> dict:
     """One ``Trainer`` per variant; all share one parallel context (they have one layout)."""
-    from ppctl.config import compose_config
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve import compose_config
+    from ppctl.resolve.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import Trainer
 

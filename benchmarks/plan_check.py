@@ -103,7 +103,7 @@ def main() -> None:
     """Calibrate, then predict and measure every candidate; print each and the summary."""
     args = parse_args()
 
-    from ppctl.config import compose_config
+    from ppctl.resolve import compose_config
     from ppctl.plan.search import Candidate, predict
 
     work = Path(tempfile.mkdtemp(prefix="plan_check_"))

@@ -42,8 +42,8 @@ def build_trainers(runs: dict[str, list[str]]) -> dict:
     """One ``Trainer`` per variant on one parallel context (they share the layout)."""
     import torch
 
-    from ppctl.config import compose_config
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve import compose_config
+    from ppctl.resolve.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import Trainer
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ppctl.config import load_config_file
-from ppctl.config.resolved import ResolvedConfig, resolve
+from ppctl.resolve import load_config_file
+from ppctl.resolve.resolved import ResolvedConfig, resolve
 from ppctl.parallel.groups import ParallelContext, build_parallel_context
 from ppctl.pipeline.simulate import simulate
 from ppctl.pipeline.trace import (costs_from_measurement, exchange_costs, exposed_exchange_seconds,

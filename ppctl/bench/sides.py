@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from ppctl.config.resolved import ResolvedConfig
+from ppctl.resolve.resolved import ResolvedConfig
 from ppctl.model.stages import MaskedTokenLoss, chunk_fields
 from ppctl.optim.grads import build_optimizer, clip_gradients, global_grad_norm
 from ppctl.optim.lr import learning_rate, lr_schedule_of, set_learning_rate

@@ -32,7 +32,8 @@ from ppctl.checkpoint.files import (CheckpointError, checkpoint_problem, checkpo
                                     step_dir_name)
 from ppctl.checkpoint.pieces import Piece
 from ppctl.checkpoint.store import Sharded, load_state
-from ppctl.config import PpctlConfig, load_config_file
+from ppctl.config import PpctlConfig
+from ppctl.resolve import load_config_file
 from ppctl.fileio import mount_point
 from ppctl.model.family import ResolvedModel, hf_experts_formats, resolve_model
 from ppctl.model.hf_format import CONFIG_FILE, GENERATION_FILE, INDEX_FILE, WEIGHTS_FILE, HFError, hf_format_of

@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING, Callable, Iterator, List, Optional
 
 import typer
 
-from ppctl.config import ConfigError, PpctlConfig, compose_config, to_yaml
+from ppctl.config import ConfigError, PpctlConfig
+from ppctl.resolve import compose_config, to_yaml
 from ppctl.fileio import os_reason
 
 if TYPE_CHECKING:
-    from ppctl.config.resolved import ResolvedConfig
+    from ppctl.resolve.resolved import ResolvedConfig
     from ppctl.run.interrupt import BeforeStartSignals
     from ppctl.run.launch import LaunchRequest
 
@@ -122,16 +123,16 @@ def load_config(
 
 def load_resolved(overrides: Optional[List[str]], config_dir: Optional[Path], config_name: str,
                   **checks: bool) -> "ResolvedConfig":
-    """Compose a config and resolve it once (``ppctl.config.resolved.resolve``, with ``checks``: its ``data``,
+    """Compose a config and resolve it once (``ppctl.resolve.resolved.resolve``, with ``checks``: its ``data``,
     ``prove_schedule`` and ``layer_split``); a refusal is exit status 2 with one line."""
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve.resolved import resolve
 
     return resolve_or_fail(load_config(overrides, config_dir, config_name), **checks)
 
 
 def resolve_or_fail(config: PpctlConfig, **checks: bool) -> "ResolvedConfig":
     """``resolve(config, **checks)``, a refusal being exit status 2 with one line."""
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve.resolved import resolve
 
     try:
         return resolve(config, **checks)
@@ -232,7 +233,7 @@ def plan(
 ) -> None:
     """Rank the layouts of the model on N devices that fit in memory by predicted step time."""
     from ppctl.cli.plan_report import print_plan
-    from ppctl.config import validate_data
+    from ppctl.resolve import validate_data
     from ppctl.plan.search import DEVICES, plan as search
 
     if device_name not in DEVICES:
@@ -632,7 +633,7 @@ def prepare_data(
     config_name: str = CONFIG_NAME_OPTION,
 ) -> None:
     """Tokenise the configured data source into its cache and check its splits (``train`` does this itself)."""
-    from ppctl.config import validate
+    from ppctl.resolve import validate
 
     config = load_config(overrides, config_dir, config_name, validate)
     summary = _prepare(config, before_start_signals(ctx))

@@ -26,8 +26,8 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ppctl.config import load_config_file
-from ppctl.config.resolved import resolve
+from ppctl.resolve import load_config_file
+from ppctl.resolve.resolved import resolve
 from ppctl.pipeline.simulate import MAX_COST, Costs
 from ppctl.pipeline.trace import (costs_from_measurement, measured_makespan_and_bubble, overhead_per_action,
                                   rows_from_chrome_trace)

@@ -12,7 +12,7 @@ import functools
 import itertools
 
 from ppctl.config import PpctlConfig, message_seq_length, schedule_spec
-from ppctl.config.resolved import ResolvedConfig, stage_counts
+from ppctl.resolve.resolved import ResolvedConfig, stage_counts
 from ppctl.parallel.layout import ParallelLayout, context_parallel_slices
 from ppctl.plan.balance import balance_summary, layout_string
 from ppctl.plan.memory import config_memory
@@ -154,7 +154,7 @@ def print_layout(report: dict, resolved: ResolvedConfig) -> None:
 
     console = Console()
     sizes, config = report["sizes"], resolved.config
-    vocab = resolved.sizes.padded_vocab_size
+    vocab = resolved.model.padded_vocab_size
     console.print(
         f"[bold]{report['world_size']} ranks[/]  order {report['order']} (fastest first)  "
         + "  ".join(f"{name}={value}" for name, value in sizes.items())

@@ -11,7 +11,7 @@ from typing import Callable, TypeVar
 from dataclasses import dataclass
 
 from ppctl.cli.calibrate import Calibration, calibration_lines, calibration_of
-from ppctl.config.resolved import ResolvedConfig
+from ppctl.resolve.resolved import ResolvedConfig
 from ppctl.pipeline.render import render_plain, render_terminal, simulation_lines, write_timeline
 from ppctl.pipeline.schedules import Schedule
 from ppctl.pipeline.simulate import SimResult, parse_cost_values, parse_costs, simulate_steps

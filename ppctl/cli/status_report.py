@@ -39,7 +39,7 @@ def latest_complete(run_dir: Path) -> dict | None:
 def configured_max_steps(run_dir: Path) -> int | None:
     """``trainer.max_steps`` of the run's ``config.yaml``, or None when it has none; one ``JobRecordError`` line
     when the file cannot be read as a config."""
-    from ppctl.config import load_config_file
+    from ppctl.resolve import load_config_file
     from ppctl.run.slurm import JobRecordError
 
     config_file = run_dir / "config.yaml"

@@ -122,10 +122,10 @@ def pipeline_layout_of(config: PpctlConfig) -> str | None:
     """The layout string of the model's split into stages as configured: ``parallel.pipeline_layout``, the even
     split that counts the embedding and/or the loss as layers (``account_for_*_in_split``), or None for the plain
     even split. ``parallel.balance=auto`` chooses its split when the config is resolved
-    (``ppctl.config.resolved``), with the planner's balancer: ask the ``ResolvedConfig`` for it."""
+    (``ppctl.resolve.resolved``), with the planner's balancer: ask the ``ResolvedConfig`` for it."""
     parallel = config.parallel
     if parallel.balance == "auto":
-        raise ValueError("parallel.balance=auto: its split is chosen by ppctl.config.resolved.resolve")
+        raise ValueError("parallel.balance=auto: its split is chosen by ppctl.resolve.resolved.resolve")
     if parallel.pipeline_layout or not (parallel.account_for_embedding_in_split or parallel.account_for_loss_in_split):
         return parallel.pipeline_layout
     stages = layout_of(config).placement.stages_per_copy

@@ -1,7 +1,7 @@
 """The configuration schema: typed dataclasses, each field with its default and its one-line meaning.
 
 The tree is ``PpctlConfig`` (model, parallel, schedule, data, optimizer, trainer, launcher), registered
-in Hydra's ConfigStore by ``ppctl.config.compose`` so that a misspelled key or a wrong type is refused
+in Hydra's ConfigStore by ``ppctl.resolve.compose`` so that a misspelled key or a wrong type is refused
 while composing. The schema also names the values some fields allow (``POSITION_EMBEDDINGS``,
 ``PRECISIONS``, ``DATA_SOURCES``, ``BACKENDS``) and ``ConfigError``.
 
@@ -11,7 +11,7 @@ doc string says about another part of ppctl is written here literally, and
 follow another part when unset (``parallel.vpp``, ``model.vocab_size``) are left ``None`` here and
 filled where a config is composed or read (``ppctl.config.derived.fill_unset``).
 
-Every float setting is a finite number (``ppctl.config.validate`` refuses inf and nan by name, whatever the
+Every float setting is a finite number (``ppctl.resolve.validate`` refuses inf and nan by name, whatever the
 setting), and within the range its doc string gives; an integer setting that may be unset is a positive number or
 ``null``, never 0 for "unset".
 """
@@ -60,7 +60,7 @@ class Section:
 
 
 def freeze(config: Any) -> None:
-    """Make a config and each of its sections read-only (``ppctl.config.resolved.resolve`` calls this)."""
+    """Make a config and each of its sections read-only (``ppctl.resolve.resolved.resolve`` calls this)."""
     for value in vars(config).values():
         if isinstance(value, Section):
             freeze(value)

@@ -22,7 +22,8 @@ import torch
 from ppctl.checkpoint.files import (CheckpointError, checkpoint_problem, latest_checkpoint, locate_run,
                                     pinned_checkpoint, read_index)
 from ppctl.checkpoint.hf_export import read_dense_model, run_config_problem
-from ppctl.config import ConfigError, compose_config, load_config_file
+from ppctl.config import ConfigError
+from ppctl.resolve import compose_config, load_config_file
 from ppctl.data.tokenizer import (FOLDER_TOKENIZER, Tokenizer, TokenizerFile, build_tokenizer, folder_tokenizer,
                                   tokenizer_record)
 from ppctl.generate.inputs import prompt_problem

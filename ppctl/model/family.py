@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ppctl.config.derived import padded_vocab_size
 from ppctl.config.schema import ConfigError, ModelConfig
 
 from ppctl.model.memory_shape import ModelShape, memory_shape_of
@@ -97,8 +98,6 @@ class ResolvedModel:
     @functools.cached_property
     def padded_vocab_size(self) -> int:
         """The embedding's and the output layer's rows: the vocabulary padded for TP (Megatron's rule)."""
-        from ppctl.config.derived import padded_vocab_size  # lazily: ppctl.config's validation imports this module
-
         settings = self.settings
         return padded_vocab_size(settings.vocab_size, settings.make_vocab_size_divisible_by, self.tp)
 

@@ -423,7 +423,7 @@ def _same_values(first: TensorHeader, second: TensorHeader) -> bool:
 def folder_model(folder: str | Path) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """``(family, config.json, settings)`` of an HF folder: the family that reads its architecture and the ``model.*``
     settings it describes as transformers reads it (``folder_shape``). The one reader of a folder's model: composition
-    puts its settings in the model preset's place (``ppctl.config.init_from``), ``ppctl generate`` builds from them;
+    puts its settings in the model preset's place (``ppctl.resolve.init_from``), ``ppctl generate`` builds from them;
     ``HFError`` in one line for a folder neither can read."""
     hf_config = read_hf_config(folder)
     family = family_reading(architecture_of(hf_config))

@@ -23,7 +23,7 @@ A custom file's placement that shares stages otherwise gets a good split, not a 
 With ``parallel.balance_memory_gb`` the split must also fit: a rank the memory model
 (``ppctl.plan.memory``) puts over the limit is capped at one layer fewer than it holds and
 the layers are assigned again, until every rank fits or none can. A config's split is chosen
-once, where it is resolved (``ppctl.config.resolved``), which asks the memory model.
+once, where it is resolved (``ppctl.resolve.resolved``), which asks the memory model.
 """
 
 from __future__ import annotations

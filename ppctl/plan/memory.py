@@ -548,7 +548,7 @@ class ConfigMemoryInputs:
 
 
 def config_memory_inputs(resolved) -> ConfigMemoryInputs:
-    """The ``ConfigMemoryInputs`` of a ``ResolvedConfig`` (``ppctl.config.resolved``: its config, layout, built
+    """The ``ConfigMemoryInputs`` of a ``ResolvedConfig`` (``ppctl.resolve.resolved``: its config, layout, built
     schedule and layer map)."""
     from ppctl.pipeline.schedules import streams_steps
 

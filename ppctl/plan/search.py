@@ -35,7 +35,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from ppctl.config import ConfigError, PpctlConfig, num_microbatches
-from ppctl.config.resolved import ResolvedConfig, resolve
+from ppctl.resolve.resolved import ResolvedConfig, resolve
 from ppctl.model.family import resolve_model
 from ppctl.model.flops import forward_flops_per_token
 from ppctl.parallel.layout import parse_order

@@ -12,7 +12,7 @@ import signal
 from pathlib import Path
 
 from ppctl.checkpoint.files import latest_checkpoint
-from ppctl.config import parse_fault
+from ppctl.resolve import parse_fault
 
 
 def restart_count() -> int:

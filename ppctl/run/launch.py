@@ -2,7 +2,7 @@
 
 ``ppctl train``, ``ppctl check-cluster`` and ``ppctl bench`` all come here, through ``start`` (a launch's
 steps in their order): the run directory holds the resolved ``config.yaml``; every worker (``python -m
-ppctl.run.worker``) reads it. The pieces around a run live beside this module: ``supervise`` (torchrun's log
+ppctl.cli.worker``) reads it. The pieces around a run live beside this module: ``supervise`` (torchrun's log
 and a stop on a signal), ``proctree`` (finding and signalling the workers), ``failures`` (the first failing
 rank in one line), ``rundir`` (what may go into a run directory, and its lock) and ``rendezvous`` (an
 explicit endpoint, checked before the start). A single-node run without an endpoint hosts its own
@@ -27,7 +27,7 @@ from ppctl.config import PpctlConfig, nproc_per_node
 from ppctl.run.failures import describe_failure, describe_log_failure
 from ppctl.run.supervise import SignalInbox, Stopping, die_with, supervise
 
-WORKER_MODULE = "ppctl.run.worker"
+WORKER_MODULE = "ppctl.cli.worker"
 DEFAULT_RDZV_ID = "ppctl"  # the same on every node (a run directory's timestamp would differ between nodes)
 # A single-node run's own rendezvous: port 0 lets the OS pick a free one, so runs on one machine never meet.
 LOCAL_RDZV_ENDPOINT = "localhost:0"

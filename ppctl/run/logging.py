@@ -18,7 +18,8 @@ import json
 import math
 from pathlib import Path
 
-from ppctl.config import PpctlConfig, to_yaml
+from ppctl.config import PpctlConfig
+from ppctl.resolve import to_yaml
 
 SCALARS = ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "bubble_ratio_measured", "skipped_steps")
 METRICS_FILE = "metrics.jsonl"

@@ -22,7 +22,8 @@ import tempfile
 from pathlib import Path
 
 from ppctl.checkpoint.files import checkpoints_dir, list_checkpoints
-from ppctl.config import PpctlConfig, to_yaml
+from ppctl.config import PpctlConfig
+from ppctl.resolve import to_yaml
 from ppctl.fileio import os_reason
 
 TASK_RECORD = "task.txt"  # the command whose run a run directory holds: train, bench or check-cluster

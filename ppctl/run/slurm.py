@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ppctl.config import PpctlConfig
-from ppctl.config.validate import control_character, script_value_problem
+from ppctl.resolve.validate import control_character, script_value_problem
 
 JOB_SCRIPT = "job.sbatch"
 JOB_RECORD = "job.json"  # the submitted job's id, for ``ppctl status``

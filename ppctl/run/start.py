@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ppctl.config import PpctlConfig, to_yaml
+from ppctl.config import PpctlConfig
+from ppctl.resolve import to_yaml
 
 from ppctl.run.launch import (LaunchPlan, LaunchRequest, LaunchResult, backend_problem, build_launch_plan,
                               describe_interruption, describe_workers, local_gpus, resolve_backend, run_plan,
@@ -31,7 +32,7 @@ from ppctl.run.slurm import JOB_SCRIPT, job_script, ppctl_command, script_proble
 from ppctl.run.supervise import say
 
 if TYPE_CHECKING:
-    from ppctl.config.resolved import ResolvedConfig
+    from ppctl.resolve.resolved import ResolvedConfig
 
 
 class LaunchError(RuntimeError):

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ppctl.config import PpctlConfig
-from ppctl.config.resolved import ResolvedConfig
+from ppctl.resolve.resolved import ResolvedConfig
 from ppctl.data.iterator import PipelineDataIterator
 from ppctl.model.from_config import build_chunk, dataset_of
 from ppctl.model.moe.layer import set_router_loss_scale
@@ -231,7 +231,7 @@ class Trainer:
         self.chunks = build_chunks(resolved, context, load_init_from=not resuming,
                                    on_exchange=weakly_bound(self._note_exchange), overlap=overlap)
         self.stages = build_stages(self.chunks, config, schedule.splits_backward)
-        self.padded_vocab_size = resolved.sizes.padded_vocab_size
+        self.padded_vocab_size = resolved.model.padded_vocab_size
         self.fields = tuple(sorted({name for stage in self.stages.values() for name in stage.io.fields}))
         self.data = build_data(config, context, self.fields)
         self._validation_data: PipelineDataIterator | None = None

@@ -114,7 +114,7 @@ def test_train_dry_run_prints_torchrun_command(ppctl, tmp_path):
     assert "torch.distributed.run" in result.stdout and "--nproc-per-node 8" in result.stdout
     # its own rendezvous on a port the OS picks (what --standalone means in recent torch, spelled out)
     assert "--rdzv-backend c10d --rdzv-endpoint localhost:0 --rdzv-id ppctl-" in result.stdout
-    assert "ppctl.run.worker" in result.stdout
+    assert "ppctl.cli.worker" in result.stdout
     assert "OMP_NUM_THREADS=1" in result.stdout
     assert not run_dir.exists()
 

@@ -135,7 +135,7 @@ def saved_run(run_dir, overrides: list[str], with_record: bool = True):
 
     from ppctl.checkpoint.files import commit, temporary_dir
     from ppctl.checkpoint.state import checkpoint_index
-    from ppctl.config import compose_config
+    from ppctl.resolve import compose_config
 
     config = compose_config(overrides)
     layout = SimpleNamespace(world_size=1, tp=1, pp=1, vpp=1, dp=1, cp=1, ep=1)

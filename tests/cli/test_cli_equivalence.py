@@ -12,7 +12,7 @@ MASKED = ["model.vocab_size=16", "data.eod_mask_loss=true"]
 
 def test_masked_case_really_has_zero_weight_labels():
     """Every trained global batch of the masked case holds end-of-document labels, unevenly over microbatches."""
-    from ppctl.config import compose_config
+    from ppctl.resolve import compose_config
     from ppctl.data.dataset import build_dataset, global_loss_tokens, step_microbatches
     from ppctl.data.corpus import CorpusSpec
 

@@ -231,7 +231,7 @@ class Job:
         """The pid of the worker of ``rank``."""
         for pid in self.pids:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            if f"RANK={rank}".encode() in environ and b"ppctl.run.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if f"RANK={rank}".encode() in environ and b"ppctl.cli.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 return pid
         raise AssertionError(f"no worker of rank {rank} among {self.pids}")
 

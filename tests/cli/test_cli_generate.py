@@ -44,7 +44,7 @@ def _json(result) -> dict:
 
 
 def test_greedy_from_a_run_is_the_reference_models(ppctl, run):
-    from ppctl.config import load_config_file
+    from ppctl.resolve import load_config_file
     from ppctl.generate.decode import generate_ids
     from ppctl.generate.sampling import Sampling
     from ppctl.run.reference import reference_model, run_reference

@@ -42,7 +42,7 @@ def _invoke(*args: str):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """``{architecture: (the HF folder, the run directory, its config)}``: one launch from each folder."""
-    from ppctl.config import load_config_file
+    from ppctl.resolve import load_config_file
     from tests.cli.conftest import run_ppctl
 
     runs = {}

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from ppctl.checkpoint.files import DATA_KEYS, MODEL_KEYS, checkpoints_dir, commit, temporary_dir
-from ppctl.config import compose_config
+from ppctl.resolve import compose_config
 from ppctl.run import rundir
 from tests.cli.test_cli_refusals import TINY, assert_one_line, committed_run, invoke
 

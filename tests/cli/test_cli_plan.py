@@ -6,7 +6,7 @@ import json
 from typer.testing import CliRunner
 
 from ppctl.cli.app import app
-from ppctl.config import compose_config, to_yaml, validate
+from ppctl.resolve import compose_config, to_yaml, validate
 
 BASE = ["model=gpt_small", "data=synthetic", "trainer.global_batch_size=32", "trainer.seq_length=256",
         "model.num_layers=8"]

@@ -8,7 +8,7 @@ import math
 from typer.testing import CliRunner
 
 from ppctl.cli.app import app
-from ppctl.config import compose_config, to_yaml
+from ppctl.resolve import compose_config, to_yaml
 
 
 def invoke(args):

@@ -99,8 +99,8 @@ def test_inspect_schedule_piped_prints_a_plain_grid_of_labelled_cells():
 
 
 def test_inspect_schedule_shows_each_ranks_activation_memory_over_time():
-    from ppctl.config import compose_config
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve import compose_config
+    from ppctl.resolve.resolved import resolve
     from ppctl.plan.memory import config_memory
 
     shape = ["schedule=zb_h1", "parallel.pp=2", "trainer.global_batch_size=4"]
@@ -170,7 +170,7 @@ def test_a_tampered_index_and_a_latest_pointer_out_of_the_run_are_refused(tmp_pa
 
 
 def test_inspect_schedule_calibrated_from_a_traced_run(tmp_path):
-    from ppctl.config import compose_config, to_yaml
+    from ppctl.resolve import compose_config, to_yaml
     from ppctl.pipeline.simulate import Costs
     from ppctl.pipeline.trace import chrome_trace
     from tests.unit.test_calibrate import made_up_snapshots

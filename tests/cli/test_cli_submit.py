@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ppctl.cli.app import app
-from ppctl.config import compose_config, load_config_file
+from ppctl.resolve import compose_config, load_config_file
 from tests.cli.runs import assert_same_series, scalars
 
 SMALL = ["data=synthetic", "trainer.seq_length=16", "trainer.global_batch_size=8", "trainer.log_every=1",

@@ -67,7 +67,8 @@ EIGHT_RANKS = ["parallel.tp=2", "parallel.cp=2", "parallel.pp=2", "parallel.vpp=
 def test_train_8_ranks_writes_tensorboard(ppctl, single_run, tmp_path):
     """The 8-rank run writes the run files, says how it computes, and logs the single-process run's losses,
     gradient norms and learning rates."""
-    from ppctl.config import compose_config, padded_vocab_size
+    from ppctl.config import padded_vocab_size
+    from ppctl.resolve import compose_config
 
     settings = [*EIGHT_RANKS, *THREE_STEPS, "trainer.micro_batch_size=1"]
     model = compose_config(settings).model
@@ -153,7 +154,8 @@ def test_default_run_learns_and_its_trace_follows_the_schedule(ppctl, tmp_path):
     from another rank; the logged measured bubble is the trace's wait/compute; both timelines are drawn."""
     from xml.etree import ElementTree
 
-    from ppctl.config import compose_config, num_microbatches
+    from ppctl.config import num_microbatches
+    from ppctl.resolve import compose_config
     from ppctl.pipeline.schedules import build_schedule
 
     steps_run = 20

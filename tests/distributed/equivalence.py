@@ -82,7 +82,7 @@ def _record_message_bytes(trainer) -> set[int]:
 def composed_runs(runs: list[list[str]]) -> list:
     """Each override list composed and validated, once, in this process: the workers train these configs
     (composing them on every rank would cost each rank the same Hydra composition)."""
-    from ppctl.config import compose_config, validate
+    from ppctl.resolve import compose_config, validate
 
     configs = []
     for overrides in runs:
@@ -101,7 +101,7 @@ def _train_runs(rank, world_size, configs, schedule_builder=None, breakers=None)
     given, names per run a defect of ``tests.distributed.breakers`` to train with (None: none). The
     bytes of every pipeline message sent are recorded too.
     """
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve.resolved import resolve
     from tests.distributed.breakers import broken
 
     contexts, results = {}, []
@@ -212,7 +212,7 @@ _REFERENCES: dict[tuple[tuple[str, ...], int], Reference] = {}
 def single_process_reference(overrides: list[str], steps: int = STEPS) -> Reference:
     """The single-process run of ``overrides`` as a user would launch it, trained ``steps`` steps (trained once
     per session for each override list of the single process)."""
-    from ppctl.config import compose_config, validate
+    from ppctl.resolve import compose_config, validate
     from ppctl.run.reference import run_reference
 
     key = (tuple(single_process_overrides(overrides)), steps)

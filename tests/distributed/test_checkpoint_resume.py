@@ -64,7 +64,7 @@ def _composed(runs) -> dict:
 def _trainer(overrides, contexts, configs):
     import copy
 
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import Trainer
 

@@ -75,8 +75,8 @@ def _trained_and_dropped(rank, world_size, overrides):
     import gc
     import weakref
 
-    from ppctl.config import compose_config
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve import compose_config
+    from ppctl.resolve.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import Trainer
 

@@ -20,7 +20,7 @@ OVERLAPPED = ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "schedule=dualp
 
 def _traced_second_step(rank, world_size, configs):
     """This rank's pp rank, its overlapped pairs' count and its tracer's record of the second step."""
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import Trainer
 

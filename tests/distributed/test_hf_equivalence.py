@@ -54,7 +54,7 @@ ACTIVATION = {GPT2: ("gelu_new", "gelu_tanh"), STARCODER2: ("gelu", "gelu"), STA
 def _save_and_evaluate(rank, world_size, root, configs):
     """Worker: for each config, a trainer from its HF folder saves a checkpoint at step 0 and evaluates batch 0."""
     from ppctl.checkpoint.state import save_checkpoint
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import Trainer
 

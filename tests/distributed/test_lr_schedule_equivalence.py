@@ -27,8 +27,8 @@ def test_scheduled_lr_and_decay_groups_match_single_process():
 
 def _step_learning_rates(rank, world_size, overrides):
     """Worker: train 3 steps with ``train_step``; return the lr each ``StepResult`` reports."""
-    from ppctl.config import compose_config
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve import compose_config
+    from ppctl.resolve.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import Trainer
 

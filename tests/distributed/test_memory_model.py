@@ -59,7 +59,7 @@ def storage_bytes(tensors) -> int:
 
 def _measure(rank, world_size, configs):
     """Per run (a config composed in the test process): this rank's pp rank and measured bytes by part."""
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.memory import held_bytes, step_peak_bytes
     from ppctl.run.train import Trainer
@@ -115,7 +115,7 @@ def test_predicted_memory_per_rank_and_part_against_measured(measured):
     mixtures' within 10%; a mixture's per pp rank as the mean of its EP ranks, each within ``TOTAL_TOLERANCE``).
     Broken twins, at ep=2: the experts counted whole (as at ep=1), and their optimizer state sharded over the dense
     replicas (dp) rather than their edp ranks."""
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve.resolved import resolve
     from ppctl.plan.memory import config_memory, config_memory_inputs, rank_memory, schedule_in_flight_states
 
     configs, per_rank = measured
@@ -154,7 +154,7 @@ def test_kept_activations_per_chunk_are_what_autograd_saves(measured):
     layers as the other kind of backward keeps them (split into B and W or not) misses, so the check sees how its
     separate q, k, v, gate and up projections keep their gathered inputs (a GPT's fused QKV and single MLP input
     projection keep one each either way)."""
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve.resolved import resolve
     from ppctl.plan.memory import chunk_activation_bytes, config_memory_inputs
 
     configs, per_rank = measured

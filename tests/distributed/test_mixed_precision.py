@@ -37,7 +37,7 @@ def _configs() -> dict:
 
 
 def _train(rank, world_size, configs):
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import Trainer
 
@@ -62,7 +62,7 @@ def _train(rank, world_size, configs):
 
 def _overflowing_fp16(config, contexts) -> list[tuple[bool, float]]:
     """(skipped, loss scale after the step) of 12 fp16 steps started at a scale that overflows."""
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve.resolved import resolve
     from ppctl.run.train import Trainer
 
     run = resolve(config, check=False)

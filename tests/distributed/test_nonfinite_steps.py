@@ -34,8 +34,8 @@ def _snapshot(trainer) -> dict[str, torch.Tensor]:
 
 
 def _skip_then_stop(rank, world_size):
-    from ppctl.config import compose_config
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve import compose_config
+    from ppctl.resolve.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import NonFiniteGradients, Trainer
 
@@ -71,8 +71,8 @@ def _skip_then_stop(rank, world_size):
 def _skip_until_the_limit(context, rank) -> tuple[list[bool], str | None]:
     """Every step non-finite (rank 0's only) at trainer.max_skipped_steps=2: the steps' skips, then the error every
     rank raised at the same step."""
-    from ppctl.config import compose_config
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve import compose_config
+    from ppctl.resolve.resolved import resolve
     from ppctl.run.train import NonFiniteGradients, Trainer
 
     trainer = Trainer(resolve(compose_config(BASE + LAYOUT + ["trainer.max_skipped_steps=2"])), context)

@@ -16,8 +16,8 @@ BASE = ["data=synthetic", "model.num_layers=4", "model.hidden_size=32", "model.n
 
 
 def _peak_bytes(rank, world_size):
-    from ppctl.config import compose_config
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve import compose_config
+    from ppctl.resolve.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import Trainer
 

@@ -27,8 +27,8 @@ SAVED = {
 def _save_each(rank, world_size, root):
     """Save one checkpoint of each ``SAVED`` model into ``root/<name>`` (collective); return the checkpoints."""
     from ppctl.checkpoint.state import save_checkpoint
-    from ppctl.config import compose_config
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve import compose_config
+    from ppctl.resolve.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
     from ppctl.run.train import Trainer
 
@@ -48,8 +48,8 @@ def checkpoints(tmp_path_factory):
 
 
 def _problem(overrides, checkpoint):
-    from ppctl.config import compose_config
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve import compose_config
+    from ppctl.resolve.resolved import resolve
     from ppctl.run.resume import model_shape_problem
 
     return model_shape_problem(resolve(compose_config(overrides)).config, checkpoint)

@@ -31,8 +31,8 @@ def test_uneven_layouts_match_single_process():
 
 
 def test_layer_maps_of_uneven_layouts():
-    from ppctl.config import compose_config
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve import compose_config
+    from ppctl.resolve.resolved import resolve
 
     def layers(*overrides):
         layer_map = resolve(compose_config(["data=synthetic", *overrides])).layer_map

@@ -144,8 +144,9 @@ def _expert_parallel(rng: random.Random, overrides: list[str], tp: int, cp: int,
 def drawn(seed: int, count: int, world: int | None = None) -> tuple[list[list[str]], Counter]:
     """``count`` configurations that validation accepts, drawn from ``seed``, and the refused ones by rule; ``world``:
     only draws of that many workers are kept (the others are passed over, not counted)."""
-    from ppctl.config import ConfigError, compose_config
-    from ppctl.config.resolved import resolve
+    from ppctl.config import ConfigError
+    from ppctl.resolve import compose_config
+    from ppctl.resolve.resolved import resolve
 
     rng, valid, refused = random.Random(seed), [], Counter()
     while len(valid) < count:

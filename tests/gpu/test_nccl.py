@@ -63,7 +63,7 @@ def test_a_checkpoint_from_the_gpu_resumes_on_the_cpu(tmp_path):
 
 
 def test_gpt_small_in_bf16_reports_its_mfu(tmp_path, capsys):
-    from ppctl.config import compose_config
+    from ppctl.resolve import compose_config
     from ppctl.config.derived import padded_vocab_size
     from ppctl.model.flops import model_flops_utilisation, peak_flops, training_flops_per_token
 
@@ -97,8 +97,8 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layouts_under_nccl_train_like_one_process(tmp_path, single_run, name):
-    from ppctl.config import compose_config
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve import compose_config
+    from ppctl.resolve.resolved import resolve
 
     settings = [*SMALL, *LAYOUTS[name]]
     workers = resolve(compose_config(settings), check=False).layout.world_size

@@ -158,7 +158,7 @@ def save_random(folder: Path, config, seed: int = 0) -> Path:
 
 def folder_overrides(folder: Path) -> list[str]:
     """The ppctl overrides of a run that starts from the tiny model in ``folder`` with no model key but
-    ``model.init_from``: the folder gives the rest (``ppctl.config.init_from``)."""
+    ``model.init_from``: the folder gives the rest (``ppctl.resolve.init_from``)."""
     return [*RUN_OVERRIDES, f"model.init_from={folder}"]
 
 

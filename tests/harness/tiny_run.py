@@ -13,7 +13,8 @@ from ppctl.checkpoint.files import DATA_KEYS, commit, model_record, temporary_di
 from ppctl.checkpoint.pieces import parameter_pieces
 from ppctl.checkpoint.state import checkpoint_name
 from ppctl.checkpoint.store import add_pieces, save_state
-from ppctl.config import PpctlConfig, compose_config, to_yaml
+from ppctl.config import PpctlConfig
+from ppctl.resolve import compose_config, to_yaml
 from ppctl.data.tokenizer import tokenizer_record
 
 TINY = ["model=gpt_tiny", "model.num_layers=1", "model.hidden_size=16", "model.num_heads=2",

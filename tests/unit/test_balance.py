@@ -6,8 +6,9 @@ import itertools
 
 import pytest
 
-from ppctl.config import ConfigError, compose_config, schedule_spec, validate
-from ppctl.config.resolved import resolve, stage_counts
+from ppctl.config import ConfigError, schedule_spec
+from ppctl.resolve import compose_config, validate
+from ppctl.resolve.resolved import resolve, stage_counts
 from ppctl.parallel.layout import parse_pipeline_layout
 from ppctl.parallel.placement import looped_placement, v_placement, wave_placement
 from ppctl.pipeline.schedules import SCHEDULE_SPECS

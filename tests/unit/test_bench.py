@@ -6,7 +6,7 @@ import torch
 from ppctl.bench.rules import (BenchRequest, TORCH_SCHEDULE_CLASSES, bench_problem,
                                max_relative_difference, median_ratio, resolve_against)
 from ppctl.cli.bench_report import different_work
-from ppctl.config import compose_config
+from ppctl.resolve import compose_config
 from ppctl.run.memory import StoragePeak, held_bytes, reachable_tensors, step_peak_bytes
 
 

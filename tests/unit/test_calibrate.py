@@ -5,7 +5,7 @@ import json
 import pytest
 
 from ppctl.cli.calibrate import calibration_lines, calibration_of
-from ppctl.config import compose_config, to_yaml
+from ppctl.resolve import compose_config, to_yaml
 from ppctl.pipeline.program import lower
 from ppctl.pipeline.schedules import build_schedule
 from ppctl.pipeline.simulate import Costs, simulate

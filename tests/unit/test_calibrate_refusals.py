@@ -8,7 +8,7 @@ import math
 import pytest
 
 from ppctl.cli.calibrate import calibration_of
-from ppctl.config import compose_config, to_yaml
+from ppctl.resolve import compose_config, to_yaml
 from ppctl.pipeline.simulate import Costs
 from ppctl.pipeline.trace import chrome_trace
 from tests.unit.test_calibrate import made_up_snapshots

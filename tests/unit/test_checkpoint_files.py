@@ -89,7 +89,7 @@ def _saved_by(overrides: list[str]) -> dict:
     from types import SimpleNamespace
 
     from ppctl.checkpoint.state import checkpoint_index
-    from ppctl.config import compose_config
+    from ppctl.resolve import compose_config
 
     layout = SimpleNamespace(world_size=1, tp=1, pp=1, vpp=1, dp=1, cp=1, ep=1)
     trainer = SimpleNamespace(config=compose_config(["data=synthetic", *overrides]),
@@ -116,7 +116,7 @@ CHANGED_MODELS = [
 @pytest.mark.parametrize("overrides, fragment", CHANGED_MODELS, ids=[case[0][-1] for case in CHANGED_MODELS])
 def test_a_resume_with_another_mixture_or_activation_is_refused_naming_it(overrides, fragment):
     """The checkpoint of ``overrides[0]``'s model (Mixtral's; Llama's; GPT's) refuses a run that changed one setting."""
-    from ppctl.config import compose_config
+    from ppctl.resolve import compose_config
 
     saved = _saved_by(overrides[:1])
     config = compose_config(["data=synthetic", *overrides])
@@ -127,7 +127,7 @@ def test_a_resume_with_another_mixture_or_activation_is_refused_naming_it(overri
 def test_what_a_resume_may_change_of_a_mixture_and_what_an_older_checkpoint_lacks():
     """Router losses, the capacity and the bias's rate are training choices; an expert width set to the width it
     had unset is the same model; a checkpoint saved before the mixture was recorded is taken as it is."""
-    from ppctl.config import compose_config
+    from ppctl.resolve import compose_config
 
     saved = _saved_by(MIXTRAL)
     for overrides in (["model.moe.aux_loss_coeff=0.1", "model.moe.z_loss_coeff=0.01"],

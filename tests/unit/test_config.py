@@ -4,12 +4,8 @@ import dataclasses
 
 import pytest
 
-from ppctl.config import (
-    ConfigError,
-    compose_config,
-    padded_vocab_size,
-    validate,
-)
+from ppctl.config import ConfigError, padded_vocab_size
+from ppctl.resolve import compose_config, validate
 
 
 def composed(*overrides):
@@ -21,7 +17,8 @@ def test_defaults_compose_and_validate():
     sizes = validate(config)
     assert config.model.name == "gpt_tiny" and config.schedule.name == "1f1b"
     assert sizes.world_size == config.parallel.tp * config.parallel.pp * config.parallel.dp * config.parallel.cp
-    assert sizes.padded_vocab_size % 64 == 0 and sizes.padded_vocab_size >= config.model.vocab_size
+    padded = sizes.model.padded_vocab_size
+    assert padded % 64 == 0 and padded >= config.model.vocab_size
 
 
 def test_group_and_key_overrides():
@@ -158,7 +155,7 @@ def test_every_float_setting_refuses_a_value_that_is_not_finite():
     import copy
     import functools
 
-    from ppctl.config.validate import float_settings
+    from ppctl.resolve.validate import float_settings
 
     base = composed()
     names = [name for name, _value in float_settings(base, "")]

@@ -6,15 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from ppctl.config import (
-    PACKAGE_CONF_DIR,
-    PpctlConfig,
-    compose_config,
-    config_reference,
-    config_reference_table,
-    fill_unset,
-    render_default,
-)
+from ppctl.config import PpctlConfig, fill_unset
+from ppctl.resolve import PACKAGE_CONF_DIR, compose_config, config_reference, config_reference_table, render_default
 
 from ppctl.model.family import family_own_keys, family_settings
 
@@ -197,4 +190,4 @@ def test_reference_table_is_the_generated_one():
     text = REFERENCE.read_text()
     assert text.count(TABLE_START) == 1 and text.count(TABLE_END) == 1
     between = text.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0]
-    assert between == config_reference_table(), "docs/configuration.md table drifted: regenerate it with python -m ppctl.config"
+    assert between == config_reference_table(), "docs/configuration.md table drifted: regenerate it with python -m ppctl.resolve"

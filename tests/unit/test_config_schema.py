@@ -6,7 +6,8 @@ from dataclasses import fields
 
 import pytest
 
-from ppctl.config import DataConfig, PpctlConfig, ScheduleConfig, compose_config, fill_unset
+from ppctl.config import DataConfig, PpctlConfig, ScheduleConfig, fill_unset
+from ppctl.resolve import compose_config
 from ppctl.config.schema import BACKENDS, DATA_SOURCES, POSITION_EMBEDDINGS, PRECISIONS, SYNTHETIC_VOCAB_SIZE
 from ppctl.data.cache import TOKEN_DTYPES
 from ppctl.data.tokenizer import build_tokenizer

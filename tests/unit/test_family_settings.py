@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from ppctl.config import ConfigError, compose_config, load_config_file, to_yaml
-from ppctl.config.resolved import resolve
+from ppctl.config import ConfigError
+from ppctl.resolve import compose_config, load_config_file, to_yaml
+from ppctl.resolve.resolved import resolve
 from ppctl.model import family as family_module
 from ppctl.model.family import ModelFamily, family_settings, installed_families, settings_schema
 from ppctl.model.gpt.settings import GPTSettings

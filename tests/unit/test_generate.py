@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppctl.config import compose_config
+from ppctl.resolve import compose_config
 from ppctl.generate.decode import TextStream, generate, generate_ids
 from ppctl.generate.sampling import Sampling, next_token
 from ppctl.generate.source import GenerateError, load_model
@@ -247,7 +247,7 @@ def test_a_prompt_beyond_max_seq_length_is_refused(hf_folders):
 
 
 def test_folders_and_runs_it_cannot_use_are_refused_in_one_line(tmp_path, hf_folders):
-    from ppctl.config import to_yaml
+    from ppctl.resolve import to_yaml
 
     (tmp_path / "empty").mkdir()
     run = tmp_path / "run"

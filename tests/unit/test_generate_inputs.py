@@ -152,7 +152,7 @@ def _bpe(path):
 
 
 def test_a_prompt_that_is_not_utf8_is_refused_whatever_the_tokenizer(tmp_path):
-    from ppctl.config import compose_config
+    from ppctl.resolve import compose_config
     from ppctl.generate.source import run_tokenizer
 
     bpe = _bpe(tmp_path / "bpe.json")

@@ -9,7 +9,8 @@ import copy
 import pytest
 import torch
 
-from ppctl.config import ConfigError, compose_config, validate
+from ppctl.config import ConfigError
+from ppctl.resolve import compose_config, validate
 from ppctl.data.dataset import build_microbatch, global_batch_sample_ids
 from ppctl.model.from_config import dataset_of
 from ppctl.optim.delay import DelayedWeights

@@ -6,8 +6,8 @@ and every rank holds at most the activation cap (interleaved 1F1B's peak at 2W c
 
 import pytest
 
-from ppctl.config import compose_config
-from ppctl.config.resolved import resolve
+from ppctl.resolve import compose_config
+from ppctl.resolve.resolved import resolve
 from ppctl.parallel.placement import v_placement, wave_placement
 from ppctl.pipeline.check import check_schedule
 from ppctl.pipeline.schedules import ScheduleError, build_schedule

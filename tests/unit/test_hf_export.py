@@ -7,7 +7,7 @@ threshold (``tests/unit/test_hf_gpt.py`` loads the shards).
 """
 
 from ppctl.checkpoint.hf_export import tokenizer_files, write_tokenizer
-from ppctl.config import compose_config
+from ppctl.resolve import compose_config
 from ppctl.data.tokenizer import build_tokenizer, tokenizer_record
 from tests.unit.test_prepare_corpus import save_word_tokenizer
 

@@ -29,7 +29,8 @@ import time
 import pytest
 import torch
 
-from ppctl.config import ConfigError, compose_config, validate
+from ppctl.config import ConfigError
+from ppctl.resolve import compose_config, validate
 from tests.harness.hf_models import GPT2, LLAMA, STARCODER2, VOCAB, hf_model, overrides, relative_error, save_tiny
 
 EXACT = 1e-10

@@ -19,7 +19,8 @@ import json
 import pytest
 import torch
 
-from ppctl.config import ConfigError, compose_config, validate
+from ppctl.config import ConfigError
+from ppctl.resolve import compose_config, validate
 from tests.harness.hf_models import (GEMMA, KV_HEADS, POSITIONS, VOCAB, folder_overrides, hf_config, hf_model,
                                      relative_error, save_random, save_tiny)
 

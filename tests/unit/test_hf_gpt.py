@@ -28,7 +28,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ppctl.config import ConfigError, compose_config, validate
+from ppctl.config import ConfigError
+from ppctl.resolve import compose_config, validate
 from tests.harness.hf_models import GPT2, STARCODER2, VOCAB, hf_model, overrides, relative_error, save_tiny
 
 MODELS = [(GPT2, False), (GPT2, True), (STARCODER2, False), (STARCODER2, True)]

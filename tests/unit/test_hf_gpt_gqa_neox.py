@@ -21,7 +21,8 @@ import shutil
 import pytest
 import torch
 
-from ppctl.config import ConfigError, compose_config, validate
+from ppctl.config import ConfigError
+from ppctl.resolve import compose_config, validate
 from tests.harness.hf_models import (GPT_NEOX, STARCODER2_GQA, VOCAB, folder_overrides, hf_model, overrides,
                                      relative_error, save_tiny)
 

@@ -14,7 +14,8 @@ import json
 
 import pytest
 
-from ppctl.config import ConfigError, compose_config, load_config_file, to_yaml, validate
+from ppctl.config import ConfigError
+from ppctl.resolve import compose_config, load_config_file, to_yaml, validate
 from ppctl.model.hf_format import folder_model, run_setting
 from tests.harness.hf_models import (GPT2, HIDDEN, LLAMA, VOCAB, folder_overrides, overrides, save_numbered_tokenizer,
                                      save_tiny)

@@ -17,7 +17,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ppctl.config import ConfigError, compose_config, validate
+from ppctl.config import ConfigError
+from ppctl.resolve import compose_config, validate
 from tests.harness.hf_models import LLAMA, POSITIONS, QWEN2, VOCAB, hf_model, overrides, relative_error, save_tiny
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

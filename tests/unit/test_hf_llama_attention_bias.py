@@ -13,7 +13,7 @@ one line; ``mlp_bias`` stays refused (``tests/unit/test_hf_llama.py``).
 import pytest
 import torch
 
-from ppctl.config import compose_config, validate
+from ppctl.resolve import compose_config, validate
 from tests.harness.hf_models import (LLAMA, OVERRIDES, POSITIONS, VOCAB, folder_overrides, hf_config, hf_model,
                                      relative_error, save_random)
 

@@ -19,7 +19,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ppctl.config import ConfigError, compose_config, validate
+from ppctl.config import ConfigError
+from ppctl.resolve import compose_config, validate
 from tests.harness.hf_models import (MISTRAL, OVERRIDES, PHI3, POSITIONS, VOCAB, folder_overrides, hf_model,
                                      relative_error, save_tiny)
 

@@ -18,7 +18,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ppctl.config import ConfigError, compose_config, validate
+from ppctl.config import ConfigError
+from ppctl.resolve import compose_config, validate
 from tests.harness.hf_models import (EXPERTS, MIXTRAL, POSITIONS, VOCAB, hf_model, overrides, relative_error,
                                      save_tiny)
 

@@ -22,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from ppctl.config import ConfigError, compose_config, validate
+from ppctl.config import ConfigError
+from ppctl.resolve import compose_config, validate
 from tests.harness.hf_models import (HEADS, OLMO2, POSITIONS, VOCAB, folder_overrides, hf_config, hf_model,
                                      relative_error, save_random, save_tiny)
 from tests.unit.test_hf_gemma import llama_shaped_attributes, transformers_attributes

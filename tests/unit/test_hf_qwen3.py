@@ -20,7 +20,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ppctl.config import ConfigError, compose_config, validate
+from ppctl.config import ConfigError
+from ppctl.resolve import compose_config, validate
 from tests.harness.hf_models import (POSITIONS, QWEN3, QWEN_HEAD_DIM, VOCAB, folder_overrides, hf_model,
                                      relative_error, save_tiny)
 
@@ -259,7 +260,7 @@ def test_what_qwen3_cannot_express_is_refused_by_the_export(tmp_path):
 
 def test_llama_builds_no_qk_norms():
     """The hook is off for Llama: its layers hold the parameters they held before (llama_tiny unchanged)."""
-    from ppctl.config import compose_config as compose
+    from ppctl.resolve import compose_config as compose
 
     config = compose(["model=llama_tiny", "data=synthetic", "parallel=single"])
     names = [name for name, _param in _ppctl(config).named_parameters()]

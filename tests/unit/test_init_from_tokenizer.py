@@ -16,7 +16,8 @@ import shutil
 
 import pytest
 
-from ppctl.config import ConfigError, compose_config, validate
+from ppctl.config import ConfigError
+from ppctl.resolve import compose_config, validate
 from tests.harness.hf_models import GPT2, hf_config, overrides, save_numbered_tokenizer
 
 VOCAB = 300

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from ppctl.run import supervise
-from ppctl.config import compose_config
+from ppctl.resolve import compose_config
 from ppctl.run.failures import WorkerExit, describe_failure, first_failure, is_consequence, torchrun_failures
 from ppctl.run.launch import LaunchRequest, LaunchResult, build_launch_plan, describe_interruption
 from ppctl.run.proctree import children, descendants, parent_of_stat, read_parent_table
@@ -19,7 +19,7 @@ TORCHRUN_REPORT = """\
 W1123 15:30:18.429000 1503 api.py:1028] Sending process 1514 closing signal SIGTERM
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ======================================================
-ppctl.run.worker FAILED
+ppctl.cli.worker FAILED
 ------------------------------------------------------
 Failures:
 [1]:
@@ -243,7 +243,7 @@ def test_a_failed_worker_destroys_a_gloo_group_and_aborts_an_nccl_one(monkeypatc
     import sys
     import types
 
-    from ppctl.run import worker
+    from ppctl.cli import worker
 
     calls = []
     fake = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True, get_backend=lambda: backend,
@@ -257,8 +257,8 @@ def test_a_failed_worker_destroys_a_gloo_group_and_aborts_an_nccl_one(monkeypatc
 def test_tf32_follows_trainer_allow_tf32_and_is_off_by_default():
     import torch
 
-    from ppctl.config import compose_config
-    from ppctl.run.worker import set_tf32
+    from ppctl.resolve import compose_config
+    from ppctl.cli.worker import set_tf32
 
     before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:

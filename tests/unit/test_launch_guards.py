@@ -17,7 +17,8 @@ import pytest
 
 from ppctl.run import rendezvous, rundir, supervise
 from ppctl.checkpoint.files import commit, temporary_dir
-from ppctl.config import ConfigError, LauncherConfig, compose_config, parse_endpoint
+from ppctl.config import ConfigError, LauncherConfig, parse_endpoint
+from ppctl.resolve import compose_config
 from ppctl.run.failures import describe_log_failure, mount_point
 from ppctl.run.launch import LaunchRequest, LaunchResult, build_launch_plan
 from ppctl.run.rendezvous import rendezvous_problem

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "ppctl"
 # Pure: no torch at all (layout math, placement, schedules, their programs, checker, simulator, config validation).
 PURE = ("ppctl.parallel.layout", "ppctl.parallel.placement", "ppctl.pipeline.schedules", "ppctl.pipeline.program",
         "ppctl.pipeline.replay", "ppctl.pipeline.simulate", "ppctl.pipeline.check", "ppctl.pipeline.interleave",
-        "ppctl.optim.lr", "ppctl.optim.loss_scale", "ppctl.config", "ppctl.checkpoint.files",
+        "ppctl.optim.lr", "ppctl.optim.loss_scale", "ppctl.config", "ppctl.resolve", "ppctl.checkpoint.files",
         "ppctl.run.interrupt", "ppctl.fileio", "ppctl.bench.rules", "ppctl.model.flops", "ppctl.model.recompute",
         "ppctl.model.family", "ppctl.model.memory_shape", "ppctl.model.hf_format", "ppctl.model.gpt.hf",
         "ppctl.model.llama.hf", "ppctl.model.moe.shape",
@@ -22,27 +22,30 @@ PURE = ("ppctl.parallel.layout", "ppctl.parallel.placement", "ppctl.pipeline.sch
 LEVELS = {
     # 0, foundations that import nothing of ppctl's: file writes, the autograd primitives of the B/W
     # split (below both model/ and parallel/), the placement of stages on ranks (below layout and schedules),
-    # the config schema (its dataclasses; the rest of config/ builds on the core at level 2).
+    # the config schema (its dataclasses; config/'s arithmetic builds on the core at level 2).
     "ppctl.fileio": 0, "ppctl.autograd": 0, "ppctl.parallel.placement": 0, "ppctl.config.schema": 0,
     # 1, the pure core and torch building blocks: layout, schedules and their programs, data, TP/CP layers.
     "ppctl.parallel": 1, "ppctl.pipeline": 1, "ppctl.data": 1, "ppctl.optim.lr": 1, "ppctl.optim.loss_scale": 1,
     "ppctl.checkpoint.files": 1, "ppctl.run.interrupt": 1, "ppctl.bench.rules": 1, "ppctl.model.flops": 1,
     "ppctl.model.recompute": 1, "ppctl.model.moe.shape": 1,
-    # 2, what the core is configured and run with: config, the model, groups, the runtime, the optimizer.
+    # 2, what the core is configured and run with: the config's arithmetic, the model (a family's settings
+    # subclass the schema's), groups, the runtime, the optimizer.
     "ppctl.config": 2, "ppctl.model": 2, "ppctl.data.iterator": 2, "ppctl.parallel.groups": 2,
     "ppctl.pipeline.p2p": 2, "ppctl.pipeline.trace": 2, "ppctl.pipeline.runtime": 2, "ppctl.pipeline.overlap": 2,
     "ppctl.optim": 2,
     "ppctl.checkpoint": 2,
     # 3 and 4, a config built into a model, its pipeline stages, the single-process reference, checkpoints; the
-    # config resolved once (its split under parallel.balance=auto asks the planner's balancer and memory model),
-    # and above it the planner's search, which resolves each candidate.
-    "ppctl.plan": 3, "ppctl.config.resolved": 4, "ppctl.plan.search": 5,
+    # config composed, validated and resolved once (resolve/: above the model families it asks, the optimizer's
+    # rules, and the planner's balancer and memory model its split under parallel.balance=auto asks), and above
+    # it the planner's search, which resolves each candidate.
+    "ppctl.plan": 3, "ppctl.resolve": 4, "ppctl.plan.search": 5,
     "ppctl.model.from_config": 3, "ppctl.model.stages": 4, "ppctl.run.reference": 4, "ppctl.checkpoint.state": 4,
     "ppctl.checkpoint.hf_export": 4,  # ppctl export: a checkpoint and its run's config as a Hugging Face folder
-    # 5 and 6, the launch path (run/): the training loop and what it logs, the launcher's parts (supervise,
-    # proctree, rundir, rendezvous, failures, the resume point), then the worker, the launcher and a run's start
-    # (the launch's work behind the command line) on them.
-    "ppctl.run": 5, "ppctl.run.worker": 6, "ppctl.run.launch": 6, "ppctl.run.start": 6,
+    # 5, the launch path (run/): the training loop and what it logs, the launcher's parts (supervise, proctree,
+    # rundir, rendezvous, failures, the resume point), the launcher and a run's start (the launch's work behind the
+    # command line). The worker each torchrun process starts runs train, check-cluster or bench: an entry point
+    # beside the commands (cli/worker.py), above run/ and bench/.
+    "ppctl.run": 5,
     # 5, ``ppctl bench``'s workers: the trainer against torch.distributed.pipelining or a plain loop.
     "ppctl.bench": 5,
     # 5, ``ppctl generate``: a run's checkpoint or a Hugging Face folder as one chunk, decoded with a KV cache.
@@ -53,10 +56,10 @@ LEVELS = {
     "ppctl.cli": 6, "ppctl.cli.app": 7,
 }
 # The lazy imports allowed to go up, each with why. None: the split parallel.balance=auto chooses is made where the
-# config is resolved (ppctl.config.resolved, above the planner's balancer and memory model), not in config/derived.
+# config is resolved (ppctl.resolve.resolved, above the planner's balancer and memory model), not in config/derived.
 UPWARD_LAZY_IMPORTS: set[tuple[str, str]] = set()
 # Resolve once: what a config describes (its layout, schedule, split and layer map) is built by
-# ppctl.config.resolved and read from the ResolvedConfig; outside config/ no module builds them again.
+# ppctl.resolve.resolved and read from the ResolvedConfig; outside config/ no module builds them again.
 RESOLVED_ONCE = ("layout_of", "configured_schedule", "pipeline_layout_of", "schedule_placement")
 # The only modules at the top of the package: everything else lives in a folder that says what it is.
 TOP_LEVEL_MODULES = {"ppctl", "ppctl.fileio"}
@@ -169,7 +172,7 @@ def test_foundations_import_nothing_of_ppctl():
 
 def test_only_the_config_package_builds_what_a_resolved_config_holds():
     imports = {name: imported_names(name, path) for name, path in module_files().items()
-               if not name.startswith("ppctl.config")}
+               if not name.startswith(("ppctl.config", "ppctl.resolve"))}
     built_again = sorted((name, helper) for name, names in imports.items() for helper in RESOLVED_ONCE
                          if any(imported.endswith("." + helper) for imported in names))
-    assert not built_again, f"read these from the ResolvedConfig (ppctl.config.resolved) instead: {built_again}"
+    assert not built_again, f"read these from the ResolvedConfig (ppctl.resolve.resolved) instead: {built_again}"

@@ -6,8 +6,8 @@ import tracemalloc
 
 import pytest
 
-from ppctl.config import compose_config
-from ppctl.config.resolved import resolve
+from ppctl.resolve import compose_config
+from ppctl.resolve.resolved import resolve
 from ppctl.cli.layout_report import (MAX_LISTED_RANKS, SUMMARY_MEMBERS, SUMMARY_RANKS, is_summarised, layout_report,
                                  print_layout)
 from ppctl.parallel.layout import GROUP_NAMES, ParallelLayout, StageLayers

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from ppctl.config import compose_config
+from ppctl.resolve import compose_config
 from ppctl.optim.grads import build_optimizer, decays
 from ppctl.optim.lr import LRSchedule, learning_rate, lr_schedule_of, set_learning_rate
 from ppctl.run.reference import reference_model

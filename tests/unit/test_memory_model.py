@@ -54,7 +54,7 @@ def test_parameter_count_is_the_built_chunks(tp, pre, post, tied, rope):
 def test_parameter_count_of_a_config_with_qkv_biases_is_the_built_chunks(family):
     """``model.qkv_bias`` reaches the count from a config (``ResolvedModel.memory_shape``): the gpt family's fused
     bias, split with the QKV rows, and Llama's q/k/v biases."""
-    from ppctl.config import compose_config
+    from ppctl.resolve import compose_config
     from ppctl.model.from_config import build_chunk
     from ppctl.model.family import resolve_model
 
@@ -223,7 +223,7 @@ def test_expert_parallel_parameter_count_is_each_ep_ranks_built_chunk(family, ep
     """Each EP rank builds ``num_experts / ep`` experts of every MoE layer (the router and shared experts whole):
     the count per rank exactly, and the optimizer's expert share sharded over its own replicas. Broken twin: the
     experts counted whole regardless of ep."""
-    from ppctl.config import compose_config
+    from ppctl.resolve import compose_config
     from ppctl.model.from_config import build_chunk
     from ppctl.parallel.expert_parallel import EPGroup
     from ppctl.model.family import resolve_model

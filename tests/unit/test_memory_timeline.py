@@ -4,8 +4,8 @@ actions laid on the simulated timeline, its peak the model's, and how ``inspect-
 import pytest
 
 from ppctl.cli.schedule_report import column_peaks, sparkline
-from ppctl.config import compose_config
-from ppctl.config.resolved import resolve
+from ppctl.resolve import compose_config
+from ppctl.resolve.resolved import resolve
 from ppctl.plan.memory import (activation_bytes_over_time, config_activation_tables, config_activation_timelines,
                                config_memory, peak_in_flight_bytes)
 from ppctl.pipeline.simulate import Costs, TimedAction, simulate, simulate_steps

@@ -7,7 +7,8 @@ import copy
 
 import pytest
 
-from ppctl.config import ConfigError, compose_config, validate
+from ppctl.config import ConfigError
+from ppctl.resolve import compose_config, validate
 from ppctl.model.moe.shape import moe_shape_of
 
 
@@ -117,7 +118,7 @@ def test_the_layers_the_settings_route():
      "model.moe.expert_bias=true"],
 ], ids=["fuzz_seed2_5_dp2_two_experts_top1_normalised", "fuzz_seed2_15_hanayo_pp4_four_experts_top1_normalised"])
 def test_fuzz_seed_2_a_top1_normalised_router_without_a_router_loss_is_refused(drawn):
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve.resolved import resolve
 
     overrides = ["model=mixtral_tiny", "data=synthetic", "trainer.global_batch_size=16", *drawn, "model.moe.topk=1",
                  "model.moe.router_score=sigmoid", "model.moe.router_topk_norm=true", "model.moe.aux_loss_coeff=0.0",

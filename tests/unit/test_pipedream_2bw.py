@@ -6,7 +6,7 @@ stream pays the fill and the drain once, so every step after the first takes m(F
 
 import pytest
 
-from ppctl.config import compose_config, validate
+from ppctl.resolve import compose_config, validate
 from ppctl.config.schema import ConfigError
 from ppctl.pipeline.check import check_schedule
 from ppctl.pipeline.schedules import ScheduleError, build_schedule, stream_of, streams_steps

@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from ppctl.config import compose_config
-from ppctl.config.resolved import resolve
+from ppctl.resolve import compose_config
+from ppctl.resolve.resolved import resolve
 from ppctl.parallel.layout import ParallelLayout
 from ppctl.parallel.placement import Placement, PlacementError, looped_placement, v_placement
 from ppctl.pipeline.schedules import SCHEDULE_SPECS, build_schedule

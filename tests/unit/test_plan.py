@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 from ppctl.cli.calibrate import Calibration
-from ppctl.config import compose_config, validate
-from ppctl.config.resolved import resolve
+from ppctl.resolve import compose_config, validate
+from ppctl.resolve.resolved import resolve
 from ppctl.pipeline.simulate import Costs
 from ppctl.plan import search
 from ppctl.plan.memory import config_memory
@@ -115,7 +115,7 @@ def test_a_schedule_the_checker_refuses_leaves_the_list_as_in_the_exhaustive_sea
     list is the exhaustive search's (which proves every candidate), and the refusal is counted under its rule."""
     import importlib
 
-    validation = importlib.import_module("ppctl.config.validate")  # the module: the package exports the function
+    validation = importlib.import_module("ppctl.resolve.validate")  # the module: the package exports the function
 
     roomy = plan(base, 8, 80 * GIB, 3, H100)
     winner = roomy.candidates[0].candidate.apply(base)

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from ppctl.config import compose_config
-from ppctl.config.resolved import resolve
+from ppctl.resolve import compose_config
+from ppctl.resolve.resolved import resolve
 from ppctl.plan import memory, search
 from ppctl.plan.memory import config_memory
 from ppctl.plan.search import DEVICES, candidates, compute_bound_s, plan, predict, schedule_bound_s, search_space

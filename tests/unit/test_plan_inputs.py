@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from ppctl.config import compose_config
+from ppctl.resolve import compose_config
 from ppctl.plan import search
 from ppctl.plan.search import DEVICES, MAX_DEVICES, parse_devices, plan, search_space
 

@@ -9,9 +9,8 @@ import pytest
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from ppctl.config import (  # noqa: E402
-    ConfigError, DataConfig, ModelConfig, PpctlConfig, compose_config, fill_unset, to_yaml, validate,
-)
+from ppctl.config import ConfigError, DataConfig, ModelConfig, PpctlConfig, fill_unset  # noqa: E402
+from ppctl.resolve import compose_config, to_yaml, validate  # noqa: E402
 from ppctl.data import cache as cache_module  # noqa: E402
 from ppctl.data import prepare as prepare_module  # noqa: E402
 from ppctl.data import utf8 as utf8_module  # noqa: E402

@@ -1,4 +1,4 @@
-"""The config resolved once (``ppctl.config.resolved``): what it holds, that it is frozen, and that it travels.
+"""The config resolved once (``ppctl.resolve.resolved``): what it holds, that it is frozen, and that it travels.
 
 A ``ResolvedConfig`` is built once per command and once per worker and passed down; these tests check that its
 parts are those of the config (layout and schedule placement, the split into stages, sizes), that its config can
@@ -10,8 +10,9 @@ import pickle
 
 import pytest
 
-from ppctl.config import ConfigError, PpctlConfig, compose_config
-from ppctl.config.resolved import resolve, stage_counts
+from ppctl.config import ConfigError, PpctlConfig
+from ppctl.resolve import compose_config
+from ppctl.resolve.resolved import resolve, stage_counts
 from ppctl.config.schema import FrozenConfigError, Section
 
 LAYOUTS = [
@@ -36,7 +37,7 @@ def test_the_parts_are_the_configs(overrides):
     assert sum(stage_counts(run)) == config.model.num_layers
     for pp_rank in range(layout.pp):
         assert [stage.stage for stage in run.rank_stages(pp_rank)] == sorted(layout.placement.stages_of(pp_rank))
-    assert run.sizes.world_size == layout.world_size and run.sizes.padded_vocab_size >= config.model.vocab_size
+    assert run.sizes.world_size == layout.world_size and run.model.padded_vocab_size >= config.model.vocab_size
 
 
 def test_the_split_is_the_configured_one_or_balance_autos():

@@ -18,7 +18,8 @@ import shutil
 import pytest
 import torch
 
-from ppctl.config import ConfigError, compose_config, validate
+from ppctl.config import ConfigError
+from ppctl.resolve import compose_config, validate
 from tests.harness.hf_models import (LLAMA, POSITIONS, VOCAB, folder_overrides, hf_model, relative_error, save_tiny,
                                      transformers_rope_in_float64)
 

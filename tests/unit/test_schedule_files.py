@@ -12,7 +12,8 @@ import re
 
 import pytest
 
-from ppctl.config import ConfigError, compose_config, validate
+from ppctl.config import ConfigError
+from ppctl.resolve import compose_config, validate
 from ppctl.pipeline.program import lower
 from ppctl.pipeline.schedules import SCHEDULE_SPECS, ScheduleError, build_schedule, read_schedule_file, schedule_csv
 from ppctl.pipeline.simulate import simulate

@@ -4,8 +4,8 @@ for, ``--cost`` finite and bounded, and a long ``--steps`` drawn in time linear 
 import pytest
 
 from ppctl.cli.schedule_report import MAX_TIMELINE_ACTIONS, parse_steps, simulate_config, steps_problem
-from ppctl.config import compose_config
-from ppctl.config.resolved import resolve
+from ppctl.resolve import compose_config
+from ppctl.resolve.resolved import resolve
 from ppctl.pipeline.render import render_plain
 from ppctl.pipeline.schedules import build_schedule
 from ppctl.pipeline.simulate import Costs, simulate_steps

@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from ppctl.config import ConfigError, compose_config, validate
+from ppctl.config import ConfigError
+from ppctl.resolve import compose_config, validate
 from ppctl.optim.loss_scale import DynamicLossScaler
 from ppctl.run.train import NonFiniteGradients, SkippedSteps, norm_outcome
 
@@ -71,7 +72,7 @@ def test_the_limit_is_a_positive_setting():
 
 def test_the_workers_error_reaches_the_user_as_one_line_naming_the_setting(tmp_path):
     from ppctl.run.failures import describe_failure
-    from ppctl.run.worker import _write_error
+    from ppctl.cli.worker import _write_error
 
     skips = SkippedSteps(2)
     skips.record(2, NAN, taken=False)

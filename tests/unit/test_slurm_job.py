@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ppctl.config import compose_config, validate
+from ppctl.resolve import compose_config, validate
 from ppctl.run.slurm import job_script, sbatch_options, train_command
 
 RUN_DIR = Path("/shared/runs/r1")

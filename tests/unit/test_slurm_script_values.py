@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ppctl.config import ConfigError, compose_config, validate
+from ppctl.config import ConfigError
+from ppctl.resolve import compose_config, validate
 from ppctl.run.slurm import job_script, sbatch_options, script_problem
 
 CANARY = "pwned"  # a planted command that runs leaves a file of this name

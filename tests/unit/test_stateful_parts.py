@@ -4,7 +4,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ppctl.checkpoint.state import DataPosition, TorchRng
-from ppctl.config import compose_config
+from ppctl.resolve import compose_config
 from ppctl.model.rules import REPLICATED, ParameterRule, attach_rules
 from ppctl.optim.loss_scale import DynamicLossScaler
 from ppctl.optim.optimizer import PlainOptimizer

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from ppctl.checkpoint.files import resume_problem
 from ppctl.checkpoint.state import checkpoint_index
-from ppctl.config import compose_config
+from ppctl.resolve import compose_config
 from ppctl.data.tokenizer import build_tokenizer, tokenizer_record
 from tests.unit.test_checkpoint_files import INDEX
 from tests.unit.test_prepare_corpus import save_word_tokenizer

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from ppctl.config import compose_config
-from ppctl.config.resolved import resolve
+from ppctl.resolve import compose_config
+from ppctl.resolve.resolved import resolve
 from ppctl.run.logging import METRICS_FILE, MetricsFile, read_metrics
 from ppctl.verify.compare import (ParameterDifference, VerifyError, parameter_differences, parameter_row, relative,
                                   scalar_rows)

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from ppctl.config import compose_config
-from ppctl.config.resolved import resolve
+from ppctl.resolve import compose_config
+from ppctl.resolve.resolved import resolve
 from ppctl.pipeline.check import check_schedule
 from ppctl.pipeline.kept import kept_schedule
 from ppctl.pipeline.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, ScheduleError
@@ -93,7 +93,7 @@ def test_validation_checks_the_fills_a_run_will_carry(monkeypatch):
     ones the workers run), and refuses the config in one line where they fail."""
     import ppctl.pipeline.check as check
     from ppctl.config import ConfigError
-    from ppctl.config.validate import _built_schedule_problem, validate
+    from ppctl.resolve.validate import _built_schedule_problem, validate
 
     checked = []
     monkeypatch.setattr(check, "check_weight_fills", lambda schedule: checked.append(schedule.filled))

@@ -22,7 +22,7 @@ from typing import Mapping
 from ppctl.config.derived import (configured_schedule, interleaves_experts, layout_of, nproc_per_node,
                                   num_microbatches, pipeline_layout_of)
 from ppctl.config.schema import ConfigError, PpctlConfig, freeze
-from ppctl.config.validate import validate
+from ppctl.resolve.validate import validate
 from ppctl.model.family import ResolvedModel, resolve_model
 from ppctl.parallel.layout import LayoutError, ParallelLayout, StageLayers
 from ppctl.pipeline.schedules import CUSTOM, Schedule, ScheduleError
@@ -31,11 +31,11 @@ from ppctl.plan.balance import balanced_counts, model_part_costs, fitted_counts,
 
 @dataclass(frozen=True)
 class Sizes:
-    """The numbers that follow from a resolved config."""
+    """The numbers that follow from a resolved config (the padded vocabulary is the model's:
+    ``ResolvedConfig.model.padded_vocab_size``)."""
 
     world_size: int
     num_microbatches: int      # per DP rank per step
-    padded_vocab_size: int     # the embedding's rows, padded for TP (``ResolvedModel.padded_vocab_size``)
     nproc_per_node: int
 
 
@@ -108,7 +108,7 @@ def _assemble(config: PpctlConfig, layout: ParallelLayout, model: ResolvedModel,
         except LayoutError as error:
             raise ConfigError(str(error)) from None
     sizes = Sizes(world_size=layout.world_size, num_microbatches=num_microbatches(config),
-                  padded_vocab_size=model.padded_vocab_size, nproc_per_node=nproc_per_node(config))
+                  nproc_per_node=nproc_per_node(config))
     return ResolvedConfig(config=config, layout=layout, pipeline_layout=split, layer_map=MappingProxyType(layers),
                           model=model, sizes=sizes, split_problem=split_problem)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from ppctl.config.derived import (configured_schedule, interleaves_experts, layout_of, nproc_per_node,
                                   num_microbatches, parse_endpoint, pipeline_layout_of, schedule_spec,
                                   tokenizer_vocab_size)
-from ppctl.config.init_from import starts_from_a_checkpoint
+from ppctl.resolve.init_from import starts_from_a_checkpoint
 from ppctl.config.schema import (BACKENDS, BALANCE_MODES, DATA_SOURCES, DROP_POLICIES, LAUNCHERS,
                                  POSITION_EMBEDDINGS, PRECISIONS, RECOMPUTE_METHODS, RECOMPUTE_MODES, ROUTER_SCORES,
                                  ConfigError, MoEConfig, PpctlConfig, require)
@@ -28,11 +28,11 @@ from ppctl.parallel.layout import CP_COMM_MODES, LayoutError, ParallelLayout, sp
 
 @dataclass(frozen=True)
 class DerivedSizes:
-    """Numbers that follow from a valid config, and its model as its family resolved it while validating."""
+    """Numbers that follow from a valid config, and its model as its family resolved it while validating (its padded
+    vocabulary: ``model.padded_vocab_size``)."""
 
     world_size: int
     num_microbatches: int
-    padded_vocab_size: int
     nproc_per_node: int
     model: ResolvedModel
 
@@ -66,7 +66,6 @@ def validate(config: PpctlConfig, layer_split: bool = True, data: bool = True,
     return DerivedSizes(
         world_size=layout.world_size,
         num_microbatches=num_microbatches(config),
-        padded_vocab_size=model.padded_vocab_size,
         nproc_per_node=nproc_per_node(config),
         model=model,
     )
@@ -86,7 +85,7 @@ def _check_layer_split(config: PpctlConfig, layout: ParallelLayout) -> None:
             "parallel.pipeline_layout places every layer itself: leave parallel.account_for_embedding_in_split "
             "and parallel.account_for_loss_in_split false with it")
     if parallel.balance == "auto":
-        return  # the balancer's split is chosen, and checked, when the config is resolved (ppctl.config.resolved)
+        return  # the balancer's split is chosen, and checked, when the config is resolved (ppctl.resolve.resolved)
     try:
         split_layers(config.model.num_layers, layout.placement.stages_per_copy, pipeline_layout_of(config))
     except LayoutError as error:

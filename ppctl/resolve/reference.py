@@ -1,6 +1,6 @@
 """The key reference: every schema field with its default and meaning, as the markdown table of
 docs/configuration.md (between its markers; ``tests/unit/test_config_defaults.py`` checks that the two
-agree). ``python -m ppctl.config`` prints the table to paste there. A family's own ``model.*`` keys
+agree). ``python -m ppctl.resolve`` prints the table to paste there. A family's own ``model.*`` keys
 (``ppctl.model.family``) follow the shared ones, each meaning led by the families that read it.
 """
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ppctl.config.derived import fill_unset
-from ppctl.config.init_from import folder_preset_of, stored_folder_preset
+from ppctl.resolve.init_from import folder_preset_of, stored_folder_preset
 from ppctl.config.schema import SCHEMA_GROUPS, ConfigError, PpctlConfig
 from ppctl.fileio import exception_in_chain
 from ppctl.model.family import family_settings, settings_schema
@@ -83,7 +83,7 @@ def compose_config(
 def _compose_with_folder(name: str, overrides: list[str], extra: list[str]) -> Any:
     """Hydra's composition of config ``name`` with ``overrides`` (and ``extra``, ppctl's own); where it names a
     Hugging Face folder (``model.init_from``) and keeps ppctl's default model preset, composed again with the
-    folder's settings in that preset's place (``ppctl.config.init_from``)."""
+    folder's settings in that preset's place (``ppctl.resolve.init_from``)."""
     from hydra import compose
 
     composed = compose(config_name=name, overrides=overrides + extra, return_hydra_config=True)

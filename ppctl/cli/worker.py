@@ -1,4 +1,4 @@
-"""Per-rank entry point started by torchrun: ``python -m ppctl.run.worker --run-dir DIR --task TASK``.
+"""Per-rank entry point started by torchrun: ``python -m ppctl.cli.worker --run-dir DIR --task TASK``.
 
 Reads the resolved config from the run directory, joins the process group, builds the
 parallel context and runs the task. Any exception is written to ``errors/rank<N>.txt``
@@ -30,7 +30,7 @@ from ppctl.run.interrupt import ParentDeathSignal, StopRequest
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="ppctl.run.worker")
+    parser = argparse.ArgumentParser(prog="ppctl.cli.worker")
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--task", required=True, choices=["train", "check-cluster", "bench"])
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
@@ -43,8 +43,8 @@ def run_task(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from ppctl.config import load_config_file
-    from ppctl.config.resolved import resolve
+    from ppctl.resolve import load_config_file
+    from ppctl.resolve.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context, warm_up_communicators
     from ppctl.run.faults import inject_fault, restart_resume_point
 
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     # SIGTERM does, rather than as a KeyboardInterrupt somewhere in start-up (reported as the worker's error).
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     if not ParentDeathSignal(signal.SIGTERM).arm(parent):
-        sys.exit("ppctl.run.worker: the launcher ended before this worker started")
+        sys.exit("ppctl.cli.worker: the launcher ended before this worker started")
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     try:
         run_task(args)
