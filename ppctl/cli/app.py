@@ -31,6 +31,8 @@ from ppctl.fileio import os_reason
 
 if TYPE_CHECKING:
     from ppctl.resolve.resolved import ResolvedConfig
+    from ppctl.data.cache import PreparedCorpus
+    from ppctl.data.corpus import CorpusSpec
     from ppctl.run.interrupt import BeforeStartSignals
     from ppctl.run.launch import LaunchRequest
 
@@ -643,27 +645,50 @@ def prepare_data(
 def _prepare(config: PpctlConfig, signals: "BeforeStartSignals") -> str | None:
     """Prepare the token cache of a token-file source and check that each split the run reads holds a window.
 
-    Returns a one-line summary, or None for synthetic data; a source that cannot be
-    prepared exits with status 2 and one line. Progress bars go to stderr when it is a terminal; a signal
-    meanwhile is said by ``signals`` as one line naming what was tokenised.
+    Returns a one-line summary, or None for synthetic data; a blend (``data.blend``) prepares each of its
+    sources and returns one line for each: its tokens, its weight, its epochs in ``trainer.max_steps``. A
+    source that cannot be prepared exits with status 2 and one line. Progress bars go to stderr when it is a
+    terminal; a signal meanwhile is said by ``signals`` as one line naming what was tokenised.
     """
-    if config.data.source == "synthetic":
+    if config.data.source == "synthetic" and not config.data.blend:
         return None
-    from ppctl.data.corpus import CorpusSpec, DataError
-    from ppctl.data.prepare import prepare_corpus
+    from ppctl.data.corpus import BlendSpec, DataError, data_spec_of
 
-    spec = CorpusSpec.of(config.data)
+    spec = data_spec_of(config.data)
     try:
-        with signals.saying(f"while tokenising {spec.label}; the cache was left as it was"):
-            prepared = prepare_corpus(spec, progress=sys.stderr.isatty())
-        prepared.check_split("train", config.trainer.seq_length)
-        if config.trainer.eval_every > 0:
-            prepared.check_split("validation", config.trainer.seq_length)
+        if not isinstance(spec, BlendSpec):
+            return _prepare_source(spec, config, signals).summary(config.trainer.seq_length)
+        from ppctl.data.blend import blend_lines
+
+        prepared = [_prepare_source(one, config, signals, index) for index, one in enumerate(spec.specs)]
+        trainer = config.trainer
+        return "\n".join(blend_lines(spec, prepared, trainer.seq_length, trainer.max_steps, trainer.global_batch_size))
     except DataError as error:
         fail(str(error))
     except (OSError, ValueError) as error:
-        fail(f"data.source={config.data.source} data.path={config.data.path}: {error}")
-    return prepared.summary()
+        where = "data.blend" if config.data.blend else f"data.source={config.data.source} data.path={config.data.path}"
+        fail(f"{where}: {error}")
+
+
+def _prepare_source(spec: "CorpusSpec", config: PpctlConfig, signals: "BeforeStartSignals",
+                    blend_index: int | None = None) -> "PreparedCorpus":
+    """The prepared token file of one source, its splits checked; a blend's source (``blend_index``) is named
+    ``data.blend[i]`` in what it says."""
+    from ppctl.data.corpus import DataError
+    from ppctl.data.prepare import prepare_corpus
+
+    where = "" if blend_index is None else f"data.blend[{blend_index}]"
+    what = f"{where} ({spec.label})" if where else spec.label
+    try:
+        with signals.saying(f"while tokenising {what}; the cache was left as it was"):
+            prepared = prepare_corpus(spec, progress=sys.stderr.isatty())
+        prepared.check_split("train", config.trainer.seq_length)
+        prepared.check_lengths(config.trainer.seq_length)  # instruction data: rows longer than a window
+        if config.trainer.eval_every > 0:
+            prepared.check_split("validation", config.trainer.seq_length)
+    except DataError as error:
+        raise DataError(f"{where}: {error}" if where else str(error)) from None
+    return prepared
 
 
 @app.command("check-cluster")

@@ -26,7 +26,10 @@ POSITION_EMBEDDINGS = ("learned", "rope")
 RECOMPUTE_MODES = ("none", "full", "selective")  # ppctl.model.recompute
 RECOMPUTE_METHODS = ("uniform", "block")
 PRECISIONS = ("fp32", "fp64", "bf16", "fp16")
-DATA_SOURCES = ("python_stdlib", "text", "synthetic")
+DATA_SOURCES = ("python_stdlib", "text", "chat", "prompt_completion", "synthetic")
+BAD_ROWS = ("refuse", "skip")
+TOO_LONG = ("truncate", "refuse")
+PACKINGS = ("packed", "padded")
 BACKENDS = ("auto", "gloo", "nccl")
 BALANCE_MODES = ("even", "auto")  # parallel.balance (ppctl.plan.balance)
 ROUTER_SCORES = ("softmax", "sigmoid")  # model.moe.router_score (ppctl.model.moe.router)
@@ -236,12 +239,23 @@ class ScheduleConfig(Section):
 
 
 @dataclass
+class BlendSource:
+    """One source of a blend (``data.blend``): a token-file ``data.source`` with its ``data.path``, and its weight."""
+
+    source: str = setting("text", "`text` (its `path`) or `python_stdlib`")
+    path: Optional[str] = setting(None, "as `data.path`: a file, folder, glob or hub dataset name")
+    weight: float = setting(1.0, "its share of the samples, relative to the others' (finite, > 0)")
+
+
+@dataclass
 class DataConfig(Section):
-    """Where samples come from: ``python_stdlib`` (embedded default), ``text`` or ``synthetic``."""
+    """Where samples come from: ``python_stdlib`` (embedded default), ``text``, ``chat``, ``prompt_completion`` or
+    ``synthetic``."""
 
     source: str = setting(
         "python_stdlib", "`python_stdlib` (the standard library's source, one document per file), `text` (your "
-        "corpus: `data.path`), `synthetic` (random tokens)")
+        "corpus: `data.path`), `chat` (jsonl conversations, the loss on the assistant's tokens), "
+        "`prompt_completion` (jsonl pairs, the loss on the completion), `synthetic` (random tokens)")
     path: Optional[str] = setting(
         None, "for `text`: a file, a folder or a glob of `.txt` (one document per file), `.json`/`.jsonl`, "
         "`.parquet` or `.csv` files (one document per row), one type at a time; or a hub dataset name "
@@ -262,6 +276,30 @@ class DataConfig(Section):
     eod_mask_loss: bool = setting(
         False, "give labels that are the end-of-document id zero loss weight (Megatron-LM's `--eod-mask-loss`); "
         "synthetic data uses its last id, vocab_size - 1, as end of document")
+    messages_field: str = setting(
+        "messages", "`chat`: the field of each jsonl row holding its OpenAI-style messages (`role`, `content`)")
+    chat_template: Optional[str] = setting(
+        None, "`chat`: a tokenizer folder, its `tokenizer_config.json` or a `.jinja` file whose chat template "
+        "renders the conversations (a folder's `chat_template.jinja` wins, as in transformers); unset: "
+        "`data.tokenizer`'s folder")
+    prompt_field: str = setting("prompt", "`prompt_completion`: the field holding the prompt")
+    completion_field: str = setting("completion", "`prompt_completion`: the field holding the completion")
+    packing: str = setting(
+        "packed", "`chat`/`prompt_completion`: `packed` (rows one after the other, windows cut from the stream; "
+        "with `data.documents=separate` attention stays inside each) or `padded` (one row per sample, padded to "
+        "the window with the end-of-document id, weight 0)")
+    too_long: str = setting(
+        "truncate", "`chat`/`prompt_completion`: a row longer than `trainer.seq_length + 1` tokens is cut to it "
+        "(`truncate`, counted in the summary) or refused naming its file and row (`refuse`)")
+    bad_rows: str = setting(
+        "refuse", "`chat`/`prompt_completion`: a bad row (no messages, an unknown role, a template that fails on it, "
+        "no assistant turn, no prompt or completion) is refused naming its file and row (`refuse`) or skipped and "
+        "counted (`skip`)")
+    blend: list[BlendSource] = field(default_factory=list, metadata={"doc": (
+        "several sources with weights, replacing `data.source` and `data.path`: a list of at least two "
+        "`{path: ..., weight: ...}` (a `text` source) or `{source: python_stdlib, weight: ...}` entries, each weight "
+        "finite and > 0 (default 1); each global batch draws from them in the weights' proportions (Megatron-Core's "
+        "BlendedDataset), each source prepared and cached as one source is; see docs/data.md")})
 
 
 @dataclass

@@ -8,6 +8,12 @@ written under temporary names and renamed into place at the end, the token file 
 a reader never takes a half-written entry for a complete one. The index also records the
 largest token id and the token file's size and mtime; a token file that changed since is
 read again, and one that holds an id outside the tokenizer's vocabulary is refused.
+
+Instruction data (``data=chat``, ``data=prompt_completion``) adds two files beside the tokens:
+``<name>.weights``, one uint8 loss weight per token (1 where the token is trained on: the
+assistant's or the completion's), and ``<name>.docs``, int64 rows ``[end, file, row]`` giving where
+each document (conversation) ends in the token file and the file and row it came from. They are
+staged and put in place with the token file, before it.
 """
 
 from __future__ import annotations
@@ -30,9 +36,11 @@ from ppctl.fileio import file_sha256, write_atomically
 TOKEN_DTYPES = ("auto", "uint16", "uint32")
 TOKEN_BYTES = {"uint16": 2, "uint32": 4}  # numpy is imported only where tokens are made (config validation is quick)
 SPLITS = ("train", "validation")
-CACHE_FORMAT_VERSION = 3  # 3: the index records skipped rows, the largest id and the token file's stat
+CACHE_FORMAT_VERSION = 4  # 4: the tokenizer's own beginning/end-of-text tokens; instruction data's weights, docs
 DIGEST_MEMO = "file-digests.json"
 RACY_SECONDS = 2.0  # a file modified this recently is re-read: its mtime may not yet tell two versions apart
+# Instruction data's files beside the tokens: suffix -> (bytes per value, values per token or per document).
+SIDECARS = {".weights": (1, 1), ".docs": (8, 3)}
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,40 @@ class PreparedCorpus:
     token_file: Path
     index: dict
     label: str
+    too_long: str = "truncate"  # what instruction data does with a document longer than the window
+
+    @property
+    def is_instruction_data(self) -> bool:
+        """Whether the entry carries per-token loss weights and document rows (``.weights``, ``.docs``)."""
+        return "num_trained_tokens" in self.index
+
+    def document_table(self):
+        """The ``[end, file, row]`` int64 rows of each document (instruction data only)."""
+        import numpy as np
+
+        return np.fromfile(sidecar_path(self.token_file, ".docs"), dtype=np.int64).reshape(-1, 3)
+
+    def loss_weights(self):
+        """The memory-mapped uint8 loss weight of each token (instruction data only)."""
+        import numpy as np
+
+        return np.memmap(sidecar_path(self.token_file, ".weights"), dtype=np.uint8, mode="r")
+
+    def check_lengths(self, seq_length: int) -> int:
+        """How many documents are longer than a window of ``seq_length + 1`` tokens; with ``too_long=refuse``,
+        ``DataError`` naming the first one's file and row."""
+        if not self.is_instruction_data:
+            return 0
+        table = self.document_table()
+        lengths = table[:, 0] - document_starts(table)
+        too_long = (lengths > seq_length + 1).nonzero()[0]
+        if len(too_long) and self.too_long == "refuse":
+            end, file, row = (int(value) for value in table[too_long[0]])
+            raise DataError(f"{self.index['files'][file]} {row_name(self.index, file)} {row}: holds "
+                            f"{int(lengths[too_long[0]]):,} tokens, longer than a window of trainer.seq_length+1="
+                            f"{seq_length + 1} ({len(too_long):,} such row(s)); set data.too_long=truncate, a longer "
+                            f"trainer.seq_length, or shorten it")
+        return len(too_long)
 
     def split(self, name: str) -> tuple[int, int]:
         """The ``[start, end)`` token range of split ``name`` (``train`` or ``validation``)."""
@@ -64,15 +106,50 @@ class PreparedCorpus:
                         f"{self.index['validation_fraction']} of {self.index['num_tokens']:,}), fewer than one window "
                         f"of trainer.seq_length+1={window}; raise data.validation_fraction or set trainer.eval_every=0")
 
-    def summary(self) -> str:
-        """One line: where the tokens are, how many, from what, and the split."""
+    def summary(self, seq_length: int | None = None) -> str:
+        """One line: where the tokens are, how many, from what, and the split (instruction data: how many are
+        trained on, the rows skipped, and with ``seq_length`` the documents longer than a window)."""
         index = self.index
+        if self.is_instruction_data:
+            return self._instruction_summary(seq_length)
         hub = index["file_type"] == "hub"
         origin = f"hub dataset {index['source_path']}" if hub else f"{index['num_files']} file(s)"
         return (f"{self.token_file}: {index['num_tokens']:,} tokens from {index['num_documents']:,} document(s) in "
                 f"{origin}{skipped_rows_note(index)}; train {self.split('train')[1]:,}, validation "
                 f"{self.split('validation')[1] - self.split('validation')[0]:,} "
                 f"(data.validation_fraction={index['validation_fraction']})")
+
+
+    def _instruction_summary(self, seq_length: int | None) -> str:
+        """The summary of instruction data."""
+        index = self.index
+        skipped = "".join(f", {count:,} skipped ({why})" for why, count in index["skipped_rows"].items() if count)
+        long_note = ""
+        if seq_length is not None and (num_long := self.check_lengths(seq_length)):
+            long_note = (f"; {num_long:,} longer than a window of trainer.seq_length+1={seq_length + 1} "
+                         f"({'truncated' if self.too_long == 'truncate' else 'refused'})")
+        return (f"{self.token_file}: {index['num_tokens']:,} tokens ({index['num_trained_tokens']:,} trained on) "
+                f"from {index['num_documents']:,} {index['source']} row(s) of {index['num_rows']:,} in "
+                f"{index['num_files']} file(s){skipped}{long_note}; train {self.split('train')[1]:,}, validation "
+                f"{self.split('validation')[1] - self.split('validation')[0]:,} "
+                f"(data.validation_fraction={index['validation_fraction']})")
+
+
+def row_name(index: dict, file: int) -> str:
+    """How a row of file ``file`` is named: ``line`` (jsonl, counted from 1) or ``record`` (a json list, from 0)."""
+    return "line" if index["files"][file].endswith(".jsonl") else "record"
+
+
+def document_starts(table):
+    """Where each document of a ``.docs`` table starts: the end of the one before it (0 for the first)."""
+    import numpy as np
+
+    return np.concatenate([np.zeros(1, dtype=np.int64), table[:-1, 0]]) if len(table) else table[:, 0]
+
+
+def sidecar_path(token_file: Path, suffix: str) -> Path:
+    """The instruction-data file ``suffix`` (``.weights`` or ``.docs``) beside ``token_file``."""
+    return Path(token_file).with_suffix(suffix)
 
 
 def skipped_rows_note(index: dict) -> str:
@@ -108,15 +185,21 @@ def token_dtype_for(token_dtype: str, vocab_size: int) -> str:
     return token_dtype
 
 
-def split_bounds(num_tokens: int, validation_fraction: float) -> dict[str, list[int]]:
-    """The train and validation token ranges: validation is the last ``floor(fraction * num_tokens)`` tokens."""
-    num_validation = int(num_tokens * validation_fraction)
-    return {"train": [0, num_tokens - num_validation], "validation": [num_tokens - num_validation, num_tokens]}
+def split_bounds(num_tokens: int, validation_fraction: float, document_ends=None) -> dict[str, list[int]]:
+    """The train and validation token ranges: validation is the last ``floor(fraction * num_tokens)`` tokens; with
+    ``document_ends`` (instruction data) it starts at the first document that begins at or after that cut, so no
+    conversation is split between the two."""
+    cut = num_tokens - int(num_tokens * validation_fraction)
+    if document_ends is not None and 0 < cut < num_tokens:
+        starts = [0, *[int(end) for end in document_ends[:-1]]]
+        cut = next((start for start in starts if start >= cut), num_tokens)
+    return {"train": [0, cut], "validation": [cut, num_tokens]}
 
 
-def split_entries(num_tokens: int, validation_fraction: float) -> dict:
+def split_entries(num_tokens: int, validation_fraction: float, document_ends=None) -> dict:
     """The index entries of the split: the fraction and each split's token range."""
-    return {"validation_fraction": validation_fraction, "splits": split_bounds(num_tokens, validation_fraction)}
+    return {"validation_fraction": validation_fraction,
+            "splits": split_bounds(num_tokens, validation_fraction, document_ends)}
 
 
 def index_path(token_file: Path) -> Path:
@@ -208,7 +291,19 @@ def valid_index(token_file: Path, key: str) -> dict | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     complete = index.get("format_version") == CACHE_FORMAT_VERSION and token_file.stat().st_size == expected_bytes
+    if complete and "num_trained_tokens" in index:
+        complete = _sidecars_complete(token_file, index)
     return index if complete and index.get("fingerprint") == key else None
+
+
+def _sidecars_complete(token_file: Path, index: dict) -> bool:
+    """Whether instruction data's ``.weights`` and ``.docs`` files hold a weight per token and a row per document."""
+    counts = {".weights": index["num_tokens"], ".docs": index["num_documents"]}
+    for suffix, (value_bytes, per_row) in SIDECARS.items():
+        file = sidecar_path(token_file, suffix)
+        if not file.is_file() or file.stat().st_size != counts[suffix] * per_row * value_bytes:
+            return False
+    return True
 
 
 @contextlib.contextmanager
@@ -224,12 +319,16 @@ def staged_token_file(token_file: Path) -> Iterator[Path]:
             os.unlink(name)
 
 
-def commit_entry(staged: Path, token_file: Path, index: dict) -> None:
-    """Put a built entry in place: the staged token file renamed to ``token_file``, then its index written.
+def commit_entry(staged: Path, token_file: Path, index: dict, staged_sidecars: dict | None = None) -> None:
+    """Put a built entry in place: the staged files of ``staged_sidecars`` (suffix -> staged path) renamed beside
+    ``token_file``, then the staged token file renamed to ``token_file``, then its index written.
 
     Between the two a reader finds no index of this key, or one whose tokens are these: either way it
     takes nothing half-written for complete.
     """
+    for suffix, staged_sidecar in (staged_sidecars or {}).items():
+        os.chmod(staged_sidecar, 0o644)
+        os.replace(staged_sidecar, sidecar_path(token_file, suffix))
     os.chmod(staged, 0o644)  # mkstemp creates 0600; caches are meant to be shared
     os.replace(staged, token_file)
     try:

@@ -8,12 +8,16 @@ Every failure of the data room is one ``DataError`` line, defined here at its ba
 from __future__ import annotations
 
 import glob
+import math
 import re
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-TOKEN_SOURCES = ("python_stdlib", "text")
+TOKEN_SOURCES = ("python_stdlib", "text", "chat", "prompt_completion")
+INSTRUCTION_SOURCES = ("chat", "prompt_completion")  # jsonl rows with a loss weight per token
+BLEND_SOURCES = ("python_stdlib", "text")  # what a blend's entries read (instruction data is not blended yet)
+MIN_BLEND_SOURCES = 2
 DEFAULT_CACHE_DIR = Path("data/cache")  # relative to the repository root, git-ignored
 DEFAULT_VALIDATION_FRACTION = 0.05
 # File suffix -> the Hugging Face ``datasets`` builder that reads it.
@@ -119,17 +123,36 @@ class CorpusSpec:
     token_dtype: str = "auto"
     validation_fraction: float = DEFAULT_VALIDATION_FRACTION
     num_proc: int | None = None
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    chat_template: str | None = None
+    bad_rows: str = "refuse"
+    too_long: str = "truncate"
+    packing: str = "packed"
 
     @classmethod
     def of(cls, data) -> CorpusSpec:
         """The spec of a ``DataConfig`` (``config.data``)."""
         return cls(data.source, data.path, Path(data.cache_dir), data.tokenizer, data.text_field, data.token_dtype,
-                   data.validation_fraction, data.num_proc)
+                   data.validation_fraction, data.num_proc, data.messages_field, data.prompt_field,
+                   data.completion_field, data.chat_template, data.bad_rows, data.too_long, data.packing)
 
     @property
     def label(self) -> str:
         """How messages name this source: ``data.path=...``, or ``data.source=...`` when it has no path."""
         return f"data.path={self.path}" if self.path else f"data.source={self.source}"
+
+    def _instruction_corpus(self) -> Corpus:
+        """The local ``.jsonl``/``.json`` files of ``data=chat`` or ``data=prompt_completion``."""
+        if not self.path:
+            raise DataError(f"data.source={self.source} needs data.path: a .jsonl (or .json) file, folder or glob")
+        corpus = resolve_corpus(self.path)
+        if corpus.file_type != "json":
+            what = "a hub dataset name" if corpus.hub_name else f"{corpus.file_type} file(s)"
+            raise DataError(f"{corpus.label}: data.source={self.source} reads local .jsonl or .json files, not "
+                            f"{what}")
+        return corpus
 
     def corpus(self) -> Corpus:
         """The documents this spec names, or ``DataError`` (one line)."""
@@ -142,5 +165,54 @@ class CorpusSpec:
             if not self.path:
                 raise DataError("data.source=text needs data.path: a file, folder, glob or hub dataset name")
             return resolve_corpus(self.path)
+        if self.source in INSTRUCTION_SOURCES:
+            return self._instruction_corpus()
         raise DataError(f"data.source={self.source!r} has no token file; token-file sources: "
                         f"{', '.join(TOKEN_SOURCES)}")
+
+
+@dataclass(frozen=True)
+class BlendSpec:
+    """A blend (``data.blend``): the spec of each source, in the order given, and its weight.
+
+    Each source shares the ``data`` settings that shape a token file (tokenizer, dtype, cache,
+    text field, validation fraction) and takes its own ``source`` and ``path``.
+    """
+
+    specs: tuple[CorpusSpec, ...]
+    weights: tuple[float, ...]
+
+    @classmethod
+    def of(cls, data) -> BlendSpec | None:
+        """The blend of a ``DataConfig``, or None when ``data.blend`` is empty (one source)."""
+        if not data.blend:
+            return None
+        shared = CorpusSpec.of(data)
+        return cls(tuple(replace(shared, source=entry.source, path=entry.path) for entry in data.blend),
+                   tuple(float(entry.weight) for entry in data.blend))
+
+    def label(self, index: int) -> str:
+        """How messages name source ``index``: ``data.blend[1] (data.path=...)``."""
+        return f"data.blend[{index}] ({self.specs[index].label})"
+
+    def check(self) -> None:
+        """Raise ``DataError`` (one line) unless the blend can be drawn from: at least two sources, each
+        weight finite and > 0, each source a token-file source whose documents can be found."""
+        if len(self.specs) < MIN_BLEND_SOURCES:
+            raise DataError(f"data.blend holds {len(self.specs)} source(s); a blend takes at least "
+                            f"{MIN_BLEND_SOURCES} (for one, set data.source and data.path instead)")
+        for index, (spec, weight) in enumerate(zip(self.specs, self.weights)):
+            if not (math.isfinite(weight) and weight > 0):
+                raise DataError(f"data.blend[{index}].weight={weight} must be a finite number > 0")
+            if spec.source not in BLEND_SOURCES:
+                raise DataError(f"data.blend[{index}].source={spec.source!r}: a blend draws from token files; "
+                                f"sources: {', '.join(BLEND_SOURCES)}")
+            try:
+                spec.corpus()
+            except DataError as error:
+                raise DataError(f"data.blend[{index}]: {error}") from None
+
+
+def data_spec_of(data) -> CorpusSpec | BlendSpec:
+    """What a ``DataConfig`` reads: its blend when ``data.blend`` is set, else its one source."""
+    return BlendSpec.of(data) or CorpusSpec.of(data)

@@ -49,6 +49,15 @@ class WindowDataset(torch.utils.data.Dataset):
             return torch.ones(self.seq_length, dtype=torch.float32)
         return (window[1:] != self.eod_id).to(torch.float32)
 
+    def sample_loss_mask(self, index: int, window: torch.Tensor) -> torch.Tensor:
+        """The loss weights of sample ``index`` (``window``): ``loss_mask(window)`` unless the data stores its own
+        weights per token (instruction data)."""
+        return self.loss_mask(window)
+
+    def batch_sample_ids(self, seed: int, step: int, global_batch_size: int) -> list[int]:
+        """The sample ids of global batch ``step``, a function of (seed, step) alone (a blend has its own order)."""
+        return global_batch_sample_ids(seed, step, global_batch_size, len(self))
+
     def _check_index(self, index: int) -> int:
         """Return ``index`` as an int, raising IndexError when it is out of range."""
         if not 0 <= index < len(self):
@@ -138,13 +147,18 @@ def build_dataset(
         if split == "train":
             return SyntheticDataset(SYNTHETIC_NUM_SAMPLES, seq_length, vocab_size, seed, eod_mask_loss)
         return SyntheticDataset(SYNTHETIC_VALIDATION_SAMPLES, seq_length, vocab_size, seed, eod_mask_loss, stream=1)
+    check_vocab_size(corpus, vocab_size)
+    return TokenWindowDataset(prepare_corpus(corpus), seq_length, split, eod_mask_loss)
+
+
+def check_vocab_size(corpus: CorpusSpec, vocab_size: int) -> None:
+    """``ValueError`` when the model's ``vocab_size`` does not cover ``corpus``'s tokenizer."""
     tokenizer = build_tokenizer(corpus.tokenizer)
     if vocab_size < tokenizer.vocab_size:
         raise ValueError(
             f"model vocab_size={vocab_size} is smaller than the {tokenizer.name!r} tokenizer's "
             f"{tokenizer.vocab_size} ids; set vocab_size >= {tokenizer.vocab_size}"
         )
-    return TokenWindowDataset(prepare_corpus(corpus), seq_length, split, eod_mask_loss)
 
 
 def global_batch_sample_ids(seed: int, step: int, global_batch_size: int, num_samples: int) -> list[int]:
@@ -215,7 +229,7 @@ def step_microbatches(
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank} out of range for dp_size={dp_size}")
     samples_per_rank = global_batch_size // dp_size
-    sample_ids = global_batch_sample_ids(seed, step, global_batch_size, len(dataset))
+    sample_ids = dataset.batch_sample_ids(seed, step, global_batch_size)
     rank_sample_ids = sample_ids[dp_rank * samples_per_rank:(dp_rank + 1) * samples_per_rank]
     return [
         build_microbatch(dataset, rank_sample_ids[index * micro_batch_size:(index + 1) * micro_batch_size])
@@ -231,7 +245,8 @@ def build_microbatch(dataset: WindowDataset, sample_ids: list[int]) -> Microbatc
         tokens=windows[:, :-1].contiguous(),
         position_ids=torch.arange(seq_length, dtype=torch.int64).repeat(len(sample_ids), 1),
         labels=windows[:, 1:].contiguous(),
-        loss_mask=torch.stack([dataset.loss_mask(window) for window in windows]),
+        loss_mask=torch.stack([dataset.sample_loss_mask(sample_id, window)
+                               for sample_id, window in zip(sample_ids, windows)]),
     )
 
 
@@ -242,8 +257,9 @@ def global_loss_tokens(dataset: WindowDataset, seed: int, step: int, global_batc
     """
     if dataset.loss_mask_all_ones:
         return float(global_batch_size * dataset.seq_length)
-    sample_ids = global_batch_sample_ids(seed, step, global_batch_size, len(dataset))
-    return float(sum(dataset.loss_mask(dataset[sample_id]).double().sum().item() for sample_id in sample_ids))
+    sample_ids = dataset.batch_sample_ids(seed, step, global_batch_size)
+    return float(sum(dataset.sample_loss_mask(sample_id, dataset[sample_id]).double().sum().item()
+                     for sample_id in sample_ids))
 
 
 def slice_for_context_parallel(tensor: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:

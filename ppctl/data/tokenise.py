@@ -108,7 +108,9 @@ def _tokenize(datasets, documents, corpus: Corpus, column: str, tokenizer: Token
 
 
 class TokenizeBatch:
-    """The ``Dataset.map`` function: each text's ids plus the end-of-document id; an empty text gives none.
+    """The ``Dataset.map`` function: each text's ids (with the beginning- and end-of-text tokens the tokenizer's
+    post-processor puts around it), then the end-of-document id unless the post-processor already ended it with
+    that id; an empty text gives none.
 
     A class rather than a closure so that ``num_proc`` workers receive it pickled.
     """
@@ -120,9 +122,18 @@ class TokenizeBatch:
         import numpy as np
 
         texts = [text or "" for text in batch[self.column]]
-        eod = np.array([self.tokenizer.eod_id], dtype=self.dtype)
-        return {"ids": [np.concatenate([ids.astype(self.dtype), eod]) if text else np.empty(0, dtype=self.dtype)
-                        for text, ids in zip(texts, self.tokenizer.encode_batch(texts))]}
+        return {"ids": [ended_document(ids, self.tokenizer.eod_id).astype(self.dtype) if text
+                        else np.empty(0, dtype=self.dtype)
+                        for text, ids in zip(texts, self.tokenizer.encode_documents(texts))]}
+
+
+def ended_document(ids, eod_id: int):
+    """``ids`` followed by ``eod_id``, unless they already end with it (a post-processor's ``$A </s>``)."""
+    import numpy as np
+
+    if len(ids) and int(ids[-1]) == eod_id:
+        return np.asarray(ids, dtype=np.int64)
+    return np.concatenate([np.asarray(ids, dtype=np.int64), np.array([eod_id], dtype=np.int64)])
 
 
 def _num_proc(requested: int | None, documents) -> int:

@@ -66,6 +66,11 @@ class Tokenizer:
         """Return the token ids of each text (no end-of-document token added)."""
         raise NotImplementedError
 
+    def encode_documents(self, texts: list[str]) -> list[np.ndarray]:
+        """Each document's ids with the beginning- and end-of-text tokens the tokenizer itself puts around a text
+        (a ``tokenizers`` file's post-processor: Llama 3's ``<|begin_of_text|>``); none for bytes."""
+        return self.encode_batch(texts)
+
 
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as ids 0..255, plus id 256 as the end-of-document token."""
@@ -95,8 +100,8 @@ class TokenizerFile(Tokenizer):
 
     The end of a document is the file's own end-of-text token when it has one (see
     ``END_OF_TEXT_TOKENS``), else a new id equal to its vocabulary size, which then
-    grows by one. ``encode`` adds no special tokens of the file's post-processor (documents are joined by the end
-    of a document); ``encode_with_special_tokens`` adds them, as transformers does to a prompt.
+    grows by one. ``encode`` adds no special tokens of the file's post-processor; ``encode_with_special_tokens``
+    adds them, as transformers does to a prompt, and so does ``encode_documents``, which a corpus is tokenised by.
     """
 
     def __init__(self, path: str | Path):
@@ -144,6 +149,20 @@ class TokenizerFile(Tokenizer):
 
         encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
         return [np.asarray(encoding.ids, dtype=np.int64) for encoding in encodings]
+
+    def encode_documents(self, texts: list[str]) -> list[np.ndarray]:
+        """Each text's ids with the special tokens of the file's post-processor, as ``tokenizer(text)`` gives them."""
+        import numpy as np
+
+        encodings = self._tokenizer.encode_batch(texts, add_special_tokens=True)
+        return [np.asarray(encoding.ids, dtype=np.int64) for encoding in encodings]
+
+    def encode_with_offsets(self, text: str, add_special_tokens: bool) -> tuple[list[int], list[tuple[int, int]],
+                                                                                   list[int]]:
+        """``text``'s ids, each token's character span in ``text``, and 1 for each special token the
+        post-processor added (``add_special_tokens``) else 0."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return encoding.ids, [tuple(offset) for offset in encoding.offsets], encoding.special_tokens_mask
 
 
 def build_tokenizer(name: str) -> Tokenizer:

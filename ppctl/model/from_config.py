@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 
 from ppctl.config import PpctlConfig
+from ppctl.data.blend import build_blended_dataset
+from ppctl.data.corpus import INSTRUCTION_SOURCES, BlendSpec, CorpusSpec, data_spec_of
 from ppctl.data.dataset import WindowDataset, build_dataset
-from ppctl.data.corpus import CorpusSpec
+from ppctl.data.instruction_dataset import build_instruction_dataset
 from ppctl.model.family import ResolvedModel, resolve_model
 from ppctl.model.hf_format import hf_format_of
 from ppctl.model.hf_weights import load_hf_weights
@@ -57,8 +59,13 @@ def parameter_dtype(config: PpctlConfig) -> torch.dtype:
 def dataset_of(config: PpctlConfig, split: str = "train") -> WindowDataset:
     """Split ``split`` (``train`` or ``validation``) of the configured dataset of ``trainer.seq_length``-token windows.
 
-    Token sources are prepared (or reused) in their cache; the windows are cut inside the split.
+    Token sources are prepared (or reused) in their cache; the windows are cut inside the split. A blend
+    (``data.blend``) draws from its sources in its weights' proportions.
     """
     data, trainer = config.data, config.trainer
-    return build_dataset(CorpusSpec.of(data), trainer.seq_length, config.model.vocab_size, trainer.seed, split,
-                         data.eod_mask_loss)
+    if data.source in INSTRUCTION_SOURCES and not data.blend:
+        return build_instruction_dataset(CorpusSpec.of(data), trainer.seq_length, config.model.vocab_size, split,
+                                         data.eod_mask_loss)
+    spec = data_spec_of(data)
+    build = build_blended_dataset if isinstance(spec, BlendSpec) else build_dataset
+    return build(spec, trainer.seq_length, config.model.vocab_size, trainer.seed, split, data.eod_mask_loss)

@@ -20,6 +20,13 @@ reach the other ranks' keys and values (``CPGroup.comm``):
   ``heads / cp`` heads, and an all-to-all turns it back.
 
 With one CP rank, attention is ``F.scaled_dot_product_attention(..., is_causal=True)``.
+
+Documents kept apart (``data.documents=separate``): ``segments`` (a ``CPSegments``, built once per
+microbatch from the rows' segment ids, see ``CPSegments.gathered``) makes every mode block-causal:
+key j is visible to query i iff j <= i and both are tokens of the same document. ``allgather`` and
+``a2a`` attend under the boolean masks the object holds; the ``ring`` masks each key block by
+document tile by tile and skips every chunk pair in which no query of the microbatch sees a key (a
+row that sees none of a block's keys gains nothing from it, exactly, and no NaN).
 """
 
 from __future__ import annotations
@@ -37,8 +44,8 @@ from ppctl.parallel.lanes import ONE_LANE, Lanes, OnLanes
 from ppctl.parallel.layout import CP_COMM_MODES, context_parallel_chunks, context_parallel_positions
 from ppctl.parallel.tensor_parallel import all_gather_single, reduce_scatter_single
 
-__all__ = ["CP_COMM_MODES", "CPGroup", "chunk_pair_mask", "context_parallel_attention", "ring_block_owner",
-           "ring_step_pairs", "RING_QUERY_TILE_ROWS"]
+__all__ = ["CP_COMM_MODES", "CPGroup", "CPSegments", "chunk_pair_mask", "context_parallel_attention",
+           "document_mask", "ring_block_owner", "ring_step_pairs", "visible_chunk_pairs", "RING_QUERY_TILE_ROWS"]
 
 SEQUENCE_DIM = 2  # attention tensors are [batch, heads, seq, head_dim]
 # The ring computes a pair of chunks this many query rows at a time, so its score
@@ -91,24 +98,134 @@ class CPGroup(OnLanes):
 
 
 def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                               cp: CPGroup) -> torch.Tensor:
+                               cp: CPGroup, segments: "CPSegments | None" = None) -> torch.Tensor:
     """Causal self-attention of this rank's tokens over the whole sequence.
 
     ``query``/``key``/``value`` are ``[batch, heads, local_seq, head_dim]`` for this CP
     rank's tokens in the layout's order (rotary already applied). Returns
     ``[batch, heads, local_seq, head_dim]``: exactly the rows of full causal attention
-    (scale ``1/sqrt(head_dim)``) for these tokens. The mask is by global sequence index.
+    (scale ``1/sqrt(head_dim)``) for these tokens. The mask is by global sequence index;
+    with ``segments`` (documents kept apart, built for ``cp``) it is block-causal: a key of
+    another document is never seen.
     """
+    if segments is not None:
+        segments.check_built_for(cp, query.shape[SEQUENCE_DIM])
     if cp.size == 1:
+        if segments is not None:
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=segments.masks[0])
         return F.scaled_dot_product_attention(query, key, value, is_causal=True)
     if not query.shape == key.shape == value.shape:
         raise ValueError(f"context-parallel attention needs query, key and value of one shape, got "
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
     if cp.comm == "allgather":
-        return _allgather_attention(query, key, value, cp)
+        return _allgather_attention(query, key, value, cp, segments)
     if cp.comm == "ring":
-        return _RingAttention.apply(query, key, value, cp)
-    return _all_to_all_attention(query, key, value, cp)
+        return _RingAttention.apply(query, key, value, cp, segments)
+    return _all_to_all_attention(query, key, value, cp, segments)
+
+
+# ---------------------------------------------------------------------------
+# Documents kept apart: what each mode needs of the rows' segment ids, once per microbatch
+# ---------------------------------------------------------------------------
+
+def document_mask(query_segments: torch.Tensor, key_segments: torch.Tensor,
+                  causal_offset: int | None) -> torch.Tensor:
+    """Which keys each query sees: ``[batch, 1, rows, keys]`` bool (True: attended), broadcast over heads.
+
+    ``query_segments [batch, rows]`` and ``key_segments [batch, keys]`` are the documents of the
+    queries and keys; a key is seen only by queries of its own document. ``causal_offset``: query
+    row i is token ``causal_offset + i`` of the keys' numbering and sees keys up to it; None: every
+    key precedes every query (a ring pair of distinct chunks).
+    """
+    same_document = query_segments.unsqueeze(-1) == key_segments.unsqueeze(-2)
+    if causal_offset is not None:
+        rows, keys = query_segments.shape[-1], key_segments.shape[-1]
+        key_index = torch.arange(keys, device=key_segments.device)
+        query_index = torch.arange(causal_offset, causal_offset + rows, device=key_segments.device)
+        same_document &= key_index <= query_index.unsqueeze(-1)
+    return same_document.unsqueeze(1)
+
+
+def visible_chunk_pairs(chunk_segments: torch.Tensor) -> frozenset[tuple[int, int]]:
+    """The ``(query chunk, key chunk)`` pairs (global indices) in which some query sees some key, block-causally.
+
+    ``chunk_segments [batch, chunks, chunk]``: a row's segment ids cut into its equal chunks. A
+    chunk always sees itself (each token sees itself); a later chunk sees an earlier one iff, in
+    some row, the two share a document (every key of the earlier chunk precedes every query). Any
+    ids (not only non-decreasing ones) are judged right. Synchronises with the host (once per microbatch).
+    """
+    batch, chunks, _ = chunk_segments.shape
+    documents, document = torch.unique(chunk_segments, return_inverse=True)  # ids 0..n-1, whatever the given ids
+    present = torch.zeros(batch, chunks, len(documents), device=chunk_segments.device)
+    present.scatter_(2, document, 1.0)  # present[b, c, d]: chunk c of row b holds a token of document d
+    shared = torch.einsum("bqd,bkd->qk", present, present) > 0
+    shared &= torch.ones(chunks, chunks, dtype=torch.bool, device=shared.device).tril()
+    return frozenset((q_chunk, k_chunk) for q_chunk, k_chunk in shared.nonzero().tolist())
+
+
+@dataclass(frozen=True, eq=False)
+class CPSegments:
+    """Documents kept apart under context parallelism: what ``cp``'s mode needs, built once per microbatch.
+
+    ``comm``, ``size`` and ``local_seq``: the CP group's mode and size and this rank's tokens per row
+    it was built for. ``masks`` (``document_mask``'s): ``allgather``, one per local query chunk over
+    the keys up to that chunk's end; ``a2a`` and one rank, one over the whole sequence; ``ring``,
+    none. ``chunk_segments [batch, 2*cp, chunk]`` (ring): every chunk's segment ids, which mask the
+    blocks tile by tile; ``visible_pairs`` (ring): the global chunk pairs it computes, the others
+    seeing nothing. Build it with ``CPSegments.gathered`` (this rank's slice, one small all-gather)
+    or ``CPSegments.of_row`` (the whole row); every layer of the microbatch reads the same one.
+    """
+
+    comm: str
+    size: int
+    local_seq: int
+    masks: tuple[torch.Tensor, ...] = ()
+    chunk_segments: torch.Tensor | None = None
+    visible_pairs: frozenset[tuple[int, int]] = frozenset()
+
+    @staticmethod
+    def of_row(segment_ids: torch.Tensor, cp: CPGroup) -> "CPSegments":
+        """From the whole rows' segment ids ``[batch, seq]`` (int, sequence order; the same on every CP rank)."""
+        seq = segment_ids.shape[-1]
+        local_seq = seq // cp.size
+        if cp.size == 1 or cp.comm == "a2a":
+            return CPSegments(cp.comm, cp.size, local_seq, masks=(document_mask(segment_ids, segment_ids, 0),))
+        chunk = local_seq // 2
+        if cp.comm == "ring":
+            chunk_segments = segment_ids.unflatten(-1, (2 * cp.size, chunk))
+            return CPSegments(cp.comm, cp.size, local_seq, chunk_segments=chunk_segments,
+                              visible_pairs=visible_chunk_pairs(chunk_segments))
+        masks = []  # allgather: query chunk g (rows from token g * chunk) over the keys before its end
+        for global_chunk in context_parallel_chunks(cp.rank, cp.size):
+            start, end = global_chunk * chunk, (global_chunk + 1) * chunk
+            masks.append(document_mask(segment_ids[:, start:end], segment_ids[:, :end], start))
+        return CPSegments(cp.comm, cp.size, local_seq, masks=tuple(masks))
+
+    @staticmethod
+    def gathered(local_segment_ids: torch.Tensor, cp: CPGroup) -> "CPSegments":
+        """From this CP rank's slice ``[batch, local_seq]`` of the segment ids (as its microbatch holds them).
+
+        The whole rows come from one all-gather of the int ids over the CP group (every CP rank
+        calls this for the same microbatch, in the same order), then ``of_row``.
+        """
+        if cp.size == 1:
+            return CPSegments.of_row(local_segment_ids, cp)
+        local_seq = local_segment_ids.shape[-1]
+        leading = local_segment_ids.t().contiguous()  # sequence-first: the gather concatenates along dim 0
+        gathered = leading.new_empty((cp.size * local_seq, *leading.shape[1:]))
+        cp.post(all_gather_single, gathered, leading)
+        in_sequence = torch.argsort(_rank_major_positions(local_seq, cp, gathered.device))
+        return CPSegments.of_row(gathered.index_select(0, in_sequence).t(), cp)
+
+    def check_built_for(self, cp: CPGroup, local_seq: int) -> None:
+        """Raise ValueError (one line) unless built for ``cp``'s size and mode and ``local_seq`` tokens a row."""
+        if (self.size, self.local_seq) != (cp.size, local_seq) or (cp.size > 1 and self.comm != cp.comm):
+            raise ValueError(f"CPSegments built for cp={self.size} cp_comm={self.comm} and {self.local_seq} tokens "
+                             f"a row, used with cp={cp.size} cp_comm={cp.comm} and {local_seq}")
+
+    def ring_documents(self, q_chunk: int, k_chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The segment ids ``[batch, chunk]`` of global query chunk ``q_chunk`` and key chunk ``k_chunk``."""
+        return self.chunk_segments[:, q_chunk], self.chunk_segments[:, k_chunk]
 
 
 # ---------------------------------------------------------------------------
@@ -131,15 +248,19 @@ def ring_block_owner(cp_rank: int, cp_size: int, step: int) -> int:
     return (cp_rank - step) % cp_size
 
 
-def ring_step_pairs(cp_rank: int, cp_size: int, step: int) -> list[tuple[int, int, str]]:
+def ring_step_pairs(cp_rank: int, cp_size: int, step: int,
+                    visible: frozenset[tuple[int, int]] | None = None) -> list[tuple[int, int, str]]:
     """The pairs ``cp_rank`` computes at ring step ``step``: ``(local query chunk, local key chunk, mask)``.
 
-    Local indices number a rank's chunks in its layout order (0, 1); skipped pairs are left out.
+    Local indices number a rank's chunks in its layout order (0, 1); skipped pairs are left out:
+    those causally masked and, given ``visible`` (global ``(query chunk, key chunk)`` pairs, see
+    ``visible_chunk_pairs``), those outside it (no query sees a key of its own document there).
     """
     query_chunks = context_parallel_chunks(cp_rank, cp_size)
     key_chunks = context_parallel_chunks(ring_block_owner(cp_rank, cp_size, step), cp_size)
     pairs = [(q_local, k_local, chunk_pair_mask(q_chunk, k_chunk))
-             for q_local, q_chunk in enumerate(query_chunks) for k_local, k_chunk in enumerate(key_chunks)]
+             for q_local, q_chunk in enumerate(query_chunks) for k_local, k_chunk in enumerate(key_chunks)
+             if visible is None or (q_chunk, k_chunk) in visible]
     return [pair for pair in pairs if pair[2] != "skip"]
 
 
@@ -205,7 +326,7 @@ def _unpack_sequence_first(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return packed[:, 0].movedim(0, SEQUENCE_DIM), packed[:, 1].movedim(0, SEQUENCE_DIM)
 
 
-def _allgather_attention(query, key, value, cp: CPGroup) -> torch.Tensor:
+def _allgather_attention(query, key, value, cp: CPGroup, segments: CPSegments | None) -> torch.Tensor:
     """Each local query chunk over the gathered keys/values up to its own end, causal by global index.
 
     The keys are put in sequence order once; a query chunk ending at token e then needs
@@ -214,7 +335,7 @@ def _allgather_attention(query, key, value, cp: CPGroup) -> torch.Tensor:
     lower right (query row i, token ``e - chunk + i``, sees keys up to its own token):
     torch's ``causal_lower_right`` bias, which SDPA runs in a fused kernel on CUDA
     (flash or memory-efficient attention, no mask in memory) and as the same boolean
-    mask elsewhere.
+    mask elsewhere. With ``segments`` each chunk's mask is its block-causal one (``CPSegments.masks``).
     """
     # imported here: torch.nn.attention.bias imports torch._dynamo, 1.5 s of every worker's start-up otherwise
     from torch.nn.attention.bias import causal_lower_right
@@ -227,8 +348,9 @@ def _allgather_attention(query, key, value, cp: CPGroup) -> torch.Tensor:
     outputs = []
     for local_index, global_chunk in enumerate(context_parallel_chunks(cp.rank, cp.size)):
         end = (global_chunk + 1) * chunk  # query row i is token end - chunk + i: it sees keys j <= end - chunk + i
+        mask = causal_lower_right(chunk, end) if segments is None else segments.masks[local_index]
         outputs.append(F.scaled_dot_product_attention(_chunk(query, local_index), keys[..., :end, :],
-                                                      values[..., :end, :], attn_mask=causal_lower_right(chunk, end)))
+                                                      values[..., :end, :], attn_mask=mask))
     return torch.cat(outputs, dim=SEQUENCE_DIM)
 
 
@@ -279,14 +401,18 @@ def _all_to_all(tensor: torch.Tensor, cp: CPGroup) -> torch.Tensor:
     return received
 
 
-def _all_to_all_attention(query, key, value, cp: CPGroup) -> torch.Tensor:
-    """Ulysses: switch to ``heads / cp`` heads over the whole sequence, attend causally, switch back."""
+def _all_to_all_attention(query, key, value, cp: CPGroup, segments: CPSegments | None) -> torch.Tensor:
+    """Ulysses: switch to ``heads / cp`` heads over the whole sequence, attend causally (block-causally under
+    ``segments``: its whole-sequence mask), switch back."""
     heads = query.shape[1]
     if heads % cp.size:
         raise ValueError(f"cp_comm='a2a' needs the attention heads of a rank ({heads}, num_heads / tp) to be "
                          f"divisible by cp={cp.size}; use another cp_comm or a head count divisible by cp")
     full_query, full_key, full_value = _sequence_to_head_split((query, key, value), cp)
-    attended = F.scaled_dot_product_attention(full_query, full_key, full_value, is_causal=True)
+    if segments is None:
+        attended = F.scaled_dot_product_attention(full_query, full_key, full_value, is_causal=True)
+    else:
+        attended = F.scaled_dot_product_attention(full_query, full_key, full_value, attn_mask=segments.masks[0])
     return _head_to_sequence_split(attended, cp)
 
 
@@ -364,39 +490,66 @@ def _query_tiles(rows: int, causal: bool, key_length: int):
         yield start, stop, (stop if causal else key_length)
 
 
-def _tile_scores(query, key, scale: float, start: int, causal: bool) -> torch.Tensor:
-    """Scaled scores of a query tile (rows ``start`` onwards of its chunk); causal: later keys at -inf."""
+def _tile_scores(query, key, scale: float, start: int, causal: bool, documents=None) -> torch.Tensor:
+    """Scaled scores of a query tile (rows ``start`` onwards of its chunk); causal: later keys at -inf.
+
+    ``documents``: ``(query segments, key segments)`` of the tile's rows and keys, or None; keys of
+    another document (and, causal, later keys) at -inf.
+    """
     scores = torch.matmul(query, key.transpose(-1, -2)).mul_(scale)
-    if causal:
+    if documents is not None:
+        seen = document_mask(*documents, start if causal else None)
+        scores.masked_fill_(seen.logical_not_(), float("-inf"))
+    elif causal:
         # Row i of the tile is row start+i of the chunk: key j is masked when j > start + i.
         hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu_(start + 1)
         scores.masked_fill_(hidden, float("-inf"))
     return scores
 
 
-def _merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Fold one block's softmax-normalised output and log-sum-exp into the running ones, in place."""
+def _merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
+                 may_see_nothing: bool = False) -> None:
+    """Fold one block's softmax-normalised output and log-sum-exp into the running ones, in place.
+
+    ``may_see_nothing`` (documents kept apart): a row may have seen no key yet and none in this block
+    (both log-sum-exps -inf); it stays exactly as it was, where ``exp(-inf - -inf)`` would make it NaN.
+    """
     merged_lse = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - merged_lse).unsqueeze(-1))
-    out.add_(block_out * torch.exp(block_lse - merged_lse).unsqueeze(-1))
+    reference = _finite_or_zero(merged_lse) if may_see_nothing else merged_lse
+    out.mul_(torch.exp(lse - reference).unsqueeze(-1))
+    out.add_(block_out * torch.exp(block_lse - reference).unsqueeze(-1))
     lse.copy_(merged_lse)
 
 
-def _tile_forward(query, key, value, out, lse, scale: float, start: int, causal: bool) -> None:
-    """One query tile against its visible keys, merged into the tile's running ``out``/``lse``."""
+def _finite_or_zero(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with its -inf entries (rows that saw no key) at 0, to subtract from -inf scores: exp gives 0, not NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+def _tile_forward(query, key, value, out, lse, scale: float, start: int, causal: bool, documents=None) -> None:
+    """One query tile against its visible keys, merged into the tile's running ``out``/``lse``.
+
+    Under ``documents`` a row may see none of the tile's keys: its block log-sum-exp is -inf, its
+    probabilities and output 0, and the merge leaves its running ``out``/``lse`` exactly unchanged.
+    """
     compute = out.dtype
-    scores = _tile_scores(query.to(compute), key.to(compute), scale, start, causal)
+    scores = _tile_scores(query.to(compute), key.to(compute), scale, start, causal, documents)
     block_lse = torch.logsumexp(scores, dim=-1)
-    probs = scores.sub_(block_lse.unsqueeze(-1)).exp_()
-    _merge_block(out, lse, torch.matmul(probs, value.to(compute)), block_lse)
+    shift = block_lse if documents is None else _finite_or_zero(block_lse)
+    probs = scores.sub_(shift.unsqueeze(-1)).exp_()
+    _merge_block(out, lse, torch.matmul(probs, value.to(compute)), block_lse, may_see_nothing=documents is not None)
 
 
 def _tile_backward(query, key, value, grad_out, lse, delta, grad_query, grad_key, grad_value,
-                   scale: float, start: int, causal: bool) -> None:
-    """Flash-attention backward of one query tile against its visible keys, accumulated into the gradients."""
+                   scale: float, start: int, causal: bool, documents=None) -> None:
+    """Flash-attention backward of one query tile against its visible keys, accumulated into the gradients.
+
+    ``lse`` is the rows' final log-sum-exp, finite (each token sees itself), so hidden keys get P = 0.
+    """
     compute = grad_query.dtype
     query, key, value = query.to(compute), key.to(compute), value.to(compute)
-    probs = _tile_scores(query, key, scale, start, causal).sub_(lse.unsqueeze(-1)).exp_()  # P = exp(S*scale - lse)
+    scores = _tile_scores(query, key, scale, start, causal, documents)
+    probs = scores.sub_(lse.unsqueeze(-1)).exp_()  # P = exp(S*scale - lse)
     grad_value.add_(torch.matmul(probs.transpose(-1, -2), grad_out))  # dV += P^T dO
     grad_scores = torch.matmul(grad_out, value.transpose(-1, -2))  # dP = dO V^T
     grad_scores.sub_(delta.unsqueeze(-1)).mul_(probs)  # dS = P * (dP - D)
@@ -404,24 +557,48 @@ def _tile_backward(query, key, value, grad_out, lse, delta, grad_query, grad_key
     grad_key.add_(torch.matmul(grad_scores.transpose(-1, -2), query), alpha=scale)  # dK += scale * dS^T Q
 
 
-def _pair_forward(query, key, value, out, lse, scale: float, causal: bool) -> None:
-    """Attend one query chunk to one key chunk, tile by tile, merging into its running ``out``/``lse``."""
+def _tile_documents(documents, rows: slice, keys: slice):
+    """The ``(query, key)`` segment ids ``[batch, n]`` of a tile's rows and keys, or None without documents."""
+    return None if documents is None else (documents[0][:, rows], documents[1][:, keys])
+
+
+def _pair_forward(query, key, value, out, lse, scale: float, causal: bool, documents=None) -> None:
+    """Attend one query chunk to one key chunk, tile by tile, merging into its running ``out``/``lse``.
+
+    ``documents``: the chunks' ``(query, key)`` segment ids ``[batch, chunk]`` (documents kept apart), or None.
+    """
     for start, stop, key_stop in _query_tiles(query.shape[-2], causal, key.shape[-2]):
         _tile_forward(query[..., start:stop, :], key[..., :key_stop, :], value[..., :key_stop, :],
-                      out[..., start:stop, :], lse[..., start:stop], scale, start, causal)
+                      out[..., start:stop, :], lse[..., start:stop], scale, start, causal,
+                      _tile_documents(documents, slice(start, stop), slice(0, key_stop)))
 
 
 def _pair_backward(query, key, value, grad_out, lse, delta, grad_query, grad_key, grad_value,
-                   scale: float, causal: bool) -> None:
+                   scale: float, causal: bool, documents=None) -> None:
     """Backward of one (query chunk, key chunk) pair, tile by tile, accumulated into the gradient buffers."""
     for start, stop, key_stop in _query_tiles(query.shape[-2], causal, key.shape[-2]):
         rows, keys = slice(start, stop), slice(0, key_stop)
         _tile_backward(query[..., rows, :], key[..., keys, :], value[..., keys, :], grad_out[..., rows, :],
                        lse[..., rows], delta[..., rows], grad_query[..., rows, :], grad_key[..., keys, :],
-                       grad_value[..., keys, :], scale, start, causal)
+                       grad_value[..., keys, :], scale, start, causal, _tile_documents(documents, rows, keys))
 
 
-def _ring_forward(query, key, value, cp: CPGroup, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _ring_pairs(cp: CPGroup, step: int, segments: CPSegments | None):
+    """``(local query chunk, local key chunk, causal, documents)`` of each pair this rank computes at ``step``.
+
+    ``documents``: the pair's ``(query, key)`` segment ids under ``segments``, else None; pairs in which
+    no query sees a key of its own document are skipped (``CPSegments.visible_pairs``).
+    """
+    visible = None if segments is None else segments.visible_pairs
+    query_chunks = context_parallel_chunks(cp.rank, cp.size)
+    key_chunks = context_parallel_chunks(ring_block_owner(cp.rank, cp.size, step), cp.size)
+    for q_local, k_local, mask in ring_step_pairs(cp.rank, cp.size, step, visible):
+        documents = None if segments is None else segments.ring_documents(query_chunks[q_local], key_chunks[k_local])
+        yield q_local, k_local, mask == "causal", documents
+
+
+def _ring_forward(query, key, value, cp: CPGroup, scale: float,
+                  segments: CPSegments | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Output (compute dtype) and log-sum-exp of this rank's queries, one key/value block per ring step."""
     compute = _compute_dtype(query.dtype)
     out = torch.zeros(query.shape, dtype=compute, device=query.device)
@@ -430,15 +607,16 @@ def _ring_forward(query, key, value, cp: CPGroup, scale: float) -> tuple[torch.T
     for step in range(cp.size):
         # Post the next block's exchange first, so it travels while this one is computed.
         exchange = _RingExchange(block, cp) if step < cp.size - 1 else None
-        for q_local, k_local, mask in ring_step_pairs(cp.rank, cp.size, step):
+        for q_local, k_local, causal, documents in _ring_pairs(cp, step, segments):
             _pair_forward(_chunk(query, q_local), _chunk(block[0], k_local), _chunk(block[1], k_local),
-                          _chunk(out, q_local), _chunk(lse, q_local), scale, mask == "causal")
+                          _chunk(out, q_local), _chunk(lse, q_local), scale, causal, documents)
         if exchange is not None:
             block = exchange.wait()
     return out, lse
 
 
-def _ring_backward(grad_out, query, key, value, out, lse, cp: CPGroup, scale: float):
+def _ring_backward(grad_out, query, key, value, out, lse, cp: CPGroup, scale: float,
+                   segments: CPSegments | None = None):
     """Gradients of query, key and value: blocks go around the ring again with their dK/dV accumulators.
 
     The accumulator of a block starts at its owner, gains each rank's contribution as it
@@ -452,11 +630,11 @@ def _ring_backward(grad_out, query, key, value, out, lse, cp: CPGroup, scale: fl
     for step in range(cp.size):
         block_exchange = _RingExchange(block, cp) if step < cp.size - 1 else None
         partial = torch.zeros(block.shape, dtype=compute, device=block.device)
-        for q_local, k_local, mask in ring_step_pairs(cp.rank, cp.size, step):
+        for q_local, k_local, causal, documents in _ring_pairs(cp, step, segments):
             _pair_backward(_chunk(query, q_local), _chunk(block[0], k_local), _chunk(block[1], k_local),
                            _chunk(grad_out, q_local), _chunk(lse, q_local), _chunk(delta, q_local),
                            _chunk(grad_query, q_local), _chunk(partial[0], k_local), _chunk(partial[1], k_local),
-                           scale, mask == "causal")
+                           scale, causal, documents)
         # This block's accumulator from the previous ranks arrived while we computed our part of it.
         accumulated = partial if grad_exchange is None else grad_exchange.wait().add_(partial)
         grad_exchange = _RingExchange(accumulated, cp)
@@ -471,16 +649,16 @@ class _RingAttention(torch.autograd.Function):
     """Ring attention: forward and backward each pass every key/value block once around the CP ring."""
 
     @staticmethod
-    def forward(ctx, query, key, value, cp):
+    def forward(ctx, query, key, value, cp, segments=None):
         scale = 1.0 / math.sqrt(query.shape[-1])
-        out, lse = _ring_forward(query, key, value, cp, scale)
+        out, lse = _ring_forward(query, key, value, cp, scale, segments)
         out = out.to(query.dtype)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.cp, ctx.scale = cp, scale
+        ctx.cp, ctx.scale, ctx.segments = cp, scale, segments
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
-        return (*_ring_backward(grad_out, query, key, value, out, lse, ctx.cp, ctx.scale), None)
+        return (*_ring_backward(grad_out, query, key, value, out, lse, ctx.cp, ctx.scale, ctx.segments), None, None)

@@ -17,9 +17,9 @@ from ppctl.config.derived import (configured_schedule, interleaves_experts, layo
                                   num_microbatches, parse_endpoint, pipeline_layout_of, schedule_spec,
                                   tokenizer_vocab_size)
 from ppctl.resolve.init_from import starts_from_a_checkpoint
-from ppctl.config.schema import (BACKENDS, BALANCE_MODES, DATA_SOURCES, DROP_POLICIES, LAUNCHERS,
+from ppctl.config.schema import (BACKENDS, BAD_ROWS, BALANCE_MODES, DATA_SOURCES, DROP_POLICIES, LAUNCHERS, PACKINGS,
                                  POSITION_EMBEDDINGS, PRECISIONS, RECOMPUTE_METHODS, RECOMPUTE_MODES, ROUTER_SCORES,
-                                 ConfigError, MoEConfig, PpctlConfig, require)
+                                 TOO_LONG, ConfigError, MoEConfig, PpctlConfig, require)
 from ppctl.model.family import ResolvedModel, hf_experts_formats, resolve_model
 from ppctl.model.hf_format import init_from_problem
 from ppctl.optim.lr import DECAY_STYLES
@@ -639,23 +639,53 @@ def _check_data(config: PpctlConfig) -> None:
     require(0 <= data.validation_fraction < 1,
             f"data.validation_fraction={data.validation_fraction} must be >= 0 and < 1")
     require(data.num_proc is None or data.num_proc >= 1, f"data.num_proc={data.num_proc} must be a positive integer")
-    if data.source == "synthetic":
+    if data.blend:
+        _check_blend_alone(data)
+    elif data.source == "synthetic":
         return
     require(data.validation_fraction > 0 or trainer.eval_every == 0,
             f"data.validation_fraction={data.validation_fraction} leaves no validation split but "
             f"trainer.eval_every={trainer.eval_every}; set trainer.eval_every=0 or raise data.validation_fraction")
     from ppctl.data.cache import token_dtype_for
-    from ppctl.data.corpus import CorpusSpec
+    from ppctl.data.corpus import BlendSpec, CorpusSpec
 
     vocab_size = tokenizer_vocab_size(data)
     try:
-        CorpusSpec.of(data).corpus()  # the files exist, are of one type; a hub name is tried when preparing
+        if data.blend:
+            BlendSpec.of(data).check()  # at least two sources, weights finite and > 0, each source's files
+        else:
+            CorpusSpec.of(data).corpus()  # the files exist, are of one type; a hub name is tried when preparing
         token_dtype_for(data.token_dtype, vocab_size)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     require(config.model.vocab_size >= vocab_size,
             f"model.vocab_size={config.model.vocab_size} is smaller than the {vocab_size} ids of data.tokenizer="
             f"{data.tokenizer}; set model.vocab_size >= {vocab_size} or leave it unset to follow the tokenizer")
+    _check_instruction_data(data)
+
+
+def _check_instruction_data(data) -> None:
+    """``data=chat`` and ``data=prompt_completion``: the packing, the policies, and chat's template."""
+    require(data.packing in PACKINGS, f"data.packing={data.packing!r} must be one of {', '.join(PACKINGS)}")
+    require(data.too_long in TOO_LONG, f"data.too_long={data.too_long!r} must be one of {', '.join(TOO_LONG)}")
+    require(data.bad_rows in BAD_ROWS, f"data.bad_rows={data.bad_rows!r} must be one of {', '.join(BAD_ROWS)}")
+    if data.source != "chat":
+        return
+    from ppctl.data.instruction import InstructionOptions, chat_template_of
+    from ppctl.data.tokenizer import build_tokenizer
+
+    try:
+        chat_template_of(InstructionOptions("chat", chat_template=data.chat_template), build_tokenizer(data.tokenizer))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _check_blend_alone(data) -> None:
+    """A blend (``data.blend``) names every source itself: ``data.path`` and synthetic data would be left unread."""
+    require(data.path is None, f"data.blend names each source's path; unset data.path={data.path}, or move it into "
+                               f"data.blend as {{path: {data.path}, weight: ...}}")
+    require(data.source != "synthetic", "data.source=synthetic with data.blend: a blend draws from token files "
+                                        "(python_stdlib or text); leave data.source unset or drop data.blend")
 
 
 def _check_lr_schedule(config: PpctlConfig) -> None:

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ppctl.config import PpctlConfig
-from ppctl.data.dataset import build_microbatch, global_batch_sample_ids
-from ppctl.data.dataset import Microbatch
+from ppctl.data.dataset import Microbatch, build_microbatch
 from ppctl.model.family import ResolvedModel, resolve_model
 from ppctl.model.from_config import build_chunk, dataset_of
 from ppctl.model.moe.layer import set_router_loss_scale
@@ -111,7 +110,7 @@ def run_reference(config: PpctlConfig, steps: int | None = None) -> ReferenceRun
     moe = resolved.moe
     losses, norms, first_gradients = [], [], {}
     for step in range(trainer.max_steps if steps is None else steps):
-        ids = global_batch_sample_ids(trainer.seed, step, trainer.global_batch_size, len(dataset))
+        ids = dataset.batch_sample_ids(trainer.seed, step, trainer.global_batch_size)
         set_learning_rate(optimizer, learning_rate(step, schedule))
         loss, norm = reference_step(model, optimizer, build_microbatch(dataset, ids), config.optimizer.clip_grad,
                                     first_gradients if step == 0 else None, delayed,

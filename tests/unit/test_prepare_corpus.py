@@ -438,7 +438,8 @@ def test_data_settings_are_validated_in_one_line(tmp_path):
         (dict(source="text", path=str(tmp_path)), f"data.path={tmp_path}: the folder holds no file"),
         (dict(source="text"), "data.source=text needs data.path"),
         (dict(path="x.txt"), "data.source=python_stdlib takes no data.path"),
-        (dict(source="text_file"), "data.source='text_file' must be one of python_stdlib, text, synthetic"),
+        (dict(source="text_file"),
+         "data.source='text_file' must be one of python_stdlib, text, chat, prompt_completion, synthetic"),
     ]:
         with pytest.raises(ConfigError) as error:
             validate(config_of(**settings))
