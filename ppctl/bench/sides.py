@@ -28,7 +28,7 @@ from ppctl.optim.grads import build_optimizer, clip_gradients, global_grad_norm
 from ppctl.optim.lr import learning_rate, lr_schedule_of, set_learning_rate
 from ppctl.parallel.groups import ParallelContext
 from ppctl.parallel.tensor_parallel import TPGroup, vocab_parallel_cross_entropy
-from ppctl.run.train import Trainer, build_chunks, build_data, to_device
+from ppctl.run.train import Trainer, build_chunks, build_data, loss_count_group, to_device
 
 from .rules import TORCH_SCHEDULE_CLASSES
 
@@ -134,7 +134,7 @@ class TorchPipelineSide(_ReferenceParts):
         args = (torch.cat([mb.tokens for mb in microbatches]),) if self.holds_first else ()
         target, losses = None, []
         if self.holds_loss:
-            self.loss.normalizer = self.data.global_loss_tokens(step)
+            self.loss.normalizer = self.data.global_loss_tokens(step, microbatches, loss_count_group(self.context))
             target = torch.cat([torch.stack([mb.labels.double(), mb.loss_mask.double()], dim=-1)
                                 for mb in microbatches])
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
@@ -158,9 +158,10 @@ class PlainLoopSide(_ReferenceParts):
 
     def _step(self, step: int) -> float:
         self.optimizer.zero_grad(set_to_none=False)
-        loss_fn = MaskedTokenLoss(self.data.global_loss_tokens(step))
+        microbatches = self.microbatches(step)
+        loss_fn = MaskedTokenLoss(self.data.global_loss_tokens(step, microbatches, loss_count_group(self.context)))
         total = 0.0
-        for mb in self.microbatches(step):
+        for mb in microbatches:
             token_losses = self.model(mb.tokens, position_ids=mb.position_ids, labels=mb.labels)
             loss, masked_sum = loss_fn(token_losses, mb)
             loss.backward()

@@ -85,20 +85,25 @@ class PipelineDataIterator:
                                                                                           self.cp_size)
                              for name, value in vars(microbatch).items()})
 
-    def global_loss_tokens(self, step: int) -> float:
-        """Return the loss-mask sum over the whole global batch ``step`` (last-stage ranks only).
+    def global_loss_tokens(self, step: int, microbatches: list[Microbatch],
+                           replicas: dist.ProcessGroup | None = None) -> float:
+        """Return the loss-weight sum over the whole global batch ``step``: the one count its loss is divided by
+        (last-stage ranks only).
 
-        With all-ones masks this is computed locally; otherwise the TP source
-        reads it and broadcasts it, so every rank of the TP group must call this.
+        ``microbatches`` are this rank's of ``step`` (``microbatches(step)``: its DP rank's share, cut to its CP
+        part); ``replicas`` is the group of the ranks holding the other shares (the dp x cp ranks of this pp rank;
+        None when there are none). With all-ones masks the count is gbs*seq, with no message; otherwise each rank
+        sums the masks it holds in float64 and one all-reduce over ``replicas`` adds the shares, so the count is
+        what the loss's masks hold and no rank reads another's samples. Every rank of ``replicas`` must call this.
         """
         if "loss_mask" not in self.needed_fields:
             raise RuntimeError("global_loss_tokens needs the loss mask; this rank does not hold the last pipeline stage")
         if self.dataset.loss_mask_all_ones:
             return global_loss_tokens(self.dataset, self.seed, step, self.global_batch_size)
-        total = torch.zeros(1, dtype=torch.float64)
-        if self.is_tp_src:
-            total[0] = global_loss_tokens(self.dataset, self.seed, step, self.global_batch_size)
-        return float(self._broadcast(total).item())
+        share = torch.stack([microbatch.loss_mask.to(torch.float64).sum() for microbatch in microbatches]).sum()
+        if replicas is not None and dist.get_world_size(replicas) > 1:
+            dist.all_reduce(share, group=replicas)
+        return float(share.item())
 
     def _read_and_send(self, step: int) -> list[Microbatch]:
         """Read this step's microbatches, broadcast the needed fields, keep only those."""

@@ -1,5 +1,10 @@
 """Console lines, TensorBoard scalars, ``metrics.jsonl`` and trace files, written by the rank that owns the loss.
 
+Two token counts, each named for what it counts: ``tok/s`` (``train/tokens_per_s``) counts every input token of the
+global batch, what the hardware computed (a token whose label weighs zero is computed all the same); ``trained``
+(``train/trained_tokens``, ``train/trained_tokens_per_s``, ``val/trained_tokens``) counts the tokens the loss
+averages over (the loss weights summed: every label without a loss mask), the loss's denominator.
+
 ``metrics.jsonl`` keeps each step's loss, grad norm and learning rate, and each validation loss, as exact
 floats (TensorBoard keeps float32): one JSON object a line, flushed as written (``ppctl verify`` compares two
 runs by it). A run resumed in its own directory drops the lines of steps from its start on, as TensorBoard's
@@ -21,7 +26,8 @@ from pathlib import Path
 from ppctl.config import PpctlConfig
 from ppctl.resolve import to_yaml
 
-SCALARS = ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "bubble_ratio_measured", "skipped_steps")
+SCALARS = ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "trained_tokens", "trained_tokens_per_s",
+           "bubble_ratio_measured", "skipped_steps")
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -98,7 +104,7 @@ class TrainingLogger:
     def log(self, result) -> None:
         """Record one step; print it when it is the first, the last or every ``log_every``-th."""
         self.metrics.write({"step": result.step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
-                            "skipped": result.skipped})
+                            "skipped": result.skipped, "trained_tokens": result.trained_tokens})
         if self.writer is not None:
             for name in SCALARS:
                 value = getattr(result, name)
@@ -111,20 +117,28 @@ class TrainingLogger:
         step = result.step + 1
         self.eta.record(step, result.step_time_s)
         if step == 1 or step == trainer.max_steps or step % trainer.log_every == 0:
-            print(format_step(result, trainer.max_steps, self.eta.remaining_s()), flush=True)
+            print(format_step(result, trainer.max_steps, self.eta.remaining_s(), self._input_tokens()), flush=True)
         if result.skipped:
             print(f"step {step}: gradient norm {result.grad_norm}: step skipped, nothing updated "
                   f"({result.skipped_steps} skipped so far)", flush=True)
 
-    def log_validation(self, step: int, loss: float) -> None:
-        """Record the validation loss taken after step ``step`` (0-based, as ``train/*``) and print it."""
+    def _input_tokens(self) -> int:
+        """The input tokens of one global batch (every token computed, trained or not)."""
+        return self.config.trainer.global_batch_size * self.config.trainer.seq_length
+
+    def log_validation(self, step: int, loss: float, trained_tokens: float | None = None) -> None:
+        """Record the validation loss taken after step ``step`` (0-based, as ``train/*``), the mean over
+        ``trained_tokens`` trained tokens of ``trainer.eval_iters`` batches, and print it."""
         perplexity = math.exp(min(loss, 700.0))  # exp overflows a float beyond ~709
-        self.metrics.write({"step": step, "val_loss": loss})
+        self.metrics.write({"step": step, "val_loss": loss, "val_trained_tokens": trained_tokens})
         if self.writer is not None:
             self.writer.add_scalar("val/loss", loss, step)
             self.writer.add_scalar("val/perplexity", perplexity, step)
-        print(f"step {step + 1:>5}/{self.config.trainer.max_steps} | validation loss {loss:.4f} | "
-              f"perplexity {perplexity:.2f}", flush=True)
+            if trained_tokens is not None:
+                self.writer.add_scalar("val/trained_tokens", trained_tokens, step)
+        input_tokens = self._input_tokens() * self.config.trainer.eval_iters
+        print(format_validation(step, self.config.trainer.max_steps, loss, perplexity, trained_tokens, input_tokens),
+              flush=True)
 
     def saved(self, path: Path, step: int, reason: str) -> None:
         """Say where the checkpoint taken after ``step`` steps went."""
@@ -165,15 +179,34 @@ def routing_scalars(routing) -> dict[str, float]:
     return scalars
 
 
-def format_step(result, max_steps: int, eta_s: float | None = None) -> str:
-    """One console line: step, loss, lr, grad norm, tokens/s, step time (measured bubble if traced, ETA if known)."""
+def format_step(result, max_steps: int, eta_s: float | None = None, input_tokens: int | None = None) -> str:
+    """One console line: step, loss, lr, grad norm, input tokens/s, trained tokens of the ``input_tokens`` (when both
+    are known), step time (measured bubble if traced, ETA if known)."""
     line = (f"step {result.step + 1:>5}/{max_steps} | loss {result.loss:.4f} | lr {result.lr:.2e} | "
-            f"grad norm {result.grad_norm:.3f} | {result.tokens_per_s:,.0f} tok/s | {result.step_time_s * 1e3:.1f} ms")
+            f"grad norm {result.grad_norm:.3f} | {result.tokens_per_s:,.0f} tok/s")
+    if result.trained_tokens is not None and input_tokens is not None:
+        line += f" | trained {format_count(result.trained_tokens)}/{input_tokens:,} tok"
+    line += f" | {result.step_time_s * 1e3:.1f} ms"
     if result.bubble_ratio_measured is not None:
         line += f" | bubble {result.bubble_ratio_measured:.2f}"
     if eta_s is not None:
         line += f" | eta {format_duration(eta_s)}"
     return line
+
+
+def format_validation(step: int, max_steps: int, loss: float, perplexity: float, trained_tokens: float | None,
+                      input_tokens: int) -> str:
+    """The console line of a validation loss taken after step ``step`` (0-based), with its trained tokens of the
+    ``input_tokens`` (when known)."""
+    line = f"step {step + 1:>5}/{max_steps} | validation loss {loss:.4f} | perplexity {perplexity:.2f}"
+    if trained_tokens is not None:
+        line += f" | trained {format_count(trained_tokens)}/{input_tokens:,} tok"
+    return line
+
+
+def format_count(count: float) -> str:
+    """A token count with thousands separators: whole when it is (loss weights of 0 and 1), else to 0.01."""
+    return f"{count:,.0f}" if float(count).is_integer() else f"{count:,.2f}"
 
 
 def format_duration(seconds: float) -> str:

@@ -26,12 +26,14 @@ from ppctl.pipeline.schedules import BACKWARD, BACKWARD_WEIGHT, Action, stream_o
 
 
 class StreamedStep(NamedTuple):
-    """What one step of a stream gave: its loss (None off the loss ranks), global grad norm and learning rate."""
+    """What one step of a stream gave: its loss and its trained-token count (None off the loss ranks), global grad
+    norm and learning rate."""
 
     step: int
     loss: float | None
     grad_norm: float
     lr: float
+    trained_tokens: float | None = None
 
 
 class StepStream:
@@ -115,8 +117,9 @@ class StepStream:
         self.trainer.optimizer.sum_grad_squares(squares)
         norms = [math.sqrt(value) for value in squares.tolist()]
         losses = self._losses(state, normalizers)
-        return [StreamedStep(step, loss, norm, self.learning_rates[step])
-                for step, loss, norm in zip(steps, losses, norms)]
+        counts = normalizers if self.trainer.holds_loss else [None] * len(normalizers)
+        return [StreamedStep(step, loss, norm, self.learning_rates[step], count)
+                for step, loss, norm, count in zip(steps, losses, norms, counts)]
 
     def _losses(self, state, normalizers: list[float]) -> list:
         """Each step's global mean token loss on the loss ranks (summed over the replicas), None elsewhere."""

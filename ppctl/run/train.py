@@ -93,7 +93,9 @@ class SkippedSteps:
 
 @dataclass
 class StepResult:
-    """What one step measured. ``loss`` is the global batch's mean token loss (None off the loss ranks)."""
+    """What one step measured. ``loss`` is the global batch's mean token loss: the sum of its trained tokens' losses
+    over ``trained_tokens``, their count (loss weights summed; both None off the loss ranks). ``tokens_per_s`` counts
+    every input token of the global batch (what the hardware computed, a masked one too)."""
 
     step: int
     loss: float | None
@@ -105,6 +107,12 @@ class StepResult:
     skipped: bool = False      # the gradient norm was not finite: nothing was updated
     skipped_steps: int = 0     # skipped steps so far in this run
     routing: RoutingStatistics | None = None  # a mixture of experts' routing this step (every rank has it)
+    trained_tokens: float | None = None  # the global batch's loss-weight sum: the loss's denominator
+
+    @property
+    def trained_tokens_per_s(self) -> float | None:
+        """Trained tokens (loss weight summed) per second of the step (None off the loss ranks)."""
+        return None if self.trained_tokens is None else self.trained_tokens / self.step_time_s
 
 
 def norm_outcome(grad_norm: float, loss_scaler: DynamicLossScaler | None) -> tuple[bool, bool]:
@@ -261,6 +269,8 @@ class Trainer:
         self.logging_rank = layout.rank(pp=layout.placement.last_stage_rank)
         self.moe = resolved.model.moe
         self.routing: RoutingStatistics | None = None  # the last step's, with experts
+        self.trained_tokens: float | None = None  # the last step's loss-token count (loss ranks)
+        self.validation_tokens: float | None = None  # the last validation loss's (loss ranks)
 
     def set_tracing(self, on: bool) -> None:
         """Trace the following steps' actions and waits (as ``trainer.trace=true`` does from the start), or stop."""
@@ -335,7 +345,8 @@ class Trainer:
                 raise NonFiniteGradients(f"step {step.step}: the gradient norm is {step.grad_norm}; a stream of "
                                          f"steps (schedule {self.schedule.name}) cannot skip a step")
         return [StepResult(step.step, step.loss, step.grad_norm, step.lr, step_time, tokens / step_time, bubble,
-                           skipped_steps=self.skipped_steps) for step in streamed]
+                           skipped_steps=self.skipped_steps, trained_tokens=step.trained_tokens)
+                for step in streamed]
 
     def train_step(self, step: int) -> StepResult:
         """Run one global batch through the schedule and update the parameters (a stream of one step when the
@@ -349,15 +360,18 @@ class Trainer:
         tokens = self.config.trainer.global_batch_size * self.config.trainer.seq_length
         return StepResult(step, loss, grad_norm, self.optimizer.param_groups[0]["lr"], elapsed, tokens / elapsed,
                           self._measured_bubble(), skipped=not applied, skipped_steps=self.skipped_steps,
-                          routing=self.routing)
+                          routing=self.routing, trained_tokens=self.trained_tokens)
 
     def compute_gradients(self, step: int) -> tuple[float | None, float]:
         """Forward and backward of global batch ``step``: reduced gradients; returns (loss, global grad norm).
 
-        The loss is the global batch's mean token loss on the ranks that hold the last stage, else None.
+        The loss is the global batch's mean token loss on the ranks that hold the last stage, else None: every
+        microbatch's masked loss sum over the one count of the whole global batch's trained tokens (``batch``), so
+        the accumulated gradient is the full batch's mean token loss gradient whatever the microbatches hold.
         """
         self.optimizer.zero_grad()
         microbatches, normalizer = self.batch(step, self.data)
+        self.trained_tokens = normalizer if self.holds_loss else None
         if self.tracer is not None:
             self.tracer.start_step()
         self.loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
@@ -402,22 +416,35 @@ class Trainer:
 
         Returns the loss on the ranks holding the last stage, None elsewhere.
         """
+        loss_sum, trained_tokens = self.evaluate_sum(step, data)
+        return loss_sum / trained_tokens if self.holds_loss else None
+
+    def evaluate_sum(self, step: int, data: PipelineDataIterator | None = None) -> tuple[float, float]:
+        """The summed token losses of global batch ``step``'s trained tokens (loss-weighted, summed over the
+        replicas) and their count, through the forward-only schedule; (0.0, 1.0) off the loss ranks."""
         microbatches, normalizer = self.batch(step, data or self.data)
         state = self.runtime.run(self.eval_program, microbatches, MaskedTokenLoss(normalizer), forward_only=True)
-        return self._mean_loss(state, normalizer)
+        if not self.holds_loss:
+            return 0.0, 1.0
+        return self.reduce_loss(float(state.loss_sum)), normalizer
 
     def validation_loss(self) -> float | None:
-        """Mean of the losses of validation batches 0 .. ``trainer.eval_iters``-1 (the same batches every time,
-        in every layout) on the loss ranks, None elsewhere."""
+        """The mean token loss over validation batches 0 .. ``trainer.eval_iters``-1 together (the same batches every
+        time, in every layout): their trained tokens' summed losses over their count, so a batch with few trained
+        tokens weighs little, as in training; on the loss ranks, None elsewhere."""
         if self._validation_data is None:
             self._validation_data = build_data(self.config, self.context, self.fields, split="validation")
-        losses = [self.evaluate(batch, self._validation_data) for batch in range(self.config.trainer.eval_iters)]
-        return sum(losses) / len(losses) if self.holds_loss else None
+        sums = [self.evaluate_sum(batch, self._validation_data) for batch in range(self.config.trainer.eval_iters)]
+        self.validation_tokens = sum(count for _, count in sums) if self.holds_loss else None
+        return pooled_mean(sums) if self.holds_loss else None
 
     def batch(self, step: int, data: PipelineDataIterator) -> tuple[list, float]:
-        """This rank's microbatches of global batch ``step`` and the batch's loss-token count (loss ranks)."""
+        """This rank's microbatches of global batch ``step`` and the batch's loss-token count (loss ranks; 1.0
+        elsewhere): the loss weights of every dp x cp rank's microbatches, added once per step."""
         microbatches = [to_device(mb, self.context.device) for mb in data.microbatches(step)]
-        return microbatches, data.global_loss_tokens(step) if self.holds_loss else 1.0
+        if not self.holds_loss:
+            return microbatches, 1.0
+        return microbatches, data.global_loss_tokens(step, microbatches, loss_count_group(self.context))
 
     def _mean_loss(self, state, normalizer: float) -> float | None:
         """The global batch's mean token loss on the loss ranks (summed over DP), None elsewhere."""
@@ -467,6 +494,18 @@ class Trainer:
                              device=self.context.device)
         dist.all_reduce(ratio)
         return float(ratio.item()) / dist.get_world_size()
+
+
+def loss_count_group(context: ParallelContext):
+    """The ranks whose microbatches' loss weights add up to a global batch's count: the dp x cp ranks of this pp rank
+    (DualPipe's mirror rank holds the same microbatches, so not its replica group); None when this rank is alone."""
+    return context.groups["dp_cp"] if context.size("dp_cp") > 1 else None
+
+
+def pooled_mean(sums_and_counts: list[tuple[float, float]]) -> float:
+    """The mean over every token of several batches: their summed losses over their summed counts (not the mean of
+    the batches' means, which would weigh a batch of few trained tokens like one of many)."""
+    return sum(total for total, _ in sums_and_counts) / sum(count for _, count in sums_and_counts)
 
 
 def train(resolved: ResolvedConfig, context: ParallelContext, run_dir: Path, resume_from: str | None = None,
@@ -523,7 +562,7 @@ def _after_step(trainer: Trainer, run_dir: Path, done: int, stop, logger) -> boo
     if settings.eval_every and done % settings.eval_every == 0:
         validation = trainer.validation_loss()
         if logger is not None:
-            logger.log_validation(done - 1, validation)
+            logger.log_validation(done - 1, validation, trainer.validation_tokens)
     stop_signal = stop_agreed(stop, trainer.context) if stop is not None else None
     reason = (f"interrupted by {stop_signal}" if stop_signal else "end" if done == settings.max_steps
               else "periodic" if settings.save_every and done % settings.save_every == 0 else None)

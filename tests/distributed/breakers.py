@@ -193,6 +193,50 @@ def _qk_norm_gradient_not_summed_over_tp():
                              lambda self, sequence_parallel: self.tp_replicated and sequence_parallel)
 
 
+def _loss_mean_per_microbatch():
+    """Each microbatch's loss is its own mean token loss, weighted 1 / (the global batch's microbatches), as gradient
+    accumulation over per-microbatch means does: a microbatch of few trained tokens weighs as much as one of many
+    (the reported loss alike)."""
+    from ppctl.model.stages import MaskedTokenLoss
+    from ppctl.run.train import Trainer
+
+    original_batch = Trainer.batch
+    per_batch = {}  # the running trainer's global batch: how many microbatches it is cut into
+
+    def counting_batch(self, step, data):
+        per_batch["microbatches"] = self.config.trainer.global_batch_size // self.config.trainer.micro_batch_size
+        return original_batch(self, step, data)
+
+    def per_microbatch_mean(self, token_losses, microbatch):
+        mask = microbatch.loss_mask.to(token_losses.dtype)
+        masked_sum = (token_losses * mask).sum()
+        weight = self.normalizer / (mask.sum() * per_batch["microbatches"])
+        return masked_sum * weight * self.scale / self.normalizer, masked_sum * weight
+
+    @contextlib.contextmanager
+    def patched():
+        with mock.patch.object(Trainer, "batch", counting_batch), \
+                mock.patch.object(MaskedTokenLoss, "__call__", per_microbatch_mean):
+            yield
+
+    return patched()
+
+
+def _validation_mean_of_batch_means():
+    """The validation loss is the mean of its batches' mean token losses, not the mean over all their trained
+    tokens: a validation batch of few trained tokens weighs as much as one of many."""
+    from ppctl.run.train import Trainer
+
+    original = Trainer.validation_loss
+
+    def mean_of_means(self):
+        original(self)  # builds the validation data
+        losses = [self.evaluate(batch, self._validation_data) for batch in range(self.config.trainer.eval_iters)]
+        return sum(losses) / len(losses) if self.holds_loss else None
+
+    return mock.patch.object(Trainer, "validation_loss", mean_of_means)
+
+
 DEFECTS = {
     "drop_microbatch_gradient": _drop_first_microbatch_gradient,
     "loss_scaled_twice": _loss_scaled_twice,
@@ -209,6 +253,8 @@ DEFECTS = {
     "balancing_load_of_own_tokens": _balancing_load_of_own_tokens,
     "experts_summed_over_tp": _experts_summed_over_tp,
     "qk_norm_gradient_not_summed_over_tp": _qk_norm_gradient_not_summed_over_tp,
+    "loss_mean_per_microbatch": _loss_mean_per_microbatch,
+    "validation_mean_of_batch_means": _validation_mean_of_batch_means,
 }
 
 

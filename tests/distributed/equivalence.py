@@ -5,14 +5,18 @@ with every ``parallel.*`` setting dropped and ``parallel=single`` added (so the 
 vocabulary padding of tp=1), trained by the plain loop of ``ppctl.run.reference``. Nothing
 of the parallel run's settings reaches it. Compared: every step's loss and global
 gradient norm, the forward-only loss, every parameter's gradient at step 0 and every final
-parameter, within the tolerances that ``tests/harness/tolerances.py`` derives for the run's precision
-(float64 carries the exactness claims). ``tests/distributed/test_harness_twins.py`` proves that
-a broken run fails this comparison.
+parameter, and for runs on ``SKEWED``'s corpus the validation loss over ``trainer.eval_iters`` batches at the
+initial weights (against ``plain_validation_loss``), within the tolerances that ``tests/harness/tolerances.py``
+derives for the run's precision (float64 carries the exactness claims). ``tests/distributed/test_harness_twins.py``
+proves that a broken run fails this comparison.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -32,6 +36,14 @@ FP64 = ["trainer.precision=fp64"]
 # Labels equal to the end-of-document id (the last of 16 ids here) weigh zero: a loss mask with holes.
 MASKED = ["model.vocab_size=16", "data.eod_mask_loss=true"]
 STEPS = 2
+# Loss masks skewed on purpose (``prepare_skewed_masks``): a corpus whose documents are either long sentences (every
+# label trained) or two letters followed by ten end-of-text markers (2 labels of 13 trained), cut by a character
+# tokenizer with ``data.eod_mask_loss``: microbatches of one window hold from 1 to 16 trained tokens of 16. A third of
+# the tokens is the validation split, so validation batches 0 and 1 hold different windows (and counts).
+SKEWED_DIR = Path(__file__).resolve().parents[2] / "data" / "cache" / "tests-skewed-masks"
+SKEWED = ["data=text", f"data.path={SKEWED_DIR / 'corpus.jsonl'}", f"data.tokenizer={SKEWED_DIR / 'tokenizer.json'}",
+          f"data.cache_dir={SKEWED_DIR / 'cache'}", "data.validation_fraction=0.3", "data.eod_mask_loss=true",
+          "model.vocab_size=40"]
 # The Llama family on BASE's shape: grouped-query attention (4 query heads on 2 key/value heads), SwiGLU, RMSNorm,
 # rotary positions; LLAMA_MHA for tp=4 (each TP rank owns whole key/value heads).
 LLAMA = ["model.family=llama", "model.position_embedding=rope", "model.num_kv_heads=2"]
@@ -53,6 +65,44 @@ DEEPSEEK = LLAMA + ["model.moe.num_experts=4", "model.moe.topk=2", "model.moe.ex
                     "model.moe.first_dense_layers=1", "model.moe.shared_experts=1", "model.moe.router_score=sigmoid",
                     "model.moe.router_topk_norm=true", "model.moe.expert_bias=true",
                     "model.moe.expert_bias_update_rate=0.01"]
+
+
+def skewed_corpus_rows() -> list[str]:
+    """The documents of ``SKEWED``'s corpus: a long sentence every third, the others two letters and ten
+    end-of-text markers (which the character tokenizer reads as its end-of-document id)."""
+    from tests.harness.char_tokenizer import END_OF_TEXT
+
+    sentence = "the quick brown fox jumps over the lazy dog and keeps on running"
+    return [sentence if index % 3 == 0 else "ab" + END_OF_TEXT * 10 for index in range(96)]
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` unless it already holds it, through a temporary file (test processes running side
+    by side may write the same file)."""
+    if path.is_file() and path.read_text() == text:
+        return
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def prepare_skewed_masks() -> list[str]:
+    """Write ``SKEWED``'s corpus and tokenizer and prepare its token cache here, before any worker reads it (the
+    workers then only read the cache); return ``SKEWED``."""
+    from ppctl.resolve import compose_config
+    from ppctl.model.from_config import dataset_of
+    from tests.harness.char_tokenizer import save_char_tokenizer
+
+    SKEWED_DIR.mkdir(parents=True, exist_ok=True)
+    staged = SKEWED_DIR / f"staged-{os.getpid()}"
+    staged.mkdir(exist_ok=True)
+    _write_if_changed(SKEWED_DIR / "tokenizer.json", save_char_tokenizer(staged, 40, end_of_text=True).read_text())
+    (staged / "tokenizer.json").unlink()
+    staged.rmdir()
+    _write_if_changed(SKEWED_DIR / "corpus.jsonl", "".join(json.dumps({"text": row}) + "\n"
+                                                           for row in skewed_corpus_rows()))
+    dataset_of(compose_config(BASE + SKEWED))
+    return SKEWED
 
 
 # How a run is split over processes, nodes and pipeline ranks, not what it computes: one process
@@ -142,6 +192,8 @@ def _train_one(run, context, schedule) -> dict:
     trainer = Trainer(run, context, schedule=schedule)
     message_bytes = _record_message_bytes(trainer)
     eval_loss = trainer.evaluate(0)
+    # SKEWED runs: the validation loss over trainer.eval_iters batches too (before any step: the initial weights)
+    validation_loss = trainer.validation_loss() if compares_validation(run.config) else None
     losses, norms, first_gradients = [], [], None
     if trainer.stream is not None:  # PipeDream-2BW: every step in one stream, no gradients between steps
         results = trainer.train_steps(0, STEPS)
@@ -158,7 +210,7 @@ def _train_one(run, context, schedule) -> dict:
     if trainer.tracer is not None:
         traced = [(kind, stage, microbatch) for kind, stage, microbatch, _, _ in trainer.tracer.actions]
     return {"losses": losses, "norms": norms, "gradients": first_gradients, "shards": shards,
-            "eval_loss": eval_loss, "message_bytes": message_bytes,
+            "eval_loss": eval_loss, "validation_loss": validation_loss, "message_bytes": message_bytes,
             "optimizer_bytes": trainer.optimizer.state_bytes(),
             "tp_rank": context.coords["tp"], "tp": context.layout.tp, "pp_rank": context.pp_rank,
             "ep": context.layout.ep, "ep_rank": context.layout.expert_coords(context.rank)["ep"],
@@ -184,13 +236,42 @@ def expected_shard(name: str, rule, dense: torch.Tensor, shard: torch.Tensor, tp
     return dense_to_tp_shard(rule, dense, TPGroup(None, tp_size, tp_rank), EPGroup(None, ep_size, ep_rank))
 
 
+def compares_validation(config) -> bool:
+    """Whether the harness compares a run's validation loss: runs on ``SKEWED``'s corpus, whose validation batches
+    hold very different numbers of trained tokens (elsewhere the validation loss takes the forward-only loss's
+    path, compared already)."""
+    return config.data.path == str(SKEWED_DIR / "corpus.jsonl")
+
+
+def plain_validation_loss(config) -> float:
+    """The single process's validation loss at its initial weights, computed plainly: the masked token losses of
+    validation batches 0 .. ``trainer.eval_iters``-1 summed, over the sum of their masks."""
+    from ppctl.data.dataset import build_microbatch, global_batch_sample_ids
+    from ppctl.model.from_config import dataset_of
+    from ppctl.run.reference import reference_model
+
+    trainer, model, dataset = config.trainer, reference_model(config), dataset_of(config, "validation")
+    total, count = 0.0, 0.0
+    with torch.no_grad():
+        for batch in range(trainer.eval_iters):
+            ids = global_batch_sample_ids(trainer.seed, batch, trainer.global_batch_size, len(dataset))
+            for first in range(0, len(ids), trainer.micro_batch_size):  # microbatches: a mixture's routing
+                microbatch = build_microbatch(dataset, ids[first:first + trainer.micro_batch_size])
+                losses = model(microbatch.tokens, position_ids=microbatch.position_ids, labels=microbatch.labels)
+                total += float((losses * microbatch.loss_mask.to(losses.dtype)).sum())
+                count += float(microbatch.loss_mask.double().sum())
+    return total / count
+
+
 @dataclass(frozen=True)
 class Reference:
-    """What a parallel run is compared with: the single process's config, its run and the tolerance."""
+    """What a parallel run is compared with: the single process's config, its run, the tolerance and (for
+    ``compares_validation`` runs) its validation loss at its initial weights."""
 
     config: object
     run: object
     tolerance: Tolerance
+    validation_loss: float | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -219,7 +300,9 @@ def single_process_reference(overrides: list[str], steps: int = STEPS) -> Refere
     if key not in _REFERENCES:
         single = compose_config(list(key[0]))
         validate(single)
-        _REFERENCES[key] = Reference(single, run_reference(single, steps), tolerance_of(single.trainer.precision))
+        validation = plain_validation_loss(single) if compares_validation(single) else None
+        _REFERENCES[key] = Reference(single, run_reference(single, steps), tolerance_of(single.trainer.precision),
+                                     validation)
     return _REFERENCES[key]
 
 
@@ -299,6 +382,11 @@ def equivalence_checks(overrides: list[str], per_rank: list, index: int) -> dict
     }
     if streamed:
         del checks["step-0 gradient"]
+    if reference.validation_loss is not None:
+        validated = [r[index]["validation_loss"] for r in per_rank if r[index]["validation_loss"] is not None]
+        assert len(validated) == len(losses), "the validation loss is not on the ranks that hold the loss"
+        checks["validation loss"] = lambda: compare_scalars("validation loss", overrides, validated,
+                                                            [reference.validation_loss] * len(validated), tolerance)
     return checks
 
 

@@ -39,8 +39,9 @@ def _new_dataset(dataset_class=CountingDataset):
     return dataset_class(NUM_SAMPLES, SEQ_LENGTH, VOCAB_SIZE, SEED)
 
 
-def _check_step(iterator, step, dp_rank, dp_size, needs_inputs, needs_labels, dataset_class):
-    """Compare the iterator's microbatches of ``step`` with the pure function's, field by field."""
+def _check_step(iterator, step, dp_rank, dp_size, needs_inputs, needs_labels, dataset_class, dp_group):
+    """Compare the iterator's microbatches of ``step`` with the pure function's, field by field, and its global
+    loss-token count (each DP rank's share added over ``dp_group``) with the pure function's."""
     from ppctl.data.dataset import global_loss_tokens, step_microbatches
 
     reference_dataset = _new_dataset(dataset_class)
@@ -63,11 +64,12 @@ def _check_step(iterator, step, dp_rank, dp_size, needs_inputs, needs_labels, da
             assert value.equal(reference), f"step {step}: {field} differs from the pure function"
     if needs_labels:
         expected_tokens = global_loss_tokens(reference_dataset, SEED, step, GLOBAL_BATCH_SIZE)
-        assert iterator.global_loss_tokens(step) == expected_tokens
+        assert iterator.global_loss_tokens(step, received, dp_group) == expected_tokens
 
 
 def _run_phase(
     tp_group, tp_ranks, rank, dp_rank, dp_size, needs_inputs, needs_labels, dataset_class=CountingDataset,
+    dp_group=None,
 ):
     """Run every step of one role assignment; return how often this rank read its dataset."""
     from ppctl.data.iterator import PipelineDataIterator
@@ -79,7 +81,7 @@ def _run_phase(
         fields=(("tokens", "position_ids") if needs_inputs else ()) + (("labels", "loss_mask") if needs_labels else ()),
     )
     for step in STEPS:
-        _check_step(iterator, step, dp_rank, dp_size, needs_inputs, needs_labels, dataset_class)
+        _check_step(iterator, step, dp_rank, dp_size, needs_inputs, needs_labels, dataset_class, dp_group)
     return dataset.reads
 
 
@@ -90,12 +92,14 @@ def _worker(rank, world_size):
     tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     tp_ranks = [0, 1] if rank < 2 else [2, 3]
     tp_group = tp_groups[rank // 2]
+    dp_group = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]  # the dp2 phases' DP groups
     is_first_stage = rank < 2
     return {
         "pp2": _run_phase(tp_group, tp_ranks, rank, 0, 1, is_first_stage, not is_first_stage),
         "middle": _run_phase(tp_group, tp_ranks, rank, 0, 1, False, False),
-        "dp2": _run_phase(tp_group, tp_ranks, rank, rank // 2, 2, True, True),
-        "dp2_masked": _run_phase(tp_group, tp_ranks, rank, rank // 2, 2, True, True, MaskedCountingDataset),
+        "dp2": _run_phase(tp_group, tp_ranks, rank, rank // 2, 2, True, True, dp_group=dp_group),
+        "dp2_masked": _run_phase(tp_group, tp_ranks, rank, rank // 2, 2, True, True, MaskedCountingDataset,
+                                 dp_group),
     }
 
 
@@ -109,6 +113,6 @@ def test_tp_source_reads_and_broadcasts_by_stage_role():
         assert reads[source_rank]["pp2"] == samples_per_phase
         assert reads[source_rank]["middle"] == 0
         assert reads[source_rank]["dp2"] == samples_per_phase // 2
-        # the general loss-token path reads the whole global batch once more, on the source only
-        assert reads[source_rank]["dp2_masked"] == samples_per_phase // 2 + samples_per_phase
+        # the loss-token count of a masked batch adds each DP rank's share: no rank reads another's samples
+        assert reads[source_rank]["dp2_masked"] == samples_per_phase // 2
 

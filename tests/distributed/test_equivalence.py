@@ -1,7 +1,8 @@
 """Every layout and schedule trains exactly like one process on the same global batch.
 
 One launch per layout trains several runs (schedules, position embeddings, tied
-embeddings, a loss mask with holes, float64, the tanh GELU at tp=2); each is compared with
+embeddings, a loss mask with holes, float64, the tanh GELU at tp=2; at pp=4's world size of 4, loss masks skewed
+across microbatches at other layouts and microbatch counts); each is compared with
 the single-process run as a user would launch it (the same overrides with ``parallel=single``): per-step
 losses and grad norms, step-0 gradients and final parameters, within the tolerances of
 ``tests/harness/tolerances.py`` (float64 every element within 1e-10).
@@ -10,7 +11,7 @@ losses and grad norms, step-0 gradients and final parameters, within the toleran
 import pytest
 
 from tests.distributed.equivalence import (BASE, DEEPSEEK, FP64, LLAMA, LLAMA_MHA, MASKED, MIXTRAL, QWEN2_MOE,
-                                           QWEN3, assert_equivalent)
+                                           QWEN3, assert_equivalent, prepare_skewed_masks)
 
 ROPE_TIED = ["model.position_embedding=rope", "model.tie_embeddings=true"]
 # Llama's attention_bias (q, k, v and o_proj biases) with YaRN's rotary scaling; the Mistral and Phi-3 families
@@ -19,6 +20,24 @@ BIASED_YARN = LLAMA + ["model.qkv_bias=true", "model.attention_output_bias=true"
                        "model.rope_scaling_type=yarn", "model.rope_original_max_position=2048"]
 MISTRAL_LINEAR = LLAMA + ["model.family=mistral", "model.rope_scaling_factor=4.0", "model.rope_scaling_type=linear"]
 PHI3 = LLAMA + ["model.family=phi3"]
+STREAM = ["schedule=pipedream_2bw", "optimizer.gradient_delay=1", "optimizer.clip_grad=0"]
+
+
+def skewed_mask_runs() -> list[list[str]]:
+    """World-size-4 runs on microbatches of very different trained-token counts (``SKEWED``: 1 to 16 of 16), each
+    equal to one process's mean over the global batch's trained tokens (its loss, grad norm, parameters and
+    validation loss): 8 microbatches of 1 sequence (pp=4) and 2 of 2 per DP rank (pp2 dp2), ZB-V's split backward
+    with CP's halves of each mask, PipeDream-2BW's stream with its delayed gradients, and Mixtral's router losses
+    beside the masked token loss."""
+    skewed = BASE + prepare_skewed_masks() + FP64
+    pp2_dp2 = ["parallel.pp=2", "parallel.dp=2"]
+    return [skewed + ["parallel.pp=4", "parallel.dp=1", "schedule=1f1b"],
+            skewed + pp2_dp2 + ["trainer.micro_batch_size=2", "schedule=1f1b"],
+            skewed + ["parallel.pp=2", "parallel.dp=1", "parallel.cp=2", "schedule=zbv"],
+            skewed + pp2_dp2 + STREAM,
+            skewed + MIXTRAL + pp2_dp2 + ["schedule=1f1b"]]
+
+
 LAYOUTS = [  # (tp, pp, dp)
     (1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 4, 1), (4, 1, 1),
 ]
@@ -39,6 +58,8 @@ def test_gpipe_and_1f1b_match_single_process(tp, pp, dp):
     if (tp, pp, dp) == (2, 2, 2):  # the output bias added once after the sum, its gradient summed over SP's tokens
         runs += [BASE + layout + ["schedule=1f1b", "parallel.sequence_parallel=true"] + BIASED_YARN + FP64,
                  BASE + layout + ["schedule=1f1b"] + MISTRAL_LINEAR + FP64, BASE + layout + ["schedule=gpipe"] + PHI3]
+    if (tp, pp, dp) == (1, 4, 1):  # the loss is the mean over the global batch's trained tokens, whatever the split
+        runs += skewed_mask_runs()
     assert_equivalent(runs, world_size=tp * pp * dp)
 
 

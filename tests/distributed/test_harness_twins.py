@@ -7,7 +7,8 @@ the vocabulary padding in the softmax, a parameter left out of the step, PipeDre
 wrong weight version, a mixture's router losses dropped on the stage without the loss head or on the middle
 stages, its expert bias moved by each rank's own load, its expert gradients not reduced over expert data
 parallelism or summed over TP, a token sent to the wrong expert-parallel rank, a balancing loss from each rank's
-share of a microbatch's load, a per-head q/k norm's gradient not summed over TP), in float32 (the looser
+share of a microbatch's load, a per-head q/k norm's gradient not summed over TP, a loss averaged per microbatch
+on microbatches of very different trained-token counts, a validation loss averaged per batch), in float32 (the looser
 precision) and the subtlest in float64 too. Each comparison of the harness (losses, forward-only
 loss, grad norms, step-0 gradients, final parameters) runs on its own: every twin must fail the
 comparisons its defect reaches, so each of them is shown able to fail.
@@ -15,8 +16,8 @@ comparisons its defect reaches, so each of them is shown able to fail.
 
 import pytest
 
-from tests.distributed.equivalence import (BASE, DEEPSEEK, FP64, MASKED, MIXTRAL, QWEN3, equivalence_checks,
-                                           train_in_workers)
+from tests.distributed.equivalence import (BASE, DEEPSEEK, FP64, MASKED, MIXTRAL, QWEN3, SKEWED, equivalence_checks,
+                                           prepare_skewed_masks, train_in_workers)
 
 pytestmark = [pytest.mark.dist]
 
@@ -56,6 +57,11 @@ TWINS = [
     ("experts_summed_over_tp", BASE + MIXTRAL + FP64 + TP2_CP2_EP2, {"loss", *BEFORE_OPTIMIZER}),
     # Qwen3's per-head q/k norms at tp=2 without SP: each TP rank's scale gradient is its own heads' share.
     ("qk_norm_gradient_not_summed_over_tp", BASE + QWEN3 + FP64 + TP2_PP2, {"loss", *BEFORE_OPTIMIZER}),
+    # Microbatches of very different trained-token counts: each one's own mean gives another loss and gradient.
+    ("loss_mean_per_microbatch", BASE + SKEWED + PP2_DP2 + ["trainer.micro_batch_size=2"] + FP64,
+     {"loss", "forward-only loss", "validation loss", *BEFORE_OPTIMIZER}),
+    # Validation batches of 107 and 86 trained tokens: the mean of their two means is not the mean over all of them.
+    ("validation_mean_of_batch_means", BASE + SKEWED + PP2_DP2 + FP64, {"validation loss"}),
 ]
 
 
@@ -73,6 +79,7 @@ def failing_checks(overrides, per_rank, index) -> set[str]:
 @pytest.mark.nccl
 @pytest.mark.timeout(300)
 def test_every_broken_twin_fails_the_comparisons_its_defect_reaches():
+    prepare_skewed_masks()
     runs = [overrides for _defect, overrides, _checks in TWINS]
     per_rank = train_in_workers(runs, world_size=4, breakers=[defect for defect, _runs, _checks in TWINS])
     for index, (defect, overrides, must_fail) in enumerate(TWINS):

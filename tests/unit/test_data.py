@@ -271,10 +271,11 @@ def test_iterator_without_tp_group_reads_locally():
     first_stage = iterator(True, False).microbatches(1)[0]
     assert first_stage.labels is None and first_stage.loss_mask is None
     assert torch.equal(first_stage.tokens, expected[0].tokens)
-    assert iterator(False, True).global_loss_tokens(1) == 8 * 6
+    last_stage = iterator(False, True)
+    assert last_stage.global_loss_tokens(1, last_stage.microbatches(1)) == 8 * 6
     assert iterator(False, False).microbatches(1)[1].tokens is None
     with pytest.raises(RuntimeError, match="last pipeline stage"):
-        iterator(True, False).global_loss_tokens(1)
+        iterator(True, False).global_loss_tokens(1, [])
     with pytest.raises(ValueError, match="must be its own TP source"):
         PipelineDataIterator(dataset, 4, 8, 2, 6, 1, 2, None, 0, False, ("tokens",))
     with pytest.raises(ValueError, match="unknown microbatch fields"):
@@ -311,4 +312,6 @@ def test_iterator_keeps_each_cp_rank_tokens_of_every_field_and_the_global_token_
         assert torch.equal(halves[1], full[:, 2:6]), name
     # positions stay global: CP rank 1 holds tokens 2..5 of each sequence
     assert parts[1].microbatches(0)[0].position_ids[0].tolist() == [2, 3, 4, 5]
-    assert {part.global_loss_tokens(1) for part in parts} == {whole.global_loss_tokens(1)}
+    # the count is the global batch's: here one rank's CP parts add up to it (across ranks, the all-reduce adds them)
+    shares = [part.global_loss_tokens(1, part.microbatches(1)) for part in parts]
+    assert sum(shares) == whole.global_loss_tokens(1, whole.microbatches(1)) == global_loss_tokens(dataset, 4, 1, 8)
