@@ -82,7 +82,8 @@ class _ReferenceParts:
         config = resolved.config
         self.config, self.context = config, context
         self.chunks = build_chunks(resolved, context)
-        fields = tuple(sorted({name for chunk in self.chunks.values() for name in chunk_fields(chunk)}))
+        separate = config.data.documents == "separate"
+        fields = tuple(sorted({name for chunk in self.chunks.values() for name in chunk_fields(chunk, separate)}))
         self.data = build_data(config, context, fields)
         self.optimizer = build_optimizer(self.chunks.values(), config.optimizer)
         self.lr_schedule = lr_schedule_of(config)
@@ -162,7 +163,8 @@ class PlainLoopSide(_ReferenceParts):
         loss_fn = MaskedTokenLoss(self.data.global_loss_tokens(step, microbatches, loss_count_group(self.context)))
         total = 0.0
         for mb in microbatches:
-            token_losses = self.model(mb.tokens, position_ids=mb.position_ids, labels=mb.labels)
+            token_losses = self.model(mb.tokens, position_ids=mb.position_ids, labels=mb.labels,
+                                      segment_ids=mb.segment_ids)
             loss, masked_sum = loss_fn(token_losses, mb)
             loss.backward()
             total = total + masked_sum.detach()  # no host sync per microbatch

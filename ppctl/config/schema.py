@@ -30,6 +30,7 @@ DATA_SOURCES = ("python_stdlib", "text", "chat", "prompt_completion", "synthetic
 BAD_ROWS = ("refuse", "skip")
 TOO_LONG = ("truncate", "refuse")
 PACKINGS = ("packed", "padded")
+DOCUMENTS_MODES = ("joined", "separate")  # data.documents (ppctl.data.dataset, ppctl.model.attention_mask)
 BACKENDS = ("auto", "gloo", "nccl")
 BALANCE_MODES = ("even", "auto")  # parallel.balance (ppctl.plan.balance)
 ROUTER_SCORES = ("softmax", "sigmoid")  # model.moe.router_score (ppctl.model.moe.router)
@@ -300,6 +301,11 @@ class DataConfig(Section):
         "`{path: ..., weight: ...}` (a `text` source) or `{source: python_stdlib, weight: ...}` entries, each weight "
         "finite and > 0 (default 1); each global batch draws from them in the weights' proportions (Megatron-Core's "
         "BlendedDataset), each source prepared and cached as one source is; see docs/data.md")})
+    documents: str = setting(
+        "joined", "`joined`: one token stream, attention and positions run across documents; `separate`: "
+        "attention never crosses an end of document (block-causal), positions restart at each document, and the "
+        "label after an end of document weighs zero (Megatron-LM's `--reset-attention-mask --reset-position-ids`); "
+        "synthetic data ends a document at its last id, vocab_size - 1")
 
 
 @dataclass

@@ -5,6 +5,12 @@ Everything here is pure (no ``torch.distributed``). A sample is a window of
 token and its labels the window without its first. The samples of global batch
 ``step`` depend on (seed, step) alone, so every parallel layout that shares the
 global batch size trains on the same data in the same order.
+
+With documents kept apart (``data.documents=separate``) a window still holds whole documents or
+pieces of them, and its microbatch also says which document each input token belongs to
+(``segment_ids``: the number of end-of-document ids before it in its row); positions restart at
+each document's first token, and the label of an end-of-document input (the next document's
+first token) weighs zero.
 """
 
 from __future__ import annotations
@@ -31,23 +37,40 @@ class WindowDataset(torch.utils.data.Dataset):
     ``loss_mask(window)`` gives the per-label weights of one window: all ones, or,
     with ``eod_mask_loss`` (Megatron-LM's ``--eod-mask-loss``), zero where the label is
     the end-of-document id ``eod_id``. ``loss_mask_all_ones`` promises all ones, which
-    lets callers count loss tokens without reading any sample.
+    lets callers count loss tokens without reading any sample. ``separate_documents``
+    (``data.documents=separate``): the label of an end-of-document input weighs zero too (it is
+    the next document's first token), and ``document_fields`` gives each input its document and
+    its position in it.
     """
 
     seq_length: int
     eod_id: int
     eod_mask_loss: bool = False
+    separate_documents: bool = False
 
     @property
     def loss_mask_all_ones(self) -> bool:
         """True when every label has weight one (no masking configured)."""
-        return not self.eod_mask_loss
+        return not (self.eod_mask_loss or self.separate_documents)
 
     def loss_mask(self, window: torch.Tensor) -> torch.Tensor:
         """Return the float32 loss weights of the ``seq_length`` labels of ``window``."""
-        if not self.eod_mask_loss:
+        if self.loss_mask_all_ones:
             return torch.ones(self.seq_length, dtype=torch.float32)
-        return (window[1:] != self.eod_id).to(torch.float32)
+        weights = torch.ones(self.seq_length, dtype=torch.bool)
+        if self.eod_mask_loss:
+            weights &= window[1:] != self.eod_id
+        if self.separate_documents:  # never predict a document's first token from the previous document
+            weights &= window[:-1] != self.eod_id
+        return weights.to(torch.float32)
+
+    def document_fields(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(position_ids, segment_ids)`` of input rows ``[rows, seq]``: ``0..seq-1`` and None when documents are
+        joined; else positions restarting at each document and each token's document (``document_segment_ids``)."""
+        if not self.separate_documents:
+            return torch.arange(inputs.shape[-1], dtype=torch.int64).repeat(inputs.shape[0], 1), None
+        segment_ids = document_segment_ids(inputs, self.eod_id)
+        return document_position_ids(segment_ids), segment_ids
 
     def sample_loss_mask(self, index: int, window: torch.Tensor) -> torch.Tensor:
         """The loss weights of sample ``index`` (``window``): ``loss_mask(window)`` unless the data stores its own
@@ -68,7 +91,8 @@ class WindowDataset(torch.utils.data.Dataset):
 class TokenWindowDataset(WindowDataset):
     """Non-overlapping windows of ``seq_length + 1`` tokens inside one split of a prepared token file."""
 
-    def __init__(self, prepared: PreparedCorpus, seq_length: int, split: str = "train", eod_mask_loss: bool = False):
+    def __init__(self, prepared: PreparedCorpus, seq_length: int, split: str = "train", eod_mask_loss: bool = False,
+                 *, separate_documents: bool = False):
         if seq_length < 1:
             raise ValueError(f"seq_length must be at least 1, got {seq_length}")
         prepared.check_split(split, seq_length)
@@ -77,7 +101,7 @@ class TokenWindowDataset(WindowDataset):
         self.split = split
         self.seq_length = seq_length
         self.eod_id = int(self.index["eod_id"])
-        self.eod_mask_loss = eod_mask_loss
+        self.eod_mask_loss, self.separate_documents = eod_mask_loss, separate_documents
         start, end = prepared.split(split)
         dtype = np.dtype(self.index["dtype"])
         self.tokens = np.memmap(self.token_file, dtype=dtype, mode="r", offset=start * dtype.itemsize,
@@ -99,12 +123,13 @@ class SyntheticDataset(WindowDataset):
 
     The last id, ``vocab_size - 1``, stands for the end of a document (as the byte
     tokenizer's 256 does in its 257 ids), so ``eod_mask_loss`` masks about one label in
-    ``vocab_size``. ``stream`` picks another random stream: stream s > 0 seeds sample
-    ``i`` by (seed, i, s) (the validation split is stream 1).
+    ``vocab_size`` and ``separate_documents`` ends a document at about one token in ``vocab_size``.
+    ``stream`` picks another random stream: stream s > 0 seeds sample ``i`` by (seed, i, s) (the
+    validation split is stream 1).
     """
 
     def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int, eod_mask_loss: bool = False,
-                 stream: int = 0):
+                 stream: int = 0, *, separate_documents: bool = False):
         if num_samples < 1 or seq_length < 1 or vocab_size < 1 or seed < 0 or stream < 0:
             raise ValueError(
                 "synthetic dataset needs num_samples, seq_length, vocab_size >= 1 and seed, stream >= 0, got "
@@ -117,7 +142,7 @@ class SyntheticDataset(WindowDataset):
         self.seed = seed
         self.stream = stream
         self.eod_id = vocab_size - 1
-        self.eod_mask_loss = eod_mask_loss
+        self.eod_mask_loss, self.separate_documents = eod_mask_loss, separate_documents
 
     def __len__(self) -> int:
         return self.num_samples
@@ -131,7 +156,7 @@ class SyntheticDataset(WindowDataset):
 
 def build_dataset(
     corpus: CorpusSpec, seq_length: int, vocab_size: int, seed: int, split: str = "train",
-    eod_mask_loss: bool = False,
+    eod_mask_loss: bool = False, separate_documents: bool = False,
 ) -> TokenWindowDataset | SyntheticDataset:
     """Return split ``split`` (``train`` or ``validation``) of the dataset ``corpus`` describes.
 
@@ -139,16 +164,20 @@ def build_dataset(
     of stream 0, the validation split ``SYNTHETIC_VALIDATION_SAMPLES`` of stream 1. Token-file
     sources are prepared (or reused) under ``corpus.cache_dir``; the model's ``vocab_size``
     must cover the tokenizer. ``seed`` only shapes synthetic data; the sample order takes
-    its own seed. ``eod_mask_loss`` gives end-of-document labels zero loss weight.
+    its own seed. ``eod_mask_loss`` gives end-of-document labels zero loss weight;
+    ``separate_documents`` keeps documents apart (``WindowDataset``).
     """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; splits: {', '.join(SPLITS)}")
     if corpus.source == "synthetic":
         if split == "train":
-            return SyntheticDataset(SYNTHETIC_NUM_SAMPLES, seq_length, vocab_size, seed, eod_mask_loss)
-        return SyntheticDataset(SYNTHETIC_VALIDATION_SAMPLES, seq_length, vocab_size, seed, eod_mask_loss, stream=1)
+            return SyntheticDataset(SYNTHETIC_NUM_SAMPLES, seq_length, vocab_size, seed, eod_mask_loss,
+                                    separate_documents=separate_documents)
+        return SyntheticDataset(SYNTHETIC_VALIDATION_SAMPLES, seq_length, vocab_size, seed, eod_mask_loss, stream=1,
+                                separate_documents=separate_documents)
     check_vocab_size(corpus, vocab_size)
-    return TokenWindowDataset(prepare_corpus(corpus), seq_length, split, eod_mask_loss)
+    return TokenWindowDataset(prepare_corpus(corpus), seq_length, split, eod_mask_loss,
+                              separate_documents=separate_documents)
 
 
 def check_vocab_size(corpus: CorpusSpec, vocab_size: int) -> None:
@@ -196,9 +225,28 @@ class Microbatch:
     """One microbatch; a field is None on a rank that does not need it."""
 
     tokens: torch.Tensor | None  # [mbs, seq] int64: window[:-1], the model's inputs
-    position_ids: torch.Tensor | None  # [mbs, seq] int64: 0..seq-1
+    position_ids: torch.Tensor | None  # [mbs, seq] int64: 0..seq-1 (documents kept apart: from 0 in each)
     labels: torch.Tensor | None  # [mbs, seq] int64: window[1:], the next tokens
     loss_mask: torch.Tensor | None  # [mbs, seq] float32: weight of each label in the loss
+    segment_ids: torch.Tensor | None = None  # [mbs, seq] int64: each input's document in its row; None: joined
+
+
+def document_segment_ids(inputs: torch.Tensor, eod_id: int) -> torch.Tensor:
+    """Each input token's document within its row (``[..., seq]``): how many end-of-document ids precede it.
+
+    The end-of-document token belongs to the document it ends; a row that begins inside a
+    document calls that piece document 0.
+    """
+    ends = (inputs == eod_id).to(torch.int64)
+    return ends.cumsum(-1) - ends
+
+
+def document_position_ids(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Positions restarting at 0 at the first token of each segment of ``segment_ids [..., seq]``."""
+    index = torch.arange(segment_ids.shape[-1], dtype=torch.int64, device=segment_ids.device).expand_as(segment_ids)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[..., 1:] = segment_ids[..., 1:] != segment_ids[..., :-1]
+    return index - torch.where(starts, index, 0).cummax(-1).values
 
 
 def microbatches_per_dp_rank(global_batch_size: int, micro_batch_size: int, dp_size: int) -> int:
@@ -238,15 +286,18 @@ def step_microbatches(
 
 
 def build_microbatch(dataset: WindowDataset, sample_ids: list[int]) -> Microbatch:
-    """Return the microbatch made of ``dataset``'s windows ``sample_ids``, with all four fields."""
+    """Return the microbatch made of ``dataset``'s windows ``sample_ids``, with every field (``segment_ids`` None
+    when documents are joined)."""
     windows = torch.stack([dataset[sample_id] for sample_id in sample_ids])
-    seq_length = windows.shape[1] - 1
+    tokens = windows[:, :-1].contiguous()
+    position_ids, segment_ids = dataset.document_fields(tokens)
     return Microbatch(
-        tokens=windows[:, :-1].contiguous(),
-        position_ids=torch.arange(seq_length, dtype=torch.int64).repeat(len(sample_ids), 1),
+        tokens=tokens,
+        position_ids=position_ids,
         labels=windows[:, 1:].contiguous(),
         loss_mask=torch.stack([dataset.sample_loss_mask(sample_id, window)
                                for sample_id, window in zip(sample_ids, windows)]),
+        segment_ids=segment_ids,
     )
 
 

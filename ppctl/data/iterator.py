@@ -6,7 +6,8 @@ broadcasts it; the other TP ranks allocate that tensor from the known shapes and
 receive. Which fields a rank needs comes from its stages' I/O specs
 (``ppctl.pipeline.stage.StageIO.fields``): the first stage reads tokens and position
 ids, the last labels and the loss mask, a middle stage position ids under rotary
-embeddings and otherwise nothing (no read, no broadcast).
+embeddings and otherwise nothing (no read, no broadcast); with documents kept apart
+every stage with layers also reads each token's document (``segment_ids``).
 
 With context parallelism every rank then keeps its CP rank's tokens of each field
 (``slice_for_context_parallel``): chunks r and 2*cp-1-r of the sequence. Position ids
@@ -23,7 +24,7 @@ from ppctl.data.dataset import (
     step_microbatches,
 )
 
-ALL_FIELDS = ("tokens", "position_ids", "labels", "loss_mask")
+ALL_FIELDS = ("tokens", "position_ids", "labels", "loss_mask", "segment_ids")
 FLOAT32_FIELDS = ("loss_mask",)
 
 
@@ -73,7 +74,7 @@ class PipelineDataIterator:
     def microbatches(self, step: int) -> list[Microbatch]:
         """Return this rank's microbatches of ``step``; fields its stage does not need are None."""
         if not self.needed_fields:
-            return [Microbatch(None, None, None, None) for _ in range(self.num_microbatches)]
+            return [Microbatch(**dict.fromkeys(ALL_FIELDS)) for _ in range(self.num_microbatches)]
         microbatches = self._read_and_send(step) if self.is_tp_src else self._receive()
         return [self._context_parallel_part(microbatch) for microbatch in microbatches]
 

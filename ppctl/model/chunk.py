@@ -8,7 +8,9 @@ every layer computes. A family subclasses ``DecoderChunk`` and says how its embe
 final norm, positions and parameter rules are made; the parameter names above the layers
 (``embedding.word``, ``layers.<id>``, ``final_norm``, ``output_layer``) are the same in every family.
 A chunk holding the whole model on one process also decodes incrementally (``generate_step``, with a
-``ppctl.model.kv_cache.KVCache``), for ``ppctl generate``.
+``ppctl.model.kv_cache.KVCache``), for ``ppctl generate``. With documents kept apart (``data.documents=separate``)
+the forward takes each token's document index, builds the block-causal mask once (beside the rotary tables) and
+hands that one ``ppctl.model.attention_mask.DocumentMask`` to every layer.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 
 from ppctl.autograd.checkpoint import recomputed
 from ppctl.autograd.weight_grad import DefersWeightGrads
+from ppctl.model.attention_mask import DocumentMask, document_mask
 from ppctl.model.kv_cache import KVCache
 from ppctl.model.recompute import Recompute
 from ppctl.model.rules import attach_rules, initialise
@@ -82,7 +85,8 @@ class DecoderChunk(DefersWeightGrads, nn.Module):
         raise NotImplementedError
 
     def make_layer(self, dtype: torch.dtype, recompute_attention_core: bool, mlp: nn.Module | None) -> nn.Module:
-        """One decoder layer, called as ``(hidden, rotary)``; ``mlp``: its MLP when not the family's dense one."""
+        """One decoder layer, called as ``(hidden, rotary)`` (and ``mask=``, a ``DocumentMask`` or None); ``mlp``: its
+        MLP when not the family's dense one."""
         raise NotImplementedError
 
     def make_moe_mlp(self, dtype: torch.dtype) -> nn.Module:
@@ -118,13 +122,16 @@ class DecoderChunk(DefersWeightGrads, nn.Module):
         initialise(self, seed, self.config, self.tp, self.ep)
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Run the chunk.
 
         ``inputs``: token ids ``[batch, seq]`` (int64) with ``pre_process``, else hidden
         states ``[batch, seq, hidden]`` (``seq / tp`` tokens with sequence parallelism).
         ``seq`` is this CP rank's part of the sequence. ``position_ids [batch, seq]``:
         positions of the tokens (default ``0..seq-1``; pass them when the sequence is sliced).
+        ``segment_ids [batch, seq]``: each token's document within its row (documents kept apart:
+        no token attends across a document; pass the positions restarting with them); None: one
+        causal sequence.
         Returns per-token losses ``[batch, seq]`` (float32, float64 for a float64 model)
         when ``post_process`` and ``labels`` are given, this rank's logits shard
         ``[batch, seq, padded_vocab/tp]`` when ``post_process`` alone (columns at ids >=
@@ -134,12 +141,13 @@ class DecoderChunk(DefersWeightGrads, nn.Module):
             position_ids = self._whole_sequence_positions(inputs)
         hidden = self.embedding(inputs, position_ids) if self.pre_process else inputs
         rotary = self._rotary(position_ids, hidden.dtype)
+        mask = document_mask(segment_ids, self.cp)  # once per microbatch, for every layer
         layers = list(self.layers.values())
         for first, end, recompute in self.recompute.layer_groups(len(layers)):
             if recompute:
-                hidden = recomputed(_run_layers, hidden, rotary, layers[first:end])
+                hidden = recomputed(_run_layers, hidden, rotary, layers[first:end], mask)
             else:
-                hidden = _run_layers(hidden, rotary, layers[first:end])
+                hidden = _run_layers(hidden, rotary, layers[first:end], mask)
         if not self.post_process:
             # An empty stage (a layout string's "||") passes its input on as a new tensor: the pipeline
             # frees a sent output's memory and back-propagates from it, which the received input must survive.
@@ -205,10 +213,11 @@ class DecoderChunk(DefersWeightGrads, nn.Module):
         return self.rotary_tables(position_ids, dtype)
 
 
-def _run_layers(hidden: torch.Tensor, rotary, layers: Sequence[nn.Module]) -> torch.Tensor:
-    """``hidden`` through ``layers`` in order."""
+def _run_layers(hidden: torch.Tensor, rotary, layers: Sequence[nn.Module],
+                mask: DocumentMask | None = None) -> torch.Tensor:
+    """``hidden`` through ``layers`` in order (``mask``: the microbatch's documents kept apart, or None)."""
     for layer in layers:
-        hidden = layer(hidden, rotary)
+        hidden = layer(hidden, rotary, mask=mask)
     return hidden
 
 

@@ -63,9 +63,13 @@ def dataset_of(config: PpctlConfig, split: str = "train") -> WindowDataset:
     (``data.blend``) draws from its sources in its weights' proportions.
     """
     data, trainer = config.data, config.trainer
+    separate = data.documents == "separate"
     if data.source in INSTRUCTION_SOURCES and not data.blend:
         return build_instruction_dataset(CorpusSpec.of(data), trainer.seq_length, config.model.vocab_size, split,
-                                         data.eod_mask_loss)
+                                         data.eod_mask_loss, separate_documents=separate)
     spec = data_spec_of(data)
-    build = build_blended_dataset if isinstance(spec, BlendSpec) else build_dataset
-    return build(spec, trainer.seq_length, config.model.vocab_size, trainer.seed, split, data.eod_mask_loss)
+    if isinstance(spec, BlendSpec):  # validation refuses a blend with documents kept apart
+        return build_blended_dataset(spec, trainer.seq_length, config.model.vocab_size, trainer.seed, split,
+                                     data.eod_mask_loss)
+    return build_dataset(spec, trainer.seq_length, config.model.vocab_size, trainer.seed, split, data.eod_mask_loss,
+                         separate_documents=separate)

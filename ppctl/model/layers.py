@@ -19,8 +19,9 @@ from torch import nn
 
 from ppctl.autograd.checkpoint import recomputed
 from ppctl.autograd.weight_grad import DefersWeightGrads, layer_norm
+from ppctl.model.attention_mask import DocumentMask, attend
 from ppctl.model.kv_cache import LayerCache, cached_attention
-from ppctl.parallel.context_parallel import CPGroup, context_parallel_attention
+from ppctl.parallel.context_parallel import CPGroup
 from ppctl.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -57,25 +58,27 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def rotate_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rotary, cache: LayerCache | None,
-                      core, cp: CPGroup, recompute_core: bool) -> torch.Tensor:
+                      core, cp: CPGroup, recompute_core: bool, mask: DocumentMask | None = None) -> torch.Tensor:
     """Queries and keys rotated (``rotary``: ``(cos, sin)`` or None), then attended: through ``cache`` when decoding,
-    else by ``core(query, key, value, cp)``, run again in the backward with ``recompute_core``."""
+    else by ``core(query, key, value, cp, mask)`` (``mask``: the microbatch's documents kept apart, or None), run
+    again in the backward with ``recompute_core``."""
     if rotary is not None:
         query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
     if cache is not None:
         return cached_attention(query, key, value, cache)
     if recompute_core:
-        return recomputed(core, query, key, value, cp)
-    return core(query, key, value, cp)
+        return recomputed(core, query, key, value, cp, mask)
+    return core(query, key, value, cp, mask)
 
 
-def repeated_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+def repeated_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cp: CPGroup,
+                          mask: DocumentMask | None = None) -> torch.Tensor:
     """Causal attention of ``query [batch, heads, seq, d]`` over ``key``/``value [batch, kv_heads, seq, d]``: each
     key/value head repeated to the ``heads / kv_heads`` consecutive query heads it serves, then attention through the
-    CP group like any other."""
+    CP group like any other (block-causal under ``mask``)."""
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    return context_parallel_attention(query, key, value, cp)
+    return attend(query, key, value, cp, mask)
 
 
 def check_kv_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
@@ -171,13 +174,13 @@ class CausalSelfAttention(nn.Module):
         return tuple(part.transpose(1, 2) for part in parts)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
-                cache: LayerCache | None = None) -> torch.Tensor:
+                cache: LayerCache | None = None, mask: DocumentMask | None = None) -> torch.Tensor:
         """Attend causally over ``hidden [batch, seq, hidden]``; ``rotary`` is ``(cos, sin)`` or None. ``cache``
         (one process, decoding): ``hidden`` holds the new positions, which also attend to the cached ones and
-        join them (``ppctl.model.kv_cache``)."""
+        join them (``ppctl.model.kv_cache``). ``mask``: no token attends across a document (``DocumentMask``)."""
         query, key, value = self._queries_keys_values(hidden)
-        core = repeated_kv_attention if self.grouped else context_parallel_attention
-        attended = rotate_and_attend(query, key, value, rotary, cache, core, self.cp, self.recompute_core)
+        core = repeated_kv_attention if self.grouped else attend
+        attended = rotate_and_attend(query, key, value, rotary, cache, core, self.cp, self.recompute_core, mask)
         batch, seq = attended.shape[0], attended.shape[2]
         attended = attended.transpose(1, 2).reshape(batch, seq, self.local_heads * self.head_dim)
         return self.proj(attended)
@@ -218,9 +221,10 @@ class TransformerLayer(nn.Module):
         self.mlp = mlp if mlp is not None else MLP(hidden_size, ffn_hidden_size, tp, dtype, gelu_approximate)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache: LayerCache | None = None) -> torch.Tensor:
-        """Return the layer output ``[batch, seq, hidden]``; ``cache``: its attention's, when decoding."""
-        attended = self.attention(self.attn_norm(hidden), rotary, cache)
+                cache: LayerCache | None = None, mask: DocumentMask | None = None) -> torch.Tensor:
+        """Return the layer output ``[batch, seq, hidden]``; ``cache``: its attention's, when decoding; ``mask``:
+        its attention's documents kept apart."""
+        attended = self.attention(self.attn_norm(hidden), rotary, cache, mask)
         if self.parallel_residual:
             return self.mlp(self.mlp_norm(hidden)) + attended + hidden  # transformers' order of the sum
         hidden = hidden + attended

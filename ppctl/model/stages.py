@@ -4,7 +4,8 @@ This is the training side of the stage boundary (``ppctl.pipeline.stage``): the 
 calls stages, and the stages call back into what is defined here:
 
 - ``chunk_forward``: the first stage embeds the microbatch's tokens, every stage passes
-  position ids to its layers, the last stage computes per-token losses from the labels;
+  position ids (and, with documents kept apart, each token's document) to its layers, the
+  last stage computes per-token losses from the labels;
 - ``MaskedTokenLoss``: the masked sum of per-token losses divided by the loss-token
   count of the whole global batch, so the accumulated gradient equals the full-batch
   mean-token-loss gradient for any mask and any layout;
@@ -24,10 +25,11 @@ from ppctl.pipeline.stage import PipelineStage, StageIO, TensorSpec
 
 
 def chunk_forward(chunk: nn.Module, stage_input: torch.Tensor | None, microbatch) -> torch.Tensor:
-    """Run one model chunk on one microbatch (tokens on the first stage, labels on the last)."""
+    """Run one model chunk on one microbatch (tokens on the first stage, labels on the last, each token's document
+    on every stage when documents are kept apart)."""
     inputs = microbatch.tokens if chunk.pre_process else stage_input
     labels = microbatch.labels if chunk.post_process else None
-    return chunk(inputs, position_ids=microbatch.position_ids, labels=labels)
+    return chunk(inputs, position_ids=microbatch.position_ids, labels=labels, segment_ids=microbatch.segment_ids)
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,9 @@ class MaskedTokenLoss:
         return masked_sum * self.scale / self.normalizer, masked_sum  # x * 1.0 is exact: unscaled runs unchanged
 
 
-def chunk_fields(chunk: nn.Module) -> tuple[str, ...]:
-    """The microbatch fields a chunk reads: tokens and positions first, positions for rotary, labels and mask last."""
+def chunk_fields(chunk: nn.Module, separate_documents: bool = False) -> tuple[str, ...]:
+    """The microbatch fields a chunk reads: tokens and positions first, positions for rotary, labels and mask last;
+    with ``separate_documents`` (``data.documents=separate``) every chunk holding layers reads the documents too."""
     fields = []
     if chunk.pre_process:
         fields += ["tokens", "position_ids"]
@@ -58,6 +61,8 @@ def chunk_fields(chunk: nn.Module) -> tuple[str, ...]:
         fields.append("position_ids")
     if chunk.post_process:
         fields += ["labels", "loss_mask"]
+    if separate_documents and chunk.layer_ids:
+        fields.append("segment_ids")
     return tuple(fields)
 
 
@@ -67,7 +72,7 @@ def stage_io(chunk: nn.Module, config: PpctlConfig) -> StageIO:
                             parameter_dtype(config))
     return StageIO(input=None if chunk.pre_process else activation,
                    output=None if chunk.post_process else activation,
-                   fields=chunk_fields(chunk))
+                   fields=chunk_fields(chunk, config.data.documents == "separate"))
 
 
 def build_stages(chunks: dict[int, nn.Module], config: PpctlConfig,

@@ -17,9 +17,10 @@ from ppctl.config.derived import (configured_schedule, interleaves_experts, layo
                                   num_microbatches, parse_endpoint, pipeline_layout_of, schedule_spec,
                                   tokenizer_vocab_size)
 from ppctl.resolve.init_from import starts_from_a_checkpoint
-from ppctl.config.schema import (BACKENDS, BAD_ROWS, BALANCE_MODES, DATA_SOURCES, DROP_POLICIES, LAUNCHERS, PACKINGS,
-                                 POSITION_EMBEDDINGS, PRECISIONS, RECOMPUTE_METHODS, RECOMPUTE_MODES, ROUTER_SCORES,
-                                 TOO_LONG, ConfigError, MoEConfig, PpctlConfig, require)
+from ppctl.config.schema import (BACKENDS, BAD_ROWS, BALANCE_MODES, DATA_SOURCES, DOCUMENTS_MODES, DROP_POLICIES,
+                                 LAUNCHERS, PACKINGS, POSITION_EMBEDDINGS, PRECISIONS, RECOMPUTE_METHODS,
+                                 RECOMPUTE_MODES, ROUTER_SCORES, TOO_LONG, ConfigError, MoEConfig, PpctlConfig, require)
+from ppctl.data.corpus import INSTRUCTION_SOURCES
 from ppctl.model.family import ResolvedModel, hf_experts_formats, resolve_model
 from ppctl.model.hf_format import init_from_problem
 from ppctl.optim.lr import DECAY_STYLES
@@ -493,6 +494,7 @@ def _check_misc(config: PpctlConfig, model: ResolvedModel, data: bool = True) ->
         config.trainer.precision in PRECISIONS,
         f"trainer.precision={config.trainer.precision!r} must be one of {', '.join(PRECISIONS)}",
     )
+    _check_documents(config)
     if data:
         _check_data(config)
         _check_init_from(config, model)
@@ -525,6 +527,23 @@ def _check_misc(config: PpctlConfig, model: ResolvedModel, data: bool = True) ->
         0 <= config.launcher.node_rank < config.launcher.nnodes,
         f"launcher.node_rank={config.launcher.node_rank} must be in 0..launcher.nnodes-1",
     )
+
+
+def _check_documents(config: PpctlConfig) -> None:
+    """``data.documents`` is a known mode; packed instruction rows are kept apart (joined, a conversation would
+    attend to the ones packed before it); a blend keeps its sources' documents joined (its windows carry no
+    boundaries yet)."""
+    data = config.data
+    require(data.documents in DOCUMENTS_MODES,
+            f"data.documents={data.documents!r} must be one of {', '.join(DOCUMENTS_MODES)}")
+    require(not (data.source in INSTRUCTION_SOURCES and not data.blend and data.packing == "packed"
+                 and data.documents == "joined"),
+            f"data.source={data.source} with data.packing=packed and data.documents=joined lets each row attend to "
+            f"the rows packed before it: set data.documents=separate (data={data.source}'s default), or "
+            f"data.packing=padded")
+    require(not (data.blend and data.documents == "separate"),
+            "data.documents=separate with data.blend: a blend's windows do not carry their documents' boundaries "
+            "yet; keep data.documents=joined with a blend")
 
 
 def _check_init_from(config: PpctlConfig, model: ResolvedModel) -> None:

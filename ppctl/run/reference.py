@@ -78,7 +78,7 @@ def reference_step(model: torch.nn.Module, optimizer, batch, clip_grad: float,
 
 def _token_loss(model: torch.nn.Module, batch, whole_mask: torch.Tensor) -> torch.Tensor:
     """The masked sum of ``batch``'s token losses over the loss tokens of ``whole_mask`` (the global batch's)."""
-    losses = model(batch.tokens, position_ids=batch.position_ids, labels=batch.labels)
+    losses = model(batch.tokens, position_ids=batch.position_ids, labels=batch.labels, segment_ids=batch.segment_ids)
     mask = batch.loss_mask.to(losses.dtype)
     return (losses * mask).sum() / whole_mask.to(losses.dtype).sum()
 
@@ -91,8 +91,9 @@ def _accumulated_token_loss(model: torch.nn.Module, batch, micro_batch_size: int
     total = None
     for index in range(count):
         rows = slice(index * micro_batch_size, (index + 1) * micro_batch_size)
-        microbatch = Microbatch(*(field[rows] for field in (batch.tokens, batch.position_ids, batch.labels,
-                                                            batch.loss_mask)))
+        microbatch = Microbatch(*(None if field is None else field[rows]
+                                  for field in (batch.tokens, batch.position_ids, batch.labels, batch.loss_mask,
+                                                batch.segment_ids)))
         loss = _token_loss(model, microbatch, batch.loss_mask)
         loss.backward()
         total = loss.detach() if total is None else total + loss.detach()

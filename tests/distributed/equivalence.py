@@ -35,6 +35,8 @@ BASE = [
 FP64 = ["trainer.precision=fp64"]
 # Labels equal to the end-of-document id (the last of 16 ids here) weigh zero: a loss mask with holes.
 MASKED = ["model.vocab_size=16", "data.eod_mask_loss=true"]
+# Documents kept apart: the last of 8 ids ends a document, so a 16-token window holds about three of them.
+DOCUMENTS = ["model.vocab_size=8", "data.documents=separate"]
 STEPS = 2
 # Loss masks skewed on purpose (``prepare_skewed_masks``): a corpus whose documents are either long sentences (every
 # label trained) or two letters followed by ten end-of-text markers (2 labels of 13 trained), cut by a character

@@ -9,7 +9,7 @@ seq/cp tokens, and seq/(cp*tp) with sequence parallelism.
 
 import pytest
 
-from tests.distributed.equivalence import BASE, FP64, LLAMA, MASKED, assert_equivalent
+from tests.distributed.equivalence import BASE, DOCUMENTS, FP64, LLAMA, MASKED, assert_equivalent
 
 ROPE_TIED = ["model.position_embedding=rope", "model.tie_embeddings=true"]
 SP = ["parallel.sequence_parallel=true"]
@@ -73,6 +73,8 @@ def test_eight_ranks_tp2_cp2_pp2_in_every_mode_with_and_without_sequence_paralle
     runs = [BASE + parallel(tp=2, cp=2, pp=2, comm="allgather") + ROPE_TIED + MASKED,
             BASE + parallel(tp=2, cp=2, pp=2, comm="ring") + SP + MASKED,
             BASE + parallel(tp=2, cp=2, pp=2, comm="a2a") + SP + ROPE_TIED + MASKED]
+    # documents kept apart in each CP mode (tests/unit/test_documents_separate.py has the one-process proof)
+    runs += [BASE + parallel(tp=2, cp=2, pp=2, comm=comm) + SP + LLAMA + DOCUMENTS + FP64 for comm in MODES]
     per_rank = assert_equivalent(runs, world_size=8, timeout=500)
     assert_messages(per_rank, 0, message_bytes(SEQ // 2))
     assert_messages(per_rank, 1, message_bytes(SEQ // 4))

@@ -1,8 +1,8 @@
 """Every layout and schedule trains exactly like one process on the same global batch.
 
 One launch per layout trains several runs (schedules, position embeddings, tied
-embeddings, a loss mask with holes, float64, the tanh GELU at tp=2; at pp=4's world size of 4, loss masks skewed
-across microbatches at other layouts and microbatch counts); each is compared with
+embeddings, a loss mask with holes, documents kept apart, float64, the tanh GELU at tp=2; at pp=4's world size of 4,
+loss masks skewed across microbatches at other layouts and microbatch counts); each is compared with
 the single-process run as a user would launch it (the same overrides with ``parallel=single``): per-step
 losses and grad norms, step-0 gradients and final parameters, within the tolerances of
 ``tests/harness/tolerances.py`` (float64 every element within 1e-10).
@@ -10,8 +10,8 @@ losses and grad norms, step-0 gradients and final parameters, within the toleran
 
 import pytest
 
-from tests.distributed.equivalence import (BASE, DEEPSEEK, FP64, LLAMA, LLAMA_MHA, MASKED, MIXTRAL, QWEN2_MOE,
-                                           QWEN3, assert_equivalent, prepare_skewed_masks)
+from tests.distributed.equivalence import (BASE, DEEPSEEK, DOCUMENTS, FP64, LLAMA, LLAMA_MHA, MASKED, MIXTRAL,
+                                           QWEN2_MOE, QWEN3, assert_equivalent, prepare_skewed_masks)
 
 ROPE_TIED = ["model.position_embedding=rope", "model.tie_embeddings=true"]
 # Llama's attention_bias (q, k, v and o_proj biases) with YaRN's rotary scaling; the Mistral and Phi-3 families
@@ -58,6 +58,11 @@ def test_gpipe_and_1f1b_match_single_process(tp, pp, dp):
     if (tp, pp, dp) == (2, 2, 2):  # the output bias added once after the sum, its gradient summed over SP's tokens
         runs += [BASE + layout + ["schedule=1f1b", "parallel.sequence_parallel=true"] + BIASED_YARN + FP64,
                  BASE + layout + ["schedule=1f1b"] + MISTRAL_LINEAR + FP64, BASE + layout + ["schedule=gpipe"] + PHI3]
+        # Documents kept apart: every stage masks each microbatch's documents (learned positions restarting on
+        # the first stage, rotary ones on every stage), through SP, ZB-V's split backward and full recomputation.
+        sp = ["parallel.sequence_parallel=true"]
+        runs += [BASE + layout + ["schedule=1f1b"] + sp + DOCUMENTS + FP64,
+                 BASE + layout + ["schedule=zbv", "model.recompute=full"] + sp + LLAMA + DOCUMENTS + FP64]
     if (tp, pp, dp) == (1, 4, 1):  # the loss is the mean over the global batch's trained tokens, whatever the split
         runs += skewed_mask_runs()
     assert_equivalent(runs, world_size=tp * pp * dp)

@@ -181,6 +181,7 @@ def test_blend_settings_are_refused_in_one_line(letters, tmp_path):
                                                                            "takes no data.path"),
         (good, {"path": good[0].path}, f"data.blend names each source's path; unset data.path={good[0].path}"),
         (good, {"source": "synthetic"}, "data.source=synthetic with data.blend: a blend draws from token files"),
+        (good, {"documents": "separate"}, "data.documents=separate with data.blend: a blend's windows do not carry"),
     ]:
         with pytest.raises(ConfigError) as error:
             validate(blend_config(entries, **data))

@@ -352,8 +352,9 @@ def test_plain_text_gets_the_beginning_of_text_token_the_post_processor_puts(tmp
 # --- settings and the shipped example ----------------------------------------------------------------------------
 
 def config_of(**data) -> PpctlConfig:
-    """A config with these data settings, resolved as composing resolves it."""
-    config = PpctlConfig(model=ModelConfig(), data=DataConfig(**data))
+    """A config with these data settings (rows kept apart, as the ``data=chat`` option composes), resolved as
+    composing resolves it."""
+    config = PpctlConfig(model=ModelConfig(), data=DataConfig(**{"documents": "separate", **data}))
     fill_unset(config)
     return config
 
@@ -368,6 +369,9 @@ def test_chat_settings_are_validated_in_one_line(tmp_path):
         (dict(source="chat", path=str(path), tokenizer=str(save_chat_folder(tmp_path / "f", CHATML) /
                                                            "tokenizer.json"), chat_template=str(tmp_path / "nope")),
          "nope: no such file, nor a tokenizer_config.json or chat_template.jinja in it"),
+        (dict(source="chat", path=str(path), documents="joined"),
+         "data.source=chat with data.packing=packed and data.documents=joined lets each row attend to the rows "
+         "packed before it"),
     ]
     for data, fragment in cases:
         with pytest.raises(ConfigError) as error:

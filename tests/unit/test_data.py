@@ -300,7 +300,8 @@ def test_context_parallel_slicing():
 
 
 def test_iterator_keeps_each_cp_rank_tokens_of_every_field_and_the_global_token_count():
-    dataset = build_dataset(SYNTHETIC, 8, vocab_size=16, seed=3, eod_mask_loss=True)
+    # documents kept apart, so that every field (the documents too) is there to be cut
+    dataset = build_dataset(SYNTHETIC, 8, vocab_size=16, seed=3, eod_mask_loss=True, separate_documents=True)
     whole = PipelineDataIterator(dataset, 4, 8, 2, 8, 0, 1, None, 0, True, ALL_FIELDS)
     parts = [PipelineDataIterator(dataset, 4, 8, 2, 8, 0, 1, None, 0, True, ALL_FIELDS, cp_rank=rank, cp_size=2)
              for rank in range(2)]
@@ -310,8 +311,10 @@ def test_iterator_keeps_each_cp_rank_tokens_of_every_field_and_the_global_token_
         assert halves[0].shape == (2, 4)
         assert torch.equal(halves[0], torch.cat([full[:, 0:2], full[:, 6:8]], dim=1)), name
         assert torch.equal(halves[1], full[:, 2:6]), name
-    # positions stay global: CP rank 1 holds tokens 2..5 of each sequence
-    assert parts[1].microbatches(0)[0].position_ids[0].tolist() == [2, 3, 4, 5]
+    # positions stay global: CP rank 1 holds tokens 2..5 of each sequence (documents joined)
+    joined = build_dataset(SYNTHETIC, 8, vocab_size=16, seed=3)
+    rank_1 = PipelineDataIterator(joined, 4, 8, 2, 8, 0, 1, None, 0, True, ALL_FIELDS, cp_rank=1, cp_size=2)
+    assert rank_1.microbatches(0)[0].position_ids[0].tolist() == [2, 3, 4, 5]
     # the count is the global batch's: here one rank's CP parts add up to it (across ranks, the all-reduce adds them)
     shares = [part.global_loss_tokens(1, part.microbatches(1)) for part in parts]
     assert sum(shares) == whole.global_loss_tokens(1, whole.microbatches(1)) == global_loss_tokens(dataset, 4, 1, 8)

@@ -186,9 +186,9 @@ def test_written_tensors_are_the_folders_and_transformers_reads_them(folders, tm
     assert FORMAT.shape_from_hf(FORMAT.hf_config(shape)) == FORMAT.shape_from_hf(read_hf_config(folder))
 
 
-def _norms_before(layer, hidden, rotary=None, cache=None):
+def _norms_before(layer, hidden, rotary=None, cache=None, mask=None):
     """Llama's order: each block reads the normalised input, its output added unnormalised."""
-    hidden = hidden + layer.self_attn(layer.post_attention_layernorm(hidden), rotary, cache)
+    hidden = hidden + layer.self_attn(layer.post_attention_layernorm(hidden), rotary, cache, mask)
     return hidden + layer.mlp(layer.post_feedforward_layernorm(hidden))
 
 

@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppctl.autograd.weight_grad import DefersWeightGrads, RMSNormOp, rms_norm, split_op
+from ppctl.model.attention_mask import DocumentMask, attend
 from ppctl.model.kv_cache import LayerCache
 from ppctl.model.layers import rotate_and_attend
-from ppctl.parallel.context_parallel import CPGroup, context_parallel_attention
+from ppctl.parallel.context_parallel import CPGroup
 from ppctl.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPGroup, enter_tp_region
 
 
@@ -220,15 +221,16 @@ def llama_rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float
 # ---------------------------------------------------------------------------
 
 def grouped_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            cp: CPGroup) -> torch.Tensor:
+                            cp: CPGroup, mask: DocumentMask | None = None) -> torch.Tensor:
     """Causal attention of ``query [batch, heads, seq, d]`` over ``key``/``value [batch, kv_heads, seq, d]``.
 
     Each key/value head serves ``heads / kv_heads`` consecutive query heads; it is
-    repeated to them and attention goes through the CP group like any other.
+    repeated to them and attention goes through the CP group like any other (block-causal
+    under ``mask``: documents kept apart).
     """
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    return context_parallel_attention(query, key, value, cp)
+    return attend(query, key, value, cp, mask)
 
 
 def check_grouped_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
@@ -278,10 +280,10 @@ class GroupedQueryAttention(nn.Module):
         return projected.unflatten(-1, (heads, self.head_dim)).transpose(1, 2)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
-                cache: LayerCache | None = None) -> torch.Tensor:
+                cache: LayerCache | None = None, mask: DocumentMask | None = None) -> torch.Tensor:
         """Attend causally over ``hidden [batch, seq, hidden]``; ``rotary`` is ``(cos, sin)`` or None. ``cache``
         (one process, decoding): ``hidden`` holds the new positions, which also attend to the cached ones and
-        join them (``ppctl.model.kv_cache``)."""
+        join them (``ppctl.model.kv_cache``). ``mask``: no token attends across a document (``DocumentMask``)."""
         entered = enter_tp_region(hidden, self.tp)  # the whole (CP-local) sequence, also under SP
         query = self._heads(self.q_proj, entered, self.local_heads)
         key = self._heads(self.k_proj, entered, self.local_kv_heads)
@@ -289,7 +291,7 @@ class GroupedQueryAttention(nn.Module):
         if self.q_norm is not None:  # each TP rank's whole heads: the norm needs no other rank's
             query, key = self.q_norm(query), self.k_norm(key)
         attended = rotate_and_attend(query, key, value, rotary, cache, grouped_query_attention, self.cp,
-                                     self.recompute_core)
+                                     self.recompute_core, mask)
         return self.o_proj(attended.transpose(1, 2).flatten(2))
 
 
@@ -337,7 +339,8 @@ class LlamaLayer(nn.Module):
         self.mlp = mlp if mlp is not None else SwiGLUMLP(hidden_size, ffn_hidden_size, tp, dtype, activation)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache: LayerCache | None = None) -> torch.Tensor:
-        """Return the layer output ``[batch, seq, hidden]``; ``cache``: its attention's, when decoding."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, cache)
+                cache: LayerCache | None = None, mask: DocumentMask | None = None) -> torch.Tensor:
+        """Return the layer output ``[batch, seq, hidden]``; ``cache``: its attention's, when decoding; ``mask``:
+        its attention's documents kept apart."""
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, cache, mask)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))

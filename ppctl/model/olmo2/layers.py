@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ppctl.model.kv_cache import LayerCache
+from ppctl.model.attention_mask import DocumentMask
 from ppctl.model.layers import rotate_and_attend
 from ppctl.model.llama.layers import GroupedQueryAttention, RMSNorm, SwiGLUMLP, grouped_query_attention
 from ppctl.parallel.context_parallel import CPGroup
@@ -65,15 +66,15 @@ class Olmo2Attention(GroupedQueryAttention):
         return normalised.unflatten(-1, (heads, self.head_dim)).transpose(1, 2)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
-                cache: LayerCache | None = None) -> torch.Tensor:
-        """Attend causally over ``hidden [batch, seq, hidden]`` (``GroupedQueryAttention.forward``), its queries and
-        keys normalised over their whole width first."""
+                cache: LayerCache | None = None, mask: DocumentMask | None = None) -> torch.Tensor:
+        """Attend causally over ``hidden [batch, seq, hidden]`` (``GroupedQueryAttention.forward``; ``mask``: documents
+        kept apart), its queries and keys normalised over their whole width first."""
         entered = enter_tp_region(hidden, self.tp)
         query = self._normalised_heads(self.q_proj, self.q_norm, entered, self.local_heads)
         key = self._normalised_heads(self.k_proj, self.k_norm, entered, self.local_kv_heads)
         value = self._heads(self.v_proj, entered, self.local_kv_heads)
         attended = rotate_and_attend(query, key, value, rotary, cache, grouped_query_attention, self.cp,
-                                     self.recompute_core)
+                                     self.recompute_core, mask)
         return self.o_proj(attended.transpose(1, 2).flatten(2))
 
 
@@ -92,7 +93,8 @@ class Olmo2Layer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(hidden_size, eps=norm_epsilon, dtype=dtype, offset=0.0)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache: LayerCache | None = None) -> torch.Tensor:
-        """Return the layer output ``[batch, seq, hidden]``; ``cache``: its attention's, when decoding."""
-        hidden = hidden + self.post_attention_layernorm(self.self_attn(hidden, rotary, cache))
+                cache: LayerCache | None = None, mask: DocumentMask | None = None) -> torch.Tensor:
+        """Return the layer output ``[batch, seq, hidden]``; ``cache``: its attention's, when decoding; ``mask``:
+        its attention's documents kept apart."""
+        hidden = hidden + self.post_attention_layernorm(self.self_attn(hidden, rotary, cache, mask))
         return hidden + self.post_feedforward_layernorm(self.mlp(hidden))
