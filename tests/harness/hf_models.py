@@ -119,21 +119,6 @@ def _gemma_olmo2_config(architecture: str, shape: dict, rope: dict):
     return Olmo2Config(**common)
 
 
-def _qwen_config(architecture: str, shape: dict, rope: dict):
-    """Qwen3 (q/k norms, heads of ``QWEN_HEAD_DIM``), Qwen2-MoE (its first layer dense, the others routed, a gated
-    shared expert, q/k/v biases, the top-k weights not renormalised) or Qwen3-MoE (q/k norms, every other layer from
-    the second routed, the top-k renormalised)."""
-    from transformers import Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
-
-    common = dict(**shape, num_key_value_heads=KV_HEADS, rms_norm_eps=NORM_EPSILON, rope_parameters=rope)
-    if architecture == QWEN3:
-        return Qwen3Config(**common, head_dim=QWEN_HEAD_DIM)
-    experts = dict(num_experts=EXPERTS, num_experts_per_tok=TOPK, moe_intermediate_size=QWEN_EXPERT_FFN)
-    if architecture == QWEN2_MOE:
-        return Qwen2MoeConfig(**common, **experts, shared_expert_intermediate_size=QWEN_SHARED_FFN, mlp_only_layers=[0])
-    return Qwen3MoeConfig(**common, **experts, head_dim=QWEN_HEAD_DIM, decoder_sparse_step=2, norm_topk_prob=True)
-
-
 def save_tiny(folder: Path, architecture: str = GPT2, tie: bool = False, seed: int = 0, activation: str = "gelu",
               rope_scaling: dict | None = None) -> Path:
     """Write a tiny random model into ``folder`` with ``save_pretrained``; return the folder."""
@@ -283,6 +268,77 @@ def hf_model(folder: Path, exact: bool = True):
     if exact and hasattr(model.base_model, "rotary_emb"):
         _in_float64(model)
     return model
+
+
+def folder_run_config(folder: Path, *extra: str):
+    """The validated float64 single-process config of a run that names ``folder`` alone (and ``extra``)."""
+    from ppctl.resolve import compose_config, validate
+
+    config = compose_config([*folder_overrides(folder), "parallel=single", "trainer.precision=fp64", *extra])
+    validate(config)
+    return config
+
+
+def random_tokens(seed: int = 7) -> torch.Tensor:
+    """Two rows of ``POSITIONS`` ids below ``VOCAB``, drawn from ``seed``."""
+    return torch.randint(0, VOCAB, (2, POSITIONS), generator=torch.Generator().manual_seed(seed))
+
+
+def reference_logits(config, tokens: torch.Tensor) -> torch.Tensor:
+    """The logits of ``tokens`` of ``config``'s single-process reference model, its real vocabulary's columns."""
+    from ppctl.run.reference import reference_model
+
+    with torch.no_grad():
+        return reference_model(config)(tokens)[..., :VOCAB]
+
+
+def transformers_logits(folder: Path, tokens: torch.Tensor, exact: bool = True) -> torch.Tensor:
+    """The logits of ``tokens`` of transformers' model of ``folder`` (``hf_model``)."""
+    with torch.no_grad():
+        return hf_model(folder, exact)(tokens).logits
+
+
+def greedy_matches_transformers(folder: Path, prompt: list[int], steps: int, logits_bound: float) -> None:
+    """Assert that the model read from ``folder`` decodes ``prompt`` through its KV cache (``ppctl generate``'s
+    ``generate_ids``) to transformers' greedy tokens for ``steps`` steps, its step logits within ``logits_bound``."""
+    from ppctl.run.reference import reference_model
+    from tests.unit.test_generate import _hf_greedy, _ppctl_greedy
+
+    chunk = reference_model(folder_run_config(folder)).eval()
+    with torch.no_grad():
+        ids, logits = _ppctl_greedy(chunk, prompt, steps)
+        expected_ids, expected_logits = _hf_greedy(hf_model(folder), prompt, steps)
+    assert ids == expected_ids
+    assert relative_error(logits, expected_logits) < logits_bound
+
+
+def written_back_equals_the_folder(hf_format, folder: Path, out: Path, exact: float) -> None:
+    """Assert that the dense model read from ``folder`` writes back (``hf_format``: the tensors and the
+    ``config.json``, into ``out``) the folder's tensors bit for bit, which transformers reads to the folder's logits
+    (relative ``exact``), and a ``config.json`` that reads back to the folder's shape."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from ppctl.model.family import resolve_model
+    from ppctl.model.hf_format import read_hf_config
+    from ppctl.model.hf_weights import to_hf_tensors
+    from ppctl.model.rules import rule_of
+    from ppctl.run.reference import reference_model
+
+    config = folder_run_config(folder)
+    dense = {key: param.detach()[:VOCAB] if rule_of(param).vocab_rows else param.detach()
+             for key, param in reference_model(config).named_parameters()}
+    shape = resolve_model(config).shape
+    written = to_hf_tensors(hf_format, shape, read_hf_config(folder), dense)
+    saved = load_file(str(folder / "model.safetensors"))
+    assert sorted(written) == sorted(saved) and all(torch.equal(written[key], saved[key].double()) for key in saved)
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(hf_format.hf_config(shape)))
+    save_file({key: tensor.contiguous() for key, tensor in written.items()}, str(out / "model.safetensors"))
+    tokens = random_tokens()
+    assert relative_error(transformers_logits(out, tokens), transformers_logits(folder, tokens)) < exact
+    assert hf_format.shape_from_hf(hf_format.hf_config(shape)) == hf_format.shape_from_hf(read_hf_config(folder))
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

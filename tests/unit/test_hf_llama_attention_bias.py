@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from ppctl.resolve import compose_config, validate
-from tests.harness.hf_models import (LLAMA, OVERRIDES, POSITIONS, VOCAB, folder_overrides, hf_config, hf_model,
-                                     relative_error, save_random)
+from tests.harness.hf_models import (LLAMA, OVERRIDES, VOCAB, folder_run_config, hf_config, random_tokens,
+                                     reference_logits, relative_error, save_random, transformers_logits)
 
 EXACT = 1e-10
 BROKEN = 1e-3
@@ -28,32 +28,10 @@ def folder(tmp_path_factory):
     return save_random(tmp_path_factory.mktemp("llama_attention_bias"), config, seed=3)
 
 
-def _config(folder, *extra):
-    config = compose_config([*folder_overrides(folder), "parallel=single", "trainer.precision=fp64", *extra])
-    validate(config)
-    return config
-
-
-def _tokens():
-    return torch.randint(0, VOCAB, (2, POSITIONS), generator=torch.Generator().manual_seed(7))
-
-
-def _logits(config, tokens):
-    from ppctl.run.reference import reference_model
-
-    with torch.no_grad():
-        return reference_model(config)(tokens)[..., :VOCAB]
-
-
-def _hf_logits(folder, tokens):
-    with torch.no_grad():
-        return hf_model(folder)(tokens).logits
-
-
 def test_the_folder_gives_both_biases_and_transformers_logits(folder):
-    config, tokens = _config(folder), _tokens()
+    config, tokens = folder_run_config(folder), random_tokens()
     assert config.model.qkv_bias and config.model.attention_output_bias
-    ours, theirs = _logits(config, tokens), _hf_logits(folder, tokens)
+    ours, theirs = reference_logits(config, tokens), transformers_logits(folder, tokens)
     assert relative_error(ours, theirs) < EXACT
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
@@ -67,8 +45,8 @@ def test_each_tp_rank_holds_the_whole_output_bias(folder):
     from ppctl.run.reference import reference_model
     from tests.distributed.equivalence import expected_shard
 
-    dense = dict(reference_model(_config(folder)).named_parameters())
-    config = _config(folder, "parallel.tp=2")
+    dense = dict(reference_model(folder_run_config(folder)).named_parameters())
+    config = folder_run_config(folder, "parallel.tp=2")
     for tp_rank in range(2):
         groups = RankGroups(tp=TPGroup(None, 2, tp_rank))
         chunk = build_chunk(config, StageLayers.whole(config.model.num_layers), groups)
@@ -92,8 +70,8 @@ def test_the_output_bias_left_out_fails_the_comparison(folder, monkeypatch):
                 for name, spec in original(model, hf_config).items()}
 
     monkeypatch.setattr(type(FORMAT), "tensors", lambda self, model, hf_config: without_output_bias(model, hf_config))
-    tokens = _tokens()
-    assert relative_error(_logits(_config(folder), tokens), _hf_logits(folder, tokens)) > BROKEN
+    tokens = random_tokens()
+    assert relative_error(reference_logits(folder_run_config(folder), tokens), transformers_logits(folder, tokens)) > BROKEN
 
 
 def test_the_tensors_and_the_config_map_back(folder):
@@ -105,7 +83,7 @@ def test_the_tensors_and_the_config_map_back(folder):
     from ppctl.model.rules import rule_of
     from ppctl.run.reference import reference_model
 
-    config = _config(folder, "trainer.precision=fp32")
+    config = folder_run_config(folder, "trainer.precision=fp32")
     resolved = resolve_model(config)
     dense = {key: param.detach()[:VOCAB] if rule_of(param).vocab_rows else param.detach()
              for key, param in reference_model(config).named_parameters()}

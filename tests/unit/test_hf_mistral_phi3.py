@@ -21,8 +21,8 @@ import torch
 
 from ppctl.config import ConfigError
 from ppctl.resolve import compose_config, validate
-from tests.harness.hf_models import (MISTRAL, OVERRIDES, PHI3, POSITIONS, VOCAB, folder_overrides, hf_model,
-                                     relative_error, save_tiny)
+from tests.harness.hf_models import (MISTRAL, OVERRIDES, PHI3, POSITIONS, VOCAB, folder_run_config, random_tokens,
+                                     reference_logits, relative_error, save_tiny, transformers_logits)
 
 EXACT = 1e-10
 BROKEN = 1e-3
@@ -32,29 +32,6 @@ ARCHITECTURES = {MISTRAL: "MistralForCausalLM", PHI3: "Phi3ForCausalLM"}
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     return {name: save_tiny(tmp_path_factory.mktemp(name), name, seed=3) for name in ARCHITECTURES}
-
-
-def _config(folder, *extra):
-    """The fp64 single-process config of a run that starts from ``folder`` alone."""
-    config = compose_config([*folder_overrides(folder), "parallel=single", "trainer.precision=fp64", *extra])
-    validate(config)
-    return config
-
-
-def _tokens():
-    return torch.randint(0, VOCAB, (2, POSITIONS), generator=torch.Generator().manual_seed(7))
-
-
-def _logits(config, tokens):
-    from ppctl.run.reference import reference_model
-
-    with torch.no_grad():
-        return reference_model(config)(tokens)[..., :VOCAB]
-
-
-def _hf_logits(folder, tokens):
-    with torch.no_grad():
-        return hf_model(folder)(tokens).logits
 
 
 def _edited(tmp_path, folder, **edit):
@@ -68,9 +45,9 @@ def _edited(tmp_path, folder, **edit):
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_a_folder_alone_gives_transformers_logits_and_greedy_tokens(folders, name):
-    config, tokens = _config(folders[name]), _tokens()
+    config, tokens = folder_run_config(folders[name]), random_tokens()
     assert config.model.family == name
-    ours, theirs = _logits(config, tokens), _hf_logits(folders[name], tokens)
+    ours, theirs = reference_logits(config, tokens), transformers_logits(folders[name], tokens)
     assert relative_error(ours, theirs) < EXACT
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
@@ -78,12 +55,12 @@ def test_a_folder_alone_gives_transformers_logits_and_greedy_tokens(folders, nam
 def test_a_window_as_long_as_the_sequence_hides_nothing_and_one_shorter_is_refused(tmp_path, folders):
     """transformers' window W lets a query see the keys fewer than W positions back: W = the sequence length gives
     the unwindowed logits (the test above), W one shorter moves them, and ppctl refuses it by name."""
-    tokens = _tokens()
+    tokens = random_tokens()
     shorter = _edited(tmp_path, folders[MISTRAL], sliding_window=POSITIONS - 1)
-    assert relative_error(_logits(_config(folders[MISTRAL]), tokens), _hf_logits(shorter, tokens)) > BROKEN
+    assert relative_error(reference_logits(folder_run_config(folders[MISTRAL]), tokens), transformers_logits(shorter, tokens)) > BROKEN
     with pytest.raises(ConfigError, match=rf"its sliding_window={POSITIONS - 1} is shorter than its "
                                           rf"max_position_embeddings={POSITIONS} \(model.max_seq_length"):
-        _config(shorter)
+        folder_run_config(shorter)
 
 
 @pytest.mark.parametrize("tp", [2])
@@ -96,8 +73,8 @@ def test_each_tp_rank_reads_its_heads_rows_of_the_fused_tensors(folders, tp):
     from ppctl.run.reference import reference_model
     from tests.distributed.equivalence import expected_shard
 
-    dense = dict(reference_model(_config(folders[PHI3])).named_parameters())
-    config = _config(folders[PHI3], f"parallel.tp={tp}")
+    dense = dict(reference_model(folder_run_config(folders[PHI3])).named_parameters())
+    config = folder_run_config(folders[PHI3], f"parallel.tp={tp}")
     for tp_rank in range(tp):
         groups = RankGroups(tp=TPGroup(None, tp, tp_rank))
         chunk = build_chunk(config, StageLayers.whole(config.model.num_layers), groups)
@@ -117,7 +94,7 @@ def test_the_dense_tensors_map_back_to_the_folders_bit_for_bit(folders, name):
     from ppctl.model.rules import rule_of
     from ppctl.run.reference import reference_model
 
-    config = _config(folders[name], "trainer.precision=fp32")
+    config = folder_run_config(folders[name], "trainer.precision=fp32")
     resolved = resolve_model(config)
     dense = {key: param.detach()[:VOCAB] if rule_of(param).vocab_rows else param.detach()
              for key, param in reference_model(config).named_parameters()}
@@ -170,9 +147,9 @@ def test_an_exported_model_gives_ppctls_logits_in_transformers(tmp_path, name):
     written = json.loads((out / "config.json").read_text())
     assert written["architectures"] == [ARCHITECTURES[name]] and written["model_type"] == name
     assert written["sliding_window"] is None
-    tokens = _tokens()
+    tokens = random_tokens()
     with torch.no_grad():
-        assert relative_error(_hf_logits(out, tokens), model(tokens)[..., :VOCAB]) < EXACT
+        assert relative_error(transformers_logits(out, tokens), model(tokens)[..., :VOCAB]) < EXACT
 
 
 FUSED_DEFECTS = {"k and v parts swapped": ("self_attn.k_proj", "self_attn.v_proj"),
@@ -195,8 +172,8 @@ def test_a_broken_fused_mapping_fails_the_comparison(folders, monkeypatch, defec
         return specs
 
     monkeypatch.setattr(type(FORMAT), "tensors", lambda self, model, hf_config: broken(model, hf_config))
-    tokens = _tokens()
-    assert relative_error(_logits(_config(folders[PHI3]), tokens), _hf_logits(folders[PHI3], tokens)) > BROKEN
+    tokens = random_tokens()
+    assert relative_error(reference_logits(folder_run_config(folders[PHI3]), tokens), transformers_logits(folders[PHI3], tokens)) > BROKEN
 
 
 REFUSED = [
@@ -215,7 +192,7 @@ REFUSED = [
 @pytest.mark.parametrize("name, edit, fragment", REFUSED, ids=[f"{case[0]}-{next(iter(case[1]))}" for case in REFUSED])
 def test_what_neither_computes_is_refused_in_one_line(tmp_path, folders, name, edit, fragment):
     with pytest.raises(ConfigError) as refused:
-        _config(_edited(tmp_path, folders[name], **edit))
+        folder_run_config(_edited(tmp_path, folders[name], **edit))
     assert fragment in str(refused.value) and "\n" not in str(refused.value)
 
 
@@ -226,8 +203,8 @@ def test_a_top_level_partial_rotary_factor_gives_way_to_the_rotary_parameters_as
 
     folder = _edited(tmp_path, folders[PHI3], partial_rotary_factor=0.5)
     assert AutoConfig.from_pretrained(folder).rope_parameters["partial_rotary_factor"] == 1.0
-    tokens = _tokens()
-    assert relative_error(_logits(_config(folder), tokens), _hf_logits(folder, tokens)) < EXACT
+    tokens = random_tokens()
+    assert relative_error(reference_logits(folder_run_config(folder), tokens), transformers_logits(folder, tokens)) < EXACT
 
 
 def test_a_mistral_folder_without_a_window_key_has_transformers_4096(tmp_path, folders):
@@ -240,7 +217,7 @@ def test_a_mistral_folder_without_a_window_key_has_transformers_4096(tmp_path, f
     (folder / "config.json").write_text(json.dumps(config))
     assert AutoConfig.from_pretrained(folder).sliding_window == 4096
     with pytest.raises(ConfigError, match="its sliding_window=4096 is shorter than its max_position_embeddings=8192"):
-        _config(folder)
+        folder_run_config(folder)
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)

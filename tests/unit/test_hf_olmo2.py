@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from ppctl.config import ConfigError
-from ppctl.resolve import compose_config, validate
-from tests.harness.hf_models import (HEADS, OLMO2, POSITIONS, VOCAB, folder_overrides, hf_config, hf_model,
-                                     relative_error, save_random, save_tiny)
+from tests.harness.hf_models import (HEADS, OLMO2, VOCAB, folder_run_config, greedy_matches_transformers, hf_config,
+                                     random_tokens, reference_logits, relative_error, save_random, save_tiny,
+                                     transformers_logits, written_back_equals_the_folder)
 from tests.unit.test_hf_gemma import llama_shaped_attributes, transformers_attributes
 
 EXACT = 1e-10
@@ -42,39 +42,17 @@ def folders(tmp_path_factory):
     return {"gqa_untied": save_tiny(root / "gqa", OLMO2, seed=3), "mha_tied": save_random(root / "mha", multi_head, 4)}
 
 
-def _config(folder, *extra):
-    config = compose_config([*folder_overrides(folder), "parallel=single", "trainer.precision=fp64", *extra])
-    validate(config)
-    return config
-
-
-def _tokens():
-    return torch.randint(0, VOCAB, (2, POSITIONS), generator=torch.Generator().manual_seed(7))
-
-
-def _logits(config, tokens):
-    from ppctl.run.reference import reference_model
-
-    with torch.no_grad():
-        return reference_model(config)(tokens)[..., :VOCAB]
-
-
-def _hf_logits(folder, tokens, exact: bool = True):
-    with torch.no_grad():
-        return hf_model(folder, exact)(tokens).logits
-
-
 @pytest.mark.parametrize("name", ["gqa_untied", "mha_tied"])
 def test_logits_equal_transformers_in_float64(folders, name):
-    config, tokens = _config(folders[name]), _tokens()
+    config, tokens = folder_run_config(folders[name]), random_tokens()
     assert config.model.family == "olmo2"
-    assert relative_error(_logits(config, tokens), _hf_logits(folders[name], tokens)) < EXACT
+    assert relative_error(reference_logits(config, tokens), transformers_logits(folders[name], tokens)) < EXACT
 
 
 def test_with_transformers_own_float32_norms_within_float32(folders):
-    tokens = _tokens()
-    assert relative_error(_logits(_config(folders["gqa_untied"]), tokens),
-                          _hf_logits(folders["gqa_untied"], tokens, exact=False)) < 1e-5
+    tokens = random_tokens()
+    assert relative_error(reference_logits(folder_run_config(folders["gqa_untied"]), tokens),
+                          transformers_logits(folders["gqa_untied"], tokens, exact=False)) < 1e-5
 
 
 @pytest.mark.parametrize("name", ["gqa_untied", "mha_tied"])
@@ -82,9 +60,9 @@ def test_logits_at_tp2_equal_transformers(folders, monkeypatch, name):
     """Each TP rank normalises its heads' slice of q and k by the whole width's root mean square."""
     from tests.harness.lockstep_tp import lockstep_logits
 
-    config, tokens = _config(folders[name], "parallel.tp=2"), _tokens()
+    config, tokens = folder_run_config(folders[name], "parallel.tp=2"), random_tokens()
     logits = lockstep_logits(config, tokens, monkeypatch)[..., :VOCAB]
-    assert relative_error(logits, _hf_logits(folders[name], tokens)) < EXACT
+    assert relative_error(logits, transformers_logits(folders[name], tokens)) < EXACT
 
 
 def test_each_tp_rank_normalising_its_slice_alone_fails_at_tp2(folders, monkeypatch):
@@ -92,9 +70,9 @@ def test_each_tp_rank_normalising_its_slice_alone_fails_at_tp2(folders, monkeypa
     from tests.harness.lockstep_tp import lockstep_logits
 
     monkeypatch.setattr(layers, "sum_over_tp", lambda tensor, tp: tensor)
-    config, tokens = _config(folders["gqa_untied"], "parallel.tp=2"), _tokens()
+    config, tokens = folder_run_config(folders["gqa_untied"], "parallel.tp=2"), random_tokens()
     logits = lockstep_logits(config, tokens, monkeypatch)[..., :VOCAB]
-    assert relative_error(logits, _hf_logits(folders["gqa_untied"], tokens)) > 1e-3
+    assert relative_error(logits, transformers_logits(folders["gqa_untied"], tokens)) > 1e-3
 
 
 def _norm_gradients(tp_size: int, monkeypatch, sum_over_tp=None):
@@ -145,45 +123,16 @@ def test_the_whole_width_norm_is_autograd_correct_at_tp2(monkeypatch):
 def test_greedy_tokens_equal_transformers_generate(folders):
     """The model read from the folder decodes through its KV cache (``ppctl generate``'s ``generate_ids``) to
     transformers' greedy tokens, its step logits to float32 rounding."""
-    from ppctl.run.reference import reference_model
-    from tests.unit.test_generate import _hf_greedy, _ppctl_greedy
-
-    folder, prompt = folders["gqa_untied"], [3, 14, 15, 9, 26, 5]
-    chunk = reference_model(_config(folder)).eval()
-    with torch.no_grad():
-        ids, logits = _ppctl_greedy(chunk, prompt, 10)
-        expected_ids, expected_logits = _hf_greedy(hf_model(folder), prompt, 10)
-    assert ids == expected_ids
-    assert relative_error(logits, expected_logits) < FLOAT32_LOGITS
+    greedy_matches_transformers(folders["gqa_untied"], [3, 14, 15, 9, 26, 5], 10, FLOAT32_LOGITS)
 
 
 @pytest.mark.parametrize("name", ["gqa_untied", "mha_tied"])
 def test_written_tensors_are_the_folders_and_transformers_reads_them(folders, tmp_path, name):
     """The dense model's tensors written back are the folder's, bit for bit; with the ``config.json`` ppctl writes,
     transformers computes the folder's logits."""
-    from safetensors.torch import load_file, save_file
-
-    from ppctl.model.family import resolve_model
-    from ppctl.model.hf_format import read_hf_config
-    from ppctl.model.hf_weights import to_hf_tensors
     from ppctl.model.olmo2.hf import FORMAT
-    from ppctl.model.rules import rule_of
-    from ppctl.run.reference import reference_model
 
-    folder, config = folders[name], _config(folders[name])
-    dense = {key: param.detach()[:VOCAB] if rule_of(param).vocab_rows else param.detach()
-             for key, param in reference_model(config).named_parameters()}
-    shape = resolve_model(config).shape
-    written = to_hf_tensors(FORMAT, shape, read_hf_config(folder), dense)
-    saved = load_file(str(folder / "model.safetensors"))
-    assert sorted(written) == sorted(saved) and all(torch.equal(written[key], saved[key].double()) for key in saved)
-    out = tmp_path / "written"
-    out.mkdir()
-    (out / "config.json").write_text(json.dumps(FORMAT.hf_config(shape)))
-    save_file({key: tensor.contiguous() for key, tensor in written.items()}, str(out / "model.safetensors"))
-    tokens = _tokens()
-    assert relative_error(_hf_logits(out, tokens), _hf_logits(folder, tokens)) < EXACT
-    assert FORMAT.shape_from_hf(FORMAT.hf_config(shape)) == FORMAT.shape_from_hf(read_hf_config(folder))
+    written_back_equals_the_folder(FORMAT, folders[name], tmp_path / "written", EXACT)
 
 
 def _norms_before(layer, hidden, rotary=None, cache=None, mask=None):
@@ -206,9 +155,9 @@ def test_a_broken_twin_fails_the_comparison(folders, monkeypatch, twin):
         monkeypatch.setattr(Olmo2Layer, "forward", _norms_before)
     else:
         _without_qk_norms(monkeypatch)
-    tokens = _tokens()
-    assert relative_error(_logits(_config(folders["gqa_untied"]), tokens),
-                          _hf_logits(folders["gqa_untied"], tokens)) > 1e-3
+    tokens = random_tokens()
+    assert relative_error(reference_logits(folder_run_config(folders["gqa_untied"]), tokens),
+                          transformers_logits(folders["gqa_untied"], tokens)) > 1e-3
 
 
 # --- config.json as transformers reads it ----------------------------------------------------------------------------
@@ -230,7 +179,7 @@ def test_a_sparse_config_json_is_read_with_transformers_defaults(tmp_path, edit)
 
 def _refusal(folder) -> str:
     with pytest.raises(ConfigError) as caught:
-        _config(folder)
+        folder_run_config(folder)
     message = str(caught.value)
     assert "\n" not in message and message.startswith(f"model.init_from={folder}: "), message
     return message.removeprefix(f"model.init_from={folder}: ")

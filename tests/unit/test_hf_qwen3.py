@@ -22,7 +22,7 @@ import torch
 
 from ppctl.config import ConfigError
 from ppctl.resolve import compose_config, validate
-from tests.harness.hf_models import (POSITIONS, QWEN3, QWEN_HEAD_DIM, VOCAB, folder_overrides, hf_model,
+from tests.harness.hf_models import (QWEN3, QWEN_HEAD_DIM, VOCAB, folder_run_config, hf_model, random_tokens,
                                      relative_error, save_tiny)
 
 EXACT = 1e-10
@@ -36,20 +36,9 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def folder_logits(folder):
-    """transformers' float64 logits of the folder's model on ``_tokens()``."""
+    """transformers' float64 logits of the folder's model on ``random_tokens()``."""
     with torch.no_grad():
-        return hf_model(folder)(_tokens()).logits
-
-
-def _config(folder, *extra):
-    """The fp64 single-process config of a run that names the folder alone."""
-    config = compose_config([*folder_overrides(folder), "parallel=single", "trainer.precision=fp64", *extra])
-    validate(config)
-    return config
-
-
-def _tokens():
-    return torch.randint(0, VOCAB, (2, POSITIONS), generator=torch.Generator().manual_seed(7))
+        return hf_model(folder)(random_tokens()).logits
 
 
 def _logits(model, tokens):
@@ -64,9 +53,9 @@ def _ppctl(config):
 
 
 def test_a_qwen3_folder_alone_gives_transformers_logits_in_float64(folder, folder_logits):
-    config = _config(folder)
+    config = folder_run_config(folder)
     assert (config.model.family, config.model.head_dim, config.model.num_kv_heads) == ("qwen3", QWEN_HEAD_DIM, 2)
-    assert relative_error(_logits(_ppctl(config), _tokens()), folder_logits) < EXACT
+    assert relative_error(_logits(_ppctl(config), random_tokens()), folder_logits) < EXACT
 
 
 def test_greedy_decoding_equals_transformers_generate(folder, tmp_path):
@@ -99,7 +88,7 @@ def _omit_qk_norms(model):
 
 
 def test_leaving_the_qk_norms_out_fails_the_comparison(folder, folder_logits):
-    assert relative_error(_logits(_omit_qk_norms(_ppctl(_config(folder))), _tokens()), folder_logits) > BROKEN
+    assert relative_error(_logits(_omit_qk_norms(_ppctl(folder_run_config(folder))), random_tokens()), folder_logits) > BROKEN
 
 
 def _swap_qk_norms(monkeypatch):
@@ -118,7 +107,7 @@ def _swap_qk_norms(monkeypatch):
 
 def test_a_swapped_qk_norm_mapping_fails_the_import(folder, folder_logits, monkeypatch):
     _swap_qk_norms(monkeypatch)
-    assert relative_error(_logits(_ppctl(_config(folder)), _tokens()), folder_logits) > BROKEN
+    assert relative_error(_logits(_ppctl(folder_run_config(folder)), random_tokens()), folder_logits) > BROKEN
 
 
 def test_the_tensors_map_back_to_the_folders_bit_for_bit(folder):
@@ -132,7 +121,7 @@ def test_the_tensors_map_back_to_the_folders_bit_for_bit(folder):
     from ppctl.model.qwen3.hf import FORMAT
     from ppctl.model.rules import rule_of
 
-    config = _config(folder)
+    config = folder_run_config(folder)
     dense = {key: param.detach()[:VOCAB] if rule_of(param).vocab_rows else param.detach()
              for key, param in _ppctl(config).named_parameters()}
     written = to_hf_tensors(FORMAT, resolve_model(config).shape, read_hf_config(folder), dense)
@@ -185,7 +174,7 @@ def test_an_exported_qwen3_gives_ppctls_logits_in_transformers(tmp_path):
     assert (written["architectures"], written["model_type"], written["head_dim"]) == (["Qwen3ForCausalLM"], "qwen3",
                                                                                       QWEN_HEAD_DIM)
     assert written["layer_types"] == ["full_attention"] * 4 and not written["attention_bias"]
-    tokens = _tokens()
+    tokens = random_tokens()
     assert relative_error(_logits(model, tokens), hf_model(out)(tokens).logits.detach()) < EXACT
 
 
@@ -195,7 +184,7 @@ def test_an_export_with_the_qk_norms_swapped_fails_in_transformers(tmp_path, mon
     config, model = _random_qwen3()
     _swap_qk_norms(monkeypatch)
     out = _export(tmp_path, config, model)
-    tokens = _tokens()
+    tokens = random_tokens()
     assert relative_error(_logits(model, tokens), hf_model(out)(tokens).logits.detach()) > BROKEN
 
 
@@ -225,13 +214,13 @@ REFUSED = [
 def test_what_ppctls_qwen3_does_not_compute_is_refused_in_one_line(folder, tmp_path, edit, message):
     edited = _edited(folder, tmp_path, **edit)
     with pytest.raises(ConfigError) as refused:
-        _config(edited)
+        folder_run_config(edited)
     assert message in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
 
 
 def test_a_window_no_layer_reaches_is_read(folder, tmp_path):
     """``use_sliding_window`` with every layer below ``max_window_layers`` windows none (Qwen3Config's rule)."""
-    _config(_edited(folder, tmp_path, layer_types=None, use_sliding_window=True, sliding_window=8,
+    folder_run_config(_edited(folder, tmp_path, layer_types=None, use_sliding_window=True, sliding_window=8,
                     max_window_layers=4))
 
 

@@ -24,8 +24,8 @@ import torch
 
 from ppctl.config import ConfigError
 from ppctl.resolve import compose_config, validate
-from tests.harness.hf_models import (EXPERTS, OVERRIDES, POSITIONS, QWEN2_MOE, QWEN3_MOE, QWEN_HEAD_DIM, VOCAB,
-                                     folder_overrides, hf_model, relative_error, save_tiny)
+from tests.harness.hf_models import (EXPERTS, OVERRIDES, QWEN2_MOE, QWEN3_MOE, QWEN_HEAD_DIM, VOCAB, folder_run_config,
+                                     hf_model, random_tokens, relative_error, save_tiny)
 
 EXACT = 1e-10
 BROKEN = 1e-3
@@ -40,20 +40,9 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def folder_logits(folders):
-    """transformers' float64 logits of each folder's model on ``_tokens()``."""
+    """transformers' float64 logits of each folder's model on ``random_tokens()``."""
     with torch.no_grad():
-        return {architecture: hf_model(folder)(_tokens()).logits for architecture, folder in folders.items()}
-
-
-def _config(folder, *extra):
-    """The fp64 single-process config of a run that names the folder alone."""
-    config = compose_config([*folder_overrides(folder), "parallel=single", "trainer.precision=fp64", *extra])
-    validate(config)
-    return config
-
-
-def _tokens():
-    return torch.randint(0, VOCAB, (2, POSITIONS), generator=torch.Generator().manual_seed(7))
+        return {architecture: hf_model(folder)(random_tokens()).logits for architecture, folder in folders.items()}
 
 
 def _logits(model, tokens):
@@ -74,15 +63,15 @@ READ = {QWEN2_MOE: (False, True, 1, 1, 2, True, False), QWEN3_MOE: (True, False,
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_a_folder_alone_gives_transformers_logits_in_float64(folders, folder_logits, architecture):
-    config = _config(folders[architecture])
+    config = folder_run_config(folders[architecture])
     model, moe = config.model, config.model.moe
     assert model.family == "qwen_moe" and (moe.num_experts, moe.topk, moe.expert_ffn_hidden_size) == (EXPERTS, 2, 24)
     assert (model.qk_norm, model.qkv_bias, moe.layer_freq, moe.first_dense_layers, moe.shared_experts,
             moe.shared_expert_gate, moe.router_topk_norm) == READ[architecture]
-    ours = _logits(_ppctl(config), _tokens())
+    ours = _logits(_ppctl(config), random_tokens())
     assert relative_error(ours, folder_logits[architecture]) < EXACT
     with torch.no_grad():  # transformers' own float32 router softmax, norms and angles
-        assert relative_error(ours, hf_model(folders[architecture], exact=False)(_tokens()).logits) < 1e-6
+        assert relative_error(ours, hf_model(folders[architecture], exact=False)(random_tokens()).logits) < 1e-6
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
@@ -129,8 +118,8 @@ def _omit_qk_norms(model):
 @pytest.mark.parametrize("architecture, omit", [(QWEN2_MOE, _omit_gates), (QWEN3_MOE, _omit_qk_norms)],
                          ids=["shared_expert_gate", "qk_norms"])
 def test_leaving_a_part_out_fails_the_comparison(folders, folder_logits, architecture, omit):
-    model = omit(_ppctl(_config(folders[architecture])))
-    assert relative_error(_logits(model, _tokens()), folder_logits[architecture]) > BROKEN
+    model = omit(_ppctl(folder_run_config(folders[architecture])))
+    assert relative_error(_logits(model, random_tokens()), folder_logits[architecture]) > BROKEN
 
 
 def _reverse_experts(monkeypatch):
@@ -146,8 +135,8 @@ def _reverse_experts(monkeypatch):
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_a_broken_mapping_fails_the_import(folders, folder_logits, monkeypatch, architecture):
     _reverse_experts(monkeypatch)
-    model = _ppctl(_config(folders[architecture]))
-    assert relative_error(_logits(model, _tokens()), folder_logits[architecture]) > BROKEN
+    model = _ppctl(folder_run_config(folders[architecture]))
+    assert relative_error(_logits(model, random_tokens()), folder_logits[architecture]) > BROKEN
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
@@ -163,7 +152,7 @@ def test_the_tensors_map_back_to_the_folders_bit_for_bit(folders, architecture):
     from ppctl.model.rules import rule_of
 
     folder = folders[architecture]
-    config = _config(folder)
+    config = folder_run_config(folder)
     dense = {key: param.detach()[:VOCAB] if rule_of(param).vocab_rows else param.detach()
              for key, param in _ppctl(config).named_parameters()}
     written = to_hf_tensors(FORMAT, resolve_model(config).shape, read_hf_config(folder), dense)
@@ -183,7 +172,7 @@ def test_each_expert_parallel_rank_reads_its_own_experts(folders):
     from ppctl.parallel.groups import RankGroups
     from ppctl.parallel.layout import StageLayers
 
-    config = _config(folders[QWEN2_MOE])
+    config = folder_run_config(folders[QWEN2_MOE])
     whole = dict(_ppctl(config).named_parameters())
     for rank in range(2):
         chunk = build_chunk(config, StageLayers.whole(4), RankGroups(ep=EPGroup(None, 2, rank)))
@@ -242,7 +231,7 @@ def test_an_exported_mixture_gives_ppctls_logits_in_transformers(tmp_path, archi
     assert (written["architectures"], written["decoder_sparse_step"]) == (names, step)
     assert written["mlp_only_layers"] == dense
     assert {key: written[key] for key in own} == own and written["router_aux_loss_coef"] == 0.001
-    tokens = _tokens()
+    tokens = random_tokens()
     with torch.no_grad():
         assert relative_error(_logits(model, tokens), hf_model(out)(tokens).logits) < EXACT
 
@@ -252,7 +241,7 @@ def test_a_broken_mapping_fails_the_export(tmp_path, monkeypatch):
     config, model = _random_mixture(QWEN2_MOE)
     _reverse_experts(monkeypatch)
     out = _export(tmp_path, config, model)
-    tokens = _tokens()
+    tokens = random_tokens()
     with torch.no_grad():
         assert relative_error(_logits(model, tokens), hf_model(out)(tokens).logits) > BROKEN
 
@@ -314,7 +303,7 @@ REFUSED = [
                          ids=[f"{case[0]}-{next(iter(case[1]))}" for case in REFUSED])
 def test_what_ppctl_does_not_compute_is_refused_in_one_line(folders, tmp_path, architecture, edit, message):
     with pytest.raises(ConfigError) as refused:
-        _config(_edited(folders[architecture], tmp_path, **edit))
+        folder_run_config(_edited(folders[architecture], tmp_path, **edit))
     assert message in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
 
 
@@ -328,7 +317,7 @@ def test_keys_read_as_transformers_reads_them(folders, tmp_path):
     edited = _edited(folders[QWEN3_MOE], tmp_path, num_experts=8, num_local_experts=4)
     assert FORMAT.shape_from_hf(json.loads((edited / "config.json").read_text()))["moe.num_experts"] == \
         AutoConfig.from_pretrained(edited).num_experts == 4
-    _config(_edited(folders[QWEN2_MOE], tmp_path / "qwen2", attention_bias=True))
+    folder_run_config(_edited(folders[QWEN2_MOE], tmp_path / "qwen2", attention_bias=True))
 
 
 UNEXPRESSIBLE = [

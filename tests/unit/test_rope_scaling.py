@@ -20,8 +20,8 @@ import torch
 
 from ppctl.config import ConfigError
 from ppctl.resolve import compose_config, validate
-from tests.harness.hf_models import (LLAMA, POSITIONS, VOCAB, folder_overrides, hf_model, relative_error, save_tiny,
-                                     transformers_rope_in_float64)
+from tests.harness.hf_models import (LLAMA, folder_run_config, random_tokens, reference_logits, relative_error,
+                                     save_tiny, transformers_logits, transformers_rope_in_float64)
 
 EXACT = 1e-10
 BROKEN = 1e-3
@@ -43,29 +43,6 @@ def folders(tmp_path_factory):
             for name, scaling in SCALINGS.items()}
 
 
-def _config(folder, *extra):
-    """The fp64 single-process config of a run that starts from ``folder`` alone."""
-    config = compose_config([*folder_overrides(folder), "parallel=single", "trainer.precision=fp64", *extra])
-    validate(config)
-    return config
-
-
-def _tokens():
-    return torch.randint(0, VOCAB, (2, POSITIONS), generator=torch.Generator().manual_seed(7))
-
-
-def _logits(config, tokens):
-    from ppctl.run.reference import reference_model
-
-    with torch.no_grad():
-        return reference_model(config)(tokens)[..., :VOCAB]
-
-
-def _hf_logits(folder, tokens, exact: bool = True):
-    with torch.no_grad():
-        return hf_model(folder, exact)(tokens).logits
-
-
 def _scaling(config):
     """The ``RopeScaling`` ppctl's chunks are built with."""
     from ppctl.model.family import resolve_model
@@ -79,7 +56,7 @@ def test_the_frequencies_and_the_cos_sin_factor_are_transformers_formulas(folder
 
     from ppctl.model.llama.layers import llama_inverse_frequencies
 
-    config, hf = _config(folders[name]), AutoConfig.from_pretrained(folders[name])
+    config, hf = folder_run_config(folders[name]), AutoConfig.from_pretrained(folders[name])
     expected, attention = transformers_rope_in_float64(hf)
     scaling = _scaling(config)
     assert scaling.kind == SCALINGS[name]["rope_type"]
@@ -93,15 +70,15 @@ def test_the_frequencies_and_the_cos_sin_factor_are_transformers_formulas(folder
 
 @pytest.mark.parametrize("name", SCALINGS)
 def test_logits_and_greedy_tokens_equal_transformers_in_float64(folders, name):
-    tokens = _tokens()
-    ours, theirs = _logits(_config(folders[name]), tokens), _hf_logits(folders[name], tokens)
+    tokens = random_tokens()
+    ours, theirs = reference_logits(folder_run_config(folders[name]), tokens), transformers_logits(folders[name], tokens)
     assert relative_error(ours, theirs) < EXACT
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
 def test_with_transformers_own_float32_rotary_within_float32(folders):
-    tokens = _tokens()
-    assert relative_error(_logits(_config(folders["yarn"]), tokens), _hf_logits(folders["yarn"], tokens, False)) < 1e-5
+    tokens = random_tokens()
+    assert relative_error(reference_logits(folder_run_config(folders["yarn"]), tokens), transformers_logits(folders["yarn"], tokens, False)) < 1e-5
 
 
 BROKEN_TWINS = {"yarn without its attention factor": "yarn", "linear without its division": "linear"}
@@ -118,8 +95,8 @@ def test_a_broken_scaling_fails_the_comparison(folders, monkeypatch, twin):
         unscaled = layers.llama_inverse_frequencies
         monkeypatch.setattr(layers, "llama_inverse_frequencies",
                             lambda head_dim, theta, scaling: unscaled(head_dim, theta, None))
-    tokens = _tokens()
-    assert relative_error(_logits(_config(folders[name]), tokens), _hf_logits(folders[name], tokens)) > BROKEN
+    tokens = random_tokens()
+    assert relative_error(reference_logits(folder_run_config(folders[name]), tokens), transformers_logits(folders[name], tokens)) > BROKEN
 
 
 @pytest.mark.parametrize("name", SCALINGS)
@@ -128,7 +105,7 @@ def test_the_written_rope_parameters_read_back_the_same_in_ppctl_and_transformer
 
     from ppctl.model.family import resolve_model
 
-    resolved = resolve_model(_config(folders[name]))
+    resolved = resolve_model(folder_run_config(folders[name]))
     written = resolved.hf.hf_config(resolved.shape)
     assert written["rope_parameters"]["rope_type"] == SCALINGS[name]["rope_type"]
     original = json.loads((folders[name] / "config.json").read_text())
@@ -157,7 +134,7 @@ def _edited(tmp_path, folder, rope):
 ])
 def test_what_transformers_reads_otherwise_is_refused_in_one_line(tmp_path, folders, rope, fragment):
     with pytest.raises(ConfigError) as refused:
-        _config(_edited(tmp_path, folders["linear"], rope))
+        folder_run_config(_edited(tmp_path, folders["linear"], rope))
     assert fragment in str(refused.value) and "\n" not in str(refused.value)
 
 
