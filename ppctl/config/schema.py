@@ -243,7 +243,7 @@ class ScheduleConfig(Section):
 class BlendSource:
     """One source of a blend (``data.blend``): a token-file ``data.source`` with its ``data.path``, and its weight."""
 
-    source: str = setting("text", "`text` (its `path`) or `python_stdlib`")
+    source: str = setting("text", "`text`, `chat` or `prompt_completion` (its `path`), or `python_stdlib`")
     path: Optional[str] = setting(None, "as `data.path`: a file, folder, glob or hub dataset name")
     weight: float = setting(1.0, "its share of the samples, relative to the others' (finite, > 0)")
 
@@ -298,7 +298,8 @@ class DataConfig(Section):
         "counted (`skip`)")
     blend: list[BlendSource] = field(default_factory=list, metadata={"doc": (
         "several sources with weights, replacing `data.source` and `data.path`: a list of at least two "
-        "`{path: ..., weight: ...}` (a `text` source) or `{source: python_stdlib, weight: ...}` entries, each weight "
+        "`{path: ..., weight: ...}` (a `text` source), `{source: chat, path: ..., weight: ...}` (or "
+        "`prompt_completion`) or `{source: python_stdlib, weight: ...}` entries, each weight "
         "finite and > 0 (default 1); each global batch draws from them in the weights' proportions (Megatron-Core's "
         "BlendedDataset), each source prepared and cached as one source is; see docs/data.md")})
     documents: str = setting(

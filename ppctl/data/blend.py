@@ -19,6 +19,10 @@ not state.
 The rule's bound (``deficit_bound``): after any n >= 1 positions each source's count c_s(n) lies
 strictly within (w_s*n - (S-1), w_s*n + 1) for S sources, so the samples of any stretch of the stream,
 a global batch included, are within S of its weight's share.
+
+A sample is its source's own: its tokens, its loss weights (``sample_loss_mask``: an instruction source's
+stored weights) and, with documents kept apart, its segment ids and restarting positions
+(``samples_document_fields``) are what the source dataset alone gives for that window.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ import numpy as np
 import torch
 
 from ppctl.data.cache import PreparedCorpus
-from ppctl.data.corpus import BlendSpec, DataError
+from ppctl.data.corpus import INSTRUCTION_SOURCES, BlendSpec, CorpusSpec, DataError
 from ppctl.data.dataset import WindowDataset, build_dataset
+from ppctl.data.instruction_dataset import build_instruction_dataset, split_documents
 
 BLOCK_POSITIONS = 1 << 16  # positions per block of the blend order; counts are remembered at block boundaries
 BLOCKS_KEPT = 2  # assigned blocks kept: a global batch may straddle two
@@ -129,7 +134,8 @@ class BlendedDataset(WindowDataset):
 
     Sample id ``offsets[s] + i`` is window i of source s, so ``dataset[id]`` reads like any
     dataset's; ``batch_sample_ids`` gives the blend's order. The sources share the window
-    length, the end-of-document id and the loss masking (one tokenizer, one ``data`` section).
+    length, the end-of-document id, ``eod_mask_loss`` and ``separate_documents`` (one tokenizer, one
+    ``data`` section); each sample's loss weights and document fields are its source's own.
     """
 
     def __init__(self, datasets: list[WindowDataset], weights):
@@ -137,12 +143,13 @@ class BlendedDataset(WindowDataset):
             raise ValueError(f"a blend needs one weight per dataset, got {len(datasets)} datasets and "
                              f"{len(weights)} weights")
         first = datasets[0]
+        shared = ("seq_length", "eod_id", "eod_mask_loss", "separate_documents")
         for dataset in datasets[1:]:
-            if (dataset.seq_length, dataset.eod_id, dataset.eod_mask_loss) != (
-                    first.seq_length, first.eod_id, first.eod_mask_loss):
-                raise ValueError("the datasets of a blend must share seq_length, eod_id and eod_mask_loss")
+            if any(getattr(dataset, name) != getattr(first, name) for name in shared):
+                raise ValueError(f"the datasets of a blend must share {', '.join(shared)}")
         self.datasets = list(datasets)
         self.seq_length, self.eod_id, self.eod_mask_loss = first.seq_length, first.eod_id, first.eod_mask_loss
+        self.separate_documents = first.separate_documents
         self.order = BlendOrder(weights)
         self.offsets = np.cumsum([0] + [len(dataset) for dataset in datasets])
         self._permutations: dict[tuple[int, int, int], np.ndarray] = {}
@@ -152,12 +159,42 @@ class BlendedDataset(WindowDataset):
 
     def __getitem__(self, index: int) -> torch.Tensor:
         """Window ``index`` of the concatenated sources."""
-        source = self.source_of(self._check_index(index))
-        return self.datasets[source][index - int(self.offsets[source])]
+        source, local = self.locate(index)
+        return self.datasets[source][local]
+
+    @property
+    def loss_mask_all_ones(self) -> bool:
+        """True when every source's labels all weigh one."""
+        return all(dataset.loss_mask_all_ones for dataset in self.datasets)
+
+    def sample_loss_mask(self, index: int, window: torch.Tensor) -> torch.Tensor:
+        """Sample ``index``'s loss weights as its source gives them (an instruction source's stored weights)."""
+        source, local = self.locate(index)
+        return self.datasets[source].sample_loss_mask(local, window)
+
+    def samples_document_fields(self, sample_ids: list[int],
+                                inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(position_ids, segment_ids)`` of the rows of ``sample_ids``: each row's from its own source."""
+        located = [self.locate(sample_id) for sample_id in sample_ids]
+        position_ids, segment_ids = torch.empty_like(inputs), None
+        for source in sorted({source for source, _ in located}):
+            rows = [row for row, (owner, _) in enumerate(located) if owner == source]
+            positions, segments = self.datasets[source].samples_document_fields(
+                [located[row][1] for row in rows], inputs[rows])
+            position_ids[rows] = positions
+            if segments is not None:  # every source keeps documents apart or none does (checked when built)
+                segment_ids = torch.zeros_like(inputs) if segment_ids is None else segment_ids
+                segment_ids[rows] = segments
+        return position_ids, segment_ids
 
     def source_of(self, sample_id: int) -> int:
         """The source a sample id belongs to."""
         return int(np.searchsorted(self.offsets, sample_id, side="right")) - 1
+
+    def locate(self, sample_id: int) -> tuple[int, int]:
+        """``(source, index in that source)`` of a sample id of the blend."""
+        source = self.source_of(self._check_index(sample_id))
+        return source, int(sample_id) - int(self.offsets[source])
 
     def batch_sample_ids(self, seed: int, step: int, global_batch_size: int) -> list[int]:
         """The sample ids of global batch ``step``: positions ``[step*gbs, (step+1)*gbs)`` of the blend's order."""
@@ -194,18 +231,41 @@ class BlendedDataset(WindowDataset):
 
 
 def build_blended_dataset(blend: BlendSpec, seq_length: int, vocab_size: int, seed: int, split: str = "train",
-                          eod_mask_loss: bool = False) -> BlendedDataset:
+                          eod_mask_loss: bool = False, *, separate_documents: bool = False) -> BlendedDataset:
     """Split ``split`` of each source of ``blend`` (each prepared or reused in the cache as one source is), blended.
 
-    A source that cannot be prepared, or whose split holds no window, fails as ``DataError`` naming it.
+    Each source's dataset is the one it would be alone (``source_dataset``). A source that cannot be prepared,
+    or whose split holds no window, fails as ``DataError`` naming it.
     """
     datasets = []
     for index, spec in enumerate(blend.specs):
         try:
-            datasets.append(build_dataset(spec, seq_length, vocab_size, seed, split, eod_mask_loss))
+            datasets.append(source_dataset(spec, seq_length, vocab_size, seed, split, eod_mask_loss,
+                                           separate_documents))
         except DataError as error:
             raise DataError(f"data.blend[{index}]: {error}") from None
     return BlendedDataset(datasets, blend.weights)
+
+
+def source_dataset(spec: CorpusSpec, seq_length: int, vocab_size: int, seed: int, split: str, eod_mask_loss: bool,
+                   separate_documents: bool) -> WindowDataset:
+    """Split ``split`` of one source of a blend, as that source alone reads it: instruction data (``data=chat``,
+    ``data=prompt_completion``) with its stored loss weights and ``data.packing``, text as token windows."""
+    if spec.source in INSTRUCTION_SOURCES:
+        return build_instruction_dataset(spec, seq_length, vocab_size, split, eod_mask_loss,
+                                         separate_documents=separate_documents)
+    return build_dataset(spec, seq_length, vocab_size, seed, split, eod_mask_loss,
+                         separate_documents=separate_documents)
+
+
+def train_windows(spec: CorpusSpec, corpus: PreparedCorpus, seq_length: int) -> int:
+    """How many samples the train split of one prepared source holds: packed instruction documents (each cut to a
+    window) or token windows, or one per document when instruction data is padded (``data.packing=padded``)."""
+    if spec.source not in INSTRUCTION_SOURCES:
+        start, end = corpus.split("train")
+        return (end - start) // (seq_length + 1)
+    _, lengths = split_documents(corpus, "train", seq_length)
+    return len(lengths) if spec.packing == "padded" else int(lengths.sum()) // (seq_length + 1)
 
 
 def blend_lines(blend: BlendSpec, prepared: list[PreparedCorpus], seq_length: int, max_steps: int,
@@ -218,8 +278,7 @@ def blend_lines(blend: BlendSpec, prepared: list[PreparedCorpus], seq_length: in
     shares = normalised_weights(blend.weights)
     lines = []
     for index, corpus in enumerate(prepared):
-        start, end = corpus.split("train")
-        windows = (end - start) // (seq_length + 1)
+        windows = train_windows(blend.specs[index], corpus, seq_length)
         lines.append(f"{blend.label(index)}: {corpus.index['num_tokens']:,} tokens, weight {blend.weights[index]:g} "
                      f"({shares[index]:.1%} of the samples), {draws[index] / windows:.2f} epochs in trainer.max_steps="
                      f"{max_steps} ({draws[index]:,} samples from its {windows:,} train windows); {corpus.token_file}")

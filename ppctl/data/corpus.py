@@ -16,7 +16,7 @@ from pathlib import Path
 
 TOKEN_SOURCES = ("python_stdlib", "text", "chat", "prompt_completion")
 INSTRUCTION_SOURCES = ("chat", "prompt_completion")  # jsonl rows with a loss weight per token
-BLEND_SOURCES = ("python_stdlib", "text")  # what a blend's entries read (instruction data is not blended yet)
+BLEND_SOURCES = ("python_stdlib", "text", "chat", "prompt_completion")  # what a blend's entries read
 MIN_BLEND_SOURCES = 2
 DEFAULT_CACHE_DIR = Path("data/cache")  # relative to the repository root, git-ignored
 DEFAULT_VALIDATION_FRACTION = 0.05

@@ -72,6 +72,11 @@ class WindowDataset(torch.utils.data.Dataset):
         segment_ids = document_segment_ids(inputs, self.eod_id)
         return document_position_ids(segment_ids), segment_ids
 
+    def samples_document_fields(self, sample_ids: list[int],
+                                inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``document_fields`` of the input rows of samples ``sample_ids`` (a blend asks each row's source)."""
+        return self.document_fields(inputs)
+
     def sample_loss_mask(self, index: int, window: torch.Tensor) -> torch.Tensor:
         """The loss weights of sample ``index`` (``window``): ``loss_mask(window)`` unless the data stores its own
         weights per token (instruction data)."""
@@ -290,7 +295,7 @@ def build_microbatch(dataset: WindowDataset, sample_ids: list[int]) -> Microbatc
     when documents are joined)."""
     windows = torch.stack([dataset[sample_id] for sample_id in sample_ids])
     tokens = windows[:, :-1].contiguous()
-    position_ids, segment_ids = dataset.document_fields(tokens)
+    position_ids, segment_ids = dataset.samples_document_fields(sample_ids, tokens)
     return Microbatch(
         tokens=tokens,
         position_ids=position_ids,

@@ -68,8 +68,8 @@ def dataset_of(config: PpctlConfig, split: str = "train") -> WindowDataset:
         return build_instruction_dataset(CorpusSpec.of(data), trainer.seq_length, config.model.vocab_size, split,
                                          data.eod_mask_loss, separate_documents=separate)
     spec = data_spec_of(data)
-    if isinstance(spec, BlendSpec):  # validation refuses a blend with documents kept apart
+    if isinstance(spec, BlendSpec):
         return build_blended_dataset(spec, trainer.seq_length, config.model.vocab_size, trainer.seed, split,
-                                     data.eod_mask_loss)
+                                     data.eod_mask_loss, separate_documents=separate)
     return build_dataset(spec, trainer.seq_length, config.model.vocab_size, trainer.seed, split, data.eod_mask_loss,
                          separate_documents=separate)

@@ -530,20 +530,18 @@ def _check_misc(config: PpctlConfig, model: ResolvedModel, data: bool = True) ->
 
 
 def _check_documents(config: PpctlConfig) -> None:
-    """``data.documents`` is a known mode; packed instruction rows are kept apart (joined, a conversation would
-    attend to the ones packed before it); a blend keeps its sources' documents joined (its windows carry no
-    boundaries yet)."""
+    """``data.documents`` is a known mode; packed instruction rows, read alone or as a source of a blend, are kept
+    apart (joined, a conversation would attend to the ones packed before it)."""
     data = config.data
     require(data.documents in DOCUMENTS_MODES,
             f"data.documents={data.documents!r} must be one of {', '.join(DOCUMENTS_MODES)}")
-    require(not (data.source in INSTRUCTION_SOURCES and not data.blend and data.packing == "packed"
-                 and data.documents == "joined"),
-            f"data.source={data.source} with data.packing=packed and data.documents=joined lets each row attend to "
-            f"the rows packed before it: set data.documents=separate (data={data.source}'s default), or "
-            f"data.packing=padded")
-    require(not (data.blend and data.documents == "separate"),
-            "data.documents=separate with data.blend: a blend's windows do not carry their documents' boundaries "
-            "yet; keep data.documents=joined with a blend")
+    sources = [(f"data.blend[{index}].source", entry.source) for index, entry in enumerate(data.blend)] or [
+        ("data.source", data.source)]
+    for where, source in sources:
+        require(not (source in INSTRUCTION_SOURCES and data.packing == "packed" and data.documents == "joined"),
+                f"{where}={source} with data.packing=packed and data.documents=joined lets each row attend to "
+                f"the rows packed before it: set data.documents=separate (data={source}'s default), or "
+                f"data.packing=padded")
 
 
 def _check_init_from(config: PpctlConfig, model: ResolvedModel) -> None:
@@ -684,11 +682,12 @@ def _check_data(config: PpctlConfig) -> None:
 
 
 def _check_instruction_data(data) -> None:
-    """``data=chat`` and ``data=prompt_completion``: the packing, the policies, and chat's template."""
+    """``data=chat`` and ``data=prompt_completion``: the packing, the policies, and chat's template (also for a
+    blend's chat source)."""
     require(data.packing in PACKINGS, f"data.packing={data.packing!r} must be one of {', '.join(PACKINGS)}")
     require(data.too_long in TOO_LONG, f"data.too_long={data.too_long!r} must be one of {', '.join(TOO_LONG)}")
     require(data.bad_rows in BAD_ROWS, f"data.bad_rows={data.bad_rows!r} must be one of {', '.join(BAD_ROWS)}")
-    if data.source != "chat":
+    if "chat" not in [data.source, *(entry.source for entry in data.blend)]:
         return
     from ppctl.data.instruction import InstructionOptions, chat_template_of
     from ppctl.data.tokenizer import build_tokenizer
@@ -704,7 +703,7 @@ def _check_blend_alone(data) -> None:
     require(data.path is None, f"data.blend names each source's path; unset data.path={data.path}, or move it into "
                                f"data.blend as {{path: {data.path}, weight: ...}}")
     require(data.source != "synthetic", "data.source=synthetic with data.blend: a blend draws from token files "
-                                        "(python_stdlib or text); leave data.source unset or drop data.blend")
+                                        "its entries name; leave data.source unset or drop data.blend")
 
 
 def _check_lr_schedule(config: PpctlConfig) -> None:

@@ -167,6 +167,9 @@ def blend_config(entries, **data) -> PpctlConfig:
 def test_blend_settings_are_refused_in_one_line(letters, tmp_path):
     good = letter_sources(letters)
     missing = str(tmp_path / "nope.txt")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "a", "completion": "b"}\n')
+    instruction = [good[0], BlendSource(source="prompt_completion", path=str(pairs))]
     for entries, data, fragment in [
         (good[:1], {}, "data.blend holds 1 source(s); a blend takes at least 2"),
         ([good[0], BlendSource(path=good[1].path, weight=0.0)], {},
@@ -176,18 +179,23 @@ def test_blend_settings_are_refused_in_one_line(letters, tmp_path):
         ([BlendSource(path=good[1].path, weight=math.nan), good[0]], {}, "data.blend[0].weight=nan must be"),
         ([good[0], BlendSource(path=missing)], {}, f"data.blend[1]: data.path={missing}: no such file, folder or glob"),
         ([good[0], BlendSource(source="synthetic")], {}, "data.blend[1].source='synthetic': a blend draws from token "
-                                                         "files; sources: python_stdlib, text"),
+                                                         "files; sources: python_stdlib, text, chat, "
+                                                         "prompt_completion"),
         ([good[0], BlendSource(source="python_stdlib", path="x.txt")], {}, "data.blend[1]: data.source=python_stdlib "
                                                                            "takes no data.path"),
         (good, {"path": good[0].path}, f"data.blend names each source's path; unset data.path={good[0].path}"),
         (good, {"source": "synthetic"}, "data.source=synthetic with data.blend: a blend draws from token files"),
-        (good, {"documents": "separate"}, "data.documents=separate with data.blend: a blend's windows do not carry"),
+        (instruction, {}, "data.blend[1].source=prompt_completion with data.packing=packed and data.documents=joined "
+                          "lets each row attend to the rows packed before it"),
     ]:
         with pytest.raises(ConfigError) as error:
             validate(blend_config(entries, **data))
         assert fragment in str(error.value) and "\n" not in str(error.value), str(error.value)
     validate(blend_config([good[0], BlendSource(source="python_stdlib", weight=0.5)]))
     validate(blend_config([good[0], BlendSource(path="owner/hub-name", weight=2.0)]))  # tried when preparing
+    validate(blend_config(good, documents="separate"))
+    validate(blend_config(instruction, documents="separate"))
+    validate(blend_config(instruction, packing="padded"))
 
 
 def test_an_override_and_a_yaml_file_write_the_same_blend(tmp_path):
@@ -249,3 +257,127 @@ def test_the_configured_dataset_is_the_blend(letters):
     assert [len(part) for part in train.datasets] == [71, 35] and [len(part) for part in held_out.datasets] == [3, 1]
     config.data.blend, config.data.source, config.data.path = [], "text", str(letters / "a.txt")
     assert not isinstance(dataset_of(config), BlendedDataset) and len(dataset_of(config)) == 71
+
+
+# --- documents kept apart, and instruction sources, inside a blend ------------------------------------------------
+
+MIXED_SEQ_LENGTH = 47
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """A config blending a text corpus of short documents, chat conversations and prompt-completion pairs (one
+    ChatML tokenizer folder), documents kept apart and instruction rows packed: windows hold several documents,
+    begin inside one, and the instruction ones carry stored loss weights."""
+    from tests.harness.chat_folder import CHATML, CONVERSATIONS, save_chat_folder, write_rows
+
+    root = tmp_path_factory.mktemp("mixed")
+    folder = save_chat_folder(root / "folder", CHATML)
+    texts = write_rows(root / "texts.jsonl", [{"text": "word " * (1 + (3 * row) % 17)} for row in range(40)])
+    chats = write_rows(root / "chats.jsonl", [{"messages": conversation} for conversation in CONVERSATIONS * 6])
+    pairs = write_rows(root / "pairs.jsonl", [{"prompt": f"Sum {row}+{row}? ", "completion": f"{2 * row}."}
+                                              for row in range(30)])
+    entries = [BlendSource(path=str(texts), weight=2.0), BlendSource(source="chat", path=str(chats), weight=1.0),
+               BlendSource(source="prompt_completion", path=str(pairs), weight=1.0)]
+    config = blend_config(entries, tokenizer=str(folder / "tokenizer.json"), cache_dir=str(root / "cache"),
+                          validation_fraction=0.0, documents="separate")
+    config.trainer.seq_length, config.trainer.eval_every, config.model.vocab_size = MIXED_SEQ_LENGTH, 0, 128
+    return config
+
+
+def alone_datasets(config: PpctlConfig) -> list:
+    """Each source of ``config``'s blend read as its own dataset (its own ``data.source``), as a run reading that
+    source alone builds it."""
+    from ppctl.data.instruction_dataset import build_instruction_dataset
+
+    data, trainer = config.data, config.trainer
+    datasets = []
+    for spec in BlendSpec.of(data).specs:
+        if spec.source == "text":
+            datasets.append(build_dataset(spec, trainer.seq_length, config.model.vocab_size, trainer.seed,
+                                          eod_mask_loss=data.eod_mask_loss, separate_documents=True))
+        else:
+            datasets.append(build_instruction_dataset(spec, trainer.seq_length, config.model.vocab_size,
+                                                      eod_mask_loss=data.eod_mask_loss, separate_documents=True))
+    return datasets
+
+
+def differences_from_sources(blend: BlendedDataset, alone: list, steps, micro_batch_size: int = 4) -> list[str]:
+    """Where a row of the blend's microbatches (tokens, labels, positions, segment ids, loss weights) differs from
+    the same sample's microbatch built from its source dataset alone; empty when every row is its source's own."""
+    from ppctl.data.dataset import build_microbatch
+
+    differences = []
+    for step in steps:
+        microbatches = step_microbatches(blend, 0, step, 8, micro_batch_size, 0, 1)
+        sample_ids = blend.batch_sample_ids(0, step, 8)
+        for number, microbatch in enumerate(microbatches):
+            for row in range(micro_batch_size):
+                source, local = blend.locate(sample_ids[number * micro_batch_size + row])
+                expected = build_microbatch(alone[source], [local])
+                for name in ("tokens", "labels", "position_ids", "segment_ids", "loss_mask"):
+                    got, want = getattr(microbatch, name), getattr(expected, name)
+                    if got is None or want is None or not torch.equal(got[row], want[0]):
+                        differences.append(f"step {step} microbatch {number} row {row} (source {source}): {name}")
+    return differences
+
+
+def test_a_blended_microbatch_keeps_each_sources_documents_and_loss_weights(mixed):
+    """Under ``data.documents=separate`` every row of the blend's microbatches (``dataset_of``, what a run reads)
+    equals that sample's microbatch from its source alone: tokens, segment ids, restarting positions and loss
+    weights (the chat and prompt-completion sources' stored ones). The proof is not vacuous: all three sources,
+    rows of several documents and partly trained rows occur. The sample order is the joined blend's."""
+    from ppctl.model.from_config import dataset_of
+
+    blend, alone = dataset_of(mixed), alone_datasets(mixed)
+    assert isinstance(blend, BlendedDataset) and blend.separate_documents and not blend.loss_mask_all_ones
+    assert [len(part) for part in blend.datasets] == [len(part) for part in alone]
+    steps = range(6)
+    assert differences_from_sources(blend, alone, steps) == []
+    microbatches = [part for step in steps for part in step_microbatches(blend, 0, step, 8, 4, 0, 1)]
+    sample_ids = [sample_id for step in steps for sample_id in blend.batch_sample_ids(0, step, 8)]
+    assert {blend.source_of(sample_id) for sample_id in sample_ids} == {0, 1, 2}
+    assert any(int(part.segment_ids.max()) >= 2 for part in microbatches)
+    assert any(0 < float(part.loss_mask.sum()) < part.loss_mask.numel() for part in microbatches)
+    joined = PpctlConfig(**{**vars(mixed), "data": DataConfig(**{**vars(mixed.data), "documents": "joined"})})
+    assert [blend.batch_sample_ids(0, step, 8) for step in steps] == \
+        [dataset_of(joined).batch_sample_ids(0, step, 8) for step in steps]
+    from ppctl.data.dataset import global_loss_tokens
+
+    assert global_loss_tokens(blend, 0, 2, 8) == sum(float(part.loss_mask.sum()) for part in microbatches[4:6])
+
+
+def _joined_fields(self, sample_ids, inputs):
+    """A broken blend: it drops its sources' documents (one segment per row, positions running on)."""
+    return torch.arange(inputs.shape[-1]).repeat(inputs.shape[0], 1), torch.zeros_like(inputs)
+
+
+def test_a_blend_that_drops_its_sources_segments_or_weights_differs(mixed, monkeypatch):
+    """Broken twins of the proof above: a blend reading its rows' documents itself as one segment each, and a
+    blend weighing every label by its own end-of-document rule instead of the source's stored weights."""
+    from ppctl.data.dataset import WindowDataset
+    from ppctl.model.from_config import dataset_of
+
+    alone = alone_datasets(mixed)
+    with monkeypatch.context() as patch:
+        patch.setattr(BlendedDataset, "samples_document_fields", _joined_fields)
+        dropped = differences_from_sources(dataset_of(mixed), alone, range(3))
+    assert any("position_ids" in line for line in dropped) and any("segment_ids" in line for line in dropped)
+    with monkeypatch.context() as patch:
+        patch.setattr(BlendedDataset, "sample_loss_mask", WindowDataset.sample_loss_mask)
+        unweighted = differences_from_sources(dataset_of(mixed), alone, range(3))
+    assert unweighted and all("loss_mask" in line and "(source 0)" not in line for line in unweighted)
+
+
+def test_prepare_data_counts_an_instruction_sources_samples_as_its_dataset(mixed):
+    """``blend_lines``' windows of each source are its dataset's samples: token windows, packed documents each cut
+    to a window, or one per conversation when padded."""
+    from ppctl.data.prepare import prepare_corpus
+
+    blend = BlendSpec.of(mixed.data)
+    for packing in ("packed", "padded"):
+        specs = [spec if spec.source == "text" else CorpusSpec(**{**vars(spec), "packing": packing})
+                 for spec in blend.specs]
+        for spec in specs:
+            alone = blend_module.source_dataset(spec, MIXED_SEQ_LENGTH, 128, 0, "train", False, True)
+            assert blend_module.train_windows(spec, prepare_corpus(spec), MIXED_SEQ_LENGTH) == len(alone)
