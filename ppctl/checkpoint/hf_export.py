@@ -6,7 +6,8 @@ layout saved them, and writes what ``transformers`` loads: ``config.json`` (the 
 run's shape, ``ppctl.model.hf_format``; a model with experts as Mixtral, ``ppctl.model.llama.hf``),
 ``model.safetensors`` (or shards of at most ``max_shard_bytes`` and ``model.safetensors.index.json``),
 ``generation_config.json`` and, when the run read a tokenizer file, that file as ``tokenizer.json`` with a
-``tokenizer_config.json`` (the byte tokenizer has no HF form: a note says so). The weights keep the checkpoint's
+``tokenizer_config.json`` (the byte tokenizer has no HF form: a note says so; a ``data=chat`` run's config carries
+the chat template it rendered with and that template's special tokens). The weights keep the checkpoint's
 dtype (``model/``: the run's precision). The folder is written under a hidden name beside ``out_dir`` and renamed
 into place, so it is complete or absent: a failure (a full disk) or a signal removes the hidden folder; an
 ``out_dir`` that exists and is not empty is refused. The checkpoint is pinned while it is read (a run saving with
@@ -210,7 +211,24 @@ def tokenizer_files(config: PpctlConfig, index: dict[str, Any]) -> tuple[dict[st
     notes = [] if eod_token is not None else [
         f"note: {data.tokenizer} has no end-of-text token; the end-of-document id {tokenizer.eod_id} is ppctl's own, "
         f"which the copied tokenizer.json does not know"]
-    return {"path": Path(data.tokenizer), "eod_id": tokenizer.eod_id, "eod_token": eod_token}, notes
+    template, template_notes = run_chat_template(config)
+    return ({"path": Path(data.tokenizer), "eod_id": tokenizer.eod_id, "eod_token": eod_token,
+             "chat_template": template}, notes + template_notes)
+
+
+def run_chat_template(config: PpctlConfig) -> tuple[Any, list[str]]:
+    """``(the chat template a data=chat run rendered its conversations with, notes)``: a
+    ``ppctl.data.chat.ChatTemplate``, so that the export renders a conversation as the run did
+    (``apply_chat_template``); None for other data, or with a note when it can no longer be read."""
+    from ppctl.data.chat import TemplateError, load_chat_template
+
+    if config.data.source != "chat":
+        return None, []
+    where = config.data.chat_template or Path(config.data.tokenizer).parent
+    try:
+        return load_chat_template(where), []
+    except TemplateError as error:
+        return None, [f"note: the run's chat template cannot be read ({error}): no chat template written"]
 
 
 def _special_tokens(tokenizer: dict[str, Any] | None) -> dict[str, Any]:
@@ -266,6 +284,9 @@ def write_tokenizer(folder: Path, tokenizer: dict[str, Any], hf_config: dict[str
         "n_positions", hf_config.get("max_position_embeddings"))}
     if tokenizer["eod_token"] is not None:
         settings.update(eos_token=tokenizer["eod_token"], bos_token=tokenizer["eod_token"])
+    template = tokenizer.get("chat_template")
+    if template is not None:  # the template with the special tokens it renders (a bos_token it writes, say)
+        settings.update(dict(template.special_tokens), chat_template=template.text)
     _write_json(folder / TOKENIZER_CONFIG_FILE, settings)
 
 
