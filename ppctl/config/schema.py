@@ -26,7 +26,7 @@ POSITION_EMBEDDINGS = ("learned", "rope")
 RECOMPUTE_MODES = ("none", "full", "selective")  # ppctl.model.recompute
 RECOMPUTE_METHODS = ("uniform", "block")
 PRECISIONS = ("fp32", "fp64", "bf16", "fp16")
-DATA_SOURCES = ("python_stdlib", "text", "chat", "prompt_completion", "synthetic")
+DATA_SOURCES = ("python_stdlib", "text", "chat", "prompt_completion", "indexed", "synthetic")
 BAD_ROWS = ("refuse", "skip")
 TOO_LONG = ("truncate", "refuse")
 PACKINGS = ("packed", "padded")
@@ -250,17 +250,19 @@ class BlendSource:
 
 @dataclass
 class DataConfig(Section):
-    """Where samples come from: ``python_stdlib`` (embedded default), ``text``, ``chat``, ``prompt_completion`` or
-    ``synthetic``."""
+    """Where samples come from: ``python_stdlib`` (embedded default), ``text``, ``chat``, ``prompt_completion``,
+    ``indexed`` or ``synthetic``."""
 
     source: str = setting(
         "python_stdlib", "`python_stdlib` (the standard library's source, one document per file), `text` (your "
         "corpus: `data.path`), `chat` (jsonl conversations, the loss on the assistant's tokens), "
-        "`prompt_completion` (jsonl pairs, the loss on the completion), `synthetic` (random tokens)")
+        "`prompt_completion` (jsonl pairs, the loss on the completion), `indexed` (a Megatron-LM indexed dataset, "
+        "`.idx` + `.bin`, read as it is: no preparation), `synthetic` (random tokens)")
     path: Optional[str] = setting(
         None, "for `text`: a file, a folder or a glob of `.txt` (one document per file), `.json`/`.jsonl`, "
         "`.parquet` or `.csv` files (one document per row), one type at a time; or a hub dataset name "
-        "(`owner/name`, needs the network once)")
+        "(`owner/name`, needs the network once); for `indexed`: the prefix of `PREFIX.idx` and `PREFIX.bin` (or "
+        "either file's path)")
     text_field: str = setting("text", "the field (column) holding the text in json, parquet and csv files")
     cache_dir: str = setting("data/cache", "where token files and their indexes are cached")
     tokenizer: str = setting(

@@ -154,6 +154,20 @@ class CorpusSpec:
                             f"{what}")
         return corpus
 
+    def _indexed_corpus(self) -> Corpus:
+        """``data=indexed``'s two files (``PREFIX.idx``, ``PREFIX.bin``), found by name alone (read: ``indexed.py``)."""
+        if not self.path:
+            raise DataError("data.source=indexed needs data.path: the prefix of a Megatron-LM indexed dataset "
+                            "(PREFIX for PREFIX.idx and PREFIX.bin)")
+        target = Path(self.path).expanduser()
+        prefix = target.with_suffix("") if target.suffix in (".idx", ".bin") else target
+        files = tuple(prefix.with_name(prefix.name + suffix) for suffix in (".idx", ".bin"))
+        for file in files:
+            if not file.is_file():
+                raise DataError(f"{file}: no such file; data.source=indexed reads PREFIX.idx and PREFIX.bin "
+                                f"(data.path=PREFIX, or either file)")
+        return Corpus(self.label, "indexed", files)
+
     def corpus(self) -> Corpus:
         """The documents this spec names, or ``DataError`` (one line)."""
         if self.source == "python_stdlib":
@@ -167,6 +181,8 @@ class CorpusSpec:
             return resolve_corpus(self.path)
         if self.source in INSTRUCTION_SOURCES:
             return self._instruction_corpus()
+        if self.source == "indexed":
+            return self._indexed_corpus()
         raise DataError(f"data.source={self.source!r} has no token file; token-file sources: "
                         f"{', '.join(TOKEN_SOURCES)}")
 

@@ -23,6 +23,7 @@ import torch
 
 from ppctl.data.cache import SPLITS, PreparedCorpus
 from ppctl.data.corpus import CorpusSpec
+from ppctl.data.indexed import check_document_ends, read_indexed
 from ppctl.data.prepare import prepare_corpus
 from ppctl.data.tokenizer import build_tokenizer
 from ppctl.parallel.layout import LayoutError, context_parallel_slices
@@ -167,8 +168,8 @@ def build_dataset(
 
     ``corpus.source == "synthetic"``: random windows, the train split ``SYNTHETIC_NUM_SAMPLES``
     of stream 0, the validation split ``SYNTHETIC_VALIDATION_SAMPLES`` of stream 1. Token-file
-    sources are prepared (or reused) under ``corpus.cache_dir``; the model's ``vocab_size``
-    must cover the tokenizer. ``seed`` only shapes synthetic data; the sample order takes
+    sources are prepared (or reused) under ``corpus.cache_dir`` (``indexed``: read as they are); the model's
+    ``vocab_size`` must cover the tokenizer. ``seed`` only shapes synthetic data; the sample order takes
     its own seed. ``eod_mask_loss`` gives end-of-document labels zero loss weight;
     ``separate_documents`` keeps documents apart (``WindowDataset``).
     """
@@ -181,8 +182,21 @@ def build_dataset(
         return SyntheticDataset(SYNTHETIC_VALIDATION_SAMPLES, seq_length, vocab_size, seed, eod_mask_loss, stream=1,
                                 separate_documents=separate_documents)
     check_vocab_size(corpus, vocab_size)
+    if corpus.source == "indexed":  # a Megatron-LM indexed dataset, read as it is
+        check_indexed_document_ends(corpus, eod_mask_loss, separate_documents)
     return TokenWindowDataset(prepare_corpus(corpus), seq_length, split, eod_mask_loss,
                               separate_documents=separate_documents)
+
+
+def check_indexed_document_ends(corpus: CorpusSpec, eod_mask_loss: bool, separate_documents: bool) -> None:
+    """``data.source=indexed`` with ``data.documents=separate`` or ``data.eod_mask_loss``: ``DataError`` (one line)
+    unless each of its documents ends with ``data.tokenizer``'s end-of-document id (joined documents need none)."""
+    if not (separate_documents or eod_mask_loss):
+        return
+    why = "data.documents=separate" if separate_documents else "data.eod_mask_loss=true"
+    tokenizer = build_tokenizer(corpus.tokenizer)
+    check_document_ends(read_indexed(corpus.path), tokenizer.eod_id,
+                        f"{why} (data.tokenizer={corpus.tokenizer}'s end of document)")
 
 
 def check_vocab_size(corpus: CorpusSpec, vocab_size: int) -> None:

@@ -42,6 +42,10 @@ def prepare_corpus(spec: CorpusSpec, progress: bool = False) -> PreparedCorpus:
     ``progress`` shows the progress bars of ``datasets`` (loading, tokenising) on stderr.
     Raises ``DataError`` (one line) for a source that cannot be prepared.
     """
+    if spec.source == "indexed":  # a Megatron-LM indexed dataset is read as it is
+        from ppctl.data.indexed import prepared_indexed
+
+        return prepared_indexed(spec)
     corpus = spec.corpus()
     tokenizer = build_tokenizer(spec.tokenizer)
     dtype = token_dtype_for(spec.token_dtype, tokenizer.vocab_size)

@@ -670,6 +670,8 @@ def _check_data(config: PpctlConfig) -> None:
     try:
         if data.blend:
             BlendSpec.of(data).check()  # at least two sources, weights finite and > 0, each source's files
+        elif data.source == "indexed":
+            _check_indexed(data)
         else:
             CorpusSpec.of(data).corpus()  # the files exist, are of one type; a hub name is tried when preparing
         token_dtype_for(data.token_dtype, vocab_size)
@@ -679,6 +681,19 @@ def _check_data(config: PpctlConfig) -> None:
             f"model.vocab_size={config.model.vocab_size} is smaller than the {vocab_size} ids of data.tokenizer="
             f"{data.tokenizer}; set model.vocab_size >= {vocab_size} or leave it unset to follow the tokenizer")
     _check_instruction_data(data)
+
+
+def _check_indexed(data) -> None:
+    """``data=indexed``: the ``.idx``/``.bin`` pair is whole and consistent, of an integer dtype, and with
+    ``data.documents=separate`` or ``data.eod_mask_loss`` each document ends with the tokenizer's end-of-document id
+    (``DataError``, one line, before any worker starts)."""
+    from ppctl.data.corpus import CorpusSpec
+    from ppctl.data.dataset import check_indexed_document_ends
+    from ppctl.data.indexed import prepared_indexed
+
+    spec = CorpusSpec.of(data)
+    prepared_indexed(spec)
+    check_indexed_document_ends(spec, data.eod_mask_loss, data.documents == "separate")
 
 
 def _check_instruction_data(data) -> None:

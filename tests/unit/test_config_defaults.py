@@ -103,6 +103,7 @@ OPTION_CHANGES = {
     "data=python_stdlib": {},
     "data=synthetic": {"data.source": "synthetic"},
     "data=text": {"data.source": "text"},
+    "data=indexed": {"data.source": "indexed"},
     "data=chat": {"data.source": "chat", "data.documents": "separate"},
     "data=prompt_completion": {"data.source": "prompt_completion", "data.documents": "separate"},
     "optimizer=adamw": {},

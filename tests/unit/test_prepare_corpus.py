@@ -439,7 +439,7 @@ def test_data_settings_are_validated_in_one_line(tmp_path):
         (dict(source="text"), "data.source=text needs data.path"),
         (dict(path="x.txt"), "data.source=python_stdlib takes no data.path"),
         (dict(source="text_file"),
-         "data.source='text_file' must be one of python_stdlib, text, chat, prompt_completion, synthetic"),
+         "data.source='text_file' must be one of python_stdlib, text, chat, prompt_completion, indexed, synthetic"),
     ]:
         with pytest.raises(ConfigError) as error:
             validate(config_of(**settings))
