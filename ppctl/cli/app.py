@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from ppctl.resolve.resolved import ResolvedConfig
     from ppctl.data.cache import PreparedCorpus
     from ppctl.data.corpus import CorpusSpec
+    from ppctl.data.shards import ShardTask
     from ppctl.run.interrupt import BeforeStartSignals
     from ppctl.run.launch import LaunchRequest
 
@@ -631,18 +632,30 @@ def describe_checkpoint(info, is_latest: bool) -> str:
 def prepare_data(
     ctx: typer.Context,
     overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    task: Optional[int] = typer.Option(None, "--task", min=0, help="Prepare only this task's shards (0 to "
+                                                                    "--tasks - 1): one task of a Slurm array."),
+    tasks: Optional[int] = typer.Option(None, "--tasks", min=1, help="How many tasks share the shards."),
     config_dir: Optional[Path] = CONFIG_DIR_OPTION,
     config_name: str = CONFIG_NAME_OPTION,
 ) -> None:
     """Tokenise the configured data source into its cache and check its splits (``train`` does this itself)."""
+    from ppctl.data.shards import ShardTask
     from ppctl.resolve import validate
 
+    if (task is None) != (tasks is None):
+        fail("--task and --tasks go together: --task I --tasks T prepares task I's share of the shards")
+    if task is not None and task >= tasks:
+        fail(f"--task {task} --tasks {tasks}: the task must be 0 to {tasks - 1}")
     config = load_config(overrides, config_dir, config_name, validate)
-    summary = _prepare(config, before_start_signals(ctx))
+    if task is not None and (config.data.blend or config.data.source not in ("text", "python_stdlib")):
+        fail("--task/--tasks share a text corpus's shards (data=text or python_stdlib); prepare "
+             f"{'each source of data.blend' if config.data.blend else f'data.source={config.data.source}'} "
+             f"without them")
+    summary = _prepare(config, before_start_signals(ctx), None if task is None else ShardTask(task, tasks))
     typer.echo(summary or f"data.source={config.data.source} needs no preparation")
 
 
-def _prepare(config: PpctlConfig, signals: "BeforeStartSignals") -> str | None:
+def _prepare(config: PpctlConfig, signals: "BeforeStartSignals", task: "ShardTask | None" = None) -> str | None:
     """Prepare the token cache of a token-file source and check that each split the run reads holds a window.
 
     Returns a one-line summary, or None for synthetic data; a blend (``data.blend``) prepares each of its
@@ -657,7 +670,7 @@ def _prepare(config: PpctlConfig, signals: "BeforeStartSignals") -> str | None:
     spec = data_spec_of(config.data)
     try:
         if not isinstance(spec, BlendSpec):
-            return _prepare_source(spec, config, signals).summary(config.trainer.seq_length)
+            return _prepare_source(spec, config, signals, task=task).summary(config.trainer.seq_length)
         from ppctl.data.blend import blend_lines
 
         prepared = [_prepare_source(one, config, signals, index) for index, one in enumerate(spec.specs)]
@@ -671,17 +684,21 @@ def _prepare(config: PpctlConfig, signals: "BeforeStartSignals") -> str | None:
 
 
 def _prepare_source(spec: "CorpusSpec", config: PpctlConfig, signals: "BeforeStartSignals",
-                    blend_index: int | None = None) -> "PreparedCorpus":
+                    blend_index: int | None = None, task: "ShardTask | None" = None) -> "PreparedCorpus":
     """The prepared token file of one source, its splits checked; a blend's source (``blend_index``) is named
-    ``data.blend[i]`` in what it says."""
+    ``data.blend[i]`` in what it says. With ``task``, that task's shards (a ``PartialCorpus`` until all are)."""
     from ppctl.data.corpus import DataError
+    from ppctl.data.entry import PartialCorpus
     from ppctl.data.prepare import prepare_corpus
 
     where = "" if blend_index is None else f"data.blend[{blend_index}]"
     what = f"{where} ({spec.label})" if where else spec.label
     try:
-        with signals.saying(f"while tokenising {what}; the cache was left as it was"):
-            prepared = prepare_corpus(spec, progress=sys.stderr.isatty())
+        with signals.saying(f"while tokenising {what}; the shards already complete are kept, and a new "
+                            f"preparation resumes from them"):
+            prepared = prepare_corpus(spec, progress="bar" if sys.stderr.isatty() else "lines", task=task)
+        if isinstance(prepared, PartialCorpus):
+            return prepared
         prepared.check_split("train", config.trainer.seq_length)
         prepared.check_lengths(config.trainer.seq_length)  # instruction data: rows longer than a window
         if config.trainer.eval_every > 0:

@@ -275,7 +275,11 @@ class DataConfig(Section):
         0.05, "the last fraction of the tokens that forms the validation split (0: none; then set "
         "`trainer.eval_every=0`)")
     num_proc: Optional[int] = setting(
-        None, "processes that tokenise (`datasets.map`); unset: 1 below 64 MB of text, else min(4, cores)")
+        None, "processes that tokenise, each taking the next shard; unset: 1 below 64 MB of input, else "
+        "min(4, cores)")
+    shard_mib: float = setting(
+        64.0, "input MiB per shard of a prepared corpus: each shard is tokenised by one process, written as one "
+        "Megatron-LM `.bin`/`.idx` pair, and kept when a preparation is interrupted")
     eod_mask_loss: bool = setting(
         False, "give labels that are the end-of-document id zero loss weight (Megatron-LM's `--eod-mask-loss`); "
         "synthetic data uses its last id, vocab_size - 1, as end of document")

@@ -281,5 +281,5 @@ def blend_lines(blend: BlendSpec, prepared: list[PreparedCorpus], seq_length: in
         windows = train_windows(blend.specs[index], corpus, seq_length)
         lines.append(f"{blend.label(index)}: {corpus.index['num_tokens']:,} tokens, weight {blend.weights[index]:g} "
                      f"({shares[index]:.1%} of the samples), {draws[index] / windows:.2f} epochs in trainer.max_steps="
-                     f"{max_steps} ({draws[index]:,} samples from its {windows:,} train windows); {corpus.token_file}")
+                     f"{max_steps} ({draws[index]:,} samples from its {windows:,} train windows); {corpus.location}")
     return lines

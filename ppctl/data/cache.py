@@ -1,19 +1,14 @@
-"""The token cache: its keys, its index, what makes an entry reusable, and how an entry is put in place.
+"""The token cache: its keys, what makes an entry reusable, the prepared tokens as training reads them.
 
-An entry is ``<name>.bin`` (a flat array of unsigned ints) with a ``<name>.json`` index
-(source, tokenizer, dtype, counts, fingerprints, train/validation split). The key covers the
-inputs' content, the tokenizer and the dtype; the validation fraction is not part of it:
-another fraction reuses the tokens and rewrites only the index's split. A new entry is
-written under temporary names and renamed into place at the end, the token file first, so
-a reader never takes a half-written entry for a complete one. The index also records the
-largest token id and the token file's size and mtime; a token file that changed since is
-read again, and one that holds an id outside the tokenizer's vocabulary is refused.
-
-Instruction data (``data=chat``, ``data=prompt_completion``) adds two files beside the tokens:
-``<name>.weights``, one uint8 loss weight per token (1 where the token is trained on: the
-assistant's or the completion's), and ``<name>.docs``, int64 rows ``[end, file, row]`` giving where
-each document (conversation) ends in the token file and the file and row it came from. They are
-staged and put in place with the token file, before it.
+A text corpus's entry is a folder of shards in Megatron-LM's indexed format with an ``index.json`` (``entry.py``);
+instruction data's (``data=chat``, ``data=prompt_completion``) is ``<name>.bin`` with a ``<name>.json`` index and
+three files beside them: ``<name>.idx`` (Megatron-LM's index of its documents, so the ``.bin`` is an indexed
+dataset), ``<name>.weights`` (a uint8 loss weight per token: 1 where it is trained on) and ``<name>.docs`` (int64
+rows ``[end, file, row]``: where each conversation ends and the file and row it came from), staged and put in place
+before the token file. Either way the key covers the inputs' content, the tokenizer and the dtype, not the
+validation fraction (another fraction rewrites only the index's split); nothing is taken for complete before its
+index says so; the largest id of each token file is recorded with its size and mtime, read again when they change,
+and an id outside the tokenizer's vocabulary is refused.
 """
 
 from __future__ import annotations
@@ -34,9 +29,9 @@ from ppctl.data.tokenizer import Tokenizer
 from ppctl.fileio import file_sha256, write_atomically
 
 TOKEN_DTYPES = ("auto", "uint16", "uint32")
-TOKEN_BYTES = {"uint16": 2, "uint32": 4}  # numpy is imported only where tokens are made (config validation is quick)
+TOKEN_BYTES = {"uint16": 2, "uint32": 4, "int32": 4}  # numpy is imported only where tokens are made (config validation is quick)
 SPLITS = ("train", "validation")
-CACHE_FORMAT_VERSION = 4  # 4: the tokenizer's own beginning/end-of-text tokens; instruction data's weights, docs
+CACHE_FORMAT_VERSION = 5  # 5: text corpora as a folder of Megatron-LM indexed shards; 4: BOS/EOS, weights, docs
 DIGEST_MEMO = "file-digests.json"
 RACY_SECONDS = 2.0  # a file modified this recently is re-read: its mtime may not yet tell two versions apart
 # Instruction data's files beside the tokens: suffix -> (bytes per value, values per token or per document).
@@ -45,12 +40,34 @@ SIDECARS = {".weights": (1, 1), ".docs": (8, 3)}
 
 @dataclass(frozen=True)
 class PreparedCorpus:
-    """A prepared token file, its index (``read_index``) and the label that names its source in messages."""
+    """Prepared tokens: where they are (``location``: a text corpus's folder of shards, or one token file), the
+    index, and the label that names the source in messages."""
 
-    token_file: Path
+    location: Path
     index: dict
     label: str
     too_long: str = "truncate"  # what instruction data does with a document longer than the window
+
+    @property
+    def is_sharded(self) -> bool:
+        """Whether the entry is a folder of shards (a text corpus) rather than one token file (instruction data,
+        an indexed dataset)."""
+        return "shards" in self.index
+
+    def token_files(self) -> list[Path]:
+        """The token files, in stream order: each shard's ``.bin``, or the one file."""
+        if not self.is_sharded:
+            return [Path(self.location)]
+        return [Path(self.location) / f"{shard['name']}.bin" for shard in self.index["shards"]]
+
+    def tokens(self):
+        """Every token as one stream (``TokenShards``: memory-mapped, sliced as int64)."""
+        from ppctl.data.shards import TokenShards
+
+        counts = ([shard["num_tokens"] for shard in self.index["shards"]] if self.is_sharded
+                  else [self.index["num_tokens"]])
+        files = self.token_files()
+        return TokenShards(files, [self.index["dtype"]] * len(files), counts)
 
     @property
     def is_instruction_data(self) -> bool:
@@ -61,13 +78,13 @@ class PreparedCorpus:
         """The ``[end, file, row]`` int64 rows of each document (instruction data only)."""
         import numpy as np
 
-        return np.fromfile(sidecar_path(self.token_file, ".docs"), dtype=np.int64).reshape(-1, 3)
+        return np.fromfile(sidecar_path(self.location, ".docs"), dtype=np.int64).reshape(-1, 3)
 
     def loss_weights(self):
         """The memory-mapped uint8 loss weight of each token (instruction data only)."""
         import numpy as np
 
-        return np.memmap(sidecar_path(self.token_file, ".weights"), dtype=np.uint8, mode="r")
+        return np.memmap(sidecar_path(self.location, ".weights"), dtype=np.uint8, mode="r")
 
     def check_lengths(self, seq_length: int) -> int:
         """How many documents are longer than a window of ``seq_length + 1`` tokens; with ``too_long=refuse``,
@@ -114,8 +131,9 @@ class PreparedCorpus:
             return self._instruction_summary(seq_length)
         hub = index["file_type"] == "hub"
         origin = f"hub dataset {index['source_path']}" if hub else f"{index['num_files']} file(s)"
-        return (f"{self.token_file}: {index['num_tokens']:,} tokens from {index['num_documents']:,} document(s) in "
-                f"{origin}{skipped_rows_note(index)}; train {self.split('train')[1]:,}, validation "
+        shards = f" ({len(index['shards'])} shards)" if len(index.get("shards", ())) > 1 else ""
+        return (f"{self.location}{shards}: {index['num_tokens']:,} tokens from {index['num_documents']:,} "
+                f"document(s) in {origin}{skipped_rows_note(index)}; train {self.split('train')[1]:,}, validation "
                 f"{self.split('validation')[1] - self.split('validation')[0]:,} "
                 f"(data.validation_fraction={index['validation_fraction']})")
 
@@ -128,7 +146,7 @@ class PreparedCorpus:
         if seq_length is not None and (num_long := self.check_lengths(seq_length)):
             long_note = (f"; {num_long:,} longer than a window of trainer.seq_length+1={seq_length + 1} "
                          f"({'truncated' if self.too_long == 'truncate' else 'refused'})")
-        return (f"{self.token_file}: {index['num_tokens']:,} tokens ({index['num_trained_tokens']:,} trained on) "
+        return (f"{self.location}: {index['num_tokens']:,} tokens ({index['num_trained_tokens']:,} trained on) "
                 f"from {index['num_documents']:,} {index['source']} row(s) of {index['num_rows']:,} in "
                 f"{index['num_files']} file(s){skipped}{long_note}; train {self.split('train')[1]:,}, validation "
                 f"{self.split('validation')[1] - self.split('validation')[0]:,} "
@@ -298,12 +316,15 @@ def valid_index(token_file: Path, key: str) -> dict | None:
 
 def _sidecars_complete(token_file: Path, index: dict) -> bool:
     """Whether instruction data's ``.weights`` and ``.docs`` files hold a weight per token and a row per document."""
+    from ppctl.data.indexed import index_file_bytes  # numpy: imported where tokens are read
+
     counts = {".weights": index["num_tokens"], ".docs": index["num_documents"]}
     for suffix, (value_bytes, per_row) in SIDECARS.items():
         file = sidecar_path(token_file, suffix)
         if not file.is_file() or file.stat().st_size != counts[suffix] * per_row * value_bytes:
             return False
-    return True
+    idx_file = sidecar_path(token_file, ".idx")  # the Megatron-LM index of the documents
+    return idx_file.is_file() and idx_file.stat().st_size == index_file_bytes(index["num_documents"])
 
 
 @contextlib.contextmanager
@@ -345,27 +366,45 @@ def token_file_record(token_file: Path, dtype: str) -> dict:
     return {"token_file_stat": [stat.st_size, stat.st_mtime_ns], "max_token_id": read_max_token_id(token_file, dtype)}
 
 
-def check_token_ids(token_file: Path, index: dict, tokenizer: Tokenizer) -> None:
-    """Raise ``DataError`` when ``token_file`` holds an id outside ``tokenizer``'s vocabulary.
+def check_token_ids(prepared: PreparedCorpus, tokenizer: Tokenizer) -> None:
+    """Raise ``DataError`` when a token file of ``prepared`` holds an id outside ``tokenizer``'s vocabulary.
 
     Such a file was changed after it was built (the cache key covers the tokenizer), and a
     worker would fail on it with an index error of the embedding; the model's vocabulary
     (``model.vocab_size``) is at least the tokenizer's, which config validation checks.
     """
-    largest = max_token_id(token_file, index)
-    if largest >= tokenizer.vocab_size:
-        raise DataError(f"{token_file}: holds token id {largest:,}, outside the vocabulary of the {tokenizer.name} "
-                        f"tokenizer ({tokenizer.vocab_size:,} ids, 0-{tokenizer.vocab_size - 1:,}); it changed after "
-                        f"it was built: delete it and {index_path(token_file).name} to rebuild them")
+    for token_file, record in _token_file_records(prepared):
+        largest = max_token_id(token_file, record, prepared.index["dtype"])
+        if largest >= tokenizer.vocab_size:
+            what = index_path(token_file).name if not prepared.is_sharded else f"{token_file.stem}.json"
+            raise DataError(f"{token_file}: holds token id {largest:,}, outside the vocabulary of the {tokenizer.name} "
+                            f"tokenizer ({tokenizer.vocab_size:,} ids, 0-{tokenizer.vocab_size - 1:,}); it changed "
+                            f"after it was built: delete it and {what} to rebuild them")
 
 
-def max_token_id(token_file: Path, index: dict) -> int:
-    """The largest id in ``token_file``: the index's record while the file keeps the size and mtime it was built
+def _token_file_records(prepared: PreparedCorpus) -> list[tuple[Path, dict]]:
+    """Each token file with what was recorded of it as built (``token_file_stat``, ``max_token_id``)."""
+    if not prepared.is_sharded:
+        return [(Path(prepared.location), prepared.index)]
+    pairs = []
+    for token_file in prepared.token_files():
+        try:
+            record = json.loads(token_file.with_suffix(".json").read_text())
+            record = {"token_file_stat": record["bin_stat"], "max_token_id": record["max_token_id"]}
+        except (OSError, ValueError, KeyError):
+            record = {}
+        pairs.append((token_file, record))
+    return pairs
+
+
+def max_token_id(token_file: Path, record: dict, dtype: str) -> int:
+    """The largest id in ``token_file``: the ``record``'s while the file keeps the size and mtime it was built
     with (no read, so a reused cache costs nothing), else read from the file (memory-mapped)."""
     stat = token_file.stat()
-    if index.get("token_file_stat") == [stat.st_size, stat.st_mtime_ns] and isinstance(index.get("max_token_id"), int):
-        return index["max_token_id"]
-    return read_max_token_id(token_file, index["dtype"])
+    if (record.get("token_file_stat") == [stat.st_size, stat.st_mtime_ns]
+            and isinstance(record.get("max_token_id"), int)):
+        return record["max_token_id"]
+    return read_max_token_id(token_file, dtype)
 
 
 def read_max_token_id(token_file: Path, dtype: str) -> int:

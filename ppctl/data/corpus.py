@@ -130,13 +130,15 @@ class CorpusSpec:
     bad_rows: str = "refuse"
     too_long: str = "truncate"
     packing: str = "packed"
+    shard_mib: float = 64.0
 
     @classmethod
     def of(cls, data) -> CorpusSpec:
         """The spec of a ``DataConfig`` (``config.data``)."""
         return cls(data.source, data.path, Path(data.cache_dir), data.tokenizer, data.text_field, data.token_dtype,
                    data.validation_fraction, data.num_proc, data.messages_field, data.prompt_field,
-                   data.completion_field, data.chat_template, data.bad_rows, data.too_long, data.packing)
+                   data.completion_field, data.chat_template, data.bad_rows, data.too_long, data.packing,
+                   data.shard_mib)
 
     @property
     def label(self) -> str:

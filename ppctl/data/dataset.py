@@ -102,17 +102,15 @@ class TokenWindowDataset(WindowDataset):
         if seq_length < 1:
             raise ValueError(f"seq_length must be at least 1, got {seq_length}")
         prepared.check_split(split, seq_length)
-        self.token_file = prepared.token_file
+        self.location = prepared.location
         self.index = prepared.index
         self.split = split
         self.seq_length = seq_length
         self.eod_id = int(self.index["eod_id"])
         self.eod_mask_loss, self.separate_documents = eod_mask_loss, separate_documents
         start, end = prepared.split(split)
-        dtype = np.dtype(self.index["dtype"])
-        self.tokens = np.memmap(self.token_file, dtype=dtype, mode="r", offset=start * dtype.itemsize,
-                                shape=(end - start,))
-        self.num_windows = self.tokens.size // (seq_length + 1)
+        self.tokens = prepared.tokens().view(start, end)  # the split, across shards, read memory-mapped
+        self.num_windows = len(self.tokens) // (seq_length + 1)
 
     def __len__(self) -> int:
         return self.num_windows

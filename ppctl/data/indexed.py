@@ -13,7 +13,6 @@ is wrong; ``write_indexed`` writes the format (one sequence per document). Pure 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import struct
 from dataclasses import dataclass
@@ -21,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ppctl.data.cache import PreparedCorpus, split_entries
 from ppctl.data.corpus import DataError
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
@@ -181,57 +179,74 @@ def write_indexed(prefix: str | Path, documents, dtype: str = "uint16") -> tuple
     """Write ``documents`` (sequences of token ids) as the indexed dataset ``prefix`` (``.idx`` and ``.bin``), one
     sequence per document, tokens as ``dtype`` (a ``DTYPE_CODES`` name); each file is written under a temporary
     name and renamed into place. Returns the two paths."""
-    if dtype not in CODE_OF_DTYPE:
-        raise ValueError(f"dtype {dtype!r} has no Megatron-LM code; dtypes: {', '.join(CODE_OF_DTYPE)}")
-    idx_file, bin_file = indexed_paths(prefix)
-    token_dtype = np.dtype(dtype).newbyteorder("<")
-    lengths = []
-    with _replaced(bin_file) as stream:
+    with IndexedWriter(prefix, dtype) as writer:
         for document in documents:
-            tokens = np.asarray(document, dtype=token_dtype)
-            stream.write(tokens.tobytes())
-            lengths.append(len(tokens))
-    lengths = np.array(lengths, dtype="<i4")
+            tokens = np.asarray(document)
+            writer.add(tokens, [len(tokens)])
+    return writer.idx_file, writer.bin_file
+
+
+class IndexedWriter:
+    """Writes an indexed dataset as documents come: ``add`` appends documents' tokens to ``PREFIX.bin.tmp``; a
+    block that ends without an error writes ``PREFIX.idx.tmp`` and renames both into place (the ``.bin`` first);
+    an error or a signal removes both temporaries, so a reader never finds a half-written pair."""
+
+    def __init__(self, prefix: str | Path, dtype: str):
+        if dtype not in CODE_OF_DTYPE:
+            raise ValueError(f"dtype {dtype!r} has no Megatron-LM code; dtypes: {', '.join(CODE_OF_DTYPE)}")
+        self.idx_file, self.bin_file = indexed_paths(prefix)
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        self.lengths: list[np.ndarray] = []
+        self.staged = [file.with_name(file.name + ".tmp") for file in (self.bin_file, self.idx_file)]
+        self.stream = None
+
+    def __enter__(self) -> "IndexedWriter":
+        self.stream = open(self.staged[0], "wb")
+        return self
+
+    def add(self, tokens, lengths) -> None:
+        """Append documents: their ``tokens`` back to back and each one's length (``lengths``, summing to them)."""
+        self.stream.write(np.asarray(tokens, dtype=self.dtype).tobytes())
+        self.lengths.append(np.asarray(lengths, dtype="<i4"))
+
+    def __exit__(self, kind, error, traceback) -> None:
+        try:
+            if kind is None:
+                self.stream.flush()
+                os.fsync(self.stream.fileno())  # the tokens on disk before a name says they are there
+            self.stream.close()
+            if kind is None:
+                self._commit()
+        finally:
+            for staged in self.staged:
+                staged.unlink(missing_ok=True)
+
+    def _commit(self) -> None:
+        """Write the index, then rename the ``.bin`` and the ``.idx`` into place."""
+        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, dtype="<i4")
+        write_index_file(self.staged[1], lengths, self.dtype.name)
+        for staged, final in zip(self.staged, (self.bin_file, self.idx_file)):
+            os.chmod(staged, 0o644)
+            os.replace(staged, final)
+
+
+def write_index_file(idx_file: Path, lengths, dtype: str) -> None:
+    """Write the ``.idx`` of documents of ``lengths`` tokens of ``dtype`` lying back to back in their ``.bin``
+    (one sequence per document), flushed to disk."""
+    lengths = np.asarray(lengths, dtype="<i4")
+    itemsize = np.dtype(dtype).itemsize
     pointers = np.zeros(len(lengths), dtype="<i8")
-    np.cumsum(lengths[:-1].astype(np.int64) * token_dtype.itemsize, out=pointers[1:])
+    np.cumsum(lengths[:-1].astype(np.int64) * itemsize, out=pointers[1:])
     document_indices = np.arange(len(lengths) + 1, dtype="<i8")
-    with _replaced(idx_file) as stream:
+    with open(idx_file, "wb") as stream:
         stream.write(HEADER.pack(INDEX_MAGIC, INDEX_VERSION, CODE_OF_DTYPE[dtype], len(lengths),
                                  len(document_indices)))
         for array in (lengths, pointers, document_indices):
             stream.write(array.tobytes())
-    return idx_file, bin_file
+        stream.flush()
+        os.fsync(stream.fileno())
 
 
-@contextlib.contextmanager
-def _replaced(path: Path):
-    """A binary stream onto ``path``'s temporary twin, renamed onto ``path`` when the block ends without an error."""
-    staged = path.with_name(path.name + ".tmp")
-    try:
-        with open(staged, "wb") as stream:
-            yield stream
-        os.replace(staged, path)
-    finally:
-        staged.unlink(missing_ok=True)
-
-
-def prepared_indexed(spec) -> PreparedCorpus:
-    """``data.source=indexed``'s corpus as a prepared token file: its ``.bin`` is the token stream (every document
-    in order, nothing added), split by ``data.validation_fraction`` as a prepared corpus is; the end-of-document id
-    is ``data.tokenizer``'s. Nothing is written."""
-    from ppctl.data.tokenizer import build_tokenizer
-
-    if not spec.path:
-        raise DataError("data.source=indexed needs data.path: the prefix of a Megatron-LM indexed dataset "
-                        "(PREFIX for PREFIX.idx and PREFIX.bin)")
-    corpus = read_indexed(spec.path)
-    if corpus.dtype.kind not in "iu":
-        raise DataError(f"{corpus.idx_file}: dtype {corpus.dtype.name} holds no token ids; ppctl reads integer "
-                        f"dtypes ({', '.join(name for name in DTYPE_CODES.values() if 'int' in name)})")
-    tokenizer = build_tokenizer(spec.tokenizer)
-    index = {"source": "indexed", "source_path": str(corpus.idx_file.with_suffix("")), "file_type": "indexed",
-             "text_field": None, "num_files": 2, "num_rows": corpus.num_documents,
-             "num_documents": corpus.num_documents, "skipped_rows": {}, "num_tokens": corpus.num_tokens,
-             "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id, "dtype": corpus.dtype.name,
-             **split_entries(corpus.num_tokens, spec.validation_fraction)}
-    return PreparedCorpus(corpus.bin_file, index, spec.label)
+def index_file_bytes(num_documents: int) -> int:
+    """The size of the ``.idx`` of ``num_documents`` documents of one sequence each."""
+    return HEADER.size + num_documents * (LENGTH_BYTES + POINTER_BYTES) + (num_documents + 1) * DOCUMENT_INDEX_BYTES

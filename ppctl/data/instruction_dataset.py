@@ -48,7 +48,7 @@ class InstructionWindowDataset(WindowDataset):
         prepared.check_lengths(seq_length)
         self.seq_length, self.packing, self.eod_mask_loss = seq_length, packing, eod_mask_loss
         self.eod_id = int(prepared.index["eod_id"])
-        self.tokens = np.memmap(prepared.token_file, dtype=np.dtype(prepared.index["dtype"]), mode="r")
+        self.tokens = np.memmap(prepared.location, dtype=np.dtype(prepared.index["dtype"]), mode="r")
         self.weights = prepared.loss_weights()
         self.starts, self.lengths = split_documents(prepared, split, seq_length)
         self.piece_ends = np.cumsum(self.lengths)  # where each (cut) document ends in the split's packed stream

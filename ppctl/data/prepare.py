@@ -28,47 +28,133 @@ from pathlib import Path
 from ppctl.data.cache import (CACHE_FORMAT_VERSION, SIDECARS, PreparedCorpus, cache_key, cache_stem, check_token_ids,
                               commit_entry, files_fingerprint, sidecar_path, split_entries, staged_token_file,
                               token_dtype_for, token_file_record, valid_index, write_index)
-from ppctl.data.corpus import INSTRUCTION_SOURCES, Corpus, CorpusSpec
+from ppctl.data.corpus import INSTRUCTION_SOURCES, Corpus, CorpusSpec, DataError
+from ppctl.data.entry import (MIB, PartialCorpus, corpus_shards, entry_index, read_shard_record, valid_entry,
+                              write_entry_index)
 from ppctl.data.hub import hub_fingerprint, load_hub
+from ppctl.data.indexed import DTYPE_CODES, read_indexed, write_index_file
 from ppctl.data.instruction import InstructionOptions, chat_template_of, template_fingerprint, tokenise_instructions
-from ppctl.data.tokenise import tokenise_corpus
+from ppctl.data.progress import ShardProgress
+from ppctl.data.shards import ShardTask
+from ppctl.data.tokenise import ShardJob, ShardRunner, default_num_proc
 from ppctl.data.tokenizer import Tokenizer, build_tokenizer
 from ppctl.run.interrupt import raise_swallowed_interruption
 
+# Below this much input one process tokenises faster than several (measured: see data/README.md).
+SMALL_CORPUS_BYTES = 64 << 20
+MAX_AUTO_NUM_PROC = 4
+EMPTY_PROBE_BYTES = 1 << 16  # a file this small holding only whitespace holds no record
+# Megatron-LM's indexed format has no uint32 code: its own preprocessing writes int32 above 65,500 ids, and every id
+# of a vocabulary below 2**31 fits.
+MEGATRON_DTYPE = {"uint32": "int32"}
 
-def prepare_corpus(spec: CorpusSpec, progress: bool = False) -> PreparedCorpus:
-    """Return the prepared token file of ``spec``, tokenising it into ``spec.cache_dir`` unless cached.
 
-    ``progress`` shows the progress bars of ``datasets`` (loading, tokenising) on stderr.
-    Raises ``DataError`` (one line) for a source that cannot be prepared.
+def prepare_corpus(spec: CorpusSpec, progress: bool | str | None = False,
+                   task: ShardTask | None = None) -> PreparedCorpus | PartialCorpus:
+    """Return the prepared tokens of ``spec``, tokenising them into ``spec.cache_dir`` unless cached.
+
+    ``progress``: ``bar`` (or True) shows a progress bar on stderr, ``lines`` one line per shard, False/None
+    nothing. ``task`` prepares only that task's shards of a text corpus; the result is then a ``PartialCorpus``
+    unless every shard is complete. Raises ``DataError`` (one line) for a source that cannot be prepared.
     """
     if spec.source == "indexed":  # a Megatron-LM indexed dataset is read as it is
-        from ppctl.data.indexed import prepared_indexed
-
         return prepared_indexed(spec)
     corpus = spec.corpus()
     tokenizer = build_tokenizer(spec.tokenizer)
     dtype = token_dtype_for(spec.token_dtype, tokenizer.vocab_size)
+    dtype = MEGATRON_DTYPE.get(dtype, dtype)
     cache_dir = Path(spec.cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     if spec.source in INSTRUCTION_SOURCES:
         return _prepare_instructions(spec, corpus, tokenizer, dtype, cache_dir)
-    hub_documents = load_hub(corpus, progress) if corpus.hub_name else None
+    mode = "bar" if progress is True else (progress or None)
+    hub_documents = load_hub(corpus, mode == "bar") if corpus.hub_name else None
     if hub_documents is not None:
         source_fingerprint = hub_fingerprint(corpus, hub_documents)
     else:
         source_fingerprint = files_fingerprint(corpus, spec.text_field, cache_dir)
+    shard_bytes = max(1, int(spec.shard_mib * MIB))
+    source_fingerprint += f"|shard_bytes={shard_bytes}"
     key = cache_key(source_fingerprint, tokenizer, dtype)
-    token_file = cache_dir / f"{cache_stem(spec, corpus, tokenizer)}-{key[:16]}.bin"
-    index = valid_index(token_file, key)
+    folder = cache_dir / f"{cache_stem(spec, corpus, tokenizer)}-{key[:16]}"
+    index = valid_entry(folder, key)
     if index is None:
-        keys = {"source_fingerprint": hashlib.sha256(source_fingerprint.encode()).hexdigest(), "fingerprint": key}
-        index = _build_cache(spec, corpus, hub_documents, tokenizer, dtype, token_file, keys, progress)
+        header = _entry_header(spec, corpus, tokenizer, dtype, source_fingerprint, key, shard_bytes)
+        index = _build_entry(spec, corpus, hub_documents, ShardJob(
+            corpus, header["text_field"], tokenizer, dtype, folder, key, hub_documents), header, mode, task)
+        if isinstance(index, PartialCorpus):
+            return index
     elif index["validation_fraction"] != spec.validation_fraction:
         index.update(split_entries(index["num_tokens"], spec.validation_fraction))
-        write_index(token_file, index)  # the tokens stay; only the split moves
-    check_token_ids(token_file, index, tokenizer)
-    return PreparedCorpus(token_file, index, corpus.label)
+        write_entry_index(folder, index)  # the tokens stay; only the split moves
+    prepared = PreparedCorpus(folder, index, corpus.label)
+    check_token_ids(prepared, tokenizer)
+    return prepared
+
+
+def _entry_header(spec: CorpusSpec, corpus: Corpus, tokenizer: Tokenizer, dtype: str, source_fingerprint: str,
+                  key: str, shard_bytes: int) -> dict:
+    """What a text corpus's index says of its source, tokenizer and shards, before any token is read."""
+    return {
+        "source": spec.source,
+        "source_path": spec.path if corpus.hub_name or spec.path is None else str(Path(spec.path).resolve()),
+        "file_type": corpus.file_type or "hub",
+        "text_field": None if corpus.file_type == "text" else spec.text_field,
+        "num_files": len(corpus.files),
+        "vocab_size": tokenizer.vocab_size,
+        "eod_id": tokenizer.eod_id,
+        "tokenizer": tokenizer.identity,
+        "dtype": dtype,
+        "source_fingerprint": hashlib.sha256(source_fingerprint.encode()).hexdigest(),
+        "fingerprint": key,
+        "shard_bytes": shard_bytes,
+    }
+
+
+def _build_entry(spec: CorpusSpec, corpus: Corpus, hub_documents, job: ShardJob, header: dict, mode: str | None,
+                 task: ShardTask | None) -> dict | PartialCorpus:
+    """Tokenise the shards of ``corpus`` not yet complete (``task``'s alone when given) into the entry folder;
+    return the entry's index once every shard is complete (written), else what this task did."""
+    if corpus.file_type not in (None, "text"):  # a .txt file is one document, even an empty one
+        _refuse_without_records(corpus)
+    shards = corpus_shards(corpus, hub_documents, header["shard_bytes"])
+    job.folder.mkdir(exist_ok=True)
+    mine = task.shards(shards) if task is not None else shards
+    todo = [shard for shard in mine if read_shard_record(job.folder, shard, job.key) is None]
+    progress = ShardProgress(mode, todo, corpus.label)
+    num_proc = default_num_proc(spec.num_proc, sum(shard.input_bytes for shard in todo), len(todo),
+                                SMALL_CORPUS_BYTES, MAX_AUTO_NUM_PROC)
+    try:
+        ShardRunner(job, progress).run(todo, num_proc)
+    finally:
+        progress.close()
+    records = [read_shard_record(job.folder, shard, job.key) for shard in shards]
+    if any(record is None for record in records):
+        tokens = sum(record["num_tokens"] for shard, record in zip(shards, records)
+                     if record is not None and shard in mine)
+        return PartialCorpus(job.folder, task, mine, tokens, sum(record is not None for record in records),
+                             len(shards))
+    index = entry_index(records, header, spec.validation_fraction, corpus.label)
+    raise_swallowed_interruption()  # a signal whose exit Python swallowed meanwhile: the entry stays incomplete
+    write_entry_index(job.folder, index)
+    return index
+
+
+def _refuse_without_records(corpus: Corpus) -> None:
+    """``DataError`` when no file of the corpus holds anything but whitespace."""
+    if not all(_holds_nothing(file) for file in corpus.files):
+        return
+    if len(corpus.files) == 1:
+        raise DataError(f"{corpus.label}: {corpus.files[0].name} holds no records (the file is empty or blank)")
+    raise DataError(f"{corpus.label}: its {len(corpus.files)} {corpus.file_type} files hold no records "
+                    f"(all are empty or blank)")
+
+
+def _holds_nothing(file: Path) -> bool:
+    """Whether a small file holds only whitespace (a large one is left to the reader)."""
+    if file.stat().st_size > EMPTY_PROBE_BYTES:
+        return False
+    return not file.read_bytes().strip()
 
 
 def _prepare_instructions(spec: CorpusSpec, corpus: Corpus, tokenizer: Tokenizer, dtype: str,
@@ -89,8 +175,9 @@ def _prepare_instructions(spec: CorpusSpec, corpus: Corpus, tokenizer: Tokenizer
         ends = PreparedCorpus(token_file, index, corpus.label).document_table()[:, 0]
         index.update(split_entries(index["num_tokens"], spec.validation_fraction, ends))
         write_index(token_file, index)
-    check_token_ids(token_file, index, tokenizer)
-    return PreparedCorpus(token_file, index, corpus.label, spec.too_long)
+    prepared = PreparedCorpus(token_file, index, corpus.label, spec.too_long)
+    check_token_ids(prepared, tokenizer)
+    return prepared
 
 
 def _build_instruction_cache(spec: CorpusSpec, corpus: Corpus, options: InstructionOptions, tokenizer: Tokenizer,
@@ -104,6 +191,8 @@ def _build_instruction_cache(spec: CorpusSpec, corpus: Corpus, options: Instruct
         staged[""] = stack.enter_context(staged_token_file(token_file))
         content = tokenise_instructions(corpus, options, tokenizer, template, dtype, staged)
         ends = np.fromfile(staged[".docs"], dtype=np.int64).reshape(-1, 3)[:, 0]
+        staged[".idx"] = stack.enter_context(staged_token_file(sidecar_path(token_file, ".idx")))
+        write_index_file(staged[".idx"], np.diff(ends, prepend=0), dtype)  # Megatron-LM reads the tokens too
         index = {
             "format_version": CACHE_FORMAT_VERSION, "source": spec.source,
             "source_path": str(Path(spec.path).resolve()), "file_type": corpus.file_type,
@@ -117,32 +206,21 @@ def _build_instruction_cache(spec: CorpusSpec, corpus: Corpus, options: Instruct
     return index
 
 
-def _build_cache(spec: CorpusSpec, corpus: Corpus, hub_documents, tokenizer: Tokenizer, dtype: str,
-                 token_file: Path, keys: dict, progress: bool) -> dict:
-    """Tokenise the corpus into a new cache entry, ``token_file`` and its index (``keys``: its fingerprints);
-    return the index.
-
-    Both are written under temporary names and put in place at the end, so that an error or a
-    signal on the way leaves the cache as it was.
-    """
-    with staged_token_file(token_file) as staged:
-        content = tokenise_corpus(corpus, hub_documents, spec.text_field, tokenizer, dtype, spec.num_proc, staged,
-                                  progress)
-        index = {
-            "format_version": CACHE_FORMAT_VERSION,
-            "source": spec.source,
-            "source_path": spec.path if corpus.hub_name or spec.path is None else str(Path(spec.path).resolve()),
-            "file_type": corpus.file_type or "hub",
-            "num_files": len(corpus.files),
-            **content,
-            "vocab_size": tokenizer.vocab_size,
-            "eod_id": tokenizer.eod_id,
-            "tokenizer": tokenizer.identity,
-            "dtype": dtype,
-            **token_file_record(staged, dtype),
-            **keys,
-            **split_entries(content["num_tokens"], spec.validation_fraction),
-        }
-        raise_swallowed_interruption()  # a signal whose exit Python swallowed meanwhile: nothing enters the cache
-        commit_entry(staged, token_file, index)
-    return index
+def prepared_indexed(spec) -> PreparedCorpus:
+    """``data.source=indexed``'s corpus as a prepared token file: its ``.bin`` is the token stream (every document
+    in order, nothing added), split by ``data.validation_fraction`` as a prepared corpus is; the end-of-document id
+    is ``data.tokenizer``'s. Nothing is written."""
+    if not spec.path:
+        raise DataError("data.source=indexed needs data.path: the prefix of a Megatron-LM indexed dataset "
+                        "(PREFIX for PREFIX.idx and PREFIX.bin)")
+    corpus = read_indexed(spec.path)
+    if corpus.dtype.kind not in "iu":
+        raise DataError(f"{corpus.idx_file}: dtype {corpus.dtype.name} holds no token ids; ppctl reads integer "
+                        f"dtypes ({', '.join(name for name in DTYPE_CODES.values() if 'int' in name)})")
+    tokenizer = build_tokenizer(spec.tokenizer)
+    index = {"source": "indexed", "source_path": str(corpus.idx_file.with_suffix("")), "file_type": "indexed",
+             "text_field": None, "num_files": 2, "num_rows": corpus.num_documents,
+             "num_documents": corpus.num_documents, "skipped_rows": {}, "num_tokens": corpus.num_tokens,
+             "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id, "dtype": corpus.dtype.name,
+             **split_entries(corpus.num_tokens, spec.validation_fraction)}
+    return PreparedCorpus(corpus.bin_file, index, spec.label)

@@ -1,212 +1,222 @@
-"""Documents in, tokens out: a corpus's files loaded, tokenised with ``Dataset.map``, written as one flat file.
+"""Documents in, tokens out: each shard of a corpus read in blocks, tokenised, written as a Megatron indexed pair.
 
-Files are read with the ``datasets`` builder of their type (``.txt``: one document per
-file), their Arrow scratch files in a folder next to the cache, removed afterwards (also when a
-signal comes during the removal). Each
-document's tokens are followed by the end-of-document id; rows without text (no value in
-the text field, or an empty one) are no document, and are counted. ``tokenizer.py`` says
-what a token is; this module runs a tokenizer over a corpus, in ``data.num_proc`` processes.
+A shard (``shards.py``) is read block by block (``readers.py``: one block in memory at a time), each text
+tokenised with the tokenizer's own beginning- and end-of-text tokens and followed by the end-of-document id (unless
+the tokenizer already ended it with that id), and appended to ``shard-NNNNN.bin``; the ``.idx`` (one sequence per
+document) and the shard's own record ``shard-NNNNN.json`` are written at its end, each put in place atomically, the
+record last: a shard with its record is complete. Rows without text (the field missing or null, or empty) are no
+document, and are counted. ``run_shards`` runs the shards in this process or in ``num_proc`` forked processes that
+take the next shard as they finish one; an error or a signal ends them all and keeps the shards already complete.
 """
 
 from __future__ import annotations
 
-import contextlib
+import json
+import multiprocessing
 import os
-import shutil
-import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable
+
+import numpy as np
 
 from ppctl.data.corpus import Corpus, DataError, one_line
-from ppctl.data.hub import datasets_progress, quiet_library_logs
+from ppctl.data.indexed import IndexedWriter
+from ppctl.data.readers import piece_blocks
+from ppctl.data.shards import Shard
 from ppctl.data.tokenizer import Tokenizer
-from ppctl.data.utf8 import decode_error, is_encoding_error, not_utf8_error
-from ppctl.fileio import exception_in_chain
+from ppctl.fileio import write_atomically
 
-# Below this much text one process tokenises faster than several (measured: see data/README.md).
-SMALL_CORPUS_BYTES = 64 << 20
-MAX_AUTO_NUM_PROC = 4
-EMPTY_PROBE_BYTES = 1 << 16  # a file this small holding only whitespace holds no record
-INTERRUPTIONS = (KeyboardInterrupt, SystemExit)  # what a signal's handler raises to end the process
+STOP_WAIT_S = 5.0  # how long an ended tokenising process may take to go before it is killed
+POLL_S = 0.5  # how often the parent looks for a process that died without a word
 
 
-def tokenise_corpus(corpus: Corpus, hub_documents, text_field: str, tokenizer: Tokenizer, dtype: str,
-                    num_proc: int | None, token_file: Path, progress: bool) -> dict:
-    """Tokenise ``corpus`` (its files, or the loaded ``hub_documents``) into ``token_file``; return what the index
-    says of the content: the text field, the rows read, documents, rows skipped, tokens.
+@dataclass(frozen=True)
+class ShardJob:
+    """What every shard of one preparation shares: the corpus, its text field (None for ``.txt``), the tokenizer,
+    the token dtype, the entry folder, the entry's key (recorded in each shard) and a loaded hub dataset."""
 
-    The Arrow files that ``datasets`` builds go to a scratch folder next to ``token_file``,
-    removed afterwards, also when an error or a signal ends the step.
-    """
-    with _scratch_folder(token_file.parent) as scratch, datasets_progress(progress) as datasets:
-        documents = hub_documents if hub_documents is not None else _load_files(corpus, scratch)
-        column = _text_column(documents, corpus, text_field)
-        tokenized = _tokenize(datasets, documents, corpus, column, tokenizer, dtype, num_proc, scratch)
-        num_tokens, num_documents = _write_tokens(tokenized.data.column("ids"), token_file, corpus.label)
-        num_rows, missing = documents.num_rows, documents.data.column(column).null_count
-        del tokenized, documents  # release the memory-mapped scratch files before the folder goes
-    return {
-        "text_field": None if corpus.file_type == "text" else column,
-        "num_rows": num_rows,
-        "num_documents": num_documents,
-        "skipped_rows": {"missing": missing, "empty": num_rows - num_documents - missing},
-        "num_tokens": num_tokens,
-    }
+    corpus: Corpus
+    text_field: str | None
+    tokenizer: Tokenizer
+    dtype: str
+    folder: Path
+    key: str
+    hub_documents: object = None
 
 
-@contextlib.contextmanager
-def _scratch_folder(parent: Path) -> Iterator[str]:
-    """A hidden scratch folder in ``parent``, removed on the way out, whatever ends the block."""
-    scratch = tempfile.mkdtemp(dir=parent, prefix=".hf-scratch-")
-    try:
-        yield scratch
-    finally:
-        _remove_whatever_interrupts(scratch)
+def shard_record_path(folder: Path, shard: Shard) -> Path:
+    """The record that says shard ``shard`` of the entry in ``folder`` is complete."""
+    return folder / f"{shard.name}.json"
 
 
-def _remove_whatever_interrupts(folder: str) -> None:
-    """Remove ``folder``; a signal's exit that comes meanwhile is raised once it is gone.
+def tokenise_shard(job: ShardJob, shard: Shard, report: Callable[[int, int], None]) -> dict:
+    """Tokenise ``shard`` into its ``.bin``/``.idx`` pair and record; return the record. ``report(input bytes,
+    tokens)`` is called after each block."""
+    counts = {"num_rows": 0, "num_documents": 0, "missing": 0, "empty": 0, "num_tokens": 0, "max_token_id": -1}
+    fields: dict[str, None] = {}  # every field a block held, in the order first seen
+    field_seen = job.text_field is None
+    reported = 0
+    with IndexedWriter(job.folder / shard.name, job.dtype) as writer:
+        for piece in shard.pieces:
+            for block in piece_blocks(job.corpus, piece, job.text_field or "text", job.hub_documents):
+                fields.update(dict.fromkeys(block.fields))
+                field_seen = field_seen or (job.text_field in block.fields)
+                tokens, lengths = tokenise_texts(block.texts, job.tokenizer, counts)
+                writer.add(tokens.astype(job.dtype), lengths)
+                reported += block.input_bytes
+                report(block.input_bytes, len(tokens))
+    report(max(shard.input_bytes - reported, 0), 0)  # what the blocks did not count (parquet, hub rows)
+    record = {"shard": shard.name, "key": job.key, **counts, "fields": list(fields), "field_seen": field_seen,
+              "dtype": job.dtype, "bin_stat": _stat(writer.bin_file)}
+    write_atomically(shard_record_path(job.folder, shard), lambda handle: handle.write(json.dumps(record).encode()))
+    return record
 
-    A signal comes where it will: a second Ctrl-C, or the first one raised again after Python swallowed it in
-    a finalizer (``ppctl.run.interrupt.RaiseSwallowedAgain``), can land in the removal, which would stop
-    half-way and leave the folder in the cache.
-    """
-    interruption = None
-    while True:
+
+def tokenise_texts(texts: list, tokenizer: Tokenizer, counts: dict) -> tuple[np.ndarray, list[int]]:
+    """The tokens of a block's texts, back to back, and each document's length; ``counts`` grows by the block's
+    rows, documents, rows without text (None: missing; "": empty), tokens, and its largest id."""
+    present = [text for text in texts if text]
+    counts["num_rows"] += len(texts)
+    counts["missing"] += sum(text is None for text in texts)
+    counts["empty"] += sum(text == "" for text in texts)
+    if not present:
+        return np.zeros(0, dtype=np.int64), []
+    eod = np.array([tokenizer.eod_id], dtype=np.int64)
+    pieces, lengths = [], []
+    for ids in tokenizer.encode_documents(present):
+        ended = len(ids) and int(ids[-1]) == tokenizer.eod_id  # a post-processor's ``$A </s>`` ended it already
+        pieces += [ids] if ended else [ids, eod]
+        lengths.append(len(ids) + (not ended))
+    tokens = np.concatenate(pieces)
+    counts["num_documents"] += len(lengths)
+    counts["num_tokens"] += len(tokens)
+    counts["max_token_id"] = max(counts["max_token_id"], int(tokens.max()))
+    return tokens, lengths
+
+
+def _stat(file: Path) -> list[int]:
+    """``[size, mtime_ns]`` of ``file``: a shard whose ``.bin`` still has them was not changed since."""
+    stat = file.stat()
+    return [stat.st_size, stat.st_mtime_ns]
+
+
+class ShardRunner:
+    """Runs shards and says how they go (``progress``: an object with ``advance(bytes, tokens)`` and
+    ``shard_done(shard, record)``)."""
+
+    def __init__(self, job: ShardJob, progress):
+        self.job, self.progress = job, progress
+
+    def run(self, shards: list[Shard], num_proc: int) -> dict[int, dict]:
+        """Tokenise ``shards`` in ``num_proc`` processes (here when 1); return each shard's record by index."""
+        if num_proc <= 1 or len(shards) <= 1:
+            return {shard.index: self._here(shard) for shard in shards}
+        return self._in_processes(shards, num_proc)
+
+    def _here(self, shard: Shard) -> dict:
+        """One shard in this process."""
+        record = tokenise_shard(self.job, shard, self.progress.advance)
+        self.progress.shard_done(shard, record)
+        return record
+
+    def _in_processes(self, shards: list[Shard], num_proc: int) -> dict[int, dict]:
+        """Forked processes, each taking the next shard of a queue; messages come back on another."""
+        context = multiprocessing.get_context("fork")
+        todo, results = context.Queue(), context.Queue()
+        for shard in shards:
+            todo.put(shard.index)
+        workers = [context.Process(target=_worker, args=(self.job, {shard.index: shard for shard in shards}, todo,
+                                                         results), daemon=True) for _ in range(num_proc)]
+        for _ in workers:
+            todo.put(None)
         try:
-            shutil.rmtree(folder, ignore_errors=True)
+            for worker in workers:
+                worker.start()
+            return self._collect(shards, workers, results)
+        finally:
+            _end(workers)
+            for queue in (todo, results):  # a feeder thread left waiting would hold the exit
+                queue.cancel_join_thread()
+                queue.close()
+            remove_temporaries(self.job.folder, shards)  # of the shards the ended processes were writing
+
+    def _collect(self, shards: list[Shard], workers, results) -> dict[int, dict]:
+        """Take the processes' messages until every shard is recorded; a process's error is raised here."""
+        import queue
+
+        by_index, records = {shard.index: shard for shard in shards}, {}
+        while len(records) < len(shards):
+            try:
+                message = results.get(timeout=POLL_S)
+            except queue.Empty:
+                _check_alive(workers, len(records), len(shards))
+                continue
+            if message[0] == "block":
+                self.progress.advance(message[1], message[2])
+            elif message[0] == "done":
+                records[message[1]] = message[2]
+                self.progress.shard_done(by_index[message[1]], message[2])
+            elif message[0] == "error":
+                raise DataError(message[1])
+        return records
+
+
+def _worker(job: ShardJob, shards: dict[int, Shard], todo, results) -> None:
+    """A tokenising process: shards from ``todo`` until its ``None``; each one's blocks, record or error to
+    ``results``."""
+    while (index := todo.get()) is not None:
+        try:
+            record = tokenise_shard(job, shards[index], lambda size, tokens: results.put(("block", size, tokens)))
+        except DataError as error:
+            results.put(("error", str(error)))
             break
-        except INTERRUPTIONS as error:
-            interruption = error
-    if interruption is not None:
-        raise interruption
+        except Exception as error:  # what the parent would not otherwise learn: one line of it
+            results.put(("error", f"{job.corpus.label}: {shards[index].name}: {type(error).__name__}: "
+                                  f"{one_line(error)}"))
+            break
+        results.put(("done", index, record))
+    results.close()
+    results.join_thread()  # every message out before the process goes
 
 
-def _tokenize(datasets, documents, corpus: Corpus, column: str, tokenizer: Tokenizer, dtype: str,
-              num_proc: int | None, scratch: str):
-    """``documents.map`` of ``TokenizeBatch`` into the scratch folder; text that is not UTF-8 is one ``DataError``.
-
-    json and parquet rows reach this step undecoded (Arrow does not check their UTF-8), so a bad
-    byte fails here, in whichever process tokenises its row.
-    """
-    try:
-        return documents.map(
-            TokenizeBatch(tokenizer, dtype, column), batched=True, remove_columns=documents.column_names,
-            num_proc=_num_proc(num_proc, documents), desc=f"tokenising ({tokenizer.name})",
-            features=datasets.Features({"ids": datasets.Sequence(datasets.Value(dtype))}),
-            cache_file_name=str(Path(scratch) / "tokens.arrow"),
-        )
-    except BaseException as error:
-        interruption = exception_in_chain(error, INTERRUPTIONS)
-        if interruption is not None and interruption is not error:
-            # a signal ended the map while its pool ran, and the pool's clean-up raised an error of its own
-            # (multiprocess's TimeoutError) over it: the interruption is what happened
-            raise interruption from None
-        if not isinstance(error, Exception) or decode_error(error) is None:
-            raise
-        raise not_utf8_error(corpus, error, documents) from None
+def remove_temporaries(folder: Path, shards: list[Shard]) -> None:
+    """Remove what a process ended mid-shard left of ``shards`` (its staged ``.bin``/``.idx``, its record's
+    temporary); another task's shards are not touched."""
+    for shard in shards:
+        for staged in (*folder.glob(f"{shard.name}.*.tmp"), *folder.glob(f".{shard.name}.json.*.tmp")):
+            staged.unlink(missing_ok=True)
 
 
-class TokenizeBatch:
-    """The ``Dataset.map`` function: each text's ids (with the beginning- and end-of-text tokens the tokenizer's
-    post-processor puts around it), then the end-of-document id unless the post-processor already ended it with
-    that id; an empty text gives none.
-
-    A class rather than a closure so that ``num_proc`` workers receive it pickled.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, dtype: str, column: str):
-        self.tokenizer, self.dtype, self.column = tokenizer, dtype, column
-
-    def __call__(self, batch: dict) -> dict:
-        import numpy as np
-
-        texts = [text or "" for text in batch[self.column]]
-        return {"ids": [ended_document(ids, self.tokenizer.eod_id).astype(self.dtype) if text
-                        else np.empty(0, dtype=self.dtype)
-                        for text, ids in zip(texts, self.tokenizer.encode_documents(texts))]}
+def _check_alive(workers, done: int, total: int) -> None:
+    """``DataError`` when every tokenising process has gone with shards left (one was killed: out of memory?)."""
+    if all(worker.exitcode is not None for worker in workers):
+        codes = sorted({worker.exitcode for worker in workers})
+        raise DataError(f"the tokenising processes ended (exit codes {', '.join(map(str, codes))}) with "
+                        f"{total - done} of {total} shard(s) left; the shards finished are kept: run it again to "
+                        f"resume")
 
 
-def ended_document(ids, eod_id: int):
-    """``ids`` followed by ``eod_id``, unless they already end with it (a post-processor's ``$A </s>``)."""
-    import numpy as np
+def _end(workers) -> None:
+    """End the tokenising processes: SIGTERM, then SIGKILL to any still there after ``STOP_WAIT_S``."""
+    for worker in workers:
+        if worker.is_alive():
+            worker.terminate()
+    deadline = time.monotonic() + STOP_WAIT_S
+    for worker in workers:
+        if worker.pid is None:
+            continue
+        worker.join(max(0.0, deadline - time.monotonic()))
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
 
-    if len(ids) and int(ids[-1]) == eod_id:
-        return np.asarray(ids, dtype=np.int64)
-    return np.concatenate([np.asarray(ids, dtype=np.int64), np.array([eod_id], dtype=np.int64)])
 
-
-def _num_proc(requested: int | None, documents) -> int:
-    """Tokenising processes: ``data.num_proc``, else 1 for a small corpus and min(4, cores) for a large one."""
+def default_num_proc(requested: int | None, input_bytes: int, num_shards: int, small_bytes: int,
+                     max_auto: int) -> int:
+    """Tokenising processes: ``data.num_proc``, else 1 below ``small_bytes`` of input and min(``max_auto``, cores)
+    above; never more than the shards."""
     if requested is None:
-        small = documents.data.nbytes < SMALL_CORPUS_BYTES
-        requested = 1 if small else min(MAX_AUTO_NUM_PROC, os.cpu_count() or 1)
-    return max(1, min(requested, documents.num_rows))
-
-
-def _write_tokens(ids_column, token_file: Path, label: str) -> tuple[int, int]:
-    """Write the flat token stream of an Arrow list column to ``token_file``; return (tokens, documents)."""
-    import pyarrow.compute as compute
-
-    lengths = compute.list_value_length(ids_column)
-    num_tokens = int(compute.sum(lengths).as_py() or 0)
-    num_documents = int(compute.sum(compute.greater(lengths, 0)).as_py() or 0)
-    if num_tokens == 0:
-        raise DataError(f"{label}: the corpus holds no text ({len(ids_column)} empty document(s))")
-    with open(token_file, "wb") as handle:
-        for chunk in ids_column.chunks:
-            chunk.flatten().to_numpy(zero_copy_only=False).tofile(handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    return num_tokens, num_documents
-
-
-def _load_files(corpus: Corpus, scratch: str):
-    """Load local files with the ``datasets`` builder of their type (``.txt``: one document per file)."""
-    import datasets
-
-    if corpus.file_type != "text":  # a .txt file is one document, even an empty one
-        _refuse_without_records(corpus)
-    # .txt is decoded strictly, as every other type: replacing bad bytes with U+FFFD would train on
-    # text the file does not hold, without a word
-    options = {"sample_by": "document"} if corpus.file_type == "text" else {}
-    try:
-        with quiet_library_logs():
-            return datasets.load_dataset(corpus.file_type, data_files=[str(file) for file in corpus.files],
-                                         split="train", cache_dir=scratch, **options)
-    except Exception as error:  # datasets wraps parser errors in several classes; report one line
-        if is_encoding_error(error):
-            raise not_utf8_error(corpus, error) from None
-        if "corresponds to no data" in one_line(error):  # e.g. a csv header alone, a json []
-            raise DataError(f"{corpus.label}: its {corpus.file_type} file(s) hold no records") from None
-        raise DataError(f"{corpus.label}: cannot read its {corpus.file_type} files: {one_line(error)}") from None
-
-
-def _refuse_without_records(corpus: Corpus) -> None:
-    """``DataError`` when no file of the corpus holds anything but whitespace (``datasets`` has no word for it)."""
-    if not all(_holds_nothing(file) for file in corpus.files):
-        return
-    if len(corpus.files) == 1:
-        raise DataError(f"{corpus.label}: {corpus.files[0].name} holds no records (the file is empty or blank)")
-    raise DataError(f"{corpus.label}: its {len(corpus.files)} {corpus.file_type} files hold no records "
-                    f"(all are empty or blank)")
-
-
-def _holds_nothing(file: Path) -> bool:
-    """Whether a small file holds only whitespace (a large one is left to the reader)."""
-    if file.stat().st_size > EMPTY_PROBE_BYTES:
-        return False
-    return not file.read_bytes().strip()
-
-
-def _text_column(documents, corpus: Corpus, text_field: str) -> str:
-    """The column holding the text: ``text`` for ``.txt`` files, else ``data.text_field`` (checked)."""
-    if corpus.file_type == "text":
-        return "text"
-    if text_field not in documents.column_names:
-        raise DataError(f"data.text_field={text_field} is not a field of {corpus.label}; its fields: "
-                        f"{', '.join(documents.column_names)}")
-    feature = documents.features[text_field]
-    if getattr(feature, "dtype", None) not in ("string", "large_string"):
-        raise DataError(f"data.text_field={text_field} of {corpus.label} holds {feature}, not text")
-    return text_field
+        requested = 1 if input_bytes < small_bytes else min(max_auto, os.cpu_count() or 1)
+    return max(1, min(requested, num_shards))

@@ -656,6 +656,7 @@ def _check_data(config: PpctlConfig) -> None:
     require(0 <= data.validation_fraction < 1,
             f"data.validation_fraction={data.validation_fraction} must be >= 0 and < 1")
     require(data.num_proc is None or data.num_proc >= 1, f"data.num_proc={data.num_proc} must be a positive integer")
+    require(data.shard_mib > 0, f"data.shard_mib={data.shard_mib} must be positive (MiB of input per shard)")
     if data.blend:
         _check_blend_alone(data)
     elif data.source == "synthetic":
@@ -689,7 +690,7 @@ def _check_indexed(data) -> None:
     (``DataError``, one line, before any worker starts)."""
     from ppctl.data.corpus import CorpusSpec
     from ppctl.data.dataset import check_indexed_document_ends
-    from ppctl.data.indexed import prepared_indexed
+    from ppctl.data.prepare import prepared_indexed
 
     spec = CorpusSpec.of(data)
     prepared_indexed(spec)

@@ -195,8 +195,8 @@ def test_prepare_data_text_corpus_and_one_line_errors(ppctl, tmp_path):
         "fewer than one window of trainer.seq_length+1=65; raise data.validation_fraction or set trainer.eval_every=0"]
     result = ppctl("prepare-data", *args, "data.validation_fraction=0.25")
     assert result.returncode == 0, result.stderr
-    token_file = next((tmp_path / "cache").glob("text-part-byte-*.bin"))
-    assert result.stdout == (f"{token_file}: 1,204 tokens from 4 document(s) in 1 file(s); train 903, validation 301 "
+    (entry,) = (tmp_path / "cache").glob("text-part-byte-*")
+    assert result.stdout == (f"{entry}: 1,204 tokens from 4 document(s) in 1 file(s); train 903, validation 301 "
                              "(data.validation_fraction=0.25)\n")
 
 

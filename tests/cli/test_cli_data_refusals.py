@@ -103,7 +103,7 @@ def test_a_cache_edited_to_hold_an_id_outside_the_vocabulary_is_refused_before_a
     path.write_text("".join(json.dumps({"text": text * 20}) + "\n" for text in ROWS))
     args = ["data=text", f"data.path={path}", f"data.cache_dir={tmp_path / 'cache'}"]
     assert ppctl("prepare-data", *args).returncode == 0
-    token_file = next((tmp_path / "cache").glob("text-corpus-byte-*.bin"))
+    token_file = next((tmp_path / "cache").glob("text-corpus-byte-*/shard-00000.bin"))
     tokens = np.memmap(token_file, dtype=np.uint16, mode="r+")
     tokens[::50] = 1000  # in every window; past the byte tokenizer's 257 ids and the embedding's 384 rows
     tokens.flush()
@@ -112,8 +112,8 @@ def test_a_cache_edited_to_hold_an_id_outside_the_vocabulary_is_refused_before_a
     started = time.monotonic()
     result = ppctl("train", *args, "trainer.max_steps=1", "launcher.backend=gloo", f"trainer.out_dir={run_dir}")
     assert_refused(result, f"error: {token_file}: holds token id 1,000, outside the vocabulary of the byte tokenizer "
-                           f"(257 ids, 0-256); it changed after it was built: delete it and {token_file.stem}.json "
-                           "to rebuild them")
+                           f"(257 ids, 0-256); it changed after it was built: delete it and shard-00000.json to "
+                           "rebuild them")
     assert time.monotonic() - started < 60 and not run_dir.exists()  # refused before the run directory and workers
 
 

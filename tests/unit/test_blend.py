@@ -143,7 +143,7 @@ def test_the_blend_reads_each_sources_prepared_windows(letters):
     blend = BlendSpec.of(DataConfig(source="text", cache_dir=str(cache_dir), blend=letter_sources(letters)))
     dataset = build_blended_dataset(blend, 7, 257, 0)
     alone = [build_dataset(spec, 7, 257, 0) for spec in blend.specs]
-    assert len(list(cache_dir.glob("*.bin"))) == 3
+    assert len(list(cache_dir.glob("*/index.json"))) == 3
     for sample_id in dataset.batch_sample_ids(0, 3, 32):
         source = dataset.source_of(sample_id)
         window = dataset[sample_id]

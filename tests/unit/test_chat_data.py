@@ -39,7 +39,7 @@ def chat_spec(tmp_path: Path, folder: Path, rows: list, **options) -> CorpusSpec
 
 def stored_documents(prepared) -> list[tuple[list[int], list[int]]]:
     """Each stored document's (ids, weights), read back from the cache's files."""
-    tokens = np.fromfile(prepared.token_file, dtype=prepared.index["dtype"]).tolist()
+    tokens = np.fromfile(prepared.location, dtype=prepared.index["dtype"]).tolist()
     weights = np.asarray(prepared.loss_weights()).tolist()
     ends = [0, *prepared.document_table()[:, 0].tolist()]
     return [(tokens[start:end], weights[start:end]) for start, end in zip(ends, ends[1:])]
@@ -344,9 +344,9 @@ def test_plain_text_gets_the_beginning_of_text_token_the_post_processor_puts(tmp
     eod = prepared.index["eod_id"]
     assert eod == tokenizer.convert_tokens_to_ids("<|end_of_text|>")
     expected = [token for text in texts for token in tokenizer(text)["input_ids"] + [eod]]
-    assert np.fromfile(prepared.token_file, dtype=prepared.index["dtype"]).tolist() == expected
+    assert prepared.tokens()[:].tolist() == expected
     assert expected[0] == tokenizer.convert_tokens_to_ids("<|begin_of_text|>")
-    assert read_index(prepared.token_file)["format_version"] == 4
+    assert prepared.index["format_version"] == 5
 
 
 # --- settings and the shipped example ----------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Unit tests for ppctl.data: tokenizer, token-file preparation, windows, order, microbatches, CP slicing."""
 
+import json
 import os
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from ppctl.data import prepare as prepare_module  # noqa: E402
-from ppctl.data.cache import read_index  # noqa: E402
+from ppctl.data.indexed import read_indexed  # noqa: E402
 from ppctl.data.corpus import CorpusSpec, stdlib_source_files  # noqa: E402
 from ppctl.data.dataset import (  # noqa: E402
     SyntheticDataset, TokenWindowDataset, build_dataset, global_batch_sample_ids, global_loss_tokens,
@@ -31,16 +32,16 @@ def text_corpus(path, cache_dir, **options) -> CorpusSpec:
     return CorpusSpec("text", str(path), cache_dir, **options)
 
 
-def prepare_text(path, cache_dir, **options) -> Path:
-    """Prepare ``data=text data.path=path``; return its token file."""
-    return prepare_corpus(text_corpus(path, cache_dir, **options)).token_file
+def prepare_text(path, cache_dir, **options):
+    """Prepare ``data=text data.path=path``; return the prepared corpus."""
+    return prepare_corpus(text_corpus(path, cache_dir, **options))
 
 
 @pytest.fixture(scope="module")
 def stdlib_cache(tmp_path_factory):
-    """A cache dir holding the prepared stdlib token file, and that file."""
+    """A cache dir holding the prepared stdlib corpus, and that corpus."""
     cache_dir = tmp_path_factory.mktemp("cache")
-    return cache_dir, prepare_corpus(CorpusSpec("python_stdlib", cache_dir=cache_dir)).token_file
+    return cache_dir, prepare_corpus(CorpusSpec("python_stdlib", cache_dir=cache_dir))
 
 
 class EodMaskedDataset(SyntheticDataset):
@@ -73,62 +74,68 @@ def test_unknown_tokenizer_says_what_is_known():
 # --- preparation -------------------------------------------------------------------------------
 
 def test_stdlib_preparation_writes_tokens_and_index(stdlib_cache):
-    _, token_file = stdlib_cache
-    metadata = read_index(token_file)
+    _, prepared = stdlib_cache
+    metadata = json.loads((prepared.location / "index.json").read_text())
+    (token_file,) = prepared.token_files()  # 4.7 MB of input: one shard
     tokens = np.fromfile(token_file, dtype=np.uint16)
+    record = json.loads(token_file.with_suffix(".json").read_text())
     assert metadata["source"] == "python_stdlib" and metadata["tokenizer"] == {"name": "byte"}
     assert metadata["num_files"] == len(stdlib_source_files()) == metadata["num_documents"] == metadata["num_rows"]
     assert metadata["skipped_rows"] == {"missing": 0, "empty": 0} and metadata["max_token_id"] == 256
-    assert metadata["token_file_stat"] == [token_file.stat().st_size, token_file.stat().st_mtime_ns]
+    assert record["bin_stat"] == [token_file.stat().st_size, token_file.stat().st_mtime_ns]
+    assert read_indexed(token_file).document_bounds()[1:].tolist() == (np.flatnonzero(tokens == 256) + 1).tolist()
     assert metadata["num_tokens"] == tokens.size > 1_000_000
     assert int((tokens == 256).sum()) == metadata["num_documents"]
     assert tokens[-1] == 256
     first_text = stdlib_source_files()[0].read_text(encoding="utf-8")
     first_doc_length = int(np.argmax(tokens == 256))
     assert build_tokenizer("byte").decode(tokens[:first_doc_length].tolist()) == first_text
-    assert not [name for name in os.listdir(token_file.parent) if name.startswith(".")]  # no scratch, no temp
+    assert sorted(os.listdir(prepared.location)) == ["index.json", "shard-00000.bin", "shard-00000.idx",
+                                                    "shard-00000.json"]  # no scratch, no temporary
     assert metadata["splits"] == {"train": [0, metadata["num_tokens"] - int(metadata["num_tokens"] * 0.05)],
                                   "validation": [metadata["num_tokens"] - int(metadata["num_tokens"] * 0.05),
                                                  metadata["num_tokens"]]}
 
 
 def test_second_preparation_reuses_cache(stdlib_cache, monkeypatch):
-    cache_dir, token_file = stdlib_cache
-    mtimes = (token_file.stat().st_mtime_ns, token_file.with_suffix(".json").stat().st_mtime_ns)
+    cache_dir, prepared = stdlib_cache
+    files = [*prepared.location.iterdir()]
+    mtimes = [file.stat().st_mtime_ns for file in files]
 
     def fail_build(*args):
         raise AssertionError("re-tokenised although the cache is valid")
 
-    monkeypatch.setattr(prepare_module, "_build_cache", fail_build)
-    assert prepare_corpus(CorpusSpec("python_stdlib", cache_dir=cache_dir)).token_file == token_file
-    assert (token_file.stat().st_mtime_ns, token_file.with_suffix(".json").stat().st_mtime_ns) == mtimes
+    monkeypatch.setattr(prepare_module, "_build_entry", fail_build)
+    assert prepare_corpus(CorpusSpec("python_stdlib", cache_dir=cache_dir)).location == prepared.location
+    assert [file.stat().st_mtime_ns for file in files] == mtimes
 
 
 def test_truncated_cache_is_rebuilt(tmp_path):
     text_file = tmp_path / "tiny.txt"
     text_file.write_text("hello world\n" * 10)
-    token_file = prepare_text(text_file, tmp_path / "cache")
+    prepared = prepare_text(text_file, tmp_path / "cache")
+    (token_file,) = prepared.token_files()
     token_file.write_bytes(token_file.read_bytes()[:-2])
-    assert prepare_text(text_file, tmp_path / "cache") == token_file
-    assert token_file.stat().st_size == 2 * read_index(token_file)["num_tokens"] == 2 * 121
+    assert prepare_text(text_file, tmp_path / "cache").location == prepared.location
+    assert token_file.stat().st_size == 2 * prepared.index["num_tokens"] == 2 * 121
 
 
 def test_edited_text_file_gets_new_cache(tmp_path):
     text_file = tmp_path / "tiny.txt"
     text_file.write_text("first version\n")
-    first = prepare_text(text_file, tmp_path)
+    first = prepare_text(text_file, tmp_path).location
     text_file.write_text("second version\n")
-    assert prepare_text(text_file, tmp_path) != first
+    assert prepare_text(text_file, tmp_path).location != first
 
 
 @pytest.mark.skipif(not TINY_SHAKESPEARE.is_file(), reason="tinyshakespeare.txt is absent")
 def test_text_source_on_tiny_shakespeare(tmp_path):
-    token_file = prepare_text(TINY_SHAKESPEARE, tmp_path)
-    tokens = np.fromfile(token_file, dtype=np.uint16)
+    prepared = prepare_text(TINY_SHAKESPEARE, tmp_path)
+    tokens = prepared.tokens()[:]
     expected = TINY_SHAKESPEARE.read_text(encoding="utf-8").encode("utf-8")
     assert tokens.size == len(expected) + 1 and tokens[-1] == 256
     assert bytes(tokens[:-1].astype(np.uint8)) == expected
-    index = read_index(token_file)
+    index = prepared.index
     assert index["source_path"] == str(TINY_SHAKESPEARE.resolve()) and index["num_documents"] == 1
     validation = int(tokens.size * 0.05)
     cut = tokens.size - validation
@@ -155,10 +162,10 @@ def test_source_errors_are_one_line(tmp_path):
 # --- datasets ----------------------------------------------------------------------------------
 
 def test_windows_and_shifted_labels(stdlib_cache):
-    cache_dir, token_file = stdlib_cache
+    cache_dir, prepared = stdlib_cache
     seq_length = 64
     dataset = build_dataset(CorpusSpec("python_stdlib", cache_dir=cache_dir), seq_length, vocab_size=320, seed=0)
-    tokens = np.fromfile(token_file, dtype=np.uint16)
+    tokens = prepared.tokens()[:]
     assert len(dataset) == (tokens.size - int(tokens.size * 0.05)) // (seq_length + 1)
     for index in (0, 1, len(dataset) - 1):
         window = dataset[index]

@@ -142,7 +142,7 @@ def test_indexed_windows_and_batches_equal_the_same_text_prepared_the_usual_way(
         (tmp_path / name).write_text(text)
     text_spec = CorpusSpec("text", str(tmp_path / "*.txt"), tmp_path / "cache", validation_fraction=0.2)
     prepared = prepare_corpus(text_spec)
-    stream = np.fromfile(prepared.token_file, dtype=prepared.index["dtype"]).tolist()
+    stream = prepared.tokens()[:].tolist()
     ends = [index + 1 for index, token in enumerate(stream) if token == EOD]
     documents = [stream[start:end] for start, end in zip([0, *ends[:-1]], ends)]
     assert len(documents) == 3 and sum(documents, []) == stream
@@ -166,7 +166,7 @@ def test_prepare_data_reads_the_pair_as_it_is(tmp_path):
     write_indexed(tmp_path / "corpus", DOCUMENTS * 4, "uint16")
     spec = CorpusSpec("indexed", str(tmp_path / "corpus"), tmp_path / "cache", validation_fraction=0.25)
     prepared = prepare_corpus(spec)
-    assert prepared.token_file == tmp_path / "corpus.bin" and not (tmp_path / "cache").exists()
+    assert prepared.location == tmp_path / "corpus.bin" and not (tmp_path / "cache").exists()
     assert prepared.summary() == (f"{tmp_path / 'corpus.bin'}: 52 tokens from 12 document(s) in 2 file(s); train 39, "
                                   f"validation 13 (data.validation_fraction=0.25)")
     dataset = build_dataset(spec, 3, 257, 0)

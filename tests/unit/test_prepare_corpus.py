@@ -1,6 +1,7 @@
 """Real corpora: file types, folders and globs, text fields, tokenizer files, the vocabulary, the cache, the splits."""
 
 import json
+import multiprocessing
 import os
 from pathlib import Path
 
@@ -13,12 +14,13 @@ from ppctl.config import ConfigError, DataConfig, ModelConfig, PpctlConfig, fill
 from ppctl.resolve import compose_config, to_yaml, validate  # noqa: E402
 from ppctl.data import cache as cache_module  # noqa: E402
 from ppctl.data import prepare as prepare_module  # noqa: E402
+from ppctl.data import tokenise as tokenise_module  # noqa: E402
 from ppctl.data import utf8 as utf8_module  # noqa: E402
-from ppctl.data.cache import read_index, split_bounds, token_dtype_for  # noqa: E402
+from ppctl.data.cache import split_bounds, token_dtype_for  # noqa: E402
 from ppctl.data.corpus import CorpusSpec, DataError, looks_like_hub_name, resolve_corpus  # noqa: E402
 from ppctl.data.dataset import SYNTHETIC_VALIDATION_SAMPLES, build_dataset  # noqa: E402
 from ppctl.data.prepare import prepare_corpus  # noqa: E402
-from ppctl.data.tokenise import TokenizeBatch  # noqa: E402
+from ppctl.data.tokenise import tokenise_texts  # noqa: E402
 from ppctl.data.tokenizer import build_tokenizer  # noqa: E402
 
 DOCUMENTS = ["first document", "the second one, héllo ✓", "third"]
@@ -51,7 +53,7 @@ def write_corpus(folder: Path, file_type: str, documents=DOCUMENTS, field: str =
 
 
 def tokens_of(prepared) -> list[int]:
-    return np.fromfile(prepared.token_file, dtype=prepared.index["dtype"]).tolist()
+    return prepared.tokens()[:].tolist()
 
 
 def prepare(path, cache_dir, **options):
@@ -328,21 +330,22 @@ def test_a_token_file_edited_to_hold_an_id_outside_the_vocabulary_is_refused(tmp
     path = write_corpus(tmp_path / "data", "jsonl")
     prepared = prepare(path, tmp_path / "cache")
     assert prepared.index["max_token_id"] == 256  # the end-of-document id
-    edit_token(prepared.token_file, 3, 40_000)
+    (token_file,) = prepared.token_files()
+    edit_token(token_file, 3, 40_000)
     with pytest.raises(DataError) as error:
         prepare(path, tmp_path / "cache")
-    assert str(error.value) == (f"{prepared.token_file}: holds token id 40,000, outside the vocabulary of the byte "
+    assert str(error.value) == (f"{token_file}: holds token id 40,000, outside the vocabulary of the byte "
                                 f"tokenizer (257 ids, 0-256); it changed after it was built: delete it and "
-                                f"{prepared.token_file.stem}.json to rebuild them")
+                                f"shard-00000.json to rebuild them")
     with pytest.raises(DataError, match="holds token id 40,000"):  # the workers' way in refuses it too
         build_dataset(CorpusSpec("text", str(path), tmp_path / "cache"), 8, 384, 0)
-    edit_token(prepared.token_file, 3, 255)  # changed, but inside the vocabulary: nothing to refuse
+    edit_token(token_file, 3, 255)  # changed, but inside the vocabulary: nothing to refuse
     assert tokens_of(prepare(path, tmp_path / "cache"))[3] == 255
 
 
 def test_a_reused_token_file_is_not_read_while_it_is_as_built(tmp_path, monkeypatch):
     path = write_corpus(tmp_path / "data", "jsonl")
-    token_file = prepare(path, tmp_path / "cache").token_file
+    (token_file,) = prepare(path, tmp_path / "cache").token_files()
     reads = []
     real_read = cache_module.read_max_token_id
     monkeypatch.setattr(cache_module, "read_max_token_id", lambda *args: reads.append(1) or real_read(*args))
@@ -378,8 +381,10 @@ def test_tokenizer_file_without_one_gets_a_new_eod_id(tmp_path):
     tokenizer = build_tokenizer(str(tokenizer_file))
     file_size = len(json.loads(tokenizer_file.read_text())["model"]["vocab"])
     assert (tokenizer.eod_id, tokenizer.vocab_size) == (file_size, file_size + 1)
-    assert TokenizeBatch(tokenizer, "uint16", "text")({"text": ["a c", ""]})["ids"][0].tolist() == \
-        [*tokenizer.encode("a c"), file_size]
+    counts = {"num_rows": 0, "missing": 0, "empty": 0, "num_documents": 0, "num_tokens": 0, "max_token_id": -1}
+    tokens, lengths = tokenise_texts(["a c", ""], tokenizer, counts)
+    assert tokens.tolist() == [*tokenizer.encode("a c"), file_size] and lengths == [len(tokens)]
+    assert (counts["num_rows"], counts["empty"], counts["num_documents"]) == (2, 1, 1)
     (tmp_path / "broken.json").write_text("{}")
     with pytest.raises(ValueError, match="broken.json: not a Hugging Face tokenizers file"):
         build_tokenizer(str(tmp_path / "broken.json"))
@@ -453,23 +458,24 @@ def test_data_settings_are_validated_in_one_line(tmp_path):
 def test_cache_is_reused_and_rebuilt_when_an_input_changes(tmp_path, monkeypatch):
     path = write_corpus(tmp_path / "data", "jsonl")
     builds = []
-    real_build = prepare_module._build_cache
-    monkeypatch.setattr(prepare_module, "_build_cache", lambda *args: builds.append(1) or real_build(*args))
+    real_build = prepare_module._build_entry
+    monkeypatch.setattr(prepare_module, "_build_entry", lambda *args: builds.append(1) or real_build(*args))
     first = prepare(path, tmp_path / "cache")
-    token_mtime = first.token_file.stat().st_mtime_ns
-    assert prepare(path, tmp_path / "cache").token_file == first.token_file and len(builds) == 1
+    (token_file,) = first.token_files()
+    token_mtime = token_file.stat().st_mtime_ns
+    assert prepare(path, tmp_path / "cache").location == first.location and len(builds) == 1
     # another validation fraction keeps the tokens and moves the split in the index
     other_split = prepare(path, tmp_path / "cache", validation_fraction=0.5)
-    assert other_split.token_file == first.token_file and len(builds) == 1
-    assert first.token_file.stat().st_mtime_ns == token_mtime
-    assert read_index(first.token_file)["splits"] == split_bounds(first.index["num_tokens"], 0.5)
+    assert other_split.location == first.location and len(builds) == 1
+    assert token_file.stat().st_mtime_ns == token_mtime
+    assert json.loads((first.location / "index.json").read_text())["splits"] == split_bounds(first.index["num_tokens"], 0.5)
     # a changed tokenizer, dtype, text field or content is another cache
     tokenizer_file = save_word_tokenizer(tmp_path / "words.json", DOCUMENTS, [])
     changed = [prepare(path, tmp_path / "cache", tokenizer=str(tokenizer_file)),
                prepare(path, tmp_path / "cache", token_dtype="uint32")]
     write_corpus(tmp_path / "data", "jsonl", documents=DOCUMENTS[:2])
     changed.append(prepare(path, tmp_path / "cache"))
-    assert len(builds) == 4 and len({first.token_file, *(prepared.token_file for prepared in changed)}) == 4
+    assert len(builds) == 4 and len({first.location, *(prepared.location for prepared in changed)}) == 4
     assert tokens_of(changed[-1]) == byte_stream(DOCUMENTS[:2])
 
 
@@ -486,42 +492,34 @@ def test_file_digests_are_remembered_only_for_settled_files(tmp_path, monkeypatc
     assert remembered.digest(path) == fresh
 
 
-def test_an_entry_interrupted_before_its_commit_leaves_the_cache_as_it_was(tmp_path, monkeypatch):
+def test_an_entry_interrupted_before_its_index_keeps_its_shards_and_the_next_run_completes_it(tmp_path,
+                                                                                               monkeypatch):
     path = write_corpus(tmp_path / "data", "jsonl")
-    real_record = prepare_module.token_file_record
+    real_write = prepare_module.write_entry_index
 
-    def interrupted(*args):  # the tokens are written; the signal comes before the entry is put in place
+    def interrupted(*args):  # every shard is written; the signal comes before the entry's index
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(prepare_module, "token_file_record", interrupted)
+    monkeypatch.setattr(prepare_module, "write_entry_index", interrupted)
     with pytest.raises(KeyboardInterrupt):
         prepare(path, tmp_path / "cache")
-    assert set(os.listdir(tmp_path / "cache")) <= {"file-digests.json"}  # no token file, index or scratch
-    monkeypatch.setattr(prepare_module, "token_file_record", real_record)
+    (folder,) = [entry for entry in (tmp_path / "cache").iterdir() if entry.is_dir()]
+    assert sorted(file.name for file in folder.iterdir()) == ["shard-00000.bin", "shard-00000.idx",
+                                                              "shard-00000.json"]  # no index, no temporary
+    monkeypatch.setattr(prepare_module, "write_entry_index", real_write)
+    monkeypatch.setattr(tokenise_module, "tokenise_shard", None)  # the complete shard is not tokenised again
     assert tokens_of(prepare(path, tmp_path / "cache")) == byte_stream(DOCUMENTS)
 
 
-def test_an_interruption_the_tokenising_pool_covers_with_its_own_error_is_raised_as_itself(tmp_path):
-    import datasets
-
-    from ppctl.data import tokenise as tokenise_module
-
-    class PoolCleanUpFails:
-        """``Dataset.map`` whose pool, cleaning up after the signal's ``SystemExit``, raises its own error."""
-
-        column_names, num_rows = ["text"], 10
-
-        def map(self, *args, **kwargs):
-            try:
-                raise SystemExit(130)
-            finally:
-                raise TimeoutError  # multiprocess's, from the pool's last look at its results
-
-    corpus = resolve_corpus(str(write_corpus(tmp_path / "data", "jsonl")))
-    with pytest.raises(SystemExit) as ended:
-        tokenise_module._tokenize(datasets, PoolCleanUpFails(), corpus, "text", build_tokenizer("byte"), "uint16", 2,
-                                  str(tmp_path))
-    assert ended.value.code == 130 and ended.value.__suppress_context__
+def test_an_error_in_a_tokenising_process_is_its_one_line_and_ends_the_others(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for number in range(4):
+        (folder / f"{number}.jsonl").write_text(json.dumps({"text": "fine " * 50}) + "\n")
+    (folder / "2.jsonl").write_text('{"text": "a"}\n{bad json\n')
+    with pytest.raises(DataError, match=f"^data.path={folder}: cannot read its json files: "):
+        prepare(folder, tmp_path / "cache", num_proc=2, shard_mib=1e-6)
+    assert multiprocessing.active_children() == []
 
 
 def test_cache_writes_are_atomic(tmp_path):
@@ -545,7 +543,7 @@ def test_progress_bar_shown_only_when_asked(tmp_path, capfd):
     prepare_corpus(CorpusSpec("text", str(path), tmp_path / "quiet"))
     assert "tokenising" not in capfd.readouterr().err
     prepare_corpus(CorpusSpec("text", str(path), tmp_path / "shown"), progress=True)
-    assert "tokenising (byte)" in capfd.readouterr().err
+    assert "tokenising 1 shard(s)" in capfd.readouterr().err
 
 
 # --- splits ---------------------------------------------------------------------------------------
