@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, List, Optional
 
 import typer
 
+from ppctl.cli.default_group import SubmitGroup
 from ppctl.config import ConfigError, PpctlConfig
 from ppctl.resolve import compose_config, to_yaml
 from ppctl.fileio import os_reason
@@ -76,6 +77,13 @@ def _gpus(text: str) -> int:
     from ppctl.plan.search import parse_devices
 
     return parsed_or_fail(parse_devices, text)
+
+
+def _tasks(text: str) -> int:
+    """``submit prepare-data --tasks``: a whole number of array tasks, at least 1."""
+    from ppctl.run.slurm_prepare import parse_tasks
+
+    return parsed_or_fail(parse_tasks, text)
 
 
 def _steps(text: str) -> int:
@@ -316,7 +324,16 @@ def _resume_point(config: PpctlConfig) -> tuple[str | None, str | None]:
         raise typer.Exit(0)
 
 
-@app.command("submit")
+submit_app = typer.Typer(
+    cls=SubmitGroup,
+    help="Hand a run (ppctl submit OVERRIDES, the same as ppctl submit train OVERRIDES) or a corpus' preparation "
+         "(ppctl submit prepare-data OVERRIDES, a job array) to Slurm (launcher=slurm).",
+    subcommand_metavar="[train|prepare-data] [OVERRIDES]...",
+)
+app.add_typer(submit_app, name="submit")
+
+
+@submit_app.command("train")
 def submit(
     overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
     dry_run: bool = typer.Option(False, "--dry-run", help="Write the run directory and job.sbatch and print the "
@@ -325,7 +342,7 @@ def submit(
     config_name: str = CONFIG_NAME_OPTION,
 ) -> None:
     """Validate, write the run directory and its Slurm job script (launcher=slurm), and submit it with sbatch."""
-    from ppctl.run.slurm import JOB_SCRIPT, SlurmError, record_job, submit_job
+    from ppctl.run.slurm import JOB_SCRIPT, record_job
 
     resolved = load_resolved(overrides, config_dir, config_name)
     if resolved.config.launcher.kind != "slurm":
@@ -334,16 +351,78 @@ def submit(
     run_dir = _write_job_dir(resolved)
     script = run_dir / JOB_SCRIPT
     if dry_run:
-        typer.echo(script.read_text(), nl=False)
-        typer.echo(f"wrote {script} (not submitted: sbatch {script} submits it)", err=True)
+        _print_unsubmitted(script)
         return
-    try:
-        job_id = submit_job(script)
-    except SlurmError as error:
-        fail(str(error), code=1)
+    job_id = _sbatch(script)
     record_job(run_dir, job_id)
     typer.echo(f"submitted job {job_id}: run directory {run_dir}")
     typer.echo(f"follow it with: ppctl status {run_dir}", err=True)
+
+
+def _print_unsubmitted(script: Path) -> None:
+    """``--dry-run``: the job script written, printed, and how to submit it later."""
+    typer.echo(script.read_text(), nl=False)
+    typer.echo(f"wrote {script} (not submitted: sbatch {script} submits it)", err=True)
+
+
+def _sbatch(script: Path) -> str:
+    """``sbatch`` the job script; its job id. A missing sbatch or its refusal is one line and exit 1."""
+    from ppctl.run.slurm import SlurmError, submit_job
+
+    try:
+        return submit_job(script)
+    except SlurmError as error:
+        fail(str(error), code=1)
+        raise AssertionError("unreachable")
+
+
+@submit_app.command("prepare-data")
+def submit_prepare_data(
+    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    tasks: Optional[int] = typer.Option(None, "--tasks", parser=_tasks, metavar="T",
+                                        help="Array tasks, each preparing one of T contiguous groups of the corpus' "
+                                             "shards on a node of its own (default: launcher.nnodes)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="The job's folder (its config, prepare.sbatch and the "
+                                                           "tasks' logs): new or empty; default "
+                                                           "runs/prepare-<timestamp>."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Write the job's folder and print its prepare.sbatch; "
+                                                          "submit nothing."),
+    config_dir: Optional[Path] = CONFIG_DIR_OPTION,
+    config_name: str = CONFIG_NAME_OPTION,
+) -> None:
+    """Validate as prepare-data does, write the job's folder and submit prepare-data as a Slurm job array."""
+    from ppctl.resolve import validate
+    from ppctl.run.slurm_prepare import PREPARE_SCRIPT, submit_problem
+
+    config = load_config(overrides, config_dir, config_name, validate)
+    problem = submit_problem(config)
+    if problem is not None:
+        fail(problem)
+    tasks = config.launcher.nnodes if tasks is None else tasks
+    job_dir = _write_prepare_job(config, out, tasks)
+    script = job_dir / PREPARE_SCRIPT
+    if dry_run:
+        _print_unsubmitted(script)
+        return
+    job_id = _sbatch(script)
+    typer.echo(f"submitted job array {job_id} ({tasks} tasks): job folder {job_dir}")
+    typer.echo(f"follow it with: squeue --jobs {job_id} (task I logs to {job_dir}/prepare-{job_id}_I.out; the "
+               f"corpus is ready when every task is COMPLETED: sacct --jobs {job_id})", err=True)
+
+
+def _write_prepare_job(config: PpctlConfig, out: Optional[Path], tasks: int) -> Path:
+    """``ppctl submit prepare-data``'s job folder (``--out``, else a new ``runs/prepare-<timestamp>``), written
+    (``ppctl.run.start.write_prepare_job``); return it. A refusal is one line and exit 2."""
+    from ppctl.run.rundir import RunDirError, default_run_dir
+    from ppctl.run.start import write_prepare_job
+
+    if out is None:
+        default = default_run_dir()
+        out = default.with_name(f"prepare-{default.name}")
+    job_dir = out.resolve()  # the tasks may start anywhere
+    with refused_in_one_line(RunDirError):
+        write_prepare_job(config, job_dir, Path.cwd().resolve(), tasks)
+    return job_dir
 
 
 def _write_job_dir(resolved: "ResolvedConfig") -> Path:

@@ -243,8 +243,9 @@ class ScheduleConfig(Section):
 class BlendSource:
     """One source of a blend (``data.blend``): a token-file ``data.source`` with its ``data.path``, and its weight."""
 
-    source: str = setting("text", "`text`, `chat` or `prompt_completion` (its `path`), or `python_stdlib`")
-    path: Optional[str] = setting(None, "as `data.path`: a file, folder, glob or hub dataset name")
+    source: str = setting("text", "`text`, `chat`, `prompt_completion` or `indexed` (its `path`), or `python_stdlib`")
+    path: Optional[str] = setting(None, "as `data.path`: a file, folder, glob or hub dataset name; for `indexed`, "
+                                        "its pairs")
     weight: float = setting(1.0, "its share of the samples, relative to the others' (finite, > 0)")
 
 
@@ -262,7 +263,8 @@ class DataConfig(Section):
         None, "for `text`: a file, a folder or a glob of `.txt` (one document per file), `.json`/`.jsonl`, "
         "`.parquet` or `.csv` files (one document per row), one type at a time; or a hub dataset name "
         "(`owner/name`, needs the network once); for `indexed`: the prefix of `PREFIX.idx` and `PREFIX.bin` (or "
-        "either file's path)")
+        "either file's path), a folder of such pairs (not its subfolders; ppctl's own cache entry in its shards' "
+        "order) or a glob (`corpus/part-*`; `**` descends), read as one corpus in name order")
     text_field: str = setting("text", "the field (column) holding the text in json, parquet and csv files")
     cache_dir: str = setting("data/cache", "where token files and their indexes are cached")
     tokenizer: str = setting(

@@ -8,7 +8,8 @@ rows ``[end, file, row]``: where each conversation ends and the file and row it 
 before the token file. Either way the key covers the inputs' content, the tokenizer and the dtype, not the
 validation fraction (another fraction rewrites only the index's split); nothing is taken for complete before its
 index says so; the largest id of each token file is recorded with its size and mtime, read again when they change,
-and an id outside the tokenizer's vocabulary is refused.
+and an id outside the tokenizer's vocabulary is refused. ``FileMemo`` remembers what a file's content gave (input
+files' digests; an indexed corpus's largest ids, whose ``.bin`` files ppctl did not write) by (path, size, mtime).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ TOKEN_BYTES = {"uint16": 2, "uint32": 4, "int32": 4}  # numpy is imported only w
 SPLITS = ("train", "validation")
 CACHE_FORMAT_VERSION = 5  # 5: text corpora as a folder of Megatron-LM indexed shards; 4: BOS/EOS, weights, docs
 DIGEST_MEMO = "file-digests.json"
+MAX_ID_MEMO = "max-token-ids.json"  # the largest id of each indexed corpus's .bin, by (path, size, mtime)
+MAX_ID_CHUNK_TOKENS = 1 << 24  # tokens read at a time while looking for the largest id: memory stays bounded
 RACY_SECONDS = 2.0  # a file modified this recently is re-read: its mtime may not yet tell two versions apart
 # Instruction data's files beside the tokens: suffix -> (bytes per value, values per token or per document).
 SIDECARS = {".weights": (1, 1), ".docs": (8, 3)}
@@ -64,10 +67,9 @@ class PreparedCorpus:
         """Every token as one stream (``TokenShards``: memory-mapped, sliced as int64)."""
         from ppctl.data.shards import TokenShards
 
-        counts = ([shard["num_tokens"] for shard in self.index["shards"]] if self.is_sharded
-                  else [self.index["num_tokens"]])
-        files = self.token_files()
-        return TokenShards(files, [self.index["dtype"]] * len(files), counts)
+        shards = self.index["shards"] if self.is_sharded else [self.index]
+        dtypes = [shard.get("dtype", self.index["dtype"]) for shard in shards]  # an indexed corpus's pairs: their own
+        return TokenShards(self.token_files(), dtypes, [shard["num_tokens"] for shard in shards])
 
     @property
     def is_instruction_data(self) -> bool:
@@ -259,18 +261,19 @@ def cache_stem(spec: CorpusSpec, corpus: Corpus, tokenizer: Tokenizer) -> str:
 def files_fingerprint(corpus: Corpus, text_field: str, cache_dir: Path) -> str:
     """What the documents of local files depend on: their type, the text field, each file's name and content."""
     fingerprint = [corpus.file_type, "" if corpus.file_type == "text" else text_field]
-    digests = FileDigests(cache_dir / DIGEST_MEMO)
-    fingerprint += [f"{file.name}:{digests.digest(file)}" for file in corpus.files]
+    digests = FileMemo(cache_dir / DIGEST_MEMO)
+    fingerprint += [f"{file.name}:{digests.value(file, file_sha256)}" for file in corpus.files]
     digests.save()
     return "|".join(fingerprint)
 
 
-class FileDigests:
-    """SHA-256 of input files, remembered in the cache folder by (path, size, mtime).
+class FileMemo:
+    """What a function of a file's content gave (its SHA-256, its largest token id), remembered in a JSON file of
+    the cache folder by the file's (path, size, mtime).
 
-    A reused cache is then found without reading a large corpus again (the launcher
-    and then every worker look it up). A file modified in the last ``RACY_SECONDS``
-    is not remembered, since its mtime may not yet tell one version from the next.
+    A reused cache or an indexed corpus is then checked without reading a large corpus again (the
+    launcher and then every worker look it up). A file modified in the last ``RACY_SECONDS`` is not
+    remembered, since its mtime may not yet tell one version from the next.
     """
 
     def __init__(self, memo_file: Path):
@@ -281,21 +284,23 @@ class FileDigests:
             self.entries = {}
         self.changed = False
 
-    def digest(self, file: Path) -> str:
-        """The SHA-256 of ``file``'s content (read only when unknown or changed)."""
-        stat, key = file.stat(), str(file.resolve())
+    def value(self, file: Path, compute, variant: str = ""):
+        """``compute(file)``, called only when ``file`` (read as ``variant``, e.g. a dtype) is unknown or changed."""
+        stat = file.stat()
+        key = str(file.resolve()) + (f"|{variant}" if variant else "")
         known = self.entries.get(key)
         if known is not None and known[:2] == [stat.st_size, stat.st_mtime_ns]:
             return known[2]
-        digest = file_sha256(file)
+        value = compute(file)
         if time.time() - stat.st_mtime_ns / 1e9 > RACY_SECONDS:
-            self.entries[key] = [stat.st_size, stat.st_mtime_ns, digest]
+            self.entries[key] = [stat.st_size, stat.st_mtime_ns, value]
             self.changed = True
-        return digest
+        return value
 
     def save(self) -> None:
         """Write the memo back (atomically) when something new was learnt."""
         if self.changed:
+            self.memo_file.parent.mkdir(parents=True, exist_ok=True)
             write_atomically(self.memo_file, lambda handle: handle.write(json.dumps(self.entries).encode()))
 
 
@@ -408,9 +413,36 @@ def max_token_id(token_file: Path, record: dict, dtype: str) -> int:
 
 
 def read_max_token_id(token_file: Path, dtype: str) -> int:
-    """The largest id in ``token_file`` (-1 when it is empty)."""
+    """The largest id in ``token_file`` (-1 when it is empty), read ``MAX_ID_CHUNK_TOKENS`` at a time (a
+    corpus of any size in bounded memory)."""
     import numpy as np
 
-    if token_file.stat().st_size == 0:
-        return -1
-    return int(np.memmap(token_file, dtype=dtype, mode="r").max())
+    dtype = np.dtype(dtype).newbyteorder("<")
+    num_tokens, largest = token_file.stat().st_size // dtype.itemsize, -1
+    with open(token_file, "rb") as stream:
+        for _ in range(0, num_tokens, MAX_ID_CHUNK_TOKENS):
+            chunk = np.fromfile(stream, dtype=dtype, count=MAX_ID_CHUNK_TOKENS)
+            largest = max(largest, int(chunk.max()))
+    return largest
+
+
+def check_indexed_token_ids(token_files: list[Path], dtypes: list[str], tokenizer: Tokenizer,
+                            cache_dir: Path) -> None:
+    """Raise ``DataError`` (one line naming the file) when a ``.bin`` of an indexed corpus holds an id outside
+    ``tokenizer``'s vocabulary (a worker would fail on it with an index error of the embedding).
+
+    Each file's largest id is read once and remembered in ``cache_dir``'s ``MAX_ID_MEMO`` by its (path,
+    size, mtime): a later launch, and each of its workers, reads nothing of an unchanged corpus.
+    """
+    memo = FileMemo(Path(cache_dir) / MAX_ID_MEMO)
+    try:
+        for token_file, dtype in zip(token_files, dtypes):
+            largest = memo.value(token_file, lambda file: read_max_token_id(file, dtype), dtype)
+            if largest >= tokenizer.vocab_size:
+                raise DataError(f"{token_file}: holds token id {largest:,}, outside the vocabulary of the "
+                                f"{tokenizer.name} tokenizer ({tokenizer.vocab_size:,} ids, "
+                                f"0-{tokenizer.vocab_size - 1:,}); data.tokenizer must be the tokenizer the corpus "
+                                f"was made with")
+    finally:
+        with contextlib.suppress(OSError):  # a cache folder that cannot be written costs a read next time, no more
+            memo.save()  # what was read stays known, a refused file's id too

@@ -8,6 +8,7 @@ Every failure of the data room is one ``DataError`` line, defined here at its ba
 from __future__ import annotations
 
 import glob
+import json
 import math
 import re
 import sysconfig
@@ -16,7 +17,7 @@ from pathlib import Path
 
 TOKEN_SOURCES = ("python_stdlib", "text", "chat", "prompt_completion")
 INSTRUCTION_SOURCES = ("chat", "prompt_completion")  # jsonl rows with a loss weight per token
-BLEND_SOURCES = ("python_stdlib", "text", "chat", "prompt_completion")  # what a blend's entries read
+BLEND_SOURCES = ("python_stdlib", "text", "chat", "prompt_completion", "indexed")  # what a blend's entries read
 MIN_BLEND_SOURCES = 2
 DEFAULT_CACHE_DIR = Path("data/cache")  # relative to the repository root, git-ignored
 DEFAULT_VALIDATION_FRACTION = 0.05
@@ -24,6 +25,8 @@ DEFAULT_VALIDATION_FRACTION = 0.05
 FILE_TYPES = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 KNOWN_SUFFIXES = ".txt, .json, .jsonl, .parquet or .csv"
 GLOB_CHARACTERS = ("*", "?", "[")
+INDEXED_SUFFIXES = (".idx", ".bin")  # an indexed dataset's pair: PREFIX.idx, PREFIX.bin
+ENTRY_SHARD_RECORD = re.compile(r"shard-\d+\.json")  # ppctl's record of a complete shard of an entry
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
@@ -111,6 +114,47 @@ def _one_file_type(label: str, files: list[Path]) -> str:
     return types[0]
 
 
+def indexed_prefixes(path: str) -> list[Path]:
+    """The prefixes of the indexed datasets ``data.path`` names, in the order they are read as one corpus.
+
+    A glob: every pair one of its matches belongs to (``corpus/part-*``, ``corpus/*.idx``; ``**`` descends), sorted
+    by path. A folder: ppctl's cache entry (``index.json``) in its shards' order; any other folder, the pairs in it
+    (not in its subfolders: a glob with ``**`` reaches those), sorted by name. Anything else: one pair, by its prefix
+    or either file's path. A ``.bin`` or ``.idx`` found without its other half is named when it is read. ``DataError``
+    (one line) when a glob or a folder holds no pair.
+    """
+    label = f"data.path={path}"
+    target = Path(path).expanduser()
+    if any(character in path for character in GLOB_CHARACTERS):
+        prefixes = _pair_prefixes(Path(name) for name in glob.glob(str(target), recursive=True))
+        if not prefixes:
+            raise DataError(f"{label}: the glob matches no .idx or .bin file of an indexed dataset")
+        return prefixes
+    if not target.is_dir():
+        return [target.with_suffix("") if target.suffix in INDEXED_SUFFIXES else target]
+    entry_index = target / "index.json"
+    if entry_index.is_file():  # ppctl's own entry: its shards, in the order its index lists them
+        try:
+            return [target / shard["name"] for shard in json.loads(entry_index.read_text())["shards"]]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise DataError(f"{entry_index}: not the index of a ppctl cache entry (no shard list: {error})") from None
+    names = list(target.iterdir())
+    if any(ENTRY_SHARD_RECORD.fullmatch(name.name) for name in names):
+        raise DataError(f"{label}: a ppctl cache entry without its index.json: its preparation has not finished "
+                        f"(run ppctl prepare-data, or every task of its array, to complete it)")
+    prefixes = _pair_prefixes(names)
+    if not prefixes:
+        raise DataError(f"{label}: the folder holds no .idx or .bin file of an indexed dataset (its subfolders are "
+                        f"not searched: name them with a glob such as {Path(path) / '**' / '*.idx'})")
+    return prefixes
+
+
+def _pair_prefixes(names) -> list[Path]:
+    """The sorted prefixes of the visible ``.idx`` and ``.bin`` files among ``names`` (each once)."""
+    return sorted({name.with_suffix("") for name in names if name.suffix in INDEXED_SUFFIXES
+                   and not name.name.startswith(".") and name.is_file()})
+
+
 @dataclass(frozen=True)
 class CorpusSpec:
     """What to prepare: the ``data`` settings that shape a token file, and where to cache it."""
@@ -157,18 +201,19 @@ class CorpusSpec:
         return corpus
 
     def _indexed_corpus(self) -> Corpus:
-        """``data=indexed``'s two files (``PREFIX.idx``, ``PREFIX.bin``), found by name alone (read: ``indexed.py``)."""
+        """``data=indexed``'s ``.idx`` and ``.bin`` files, each pair in corpus order (``indexed_prefixes``), found by
+        name alone (read: ``indexed.py``)."""
         if not self.path:
             raise DataError("data.source=indexed needs data.path: the prefix of a Megatron-LM indexed dataset "
-                            "(PREFIX for PREFIX.idx and PREFIX.bin)")
-        target = Path(self.path).expanduser()
-        prefix = target.with_suffix("") if target.suffix in (".idx", ".bin") else target
-        files = tuple(prefix.with_name(prefix.name + suffix) for suffix in (".idx", ".bin"))
-        for file in files:
-            if not file.is_file():
-                raise DataError(f"{file}: no such file; data.source=indexed reads PREFIX.idx and PREFIX.bin "
-                                f"(data.path=PREFIX, or either file)")
-        return Corpus(self.label, "indexed", files)
+                            "(PREFIX for PREFIX.idx and PREFIX.bin), a folder of them or a glob")
+        files = []
+        for prefix in indexed_prefixes(self.path):
+            for file in (prefix.with_name(prefix.name + suffix) for suffix in INDEXED_SUFFIXES):
+                if not file.is_file():
+                    raise DataError(f"{file}: no such file; data.source=indexed reads PREFIX.idx and PREFIX.bin "
+                                    f"(data.path=PREFIX, either file, a folder of pairs or a glob)")
+                files.append(file)
+        return Corpus(self.label, "indexed", tuple(files))
 
     def corpus(self) -> Corpus:
         """The documents this spec names, or ``DataError`` (one line)."""

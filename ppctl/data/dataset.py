@@ -23,8 +23,8 @@ import torch
 
 from ppctl.data.cache import SPLITS, PreparedCorpus
 from ppctl.data.corpus import CorpusSpec
-from ppctl.data.indexed import check_document_ends, read_indexed
-from ppctl.data.prepare import prepare_corpus
+from ppctl.data.indexed import IndexedCorpus, check_document_ends
+from ppctl.data.prepare import indexed_pairs, prepare_corpus, prepared_indexed
 from ppctl.data.tokenizer import build_tokenizer
 from ppctl.parallel.layout import LayoutError, context_parallel_slices
 
@@ -180,21 +180,26 @@ def build_dataset(
         return SyntheticDataset(SYNTHETIC_VALIDATION_SAMPLES, seq_length, vocab_size, seed, eod_mask_loss, stream=1,
                                 separate_documents=separate_documents)
     check_vocab_size(corpus, vocab_size)
-    if corpus.source == "indexed":  # a Megatron-LM indexed dataset, read as it is
-        check_indexed_document_ends(corpus, eod_mask_loss, separate_documents)
-    return TokenWindowDataset(prepare_corpus(corpus), seq_length, split, eod_mask_loss,
-                              separate_documents=separate_documents)
+    if corpus.source == "indexed":  # Megatron-LM indexed datasets, read as they are (each pair read once)
+        pairs = indexed_pairs(corpus)
+        check_indexed_document_ends(corpus, pairs, eod_mask_loss, separate_documents)
+        prepared = prepared_indexed(corpus, pairs)
+    else:
+        prepared = prepare_corpus(corpus)
+    return TokenWindowDataset(prepared, seq_length, split, eod_mask_loss, separate_documents=separate_documents)
 
 
-def check_indexed_document_ends(corpus: CorpusSpec, eod_mask_loss: bool, separate_documents: bool) -> None:
-    """``data.source=indexed`` with ``data.documents=separate`` or ``data.eod_mask_loss``: ``DataError`` (one line)
-    unless each of its documents ends with ``data.tokenizer``'s end-of-document id (joined documents need none)."""
+def check_indexed_document_ends(corpus: CorpusSpec, pairs: list[IndexedCorpus], eod_mask_loss: bool,
+                                separate_documents: bool) -> None:
+    """``data.source=indexed`` with ``data.documents=separate`` or ``data.eod_mask_loss``: ``DataError`` (one line
+    naming the first pair at fault) unless each document of every pair of ``pairs`` ends with ``data.tokenizer``'s
+    end-of-document id (joined documents need none)."""
     if not (separate_documents or eod_mask_loss):
         return
     why = "data.documents=separate" if separate_documents else "data.eod_mask_loss=true"
     tokenizer = build_tokenizer(corpus.tokenizer)
-    check_document_ends(read_indexed(corpus.path), tokenizer.eod_id,
-                        f"{why} (data.tokenizer={corpus.tokenizer}'s end of document)")
+    for pair in pairs:
+        check_document_ends(pair, tokenizer.eod_id, f"{why} (data.tokenizer={corpus.tokenizer}'s end of document)")
 
 
 def check_vocab_size(corpus: CorpusSpec, vocab_size: int) -> None:

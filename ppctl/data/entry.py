@@ -63,17 +63,18 @@ def _pair_sizes_match(folder: Path, shard: Shard, record: dict) -> bool:
 
 
 def valid_entry(folder: Path, key: str) -> dict | None:
-    """The index of the entry in ``folder`` when it is complete for ``key`` (every shard's pair of its size);
-    else None."""
+    """The index of the entry in ``folder`` when it is complete for ``key``: its index there, and each shard's
+    ``.bin`` and ``.idx`` of the sizes the index gives (no shard record is read: a corpus of thousands of shards is
+    looked up by every worker); else None."""
     try:
         index = json.loads(entry_index_path(folder).read_text())
         if index.get("format_version") != CACHE_FORMAT_VERSION or index.get("fingerprint") != key:
             return None
-        shards = [Shard(number, (), 0) for number in range(len(index["shards"]))]
-        records = [read_shard_record(folder, shard, key) for shard in shards]
+        complete = all(_pair_sizes_match(folder, Shard(number, (), 0), {**shard, "dtype": index["dtype"]})
+                       for number, shard in enumerate(index["shards"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return index if all(record is not None for record in records) else None
+    return index if complete else None
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ cache as it was. Sources (``data.source``):
 
   * ``chat``, ``prompt_completion``: ``data.path``'s ``.jsonl``/``.json`` rows, with a loss
     weight per token (``instruction.py``).
+  * ``indexed``: Megatron-LM indexed datasets (a prefix, a folder of pairs, a glob), read as they
+    are (``prepared_indexed``): nothing is tokenised or written but each ``.bin``'s largest id.
 
 Every failure is one ``DataError`` line.
 """
@@ -23,16 +25,18 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 from pathlib import Path
 
-from ppctl.data.cache import (CACHE_FORMAT_VERSION, SIDECARS, PreparedCorpus, cache_key, cache_stem, check_token_ids,
-                              commit_entry, files_fingerprint, sidecar_path, split_entries, staged_token_file,
-                              token_dtype_for, token_file_record, valid_index, write_index)
+from ppctl.data.cache import (CACHE_FORMAT_VERSION, SIDECARS, PreparedCorpus, cache_key, cache_stem,
+                              check_indexed_token_ids, check_token_ids, commit_entry, files_fingerprint, sidecar_path,
+                              split_entries, staged_token_file, token_dtype_for, token_file_record, valid_index,
+                              write_index)
 from ppctl.data.corpus import INSTRUCTION_SOURCES, Corpus, CorpusSpec, DataError
 from ppctl.data.entry import (MIB, PartialCorpus, corpus_shards, entry_index, read_shard_record, valid_entry,
                               write_entry_index)
 from ppctl.data.hub import hub_fingerprint, load_hub
-from ppctl.data.indexed import DTYPE_CODES, read_indexed, write_index_file
+from ppctl.data.indexed import DTYPE_CODES, IndexedCorpus, read_indexed, write_index_file
 from ppctl.data.instruction import InstructionOptions, chat_template_of, template_fingerprint, tokenise_instructions
 from ppctl.data.progress import ShardProgress
 from ppctl.data.shards import ShardTask
@@ -206,21 +210,43 @@ def _build_instruction_cache(spec: CorpusSpec, corpus: Corpus, options: Instruct
     return index
 
 
-def prepared_indexed(spec) -> PreparedCorpus:
-    """``data.source=indexed``'s corpus as a prepared token file: its ``.bin`` is the token stream (every document
-    in order, nothing added), split by ``data.validation_fraction`` as a prepared corpus is; the end-of-document id
-    is ``data.tokenizer``'s. Nothing is written."""
-    if not spec.path:
-        raise DataError("data.source=indexed needs data.path: the prefix of a Megatron-LM indexed dataset "
-                        "(PREFIX for PREFIX.idx and PREFIX.bin)")
-    corpus = read_indexed(spec.path)
-    if corpus.dtype.kind not in "iu":
-        raise DataError(f"{corpus.idx_file}: dtype {corpus.dtype.name} holds no token ids; ppctl reads integer "
-                        f"dtypes ({', '.join(name for name in DTYPE_CODES.values() if 'int' in name)})")
+def indexed_pairs(spec: CorpusSpec) -> list[IndexedCorpus]:
+    """The indexed datasets ``data.path`` names for ``data.source=indexed`` (a prefix, a folder of pairs, ppctl's
+    cache entry, a glob: ``indexed_prefixes``), each read and checked, in corpus order; ``DataError`` (one line
+    naming the file) for a missing, corrupt or truncated pair or one of a float dtype."""
+    files = spec.corpus().files  # PREFIX.idx, PREFIX.bin of each pair, in order
+    pairs = [read_indexed(idx_file) for idx_file in files[0::2]]
+    for corpus in pairs:
+        if corpus.dtype.kind not in "iu":
+            raise DataError(f"{corpus.idx_file}: dtype {corpus.dtype.name} holds no token ids; ppctl reads integer "
+                            f"dtypes ({', '.join(name for name in DTYPE_CODES.values() if 'int' in name)})")
+    return pairs
+
+
+def prepared_indexed(spec: CorpusSpec, pairs: list[IndexedCorpus] | None = None) -> PreparedCorpus:
+    """``data.source=indexed``'s corpus (``pairs``, else ``indexed_pairs(spec)``) as prepared tokens: the pairs'
+    ``.bin`` files in order are the token stream (every document in order, nothing added), split by
+    ``data.validation_fraction`` as a prepared corpus is; the end-of-document id is ``data.tokenizer``'s. An id
+    outside its vocabulary is refused naming the file (``check_indexed_token_ids``: read once, then remembered in
+    ``data.cache_dir``). One pair is one token file; several are shards (each with its dtype) of their common
+    folder. Nothing else is written."""
+    pairs = indexed_pairs(spec) if pairs is None else pairs
     tokenizer = build_tokenizer(spec.tokenizer)
-    index = {"source": "indexed", "source_path": str(corpus.idx_file.with_suffix("")), "file_type": "indexed",
-             "text_field": None, "num_files": 2, "num_rows": corpus.num_documents,
-             "num_documents": corpus.num_documents, "skipped_rows": {}, "num_tokens": corpus.num_tokens,
-             "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id, "dtype": corpus.dtype.name,
-             **split_entries(corpus.num_tokens, spec.validation_fraction)}
-    return PreparedCorpus(corpus.bin_file, index, spec.label)
+    check_indexed_token_ids([pair.bin_file for pair in pairs], [pair.dtype.name for pair in pairs], tokenizer,
+                            spec.cache_dir)
+    num_tokens = sum(pair.num_tokens for pair in pairs)
+    num_documents = sum(pair.num_documents for pair in pairs)
+    dtypes = {pair.dtype.name for pair in pairs}
+    index = {"source": "indexed", "source_path": str(pairs[0].idx_file.with_suffix("")), "file_type": "indexed",
+             "text_field": None, "num_files": 2 * len(pairs), "num_rows": num_documents,
+             "num_documents": num_documents, "skipped_rows": {}, "num_tokens": num_tokens,
+             "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id,
+             "dtype": dtypes.pop() if len(dtypes) == 1 else "mixed",  # then each shard names its own
+             **split_entries(num_tokens, spec.validation_fraction)}
+    if len(pairs) == 1:
+        return PreparedCorpus(pairs[0].bin_file, index, spec.label)
+    folder = Path(os.path.commonpath([pair.bin_file.parent for pair in pairs]))
+    index["source_path"] = str(Path(spec.path).expanduser())
+    index["shards"] = [{"name": str(pair.bin_file.relative_to(folder).with_suffix("")), "num_tokens": pair.num_tokens,
+                        "num_documents": pair.num_documents, "dtype": pair.dtype.name} for pair in pairs]
+    return PreparedCorpus(folder, index, spec.label)

@@ -30,6 +30,7 @@ from ppctl.fileio import write_atomically
 
 STOP_WAIT_S = 5.0  # how long an ended tokenising process may take to go before it is killed
 POLL_S = 0.5  # how often the parent looks for a process that died without a word
+ENCODE_BATCH = 1000  # texts per encode_batch call (datasets' map batch size, which ppctl used before)
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def tokenise_texts(texts: list, tokenizer: Tokenizer, counts: dict) -> tuple[np.
         return np.zeros(0, dtype=np.int64), []
     eod = np.array([tokenizer.eod_id], dtype=np.int64)
     pieces, lengths = [], []
-    for ids in tokenizer.encode_documents(present):
+    for ids in _encoded(tokenizer, present):
         ended = len(ids) and int(ids[-1]) == tokenizer.eod_id  # a post-processor's ``$A </s>`` ended it already
         pieces += [ids] if ended else [ids, eod]
         lengths.append(len(ids) + (not ended))
@@ -94,6 +95,13 @@ def tokenise_texts(texts: list, tokenizer: Tokenizer, counts: dict) -> tuple[np.
     counts["num_tokens"] += len(tokens)
     counts["max_token_id"] = max(counts["max_token_id"], int(tokens.max()))
     return tokens, lengths
+
+
+def _encoded(tokenizer: Tokenizer, texts: list[str]):
+    """Each text's ids, encoded ``ENCODE_BATCH`` texts at a time: a whole block in one ``encode_batch`` ran at a
+    third of the speed (measured: 2,250 documents of 3.5 kB per call against 1,000)."""
+    for start in range(0, len(texts), ENCODE_BATCH):
+        yield from tokenizer.encode_documents(texts[start:start + ENCODE_BATCH])
 
 
 def _stat(file: Path) -> list[int]:
@@ -216,7 +224,7 @@ def _end(workers) -> None:
 def default_num_proc(requested: int | None, input_bytes: int, num_shards: int, small_bytes: int,
                      max_auto: int) -> int:
     """Tokenising processes: ``data.num_proc``, else 1 below ``small_bytes`` of input and min(``max_auto``, cores)
-    above; never more than the shards."""
+    above (the CPUs this process may run on: a Slurm task's, not the node's); never more than the shards."""
     if requested is None:
-        requested = 1 if input_bytes < small_bytes else min(max_auto, os.cpu_count() or 1)
+        requested = 1 if input_bytes < small_bytes else min(max_auto, len(os.sched_getaffinity(0)))
     return max(1, min(requested, num_shards))

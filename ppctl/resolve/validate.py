@@ -670,9 +670,11 @@ def _check_data(config: PpctlConfig) -> None:
     vocab_size = tokenizer_vocab_size(data)
     try:
         if data.blend:
-            BlendSpec.of(data).check()  # at least two sources, weights finite and > 0, each source's files
+            blend = BlendSpec.of(data)
+            blend.check()  # at least two sources, weights finite and > 0, each source's files
+            _check_blend_indexed(blend, data)
         elif data.source == "indexed":
-            _check_indexed(data)
+            _check_indexed(CorpusSpec.of(data), data.eod_mask_loss, data.documents == "separate")
         else:
             CorpusSpec.of(data).corpus()  # the files exist, are of one type; a hub name is tried when preparing
         token_dtype_for(data.token_dtype, vocab_size)
@@ -684,17 +686,29 @@ def _check_data(config: PpctlConfig) -> None:
     _check_instruction_data(data)
 
 
-def _check_indexed(data) -> None:
-    """``data=indexed``: the ``.idx``/``.bin`` pair is whole and consistent, of an integer dtype, and with
+def _check_indexed(spec, eod_mask_loss: bool, separate_documents: bool) -> None:
+    """An indexed source (``data=indexed``, or a blend's entry: ``spec``): every ``.idx``/``.bin`` pair is whole and
+    consistent, of an integer dtype, with no id outside the tokenizer's vocabulary, and with
     ``data.documents=separate`` or ``data.eod_mask_loss`` each document ends with the tokenizer's end-of-document id
-    (``DataError``, one line, before any worker starts)."""
-    from ppctl.data.corpus import CorpusSpec
+    (``DataError``, one line naming the file, before any worker starts)."""
     from ppctl.data.dataset import check_indexed_document_ends
-    from ppctl.data.prepare import prepared_indexed
+    from ppctl.data.prepare import indexed_pairs, prepared_indexed
 
-    spec = CorpusSpec.of(data)
-    prepared_indexed(spec)
-    check_indexed_document_ends(spec, data.eod_mask_loss, data.documents == "separate")
+    pairs = indexed_pairs(spec)
+    prepared_indexed(spec, pairs)
+    check_indexed_document_ends(spec, pairs, eod_mask_loss, separate_documents)
+
+
+def _check_blend_indexed(blend, data) -> None:
+    """Each indexed entry of a blend is checked as the source alone is (``_check_indexed``), named by its entry."""
+    from ppctl.data.corpus import DataError
+
+    for index, spec in enumerate(blend.specs):
+        if spec.source == "indexed":
+            try:
+                _check_indexed(spec, data.eod_mask_loss, data.documents == "separate")
+            except DataError as error:
+                raise DataError(f"{blend.label(index)}: {error}") from None
 
 
 def _check_instruction_data(data) -> None:

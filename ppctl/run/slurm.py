@@ -34,6 +34,7 @@ JOB_RECORD = "job.json"  # the submitted job's id, for ``ppctl status``
 STOPPED_BY_SIGTERM = 143  # ppctl train's exit status after SIGTERM, once the workers saved (128 + 15)
 PORT_BASE, PORT_SPAN = 20000, 20000  # a multi-node job's rendezvous port: PORT_BASE + job id mod PORT_SPAN
 SBATCH_PLAIN_WORD = re.compile(r"[-\w.,:=@/%+]+")  # an #SBATCH option sbatch reads whole without quotes
+THIS_JOB = "$SLURM_JOB_ID"  # the job a script runs in, as the shell expands it (an array's task: slurm_prepare.py)
 SLURM_TIMEOUT_S = 30.0  # the longest wait for sbatch, squeue, sacct or scontrol
 
 
@@ -41,16 +42,17 @@ class SlurmError(RuntimeError):
     """A Slurm command is missing or refused; the message is one line."""
 
 
-def script_problem(run_dir: Path, workdir: Path) -> str | None:
-    """Why the resolved run directory or working directory cannot go into a job script, in one line, or None.
+def script_problem(run_dir: Path, workdir: Path, run_dir_name: str = "trainer.out_dir") -> str | None:
+    """Why the resolved run directory (the job's folder, named ``run_dir_name``) or working directory cannot go
+    into a job script, in one line, or None.
 
     The config's own values are checked by validation; these two also hold the current directory."""
-    for name, path in (("trainer.out_dir", run_dir), ("the current directory", workdir)):
+    for name, path in ((run_dir_name, run_dir), ("the current directory", workdir)):
         if control_character(str(path)) is not None:
             return script_value_problem(name, str(path))
     if "\\" in str(run_dir):  # a backslash turns off the %j of Slurm's --output pattern
-        return (f"trainer.out_dir={str(run_dir)!r} holds a backslash, which Slurm's --output pattern reads as "
-                f"'no %j here' (every job would write one log): choose a run directory without one")
+        return (f"{run_dir_name}={str(run_dir)!r} holds a backslash, which Slurm's --output pattern reads as "
+                f"'no %j here' (every job would write one log): choose a folder without one")
     return None
 
 
@@ -113,19 +115,32 @@ def job_script(config: PpctlConfig, run_dir: Path, workdir: Path, ppctl: list[st
     lines += ["# The time limit's warning (or a signal to this shell) stops the training step: scancel signals every",
               "# process of the step (srun itself would turn a SIGTERM into SIGKILL for its tasks); ppctl train's",
               "# workers finish their step and save a checkpoint.",
-              "trap 'scancel --signal=TERM \"$SLURM_JOB_ID\"' TERM",
-              f"srun --nodes={nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {shlex.quote(task)} &",
-              "step=$!",
-              'wait "$step"; status=$?',
-              '# A trapped signal ends `wait` early: wait on until the step has ended.',
-              'while kill -0 "$step" 2>/dev/null; do wait "$step"; status=$?; done']
+              *step_lines(f"--nodes={nodes} --ntasks-per-node=1", task)]
     if config.launcher.slurm.requeue:
-        lines += [f'if [ "$status" -eq {STOPPED_BY_SIGTERM} ]; then',
-                  '    echo "ppctl: stopped by SIGTERM after saving a checkpoint; requeueing job $SLURM_JOB_ID"',
-                  '    scontrol requeue "$SLURM_JOB_ID"',
-                  "fi"]
+        lines += requeue_lines("stopped by SIGTERM after saving a checkpoint")
     lines.append('exit "$status"')
     return "\n".join(lines) + "\n"
+
+
+def step_lines(srun_options: str, task: str, job: str = THIS_JOB) -> list[str]:
+    """The script's one job step, ``bash -c TASK`` under srun, waited for into ``$status``; a SIGTERM to the batch
+    shell is passed on with ``scancel --signal=TERM`` of ``job`` (this job's id, as the shell expands it), which
+    reaches every process of the step."""
+    return [f"trap 'scancel --signal=TERM \"{job}\"' TERM",
+            f"srun {srun_options} --kill-on-bad-exit=1 bash -c {shlex.quote(task)} &",
+            "step=$!",
+            'wait "$step"; status=$?',
+            '# A trapped signal ends `wait` early: wait on until the step has ended.',
+            'while kill -0 "$step" 2>/dev/null; do wait "$step"; status=$?; done']
+
+
+def requeue_lines(stopped: str, job: str = THIS_JOB) -> list[str]:
+    """Requeue ``job`` (this job's id, as the shell expands it) when its step exited as stopped by SIGTERM;
+    ``stopped`` says what that stop kept."""
+    return [f'if [ "$status" -eq {STOPPED_BY_SIGTERM} ]; then',
+            f'    echo "ppctl: {stopped}; requeueing job {job}"',
+            f'    scontrol requeue "{job}"',
+            "fi"]
 
 
 def _slurm(command: list[str]) -> subprocess.CompletedProcess:

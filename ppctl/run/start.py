@@ -2,7 +2,8 @@
 a Slurm job (its run directory and job script).
 
 ``ppctl train``, ``ppctl check-cluster`` and ``ppctl bench`` come here through ``plan_launch`` then
-``start_launch``, the command preparing the data between the two; ``ppctl submit`` through ``write_job_dir``.
+``start_launch``, the command preparing the data between the two; ``ppctl submit`` through ``write_job_dir``,
+``ppctl submit prepare-data`` through ``write_prepare_job``.
 The order is the guarantee: what can be refused without writing anything (the run directory's rules, the
 backend) is refused before anything starts or changes in the directory, the dry run included; the
 rendezvous endpoint is asked just before the start; the run directory is locked before it is written, and
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ppctl.config import PpctlConfig
+from ppctl.fileio import os_reason
 from ppctl.resolve import to_yaml
 
 from ppctl.run.launch import (LaunchPlan, LaunchRequest, LaunchResult, backend_problem, build_launch_plan,
@@ -29,6 +31,7 @@ from ppctl.run.rendezvous import rendezvous_problem
 from ppctl.run.rundir import (RunDirError, clear_earlier_run, clears_earlier_run, run_dir_problem, write_files,
                               write_run_dir)
 from ppctl.run.slurm import JOB_SCRIPT, job_script, ppctl_command, script_problem
+from ppctl.run.slurm_prepare import PREPARE_SCRIPT, prepare_script
 from ppctl.run.supervise import say
 
 if TYPE_CHECKING:
@@ -145,6 +148,36 @@ def write_job_dir(config: PpctlConfig, run_dir: Path, workdir: Path, resume_from
                               JOB_SCRIPT: job_script(job, run_dir, workdir, ppctl_command())})
     finally:
         lock.release()
+
+
+def write_prepare_job(config: PpctlConfig, job_dir: Path, workdir: Path, tasks: int) -> None:
+    """``ppctl submit prepare-data``: write the job's folder, new or empty (the config its tasks prepare from and
+    ``prepare.sbatch``, an array of ``tasks`` tasks starting in ``workdir``); ``RunDirError`` when it cannot."""
+    problem = script_problem(job_dir, workdir, "--out") or _job_folder_problem(job_dir)
+    if problem is not None:
+        raise RunDirError(problem)
+    files = {"config.yaml": to_yaml(config), PREPARE_SCRIPT: prepare_script(config, job_dir, workdir, tasks,
+                                                                           ppctl_command())}
+    path = job_dir
+    try:
+        job_dir.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            path = job_dir / name
+            path.write_text(text)
+    except OSError as error:
+        raise RunDirError(f"--out {job_dir}: cannot write {path.name}: {os_reason(error, path)}") from None
+
+
+def _job_folder_problem(job_dir: Path) -> str | None:
+    """Why ``job_dir`` cannot be a new job's folder (it is a file, or holds files already: an earlier job's logs
+    would mix with the new one's), in one line, or None."""
+    if job_dir.exists() and not job_dir.is_dir():
+        return f"--out {job_dir}: not a folder"
+    if job_dir.is_dir() and any(job_dir.iterdir()):
+        return (f"--out {job_dir} holds files already: give each job a folder of its own (a new --out DIR, or no "
+                f"--out for a new runs/prepare-<timestamp>); sbatch {job_dir / PREPARE_SCRIPT} submits an earlier "
+                f"job again")
+    return None
 
 
 def _clear_earlier_run(run_dir: Path) -> None:

@@ -1,7 +1,8 @@
 """``ppctl submit``, ``ppctl status`` and elastic restarts, without a Slurm cluster (tests/slurm has the real one).
 
 Submitting writes the run directory whose resolved config the job's ``ppctl train --config-dir`` reads back
-unchanged; the refusals are one line each. An elastic restart (``launcher.max_restarts``) after a worker killed
+unchanged; ``ppctl submit prepare-data`` writes the job folder whose config every task of its array prepares from;
+the refusals are one line each. An elastic restart (``launcher.max_restarts``) after a worker killed
 on purpose resumes from the run's latest checkpoint and logs every step once, with the losses of one process.
 """
 
@@ -41,6 +42,59 @@ def test_submit_dry_run_writes_the_run_directory_the_job_trains_from(tmp_path, m
     inside = invoke(["train", "--config-dir", str(run), "trainer.auto_resume=true", "--dry-run"],
                     env={"SLURM_JOB_ID": "7"})
     assert inside.exit_code == 0 and f"run directory: {run}" in inside.output
+
+
+def test_submit_is_submit_train_whatever_comes_first(tmp_path):
+    for args in (["train", "launcher=slurm", *SMALL], ["--dry-run", "launcher=slurm", *SMALL]):
+        run = tmp_path / args[0].strip("-")
+        result = invoke(["submit", *args, f"trainer.out_dir={run}", "--dry-run"])
+        assert result.exit_code == 0, result.output
+        assert result.stdout == (run / "job.sbatch").read_text()
+    listed = invoke(["submit", "--help"])
+    assert listed.exit_code == 0 and "train" in listed.output and "prepare-data" in listed.output, listed.output
+
+
+def test_submit_prepare_data_dry_run_writes_the_folder_every_task_prepares_from(tmp_path):
+    corpus = tmp_path / "my corpus"  # a space: the path stays one value on its way to the tasks
+    corpus.mkdir()
+    for index in range(3):
+        (corpus / f"part{index}.jsonl").write_text(json.dumps({"text": f"document {index}"}) + "\n")
+    job = tmp_path / "job"
+    overrides = ["launcher=slurm", "data=text", f"data.path='{corpus}/*.jsonl'", "data.num_proc=2",
+                 "launcher.slurm.time=00:30:00", "launcher.slurm.gpus_per_node=8"]
+    result = invoke(["submit", "prepare-data", *overrides, "--tasks", "3", "--out", str(job), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    script = (job / "prepare.sbatch").read_text()
+    assert result.stdout == script and sorted(path.name for path in job.iterdir()) == ["config.yaml", "prepare.sbatch"]
+    lines = script.splitlines()
+    assert {"#SBATCH --array=0-2", "#SBATCH --time=00:30:00", "#SBATCH --cpus-per-task=2"} <= set(lines)
+    assert not any("gpus" in line for line in lines), "a preparation task asks for no GPUs"
+    assert f'prepare-data --config-dir {job} --task "$SLURM_ARRAY_TASK_ID" --tasks 3' in script
+    # Every task composes the config submit validated, key for key.
+    assert compose_config([], config_dir=job) == compose_config(overrides)
+    default = invoke(["submit", "prepare-data", *overrides, "parallel=tp2_pp2_dp2", "launcher.slurm.nodes=2",
+                      "--out", str(tmp_path / "nodes"), "--dry-run"])
+    assert default.exit_code == 0 and "#SBATCH --array=0-1" in default.stdout.splitlines(), default.output
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--tasks", "0"], "--tasks 0: give the number of array tasks, a whole number of at least 1"),
+    (["--tasks", "two"], "--tasks two: give the number of array tasks"),
+    (["launcher=local"], "ppctl submit prepare-data hands the preparation to Slurm: add launcher=slurm"),
+    (["data=synthetic"], "data.source=synthetic needs no preparation: there is nothing to submit"),
+    (["data=prompt_completion", "data.path={tmp_path}/rows.jsonl"], "shares a text corpus's shards among its tasks "
+     "(data=text or python_stdlib); prepare data.source=prompt_completion with ppctl prepare-data"),
+    (["launcher.slurm.time=soon"], "launcher.slurm.time='soon' must be a"),
+    (["--out", "{tmp_path}"], "holds files already: give each job a folder of its own"),
+    (["--out", "{tmp_path}/corpus.txt"], "corpus.txt: not a folder"),
+])
+def test_submit_prepare_data_refusals_are_one_line(args, fragment, tmp_path):
+    (tmp_path / "corpus.txt").write_text("one document\n")
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "2 + 2 =", "completion": " 4"}\n')
+    args = [arg.replace("{tmp_path}", str(tmp_path)) for arg in args]
+    result = invoke(["submit", "prepare-data", "launcher=slurm", "data=text", f"data.path={tmp_path}/corpus.txt",
+                     *args])
+    assert result.exit_code == 2 and fragment in result.output and result.output.count("\n") == 1, result.output
 
 
 @pytest.mark.parametrize("args, fragment", [

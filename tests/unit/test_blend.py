@@ -180,7 +180,7 @@ def test_blend_settings_are_refused_in_one_line(letters, tmp_path):
         ([good[0], BlendSource(path=missing)], {}, f"data.blend[1]: data.path={missing}: no such file, folder or glob"),
         ([good[0], BlendSource(source="synthetic")], {}, "data.blend[1].source='synthetic': a blend draws from token "
                                                          "files; sources: python_stdlib, text, chat, "
-                                                         "prompt_completion"),
+                                                         "prompt_completion, indexed"),
         ([good[0], BlendSource(source="python_stdlib", path="x.txt")], {}, "data.blend[1]: data.source=python_stdlib "
                                                                            "takes no data.path"),
         (good, {"path": good[0].path}, f"data.blend names each source's path; unset data.path={good[0].path}"),

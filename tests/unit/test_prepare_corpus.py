@@ -479,17 +479,16 @@ def test_cache_is_reused_and_rebuilt_when_an_input_changes(tmp_path, monkeypatch
     assert tokens_of(changed[-1]) == byte_stream(DOCUMENTS[:2])
 
 
-def test_file_digests_are_remembered_only_for_settled_files(tmp_path, monkeypatch):
+def test_file_digests_are_remembered_only_for_settled_files(tmp_path):
     path = write_corpus(tmp_path / "data", "jsonl")
-    digests = cache_module.FileDigests(tmp_path / "memo.json")
-    fresh = digests.digest(path)
+    digests = cache_module.FileMemo(tmp_path / "memo.json")
+    fresh = digests.value(path, cache_module.file_sha256)
     assert not digests.entries  # just written: its mtime cannot be trusted yet
     os.utime(path, (1_000_000_000, 1_000_000_000))
-    assert digests.digest(path) == fresh and digests.entries
+    assert digests.value(path, cache_module.file_sha256) == fresh and digests.entries
     digests.save()
-    remembered = cache_module.FileDigests(tmp_path / "memo.json")
-    monkeypatch.setattr(cache_module, "file_sha256", None)  # a remembered file is not read again
-    assert remembered.digest(path) == fresh
+    remembered = cache_module.FileMemo(tmp_path / "memo.json")
+    assert remembered.value(path, None) == fresh  # a remembered file is not read again (None is never called)
 
 
 def test_an_entry_interrupted_before_its_index_keeps_its_shards_and_the_next_run_completes_it(tmp_path,

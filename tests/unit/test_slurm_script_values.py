@@ -6,7 +6,8 @@ backquotes, quotes that try to close the script's own, ``#``, spaces. A value is
 (or ``script_problem``) in one line naming its field, or the written script is proven safe the way it would
 fail: its ``#SBATCH`` lines read back, by sbatch's rules for script options, as exactly the options meant; and
 bash runs the script with stand-ins for ``srun``, ``scontrol``, ``scancel`` and ``ppctl``, where nothing but
-the one intended ``ppctl train`` runs and no command planted in a value leaves its mark.
+the one intended ``ppctl train`` runs and no command planted in a value leaves its mark. The same holds for
+``ppctl submit prepare-data``'s job array (``prepare.sbatch``), whose folder is ``--out``.
 """
 
 import copy
@@ -18,6 +19,7 @@ import pytest
 from ppctl.config import ConfigError
 from ppctl.resolve import compose_config, validate
 from ppctl.run.slurm import job_script, sbatch_options, script_problem
+from ppctl.run.slurm_prepare import prepare_options, prepare_script
 
 CANARY = "pwned"  # a planted command that runs leaves a file of this name
 HOSTILE = [f"gpu\ntouch {CANARY}", f"gpu; touch {CANARY}", f"$(touch {CANARY})", f"`touch {CANARY}`",
@@ -75,6 +77,30 @@ def test_a_value_is_refused_in_one_line_or_the_script_runs_only_what_it_means(co
     assert calls["ppctl"] == [expected]
     assert [call[:3] for call in calls["srun"]] == [[f"--nodes={config.launcher.nnodes}", "--ntasks-per-node=1",
                                                      "--kill-on-bad-exit=1"]]
+    assert not list(tmp_path.rglob(CANARY)), "a command planted in a value ran"
+
+
+@pytest.mark.parametrize("value", HOSTILE)
+@pytest.mark.parametrize("field", FIELDS)
+def test_a_value_in_the_prepare_array_is_refused_in_one_line_or_the_task_runs_only_what_it_means(composed, field,
+                                                                                                value, tmp_path):
+    config, job_dir, workdir = _with_value(composed["one node"], field, value, tmp_path)
+    config.trainer.out_dir = None  # the array's folder is --out, not a run directory
+    try:
+        validate(config)
+        problem = script_problem(job_dir, workdir, "--out")
+    except ConfigError as error:
+        problem = str(error)
+    if problem is not None:
+        assert "\n" not in problem and field.replace("workdir", "current directory").replace("out_dir", "--out") \
+            in problem, problem
+        assert any(ord(c) < 32 for c in value) or "\\" in value, f"a printable value was refused: {problem}"
+        return
+    script = prepare_script(config, job_dir, workdir, 3, [str(tmp_path / "bin" / "ppctl")])
+    assert read_sbatch_options(script) == prepare_options(config, job_dir, 3)
+    calls = _run_with_stand_ins(script, workdir, tmp_path, nodes=1, array_task=2)
+    assert calls["ppctl"] == [["prepare-data", "--config-dir", str(job_dir), "--task", "2", "--tasks", "3"]]
+    assert [call[:3] for call in calls["srun"]] == [["--nodes=1", "--ntasks=1", "--kill-on-bad-exit=1"]]
     assert not list(tmp_path.rglob(CANARY)), "a command planted in a value ran"
 
 
@@ -152,9 +178,11 @@ def _words(text: str, quotes: str, comment_in_quotes: bool) -> list[str]:
     return words + ([word] if started else [])
 
 
-def _run_with_stand_ins(script: str, workdir: Path, tmp_path: Path, nodes: int) -> dict[str, list[list[str]]]:
+def _run_with_stand_ins(script: str, workdir: Path, tmp_path: Path, nodes: int,
+                       array_task: int | None = None) -> dict[str, list[list[str]]]:
     """Run the job script with bash, Slurm's commands and ppctl replaced by stand-ins that record their argv
-    (srun then runs its command, as on one node); the recorded calls by command."""
+    (srun then runs its command, as on one node), as the job or as task ``array_task`` of its array; the recorded
+    calls by command."""
     bins, records = tmp_path / "bin", tmp_path / "calls"
     bins.mkdir()
     records.mkdir()
@@ -169,6 +197,8 @@ def _run_with_stand_ins(script: str, workdir: Path, tmp_path: Path, nodes: int) 
     path.write_text(script)
     env = {"PATH": f"{bins}:/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n[1-2]",
            "SLURM_NODEID": "0"}
+    if array_task is not None:
+        env.update(SLURM_ARRAY_JOB_ID="40", SLURM_ARRAY_TASK_ID=str(array_task))
     done = subprocess.run(["bash", str(path)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     return {name: _calls(records / name) for name in ("srun", "ppctl")}
