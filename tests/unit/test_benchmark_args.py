@@ -45,6 +45,10 @@ def script(name: str):
     ("bw_split", ["--seq", "1.5"], "argument --seq: '1.5' is not a whole number"),
     ("bw_split", ["--heads", "5"], "--hidden 768 is not a multiple of --heads 5"),
     ("check_speed", ["--repeats", "0"], "argument --repeats: 0 is not at least 1"),
+    ("prepare_data", ["--gib", "0.25", "0"], "argument --gib: 0 is not a finite number above 0"),
+    ("prepare_data", ["--num-proc", "0"], "argument --num-proc: 0 is not at least 1"),
+    ("prepare_data", ["--tokenizer", "/nonexistent/tokenizer.json"], "--tokenizer /nonexistent/tokenizer.json: "
+                                                                     "no such file"),
     ("document_mask", ["--documents", "65"], "--documents 65 exceeds --seq 64: a document holds at least one token"),
     ("moe_overlap", ["--steps", "1"], "argument --steps: 1 is less than 2: the first step warms up and is left out"),
     ("moe_overlap", ["--hidden", "100"], "model.head_dim=25 must be even"),
