@@ -20,9 +20,10 @@ Python process, timed from its start to its exit:
     ``<name>.json`` index).
 
 A thread samples every ``--interval-ms`` the sum of the resident sets (``VmRSS``, from ``/proc``) of the side's
-process and all its descendants: the table shows its peak. Before the turns, one read-only pass (the
-baseline's reading and JSON parsing without the tokenizer) says how much of the time reading alone takes, and
-warms the page cache for both sides. Tokens per second are the text's tokens (the baseline's count) over each
+process and all its descendants, and the sum of their proportional sets (``Pss``: a page shared by forked processes
+counted once in all, where VmRSS counts it in each): the table shows both peaks. Before the turns, one read-only
+pass (the baseline's reading and JSON parsing without the tokenizer) says how much of the time reading alone takes,
+and warms the page cache for both sides. Tokens per second are the text's tokens (the baseline's count) over each
 side's median wall time: ppctl writes the same tokens and one end-of-document id per document more.
 """
 
@@ -265,8 +266,9 @@ def share_lines(path: Path, index: int, count: int):
 
 # ---- running and measuring a side -------------------------------------------------------------------------------
 
-def tree_rss(root: int) -> int:
-    """Bytes resident in ``root`` and all its descendants now (``VmRSS`` is ``statm``'s second field in pages)."""
+def tree_rss(root: int) -> tuple[int, int]:
+    """Bytes resident in ``root`` and all its descendants now, as the sum of their ``VmRSS`` (``statm``'s second
+    field in pages) and as the sum of their ``Pss`` (shared pages counted once in all)."""
     children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
@@ -276,23 +278,34 @@ def tree_rss(root: int) -> int:
             except (OSError, IndexError, ValueError):
                 continue  # ended meanwhile
             children.setdefault(parent, []).append(int(name))
-    pages, pending = 0, [root]
+    pages, pss_kib, pending = 0, 0, [root]
     while pending:
         pid = pending.pop()
         pending.extend(children.get(pid, ()))
         try:
             with open(f"/proc/{pid}/statm", "rb") as handle:
                 pages += int(handle.read().split()[1])
+            pss_kib += proportional_kib(pid)
         except (OSError, IndexError, ValueError):
             continue
-    return pages * os.sysconf("SC_PAGE_SIZE")
+    return pages * os.sysconf("SC_PAGE_SIZE"), pss_kib * 1024
+
+
+def proportional_kib(pid: int) -> int:
+    """``Pss`` of ``pid`` in KiB (``smaps_rollup``): its resident pages, each shared page divided among the processes
+    sharing it. Forked tokenising processes share the parent's pages, which VmRSS counts once per process."""
+    with open(f"/proc/{pid}/smaps_rollup", "rb") as handle:
+        for line in handle:
+            if line.startswith(b"Pss:"):
+                return int(line.split()[1])
+    return 0
 
 
 class PeakRss:
     """A thread sampling ``tree_rss(pid)`` every ``interval`` seconds until ``stop``; ``peak`` is the largest."""
 
     def __init__(self, pid: int, interval: float):
-        self.pid, self.interval, self.peak = pid, interval, 0
+        self.pid, self.interval, self.peak, self.peak_pss = pid, interval, 0, 0
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -300,18 +313,19 @@ class PeakRss:
     def _sample(self) -> None:
         """Sample until stopped."""
         while True:
-            self.peak = max(self.peak, tree_rss(self.pid))
+            rss, pss = tree_rss(self.pid)
+            self.peak, self.peak_pss = max(self.peak, rss), max(self.peak_pss, pss)
             if self._stopped.wait(self.interval):
                 return
 
-    def stop(self) -> int:
-        """Stop sampling; the peak in bytes."""
+    def stop(self) -> tuple[int, int]:
+        """Stop sampling; the peaks in bytes (summed RSS, summed PSS)."""
         self._stopped.set()
         self._thread.join()
-        return self.peak
+        return self.peak, self.peak_pss
 
 
-def run_measured(command: list[str], interval: float, log: Path) -> tuple[float, int]:
+def run_measured(command: list[str], interval: float, log: Path) -> tuple[float, tuple[int, int]]:
     """Run ``command`` (output to ``log``): its wall time and the peak RSS of its process tree. A failure exits
     with the command and the end of its output."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
@@ -337,7 +351,7 @@ def run_baseline(files: list[Path], tokenizer: Path, num_proc: int, encode: bool
            "encode": encode}
     wall, peak = run_measured([sys.executable, "-c", BASELINE_CODE, json.dumps(job), str(ROOT)], interval, log)
     counts = json.loads(log.read_text().strip().splitlines()[-1])
-    return {"wall": wall, "peak": peak, **counts}
+    return {"wall": wall, "peak": peak[0], "pss": peak[1], **counts}
 
 
 def run_ppctl(folder: Path, tokenizer: Path, num_proc: int, work: Path, interval: float, log: Path) -> dict:
@@ -351,7 +365,7 @@ def run_ppctl(folder: Path, tokenizer: Path, num_proc: int, work: Path, interval
         tokens, documents = prepared_counts(cache)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    return {"wall": wall, "peak": peak, "tokens": tokens, "documents": documents}
+    return {"wall": wall, "peak": peak[0], "pss": peak[1], "tokens": tokens, "documents": documents}
 
 
 def prepared_counts(cache: Path) -> tuple[int, int]:
@@ -401,7 +415,7 @@ def measure_row(args, gib: float, num_proc: int, tokenizer: Path) -> dict:
                    else run_ppctl(folder, tokenizer, num_proc, args.work, interval, log))
             runs[side].append(run)
             print(f"  {gib:g} GiB, {num_proc} process(es), {side}: {run['wall']:.1f} s, peak RSS "
-                  f"{run['peak'] / MiB:,.0f} MiB, {run['tokens']:,} tokens", flush=True)
+                  f"{run['peak'] / MiB:,.0f} MiB (PSS {run['pss'] / MiB:,.0f}), {run['tokens']:,} tokens", flush=True)
     return {"gib": gib, "num_proc": num_proc, "read": read, **runs}
 
 
@@ -411,13 +425,14 @@ def row_line(row: dict) -> str:
     text_tokens = row["baseline"][0]["tokens"]
     baseline_wall = statistics.median(run["wall"] for run in row["baseline"])
     ppctl_wall = statistics.median(run["wall"] for run in row["ppctl"])
-    peaks = [max(run["peak"] for run in row[side]) / MiB for side in ("baseline", "ppctl")]
+    peaks = [max(run[kind] for run in row[side]) / MiB for kind in ("peak", "pss") for side in ("baseline", "ppctl")]
     written = row["ppctl"][0]["tokens"]
     turns = " ".join(f"{baseline['wall'] / ppctl['wall']:.2f}"
                      for baseline, ppctl in zip(row["baseline"], row["ppctl"]))
     return (f"| {row['gib']:g} | {row['num_proc']} | {row['read']['wall']:.1f} | {baseline_wall:.1f} | "
             f"{text_tokens / baseline_wall:,.0f} | {ppctl_wall:.1f} | {text_tokens / ppctl_wall:,.0f} | "
-            f"{baseline_wall / ppctl_wall:.3f} | {turns} | {peaks[0]:,.0f} | {peaks[1]:,.0f} | {text_tokens:,} | "
+            f"{baseline_wall / ppctl_wall:.3f} | {turns} | {peaks[0]:,.0f} / {peaks[2]:,.0f} | {peaks[1]:,.0f} / "
+            f"{peaks[3]:,.0f} | {text_tokens:,} | "
             f"{written:,} | {row['read']['documents']:,} |")
 
 
@@ -430,7 +445,7 @@ def print_table(args, rows: list[dict], tokenizer: Path, corpora: dict[float, di
         print(f"corpus {gib:g} GiB: {record['bytes']:,} bytes, {record['documents']:,} documents in "
               f"{record['files']} files ({corpus_paths(args, gib)[0]})")
     print("\n| corpus GiB | processes | read-only s | tokenizer s | tokenizer tokens/s | ppctl s | ppctl tokens/s "
-          "| ratio ppctl / tokenizer | each turn's ratio | tokenizer peak RSS MiB | ppctl peak RSS MiB "
+          "| ratio ppctl / tokenizer | each turn's ratio | tokenizer peak RSS / PSS MiB | ppctl peak RSS / PSS MiB "
           "| tokens (text) | tokens ppctl wrote | documents |")
     print("|" + "---|" * 14)
     for row in rows:

@@ -282,6 +282,10 @@ class DataConfig(Section):
     shard_mib: float = setting(
         64.0, "input MiB per shard of a prepared corpus: each shard is tokenised by one process, written as one "
         "Megatron-LM `.bin`/`.idx` pair, and kept when a preparation is interrupted")
+    fingerprint: str = setting(
+        "content", "what says a prepared text corpus is still its files': `content` (each file's SHA-256, read once "
+        "and remembered by path, size and mtime) or `stat` (each file's size and mtime alone: nothing read, for "
+        "corpora too large to hash in every task of a Slurm array; an edit that keeps both is not seen)")
     eod_mask_loss: bool = setting(
         False, "give labels that are the end-of-document id zero loss weight (Megatron-LM's `--eod-mask-loss`); "
         "synthetic data uses its last id, vocab_size - 1, as end of document")

@@ -30,7 +30,8 @@ from ppctl.data.tokenizer import Tokenizer
 from ppctl.fileio import file_sha256, write_atomically
 
 TOKEN_DTYPES = ("auto", "uint16", "uint32")
-TOKEN_BYTES = {"uint16": 2, "uint32": 4, "int32": 4}  # numpy is imported only where tokens are made (config validation is quick)
+# numpy is imported only where tokens are made (config validation is quick)
+TOKEN_BYTES = {"uint16": 2, "uint32": 4, "int32": 4}
 SPLITS = ("train", "validation")
 CACHE_FORMAT_VERSION = 5  # 5: text corpora as a folder of Megatron-LM indexed shards; 4: BOS/EOS, weights, docs
 DIGEST_MEMO = "file-digests.json"
@@ -258,9 +259,15 @@ def cache_stem(spec: CorpusSpec, corpus: Corpus, tokenizer: Tokenizer) -> str:
     return "-".join(re.sub(r"[^\w.]+", "_", part)[:40] for part in parts)
 
 
-def files_fingerprint(corpus: Corpus, text_field: str, cache_dir: Path) -> str:
-    """What the documents of local files depend on: their type, the text field, each file's name and content."""
+def files_fingerprint(corpus: Corpus, text_field: str, cache_dir: Path, by: str = "content") -> str:
+    """What the documents of local files depend on: their type, the text field, each file's name and, ``by``
+    ``content``, its SHA-256 (read once, then remembered by path, size and mtime), or ``by`` ``stat`` its size and
+    mtime alone (nothing read: a corpus too large to read once per preparation task)."""
     fingerprint = [corpus.file_type, "" if corpus.file_type == "text" else text_field]
+    if by == "stat":
+        stats = [file.stat() for file in corpus.files]
+        return "|".join([*fingerprint, "stat", *(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}"
+                                                 for file, stat in zip(corpus.files, stats))])
     digests = FileMemo(cache_dir / DIGEST_MEMO)
     fingerprint += [f"{file.name}:{digests.value(file, file_sha256)}" for file in corpus.files]
     digests.save()

@@ -175,6 +175,7 @@ class CorpusSpec:
     too_long: str = "truncate"
     packing: str = "packed"
     shard_mib: float = 64.0
+    fingerprint: str = "content"
 
     @classmethod
     def of(cls, data) -> CorpusSpec:
@@ -182,7 +183,7 @@ class CorpusSpec:
         return cls(data.source, data.path, Path(data.cache_dir), data.tokenizer, data.text_field, data.token_dtype,
                    data.validation_fraction, data.num_proc, data.messages_field, data.prompt_field,
                    data.completion_field, data.chat_template, data.bad_rows, data.too_long, data.packing,
-                   data.shard_mib)
+                   data.shard_mib, data.fingerprint)
 
     @property
     def label(self) -> str:

@@ -76,7 +76,7 @@ def prepare_corpus(spec: CorpusSpec, progress: bool | str | None = False,
     if hub_documents is not None:
         source_fingerprint = hub_fingerprint(corpus, hub_documents)
     else:
-        source_fingerprint = files_fingerprint(corpus, spec.text_field, cache_dir)
+        source_fingerprint = files_fingerprint(corpus, spec.text_field, cache_dir, spec.fingerprint)
     shard_bytes = max(1, int(spec.shard_mib * MIB))
     source_fingerprint += f"|shard_bytes={shard_bytes}"
     key = cache_key(source_fingerprint, tokenizer, dtype)

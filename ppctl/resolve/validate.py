@@ -657,6 +657,7 @@ def _check_data(config: PpctlConfig) -> None:
             f"data.validation_fraction={data.validation_fraction} must be >= 0 and < 1")
     require(data.num_proc is None or data.num_proc >= 1, f"data.num_proc={data.num_proc} must be a positive integer")
     require(data.shard_mib > 0, f"data.shard_mib={data.shard_mib} must be positive (MiB of input per shard)")
+    require(data.fingerprint in ("content", "stat"), f"data.fingerprint={data.fingerprint!r} must be content or stat")
     if data.blend:
         _check_blend_alone(data)
     elif data.source == "synthetic":

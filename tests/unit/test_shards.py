@@ -231,3 +231,20 @@ def test_a_hub_dataset_is_cut_by_rows_and_prepares_its_documents(tmp_path, monke
     for corpus in prepared:
         assert documents_of(corpus) == byte_documents(texts) and corpus.index["file_type"] == "hub"
         assert corpus.index["skipped_rows"]["missing"] == sum(text is None for text in texts)
+
+
+def test_a_stat_fingerprint_reads_no_input_and_still_sees_a_new_size_or_mtime(tmp_path, monkeypatch):
+    from ppctl.data import cache
+
+    path = tmp_path / "corpus.jsonl"
+    write_jsonl(path, rows(50))
+    monkeypatch.setattr(cache, "file_sha256", None)  # by size and mtime: no file is hashed
+    spec = CorpusSpec("text", str(path), tmp_path / "cache", fingerprint="stat")
+    first = prepare_corpus(spec)
+    assert prepare_corpus(spec).location == first.location
+    write_jsonl(path, rows(51))
+    changed = prepare_corpus(spec)
+    assert changed.location != first.location and changed.index["num_rows"] == 51
+    monkeypatch.undo()
+    by_content = prepare_corpus(CorpusSpec("text", str(path), tmp_path / "cache"))
+    assert by_content.location != changed.location and entry_bytes(by_content).keys() == entry_bytes(changed).keys()
