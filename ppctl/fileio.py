@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 
-def write_atomically(final_path: Path, write: Callable) -> None:
-    """Call ``write(file)`` on a temporary file next to ``final_path``, flush it to disk, rename it into place."""
-    descriptor, temp_name = tempfile.mkstemp(dir=final_path.parent, prefix=f".{final_path.name}.", suffix=".tmp")
+def write_atomically(final_path: Path, write: Callable, suffix: str = ".tmp") -> None:
+    """Call ``write(file)`` on a temporary file next to ``final_path`` (its name ending in ``suffix``), flush it
+    to disk, rename it into place."""
+    descriptor, temp_name = tempfile.mkstemp(dir=final_path.parent, prefix=f".{final_path.name}.", suffix=suffix)
     try:
         with os.fdopen(descriptor, "wb") as temp_file:
             write(temp_file)

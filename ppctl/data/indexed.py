@@ -14,7 +14,9 @@ is wrong; ``write_indexed`` writes the format (one sequence per document). Pure 
 from __future__ import annotations
 
 import os
+import socket
 import struct
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,10 +188,19 @@ def write_indexed(prefix: str | Path, documents, dtype: str = "uint16") -> tuple
     return writer.idx_file, writer.bin_file
 
 
+def staged_suffix(pid: int | None = None) -> str:
+    """The end of a temporary file's name owned by process ``pid`` (this one by default) of this host: two
+    processes writing the same pair at once (training ranks preparing one corpus) never share a temporary, and
+    a parent removes only what its own ended workers left."""
+    return f".{socket.gethostname()}.{os.getpid() if pid is None else pid}.tmp"
+
+
 class IndexedWriter:
-    """Writes an indexed dataset as documents come: ``add`` appends documents' tokens to ``PREFIX.bin.tmp``; a
-    block that ends without an error writes ``PREFIX.idx.tmp`` and renames both into place (the ``.bin`` first);
-    an error or a signal removes both temporaries, so a reader never finds a half-written pair."""
+    """Writes an indexed dataset as documents come: ``add`` appends documents' tokens to a temporary
+    ``PREFIX.bin.*`` ending in ``staged_suffix()``; a block that ends without an error writes the ``.idx`` the
+    same way and renames both into place (the ``.bin`` first); an error or a signal removes both temporaries, so a
+    reader never finds a half-written pair. Writers of one pair at once (in several processes) each rename their
+    own (equal) bytes."""
 
     def __init__(self, prefix: str | Path, dtype: str):
         if dtype not in CODE_OF_DTYPE:
@@ -197,10 +208,14 @@ class IndexedWriter:
         self.idx_file, self.bin_file = indexed_paths(prefix)
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.lengths: list[np.ndarray] = []
-        self.staged = [file.with_name(file.name + ".tmp") for file in (self.bin_file, self.idx_file)]
+        self.staged: list[Path] = []
         self.stream = None
 
     def __enter__(self) -> "IndexedWriter":
+        for file in (self.bin_file, self.idx_file):  # names of this writer's own, in this process's suffix
+            descriptor, name = tempfile.mkstemp(dir=file.parent, prefix=f"{file.name}.", suffix=staged_suffix())
+            os.close(descriptor)
+            self.staged.append(Path(name))
         self.stream = open(self.staged[0], "wb")
         return self
 

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from ppctl.data.corpus import Corpus, DataError, one_line
-from ppctl.data.indexed import IndexedWriter
+from ppctl.data.indexed import IndexedWriter, staged_suffix
 from ppctl.data.readers import piece_blocks
 from ppctl.data.shards import Shard
 from ppctl.data.tokenizer import Tokenizer
@@ -71,7 +71,8 @@ def tokenise_shard(job: ShardJob, shard: Shard, report: Callable[[int, int], Non
     report(max(shard.input_bytes - reported, 0), 0)  # what the blocks did not count (parquet, hub rows)
     record = {"shard": shard.name, "key": job.key, **counts, "fields": list(fields), "field_seen": field_seen,
               "dtype": job.dtype, "bin_stat": _stat(writer.bin_file)}
-    write_atomically(shard_record_path(job.folder, shard), lambda handle: handle.write(json.dumps(record).encode()))
+    write_atomically(shard_record_path(job.folder, shard), lambda handle: handle.write(json.dumps(record).encode()),
+                     staged_suffix())
     return record
 
 
@@ -148,7 +149,7 @@ class ShardRunner:
             for queue in (todo, results):  # a feeder thread left waiting would hold the exit
                 queue.cancel_join_thread()
                 queue.close()
-            remove_temporaries(self.job.folder, shards)  # of the shards the ended processes were writing
+            remove_temporaries(self.job.folder, shards, [worker.pid for worker in workers if worker.pid])
 
     def _collect(self, shards: list[Shard], workers, results) -> dict[int, dict]:
         """Take the processes' messages until every shard is recorded; a process's error is raised here."""
@@ -189,12 +190,15 @@ def _worker(job: ShardJob, shards: dict[int, Shard], todo, results) -> None:
     results.join_thread()  # every message out before the process goes
 
 
-def remove_temporaries(folder: Path, shards: list[Shard]) -> None:
-    """Remove what a process ended mid-shard left of ``shards`` (its staged ``.bin``/``.idx``, its record's
-    temporary); another task's shards are not touched."""
+def remove_temporaries(folder: Path, shards: list[Shard], pids: list[int]) -> None:
+    """Remove what the ended processes ``pids`` of this host left of ``shards`` mid-write (their staged
+    ``.bin``/``.idx``, their record's temporary); another process's temporaries (another task's, another rank's
+    preparing the same corpus) are not touched."""
     for shard in shards:
-        for staged in (*folder.glob(f"{shard.name}.*.tmp"), *folder.glob(f".{shard.name}.json.*.tmp")):
-            staged.unlink(missing_ok=True)
+        for pid in pids:
+            owned = staged_suffix(pid)
+            for staged in (*folder.glob(f"{shard.name}.*{owned}"), *folder.glob(f".{shard.name}.json.*{owned}")):
+                staged.unlink(missing_ok=True)
 
 
 def _check_alive(workers, done: int, total: int) -> None:

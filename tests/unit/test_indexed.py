@@ -19,7 +19,7 @@ from ppctl.data.blend import build_blended_dataset
 from ppctl.data.cache import MAX_ID_MEMO
 from ppctl.data.corpus import BlendSpec, CorpusSpec, DataError
 from ppctl.data.dataset import build_dataset, step_microbatches
-from ppctl.data.indexed import DTYPE_CODES, read_indexed, write_indexed
+from ppctl.data.indexed import DTYPE_CODES, IndexedWriter, read_indexed, write_indexed
 from ppctl.data.prepare import prepare_corpus
 from ppctl.resolve import compose_config, validate
 
@@ -47,6 +47,19 @@ def test_the_writer_writes_the_specification_byte_for_byte(tmp_path):
         assert (tmp_path / f"written{suffix}").read_bytes() == (tmp_path / f"hand{suffix}").read_bytes()
     assert (tmp_path / "hand.idx").read_bytes()[:34] == (b"MMIDIDX\x00\x00\x01\x00\x00\x00\x00\x00\x00\x00\x08"
                                                          b"\x03\x00\x00\x00\x00\x00\x00\x00\x04" + b"\x00" * 7)
+
+
+def test_two_writers_of_one_pair_at_once_each_put_the_same_bytes_in_place(tmp_path):
+    # Training ranks preparing one corpus write the same shard at once: neither may take the other's temporary.
+    first, second = IndexedWriter(tmp_path / "corpus", "uint16"), IndexedWriter(tmp_path / "corpus", "uint16")
+    with first:
+        with second:
+            for writer in (first, second):
+                writer.add([1, 2, 3, 4], [3, 1])
+        first.add([5], [1])
+    corpus = read_indexed(tmp_path / "corpus")
+    assert [corpus.document(index).tolist() for index in range(3)] == [[1, 2, 3], [4], [5]]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["corpus.bin", "corpus.idx"]
 
 
 @pytest.mark.parametrize("dtype", [name for name in DTYPE_CODES.values()])

@@ -1,6 +1,7 @@
 """A corpus cut into shards: the cuts, the tasks' shares, the shards read as one stream, and the prepared corpus the
 same token for token and boundary for boundary however it is cut, in however many processes or tasks."""
 
+import dataclasses
 import json
 import os
 
@@ -183,6 +184,51 @@ def test_a_shard_changed_after_it_was_written_is_redone_alone(tmp_path, monkeypa
     monkeypatch.setattr(tokenise, "tokenise_shard", lambda job, shard, report: redone.append(shard.index) or
                         real(job, shard, report))
     assert entry_bytes(prepare_corpus(spec)) == expected and redone == [1]
+
+
+def test_ranks_preparing_one_corpus_at_once_all_end_with_the_same_entry(tmp_path):
+    # Each training rank calls prepare_corpus; started together they race for the same shards, as on a cluster.
+    import multiprocessing
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for part in range(3):
+        write_jsonl(data / f"part{part}.jsonl", rows(120, seed=part))
+    spec = CorpusSpec("text", str(data), tmp_path / "cache", shard_mib=0.005, num_proc=1)
+    context = multiprocessing.get_context("fork")
+    start, results = context.Barrier(3), context.Queue()
+    ranks = [context.Process(target=_prepare_after, args=(spec, start, results)) for _ in range(3)]
+    for rank in ranks:
+        rank.start()
+    outcomes = [results.get(timeout=120) for _ in ranks]
+    for rank in ranks:
+        rank.join(30)
+    alone = prepare_corpus(dataclasses.replace(spec, cache_dir=tmp_path / "alone"))
+    assert outcomes == [entry_bytes(alone)] * 3
+    assert not [path.name for path in next((tmp_path / "cache").iterdir()).iterdir() if path.name.endswith(".tmp")]
+
+
+def _prepare_after(spec, start, results) -> None:
+    """A rank: wait for the others, prepare, put the entry's bytes (or the error) on ``results``."""
+    start.wait()
+    try:
+        results.put(entry_bytes(prepare_corpus(spec)))
+    except Exception as error:  # the parent's assertion shows it
+        results.put(repr(error))
+
+
+def test_a_parent_removes_only_its_own_ended_processes_temporaries(tmp_path):
+    from ppctl.data.indexed import staged_suffix
+    from ppctl.data.shards import Shard
+    from ppctl.data.tokenise import remove_temporaries
+
+    shard = Shard(0, (), 0)
+    names = [f"{shard.name}.bin.x{staged_suffix(11)}", f".{shard.name}.json.y{staged_suffix(11)}",
+             f"{shard.name}.bin.z{staged_suffix(12)}", f"{shard.name}.idx.w{staged_suffix(12)}"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    remove_temporaries(tmp_path, [shard], [11])
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(names[2:])
 
 
 def test_a_corpus_without_the_text_field_is_refused_naming_the_fields_it_has(tmp_path):
