@@ -92,3 +92,20 @@ def check_ppctl_config(parser: argparse.ArgumentParser, overrides: list[str]) ->
         resolve(compose_config(overrides), data=False)
     except ConfigError as error:
         parser.error(f"these arguments make a run ppctl refuses: {error}")
+
+
+def parse_block_args(description: str, layers: int, argv: list[str] | None = None) -> argparse.Namespace:
+    """The options of a benchmark timing GPT layers as one middle stage (``--hidden``, ``--heads``, ``--layers``
+    (default ``layers``), ``--seq``, ``--micro-batch``, ``--repeats``, ``--warmup``); ``--heads`` must divide
+    ``--hidden``. A bad one is argparse's error, exit 2, before any model."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--hidden", type=positive_int, default=768)
+    parser.add_argument("--heads", type=positive_int, default=12)
+    parser.add_argument("--layers", type=positive_int, default=layers)
+    parser.add_argument("--seq", type=positive_int, default=256)
+    parser.add_argument("--micro-batch", type=positive_int, default=2)
+    parser.add_argument("--repeats", type=positive_int, default=7)
+    parser.add_argument("--warmup", type=non_negative_int, default=1)
+    args = parser.parse_args(argv)
+    divides(parser, ("--hidden", args.hidden), ("--heads", args.heads))
+    return args

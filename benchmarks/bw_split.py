@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.args import divides, non_negative_int, positive_int  # noqa: E402
+from benchmarks.args import parse_block_args
 from ppctl.model.gpt.model import GPTChunk, GPTConfig  # noqa: E402
 from ppctl.parallel.layout import StageLayers  # noqa: E402
 from ppctl.pipeline.stage import PipelineStage, StageIO, TensorSpec  # noqa: E402
@@ -91,18 +91,8 @@ def one_round(stages: dict[str, PipelineStage], stage_input: torch.Tensor, grad_
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The options (``argv``, else the command line's); a bad one is argparse's error, exit 2, before any model."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=positive_int, default=768)
-    parser.add_argument("--heads", type=positive_int, default=12)
-    parser.add_argument("--layers", type=positive_int, default=4)
-    parser.add_argument("--seq", type=positive_int, default=256)
-    parser.add_argument("--micro-batch", type=positive_int, default=2)
-    parser.add_argument("--repeats", type=positive_int, default=7)
-    parser.add_argument("--warmup", type=non_negative_int, default=1)
-    args = parser.parse_args(argv)
-    divides(parser, ("--hidden", args.hidden), ("--heads", args.heads))
-    return args
+    """The options (``argv``, else the command line's): ``benchmarks.args.parse_block_args``."""
+    return parse_block_args(__doc__.splitlines()[0], 4, argv)
 
 
 def main() -> None:

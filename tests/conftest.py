@@ -1,12 +1,37 @@
 """Session-wide fixtures: the long-lived worker pools of the multi-process tests (tests/harness/pool.py), and the
 backend they run on (tests/harness/backend.py: gloo, or NCCL with ``PPCTL_TEST_BACKEND=nccl``)."""
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.harness.backend import chosen_backend, gloo_only_reason
 from tests.harness.pool import POOLS
+
+
+INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+OWN_INDUCTOR_CACHE = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    """One inductor cache folder for the whole suite run (``trainer.compile``'s tests): set here, in the first pytest
+    process, before any worker starts, so that every process of the run (pytest-xdist's, their worker pools' and the
+    CLI tests' launches) inherits it, and a block shape compiled by one is loaded, not compiled, by the others. A
+    fresh folder per run: a stale cache from another torch or ppctl would time the suite wrongly. One set by the
+    caller is kept."""
+    if INDUCTOR_CACHE not in os.environ:
+        os.environ[INDUCTOR_CACHE] = config.stash[OWN_INDUCTOR_CACHE] = tempfile.mkdtemp(prefix="ppctl-inductor-")
+
+
+def pytest_unconfigure(config):
+    """Remove the inductor cache folder this process made (``pytest_configure``) once the run ends."""
+    folder = config.stash.get(OWN_INDUCTOR_CACHE, None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+        del os.environ[INDUCTOR_CACHE]
 
 
 @pytest.fixture(scope="session", autouse=True)

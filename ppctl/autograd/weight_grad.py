@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Variable
 
+from ppctl.autograd.compiled import outside_graph
+
 Grads = tuple["torch.Tensor | None", ...]
 
 
@@ -296,6 +298,7 @@ class _SplitWeightGrad(torch.autograd.Function):
         return (None, None, grad_input, *ctx.op.weight_grads(grad_output, saved, weights, wanted))
 
 
+@outside_graph  # its backward asks the store at run time: never traced into a compiled graph (trainer.compile)
 def split_op(op: SplitOp, inputs: torch.Tensor, weights: Sequence, store: "WeightGradStore | None") -> torch.Tensor:
     """Apply ``op`` to ``inputs`` with ``weights``; with a deferring ``store`` its weight gradients wait for W."""
     return _SplitWeightGrad.apply(op, store, inputs, *weights)

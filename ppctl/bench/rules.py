@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-AGAINST = ("auto", "torch", "plain", "none")
+AGAINST = ("auto", "torch", "plain", "eager", "none")
 
 # ppctl schedule -> the torch.distributed.pipelining class that runs the same order of actions on the same placement.
 TORCH_SCHEDULE_CLASSES = {
@@ -34,6 +34,9 @@ TORCH_SCHEDULE_CLASSES = {
 # Largest relative difference between the two sides' step losses still called "the same work", by precision: the
 # two sum the same terms in different orders (gradients, norms), which moves the losses by a few ulps per step.
 LOSS_TOLERANCE = {"fp64": 1e-9, "fp32": 1e-4}
+# torch.distributed.pipelining's classes whose backward-input action keeps the graph for a later weight action, which
+# a compiled block's backward refuses ("compiled with non-empty donated buffers"; benchmarks/RESULTS.md, measured).
+TORCH_CLASSES_NOT_COMPILED = ("interleaved_zb", "zbv")
 
 
 @dataclass(frozen=True)
@@ -78,12 +81,17 @@ def bench_problem(config, against: str, steps: int, repeats: int) -> str | None:
         return f"--against {against!r}: choose one of {', '.join(AGAINST)}"
     if against == "plain" and parallel.pp != 1:
         return f"--against plain compares a pp=1 run with a plain PyTorch loop; this config has parallel.pp={parallel.pp}"
-    if against == "none":
+    if against == "eager" and not config.trainer.compile:
+        return "--against eager compares trainer.compile=true with the same run eager; set trainer.compile=true"
+    if against in ("none", "eager"):
         return None
     name = config.schedule.name
     if against == "torch" and name not in TORCH_SCHEDULE_CLASSES:
         return (f"--against torch: torch.distributed.pipelining has no schedule class for schedule={name}; "
                 f"it has {', '.join(TORCH_SCHEDULE_CLASSES)}")
+    if against == "torch" and config.trainer.compile and name in TORCH_CLASSES_NOT_COMPILED:
+        return (f"--against torch: {TORCH_SCHEDULE_CLASSES[name]} fails on compiled blocks (its split backward keeps "
+                f"the graph, which compiled backward functions refuse); use --against eager, or trainer.compile=false")
     others = {"parallel.tp": parallel.tp, "parallel.cp": parallel.cp, "parallel.dp": parallel.dp}
     wider = [f"{key}={value}" for key, value in others.items() if value != 1]
     if wider:

@@ -9,6 +9,8 @@ between steps (weights, gradients, optimizer state, buffers), for the memory fig
   shows: a ``PipelineStage`` per local chunk, the schedule class of the same schedule,
   a loss function, then the global gradient norm over the pipeline, clipping and AdamW.
 - ``PlainLoopSide``: at pp=1, forward and backward of each microbatch, clip, AdamW.
+- ``EagerSide``: ppctl's ``Trainer`` again with ``trainer.compile=false`` (the run's own is compiled): what
+  compiling the blocks gains, any layout and schedule.
 
 The other sides' chunks come from ppctl's builder (equal weights: initialisation depends
 on the seed alone), their optimizer from the same AdamW groups, their data from a second
@@ -17,12 +19,13 @@ iterator over the same samples, their loss from the same ``MaskedTokenLoss``.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import torch
 from torch import nn
 
-from ppctl.resolve.resolved import ResolvedConfig
+from ppctl.resolve.resolved import ResolvedConfig, resolve
 from ppctl.model.stages import MaskedTokenLoss, chunk_fields
 from ppctl.optim.grads import build_optimizer, clip_gradients, global_grad_norm
 from ppctl.optim.lr import learning_rate, lr_schedule_of, set_learning_rate
@@ -45,6 +48,17 @@ class PpctlSide:
     def run_steps(self, first: int, count: int) -> list[float | None]:
         """Train ``count`` steps from ``first`` (one stream for PipeDream-2BW); their losses."""
         return [result.loss for result in self.trainer.train_steps(first, count)]
+
+
+class EagerSide(PpctlSide):
+    """ppctl's training step with eager blocks, beside a run whose blocks are compiled."""
+
+    name = "eager"
+
+    def __init__(self, resolved: ResolvedConfig, context: ParallelContext):
+        config = resolved.config
+        eager = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, compile=False))
+        super().__init__(Trainer(resolve(eager, check=False), context))
 
 
 class _ChunkBody(nn.Module):
@@ -174,5 +188,5 @@ class PlainLoopSide(_ReferenceParts):
 
 def other_side(against: str, resolved: ResolvedConfig, context: ParallelContext):
     """The side ppctl is compared with (None for ``none``)."""
-    sides = {"torch": TorchPipelineSide, "plain": PlainLoopSide}
+    sides = {"torch": TorchPipelineSide, "plain": PlainLoopSide, "eager": EagerSide}
     return sides[against](resolved, context) if against in sides else None

@@ -810,7 +810,8 @@ def bench(
     overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
     against: str = typer.Option("auto", "--against",
                                 help="torch: torch.distributed.pipelining's class of the same schedule; plain: a "
-                                     "plain PyTorch loop (pp=1); none: ppctl alone; auto: plain at pp=1, else torch."),
+                                     "plain PyTorch loop (pp=1); eager: ppctl with trainer.compile=false (the run "
+                                     "sets it true); none: ppctl alone; auto: plain at pp=1, else torch."),
     steps: int = typer.Option(10, "--steps", help="Training steps per timed block."),
     repeats: int = typer.Option(5, "--repeats", help="Timed blocks per side, taken in turns (after one warm-up block)."),
     schedules: Optional[str] = typer.Option(None, "--schedules",

@@ -48,7 +48,8 @@ def print_bench(results: list[dict], run_dir: Path) -> None:
     from rich.table import Table
 
     first = results[0]
-    other = {"torch": "torch.distributed.pipelining", "plain": "a plain PyTorch loop", "none": "nothing"}
+    other = {"torch": "torch.distributed.pipelining", "plain": "a plain PyTorch loop",
+             "eager": "itself with eager blocks (trainer.compile=false)", "none": "nothing"}
     table = Table(title=f"ppctl against {other[first['against']]}: median of {first['repeats']} blocks of "
                         f"{first['steps_per_block']} steps each, taken in turns")
     for column in ("schedule", "pp x vpp", "m", "ppctl ms", "other ms", "ratio (blocks)", "bubble", "sim.",

@@ -395,6 +395,10 @@ class TrainerConfig(Section):
         10, "stop with a one-line error and a non-zero exit once this many steps in a row were skipped (non-finite "
         "gradient norm): the run trains nothing. fp16's overflows while the loss scale can still fall are not "
         "counted (they neither count nor break the run of skips); one at `optimizer.min_loss_scale` is")
+    compile: bool = setting(
+        False, "compile each transformer block with `torch.compile` (inductor; on a CPU its C++ back end needs a C++ "
+        "compiler): the B/W split's ops, collectives and MoE MLPs stay eager between compiled regions; compiled "
+        "code is cached under `<run dir>/.cache/inductor` (see docs/training.md)")
     eval_every: int = setting(
         50, "validation loss (`val/loss`, `val/perplexity`) every N steps, through the schedule's forward-only "
         "path; 0 disables")

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from ppctl.autograd.compiled import outside_graph
 from ppctl.parallel.lanes import ONE_LANE, Lanes, OnLanes
 from ppctl.parallel.layout import CP_COMM_MODES, context_parallel_chunks, context_parallel_positions
 from ppctl.parallel.tensor_parallel import all_gather_single, reduce_scatter_single
@@ -114,6 +115,13 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
         if segments is not None:
             return F.scaled_dot_product_attention(query, key, value, attn_mask=segments.masks[0])
         return F.scaled_dot_product_attention(query, key, value, is_causal=True)
+    return _attention_across_ranks(query, key, value, cp, segments)
+
+
+@outside_graph  # its collectives wait on their lanes (and a pair's turn): eager, between compiled graphs
+def _attention_across_ranks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cp: "CPGroup",
+                            segments: "CPSegments | None") -> torch.Tensor:
+    """``context_parallel_attention`` over more than one CP rank, by ``cp.comm``, outside any compiled graph."""
     if not query.shape == key.shape == value.shape:
         raise ValueError(f"context-parallel attention needs query, key and value of one shape, got "
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ppctl.autograd.compiled import outside_graph
 from ppctl.autograd.weight_grad import DefersWeightGrads, WeightGradStore, add_bias, linear
 from ppctl.parallel.lanes import ONE_LANE, Lanes, OnLanes
 
@@ -168,17 +169,23 @@ _ReduceScatterToSequenceParallelRegion = _region(
     "Sum partial results and keep this rank's tokens forward; all-gather the gradient backward.")
 
 
+@outside_graph  # a collective waits on its lane (and a pair's turn): eager, between compiled graphs
+def _apply_region(region: type, tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """``region.apply(tensor, tp)``: a TP/SP region's collective, outside any compiled graph (``trainer.compile``)."""
+    return region.apply(tensor, tp)
+
+
 def enter_tp_region(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """The input of a column-parallel layer: replicated (copy) or, with SP, gathered along the sequence."""
     if tp.sequence_parallel:
-        return _GatherFromSequenceParallelRegion.apply(tensor, tp)
+        return _apply_region(_GatherFromSequenceParallelRegion, tensor, tp)
     return copy_to_tp_region(tensor, tp)
 
 
 def leave_tp_region(partial: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Sum per-rank partial results: all-reduced or, with SP, reduce-scattered along the sequence."""
     if tp.sequence_parallel:
-        return _ReduceScatterToSequenceParallelRegion.apply(partial, tp)
+        return _apply_region(_ReduceScatterToSequenceParallelRegion, partial, tp)
     return reduce_from_tp_region(partial, tp)
 
 
@@ -189,22 +196,22 @@ def sequence_slice(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 
 def copy_to_tp_region(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Enter a TP region with a replicated tensor: identity forward, gradient all-reduced backward."""
-    return tensor if tp.size == 1 else _CopyToTPRegion.apply(tensor, tp)
+    return tensor if tp.size == 1 else _apply_region(_CopyToTPRegion, tensor, tp)
 
 
 def reduce_from_tp_region(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Leave a TP region by summing partial results: all-reduce forward, identity backward."""
-    return tensor if tp.size == 1 else _ReduceFromTPRegion.apply(tensor, tp)
+    return tensor if tp.size == 1 else _apply_region(_ReduceFromTPRegion, tensor, tp)
 
 
 def gather_from_tp_region(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Concatenate every rank's last-dim slice (forward); split the gradient back (backward)."""
-    return tensor if tp.size == 1 else _GatherFromTPRegion.apply(tensor, tp)
+    return tensor if tp.size == 1 else _apply_region(_GatherFromTPRegion, tensor, tp)
 
 
 def scatter_to_tp_region(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Keep this rank's last-dim slice (forward); all-gather the gradient (backward)."""
-    return tensor if tp.size == 1 else _ScatterToTPRegion.apply(tensor, tp)
+    return tensor if tp.size == 1 else _apply_region(_ScatterToTPRegion, tensor, tp)
 
 
 # ---------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -82,6 +83,47 @@ def backend_problem(backend: str, local_workers: int, gpus: int) -> str | None:
     return None
 
 
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+INDUCTOR_CACHE = Path(".cache") / "inductor"  # under the run directory: trainer.compile's compiled code
+
+
+def compile_env(config: PpctlConfig, run_dir: Path) -> dict[str, str]:
+    """The workers' environment for ``trainer.compile``: inductor's cache in ``<run dir>/.cache/inductor``.
+
+    Set by the launcher, before any worker starts, so every worker of the run shares the folder and a resumed or
+    requeued run in the same directory loads what an earlier one compiled. A worker cannot set it itself: importing
+    Dynamo (which torch's own ops may do first: an initialisation on the meta device) fixes inductor's default in its
+    environment. A folder the user set (``TORCHINDUCTOR_CACHE_DIR`` in ppctl's environment) is kept.
+    """
+    if not config.trainer.compile or users_inductor_cache() is not None:
+        return {}
+    return {INDUCTOR_CACHE_ENV: str((Path(run_dir) / INDUCTOR_CACHE).resolve())}
+
+
+def users_inductor_cache() -> str | None:
+    """``TORCHINDUCTOR_CACHE_DIR`` as the user set it, or None: unset, or set by Dynamo's import to inductor's default
+    (the launcher imports Dynamo when it builds a model on the meta device to check a checkpoint's shapes)."""
+    value = os.environ.get(INDUCTOR_CACHE_ENV)
+    if value is not None and "torch._dynamo" in sys.modules:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        return None if os.path.abspath(default_cache_dir()) == value else value
+    return value
+
+
+def compile_problem(config: PpctlConfig, backend: str) -> str | None:
+    """Why ``trainer.compile=true`` cannot compile on this node's CPU workers, or None.
+
+    Inductor's CPU back end builds C++ at the first step with ``$CXX`` (else ``g++``, as inductor chooses); without
+    that compiler every worker would fail there, minutes into the run, so it is refused before anything starts.
+    """
+    compiler = os.environ.get("CXX", "g++")
+    if config.trainer.compile and backend == "gloo" and shutil.which(compiler) is None:
+        return (f"trainer.compile=true on CPU workers needs a C++ compiler for inductor: {compiler!r} is not on the "
+                f"PATH (install gcc/g++, set CXX to one, or set trainer.compile=false)")
+    return None
+
+
 def threads_per_worker(config: PpctlConfig) -> int:
     """Intra-op threads per worker so that the local workers do not oversubscribe the cores."""
     if config.launcher.threads_per_worker:
@@ -134,7 +176,7 @@ def build_launch_plan(config: PpctlConfig, request: LaunchRequest, backend: str)
     threads = str(threads_per_worker(config))
     # When torchrun itself must stop the workers (ppctl was killed), it gives them as long as ppctl would.
     env = {"OMP_NUM_THREADS": threads, "PPCTL_THREADS": threads,
-           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(launcher.shutdown_timeout_s)}
+           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(launcher.shutdown_timeout_s), **compile_env(config, run_dir)}
     if task != "train":
         notice = "the workers end now"
     elif config.trainer.checkpoints:

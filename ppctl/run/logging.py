@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from ppctl.config import PpctlConfig
@@ -99,6 +100,9 @@ class TrainingLogger:
             parts.append(f"context parallel attention: {parallel.cp_comm}")
         if parallel.sequence_parallel:
             parts.append("sequence parallel")
+        if trainer.compile:
+            cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's default")
+            parts.append(f"compiled blocks (torch.compile, inductor; its cache {cache})")
         return " | ".join(parts)
 
     def log(self, result) -> None:
@@ -118,6 +122,9 @@ class TrainingLogger:
         self.eta.record(step, result.step_time_s)
         if step == 1 or step == trainer.max_steps or step % trainer.log_every == 0:
             print(format_step(result, trainer.max_steps, self.eta.remaining_s(), self._input_tokens()), flush=True)
+        if trainer.compile and len(self.eta.durations) == 1:
+            print(f"step {step}: compilation of the blocks ended with this step ({result.step_time_s:.1f} s, its "
+                  f"tokens/s included; the ETA leaves it out)", flush=True)
         if result.skipped:
             print(f"step {step}: gradient norm {result.grad_norm}: step skipped, nothing updated "
                   f"({result.skipped_steps} skipped so far)", flush=True)

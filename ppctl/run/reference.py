@@ -25,6 +25,7 @@ import torch
 from ppctl.config import PpctlConfig
 from ppctl.data.dataset import Microbatch, build_microbatch
 from ppctl.model.family import ResolvedModel, resolve_model
+from ppctl.model.compiled import compile_blocks
 from ppctl.model.from_config import build_chunk, dataset_of
 from ppctl.model.moe.layer import set_router_loss_scale
 from ppctl.model.moe.statistics import routing_statistics, routing_table, update_expert_biases
@@ -48,7 +49,10 @@ class ReferenceRun:
 def reference_model(config: PpctlConfig, resolved: ResolvedModel | None = None) -> torch.nn.Module:
     """The whole model of ``config`` (its ``ResolvedModel``, resolved here if not given) as one chunk (one process:
     nothing of a parallel layout, and no recomputation: a run that recomputes must compute the same)."""
-    return build_chunk(config, StageLayers.whole(config.model.num_layers), recompute=Recompute(), model=resolved)
+    model = build_chunk(config, StageLayers.whole(config.model.num_layers), recompute=Recompute(), model=resolved)
+    if config.trainer.compile:
+        compile_blocks(model)  # a compiled run's reference compiles its blocks the same way
+    return model
 
 
 def reference_step(model: torch.nn.Module, optimizer, batch, clip_grad: float,

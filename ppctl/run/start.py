@@ -25,8 +25,8 @@ from ppctl.fileio import os_reason
 from ppctl.resolve import to_yaml
 
 from ppctl.run.launch import (LaunchPlan, LaunchRequest, LaunchResult, backend_problem, build_launch_plan,
-                              describe_interruption, describe_workers, local_gpus, resolve_backend, run_plan,
-                              saved_on_stop)
+                              compile_problem, describe_interruption, describe_workers, local_gpus, resolve_backend,
+                              run_plan, saved_on_stop)
 from ppctl.run.rendezvous import rendezvous_problem
 from ppctl.run.rundir import (RunDirError, clear_earlier_run, clears_earlier_run, run_dir_problem, write_files,
                               write_run_dir)
@@ -77,7 +77,8 @@ def plan_launch(resolved: ResolvedConfig, request: LaunchRequest) -> Launch:
     if problem is not None:
         raise LaunchError(problem)
     backend = resolve_backend(config.launcher.backend, resolved.sizes.nproc_per_node)
-    problem = backend_problem(backend, resolved.sizes.nproc_per_node, local_gpus())
+    problem = (backend_problem(backend, resolved.sizes.nproc_per_node, local_gpus())
+               or compile_problem(config, backend))
     if problem is not None:
         raise LaunchError(problem)
     banner = (f"run directory: {run_dir}  ({task}, {backend}, {config.launcher.nnodes} node(s), "

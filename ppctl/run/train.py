@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ppctl.config import PpctlConfig
 from ppctl.resolve.resolved import ResolvedConfig
 from ppctl.data.iterator import PipelineDataIterator
+from ppctl.model.compiled import compile_blocks
 from ppctl.model.from_config import build_chunk, dataset_of
 from ppctl.model.moe.layer import set_router_loss_scale
 from ppctl.model.moe.statistics import RoutingStatistics, routing_statistics, routing_table, update_expert_biases
@@ -180,6 +181,8 @@ def build_chunks(resolved: ResolvedConfig, context: ParallelContext, load_init_f
     for stage in resolved.rank_stages(context.pp_rank):
         chunk = build_chunk(config, stage, groups, load_init_from=load_init_from, model=resolved.model)
         chunks[stage.stage] = chunk.to(context.device)
+        if config.trainer.compile:
+            compile_blocks(chunks[stage.stage])  # compiled at its first microbatch (ppctl.model.compiled)
     # Model-stage order: DualPipe's mirror ranks then list the same parameters in the same order.
     return dict(sorted(chunks.items(), key=lambda item: context.layout.placement.model_stage(item[0])))
 

@@ -1,7 +1,8 @@
 """Every layout and schedule trains exactly like one process on the same global batch.
 
 One launch per layout trains several runs (schedules, position embeddings, tied
-embeddings, a loss mask with holes, documents kept apart, float64, the tanh GELU at tp=2; at pp=4's world size of 4,
+embeddings, a loss mask with holes, documents kept apart, float64, the tanh GELU at tp=2, compiled blocks at tp=2 and
+through ZB-H1 and DualPipeV at pp=2; at pp=4's world size of 4,
 loss masks skewed across microbatches at other layouts and microbatch counts); each is compared with
 the single-process run as a user would launch it (the same overrides with ``parallel=single``): per-step
 losses and grad norms, step-0 gradients and final parameters, within the tolerances of
@@ -65,6 +66,12 @@ def test_gpipe_and_1f1b_match_single_process(tp, pp, dp):
                  BASE + layout + ["schedule=zbv", "model.recompute=full"] + sp + LLAMA + DOCUMENTS + FP64]
     if (tp, pp, dp) == (1, 4, 1):  # the loss is the mean over the global batch's trained tokens, whatever the split
         runs += skewed_mask_runs()
+    # Compiled blocks (trainer.compile), against one process compiled the same way: ZB-H1's B/W split and DualPipeV's
+    # pairs at pp=2 (the split ops eager between compiled regions), TP's collectives between them at tp=2.
+    if (tp, pp, dp) == (1, 2, 1):
+        runs += [BASE + layout + [f"schedule={name}", "trainer.compile=true"] for name in ("zb_h1", "dualpipev")]
+    if (tp, pp, dp) == (2, 1, 1):
+        runs.append(BASE + layout + ["schedule=1f1b", "trainer.compile=true"])
     assert_equivalent(runs, world_size=tp * pp * dp)
 
 

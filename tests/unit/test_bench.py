@@ -36,6 +36,8 @@ def test_every_torch_class_exists_in_torch():
     (["optimizer.gradient_delay=1"], "torch", "gradient_delay=1"),
     ([], "plain", "parallel.pp=2"),
     ([], "sideways", "choose one of"),
+    ([], "eager", "set trainer.compile=true"),
+    (["schedule=zbv", "trainer.compile=true"], "torch", "ScheduleZBVZeroBubble fails on compiled blocks"),
 ])
 def test_refusals_name_the_setting(overrides, against, words):
     problem = bench_problem(config_of(*overrides), against, 2, 1)
@@ -48,6 +50,10 @@ def test_accepted_comparisons():
     assert bench_problem(config_of("schedule=hanayo", "parallel.dp=2"), "none", 2, 1) is None
     assert bench_problem(compose_config(["parallel=single"]), "plain", 2, 1) is None
     assert "at least 1" in bench_problem(config_of(), "torch", 0, 1)
+    # compiled against eager: ppctl on both sides, any layout and schedule
+    assert bench_problem(config_of("schedule=hanayo", "parallel.tp=2", "trainer.compile=true"), "eager", 2, 1) is None
+    # compiled on both sides where torch's class can run compiled blocks
+    assert bench_problem(config_of("schedule=1f1b", "trainer.compile=true"), "torch", 2, 1) is None
 
 
 def test_request_round_trip():

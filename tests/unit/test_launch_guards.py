@@ -228,6 +228,21 @@ def test_nccl_needs_a_gpu_per_worker_on_the_node():
 
 
 
+def test_compiled_blocks_on_cpu_need_a_cxx_compiler(monkeypatch, tmp_path):
+    """trainer.compile on CPU workers is refused in one line where inductor's C++ compiler is missing."""
+    from ppctl.resolve import compose_config
+    from ppctl.run.launch import compile_problem
+
+    compiled, eager = compose_config(["trainer.compile=true"]), compose_config([])
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    problem = compile_problem(compiled, "gloo")
+    assert problem.startswith("trainer.compile=true on CPU workers needs a C++ compiler") and "\n" not in problem
+    assert "no-such-c++" in problem
+    assert compile_problem(eager, "gloo") is None and compile_problem(compiled, "nccl") is None
+    monkeypatch.setenv("CXX", "sh")  # any program on the PATH stands for one here
+    assert compile_problem(compiled, "gloo") is None
+
+
 def test_no_gpu_device_node_means_no_gpus_without_importing_torch(monkeypatch):
     """The launch asks how many GPUs the node has; where no GPU driver's device node exists the answer is 0 at
     once (importing torch to ask costs seconds per launch); where one does, torch counts."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ppctl.autograd.compiled import outside_graph
 from ppctl.autograd.weight_grad import DefersWeightGrads, linear
 from ppctl.model.moe.dispatch import permute, plan_dispatch, unpermute_and_combine
 from ppctl.model.moe.router import Router, Routing, balancing_loss, z_loss
@@ -108,6 +109,7 @@ class MoEMLP(nn.Module):
         self.router_loss_scale = 1.0  # a plain backward of one microbatch's mean loss: the router losses as they are
         self.record = RoutingRecord()
 
+    @outside_graph  # data-dependent counts and the expert exchange: eager between compiled graphs (trainer.compile)
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Route and run ``hidden [batch, seq, hidden]`` (one microbatch: its tokens are the routing statistics')."""
         tokens = hidden.reshape(-1, hidden.shape[-1])
