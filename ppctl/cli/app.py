@@ -239,11 +239,12 @@ def plan(
                                           help="Show candidate N of the list: its memory per rank by part and its "
                                                "simulated timeline."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (docs/plan.md lists the keys)."),
+    check: int = typer.Option(0, "--check", min=0, metavar="N", help="Check the first N candidates' memory at "
+                              "full size in fake tensors (ppctl check-memory's sample of ranks) and mark them."),
     config_dir: Optional[Path] = CONFIG_DIR_OPTION,
     config_name: str = CONFIG_NAME_OPTION,
 ) -> None:
     """Rank the layouts of the model on N devices that fit in memory by predicted step time."""
-    from ppctl.cli.plan_report import print_plan
     from ppctl.resolve import validate_data
     from ppctl.plan.search import DEVICES, plan as search
 
@@ -255,13 +256,38 @@ def plan(
     result = search(config, gpus, memory_bytes, top, device)
     if explain is not None and result.candidates:  # else the reasons nothing fits, below
         _explain(result, explain, config, device, list(overrides or []))
-    elif as_json:
-        sys.stdout.write(json.dumps(result.to_json(), separators=(",", ":")) + "\n")
     else:
-        print_plan(result, list(overrides or []), gpus, memory_bytes, device.describe())
+        _show_plan(result, _checked(result, config, check), as_json, list(overrides or []), gpus, memory_bytes, device)
     if not result.candidates:
         fail(f"no layout of --gpus {gpus} fits: each was left out for a reason counted "
              f"{'in refused' if as_json else 'above'}", code=1)
+
+
+def _show_plan(result, checked: list[dict], as_json: bool, user_overrides: list[str], gpus: int,
+               memory_bytes: float, device) -> None:
+    """``ppctl plan``'s table, or its JSON object (``checked``: ``--check``'s marks, under ``checked``)."""
+    from ppctl.cli.plan_report import print_plan
+
+    if as_json:
+        sys.stdout.write(json.dumps({**result.to_json(), "checked": checked}, separators=(",", ":")) + "\n")
+    else:
+        print_plan(result, user_overrides, gpus, memory_bytes, device.describe(), checked)
+
+
+def _checked(result, config: PpctlConfig, count: int) -> list[dict]:
+    """``ppctl plan --check N``: the first ``count`` candidates' sampled ranks run in fake tensors (``candidate`` its
+    place, counted from 1; its ranks' checks; the lines of the parts off by more than 5%)."""
+    from ppctl.cli.memory_check_report import misses
+    from ppctl.resolve.resolved import resolve
+    from ppctl.run.fake_rank import check_ranks, distinct_ranks
+
+    checked = []
+    for number, prediction in enumerate(result.candidates[:count], start=1):
+        resolved = resolve(prediction.candidate.apply(config), data=False)
+        checks = check_ranks(resolved, distinct_ranks(resolved, "sample"))
+        checked.append({"candidate": number, "checks": [check.to_json() for check in checks],
+                        "misses": misses(checks, 0.05)})
+    return checked
 
 
 def _plan_device(device, calibrate: Optional[Path], config: PpctlConfig):
@@ -288,6 +314,40 @@ def _explain(result, number: int, config: PpctlConfig, device, user_overrides: l
         fail(f"--explain {number}: the plan holds {len(result.candidates)} candidate(s)")
     prediction = result.candidates[number - 1]
     print_explanation(prediction, explain_candidate(config, prediction.candidate, device), user_overrides)
+
+
+@app.command("check-memory")
+def check_memory(
+    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    ranks: str = typer.Option("sample", "--ranks", help="all (every pp rank), sample (the first, a middle and the "
+                              "last pp rank), each with ep > 1 also at the last EP rank (sample: the middle one), "
+                              "or global ranks apart by commas."),
+    tolerance: float = typer.Option(0.05, "--tolerance", min=0.0, help="The largest difference of a judged part "
+                                    "(parameters, gradients, optimizer, activations, total) as a fraction."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: the checked ranks and the misses."),
+    config_dir: Optional[Path] = CONFIG_DIR_OPTION,
+    config_name: str = CONFIG_NAME_OPTION,
+) -> None:
+    """Run one step of chosen ranks at full size in fake tensors (no memory, no devices) and set each rank's
+    measured memory by part beside the memory model's prediction; exit 1 when a judged part is off."""
+    from ppctl.cli.memory_check_report import misses, print_checks
+    from ppctl.run.fake_rank import check_ranks, chosen_ranks
+
+    resolved = load_resolved(overrides, config_dir, config_name, data=False)  # synthetic microbatches: no data
+    with refused_in_one_line(ValueError):
+        chosen = chosen_ranks(resolved, ranks)
+    checks = check_ranks(resolved, chosen)
+    missed = misses(checks, tolerance)
+    if as_json:
+        sys.stdout.write(json.dumps({"checks": [check.to_json() for check in checks], "misses": missed},
+                                    separators=(",", ":")) + "\n")
+    else:
+        print_checks(checks, f"ppctl check-memory: {len(checks)} rank(s) of {resolved.layout.world_size}, measured "
+                             f"in fake tensors against the memory model")
+        for line in missed:
+            print(line)
+    if missed:
+        raise typer.Exit(1)
 
 
 @app.command("train")

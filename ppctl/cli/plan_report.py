@@ -23,25 +23,32 @@ def train_command(user_overrides: Sequence[str], prediction: Prediction) -> str:
     return shlex.join(["ppctl", "train", *user_overrides, *prediction.candidate.overrides()])
 
 
-def print_plan(plan: Plan, user_overrides: Sequence[str], devices: int, memory_bytes: float, device_text: str) -> None:
-    """The best candidates (fastest first) with their overrides, step time, bubble and largest rank's memory, then
-    how many others were refused and why."""
+def print_plan(plan: Plan, user_overrides: Sequence[str], devices: int, memory_bytes: float, device_text: str,
+               checked: Sequence[dict] = ()) -> None:
+    """The best candidates (fastest first) with their overrides, step time, bubble and largest rank's memory (and
+    with ``checked``, ``ppctl plan --check``'s marks: the largest difference of a judged part on the candidate's
+    ranks in fake tensors, then the parts off by more than 5%), then how many others were refused and why."""
     from rich.table import Table
 
     console = _console()
     table = Table(title=f"ppctl plan: {devices} devices of {memory_bytes / GIB:.0f} GiB ({device_text}), fastest first")
     experts = any(prediction.candidate.ep is not None for prediction in plan.candidates)  # a mixture: its ep too
     for column in ("#", "tp", "cp", "pp", "vpp", "dp", *(("ep",) if experts else ()), "schedule", "mbs", "recompute",
-                   "dist. opt.", "step ms", "bubble", "GiB (max rank)"):
+                   "dist. opt.", "step ms", "bubble", "GiB (max rank)", *(("checked",) if checked else ())):
         table.add_column(column, justify="right" if column not in ("schedule", "recompute") else "left")
+    marks = {entry["candidate"]: candidate_mark(entry) for entry in checked}
     for index, prediction in enumerate(plan.candidates, 1):
         candidate = prediction.candidate
         ep = (str(candidate.ep),) if experts else ()
         table.add_row(str(index), str(candidate.tp), str(candidate.cp), str(candidate.pp), str(candidate.vpp),
                       str(candidate.dp), *ep, candidate.schedule, str(candidate.micro_batch_size), candidate.recompute,
                       "yes" if candidate.distributed_optimizer else "no", f"{prediction.step_time_s * 1e3:.2f}",
-                      f"{prediction.bubble_ratio:.1%}", f"{prediction.peak_memory_bytes / GIB:.2f}")
+                      f"{prediction.bubble_ratio:.1%}", f"{prediction.peak_memory_bytes / GIB:.2f}",
+                      *((marks.get(index, "-"),) if checked else ()))
     console.print(table)
+    for entry in checked:
+        for line in entry["misses"]:
+            console.print(f"checked #{entry['candidate']}: {line}", soft_wrap=True)
     if not plan.candidates:
         console.print("no candidate fits: see the refusals below")
     for reason, count in plan.refused.most_common():
@@ -50,6 +57,15 @@ def print_plan(plan: Plan, user_overrides: Sequence[str], devices: int, memory_b
         console.print(f"the fastest, to paste: {train_command(user_overrides, plan.candidates[0])}", soft_wrap=True)
         console.print("ppctl plan ... --explain N shows candidate N's memory per rank and its simulated timeline",
                       soft_wrap=True)
+
+
+def candidate_mark(entry: dict) -> str:
+    """A checked candidate's mark: ``ok`` or ``off`` (a judged part beyond 5% on one of its ranks), and the largest
+    difference of a judged part over its checked ranks."""
+    from ppctl.cli.memory_check_report import JUDGED
+
+    worst = max((abs(check["difference"][part]) for check in entry["checks"] for part in JUDGED), default=0.0)
+    return f"{'off' if entry['misses'] else 'ok'} {worst:.1%}"
 
 
 def print_explanation(prediction: Prediction, result, user_overrides: Sequence[str]) -> None:

@@ -72,10 +72,16 @@ class ActionHooks(Protocol):
 
 
 class PipelineRuntime:
-    """Runs rank ``pp_rank``'s steps of programs over ``stages`` (global stage -> ``PipelineStage``)."""
+    """Runs rank ``pp_rank``'s steps of programs over ``stages`` (global stage -> ``PipelineStage``).
+
+    ``track_memory``: after each action the step state's ``peak_held_bytes`` notes the bytes the stages hold
+    (``held_bytes``), or what a callable given instead returns (a fake-tensor rank's meter:
+    ``ppctl.run.fake_rank``).
+    """
 
     def __init__(self, pp_rank: int, stages: dict[int, PipelineStage], transport: PipelineTransport,
-                 tracer: Tracer | None = None, release_outputs: bool = True, track_memory: bool = False):
+                 tracer: Tracer | None = None, release_outputs: bool = True,
+                 track_memory: bool | Callable[[], int] = False):
         self.pp_rank = pp_rank
         self.stages = stages
         self.transport = transport
@@ -182,7 +188,8 @@ class PipelineRuntime:
         if self.hooks is not None:
             self.hooks.after(step.action)
         if self.track_memory:
-            state.peak_held_bytes = max(state.peak_held_bytes, self.held_bytes())
+            held = self.track_memory() if callable(self.track_memory) else self.held_bytes()
+            state.peak_held_bytes = max(state.peak_held_bytes, held)
 
     def mark(self) -> tuple[float, float] | None:
         """An action's start (``Tracer.mark``) when tracing, else None (called on the thread that computes it)."""

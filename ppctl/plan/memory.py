@@ -23,8 +23,12 @@ resolved config's ``ModelShape`` (``ResolvedConfig.model.memory_shape``, built o
   activations while the backward rebuilds it. The same walk over a simulated timeline
   gives the bytes over time (``activation_bytes_over_time``, ``inspect-schedule``).
 - ``buffers``: the pipeline messages in flight (one activation being sent, one gradient
-  being received) and the backward's working memory for one microbatch (the gradients of
-  the largest layer's tensors, or of the logits on the last stage).
+  being received) and the working memory of one microbatch at the step's peak, the larger of
+  two moments: a backward (the gradients of the largest layer's tensors, on top of the kept
+  peak and a rebuilt group) and, on a rank holding a last stage, the loss's forward (its
+  logits, on top of what the rank holds after that stage's forwards: ``forward_states``),
+  which never runs within a rebuild. Checked at full size in fake tensors
+  (``ppctl check-memory``, ``ppctl.run.fake_rank``).
 
 A mixture of experts (``ModelShape.moe``): an MoE layer holds its router, its shared experts and its EP rank's
 ``num_experts / ep`` experts (all of them at ep=1), exactly as built, their gradients and optimizer state with them;
@@ -208,9 +212,9 @@ def layer_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallel
     attention's output (TP-split; the output projection reads it in place); the MLP's
     activations (b*s*f each, TP-split: the up projection's output and GELU's, or SwiGLU's gate,
     up, SiLU and product); the norms' statistics (LayerNorm: mean and 1/std in the model's
-    dtype; RMSNorm: 1/rms in float32 or wider, and each norm's unit-RMS input unless
-    ``keeps_rms_units`` says not); attention's log-sum-exp (float32, per head). With sequence
-    parallelism the norms see s/tp tokens, but the column-parallel layers keep their gathered
+    dtype; RMSNorm: 1/rms and, unless ``keeps_rms_units`` says not, each norm's unit-RMS input, both in float32
+    or wider, the input upcast in a half-precision run as in an fp32 one); attention's log-sum-exp (float32, per
+    head). With sequence parallelism the norms see s/tp tokens, but the column-parallel layers keep their gathered
     (whole-sequence) inputs: ``gathered_norm_outputs`` copies of them. All-gather context
     parallelism keeps the gathered keys and values of the whole sequence.
     ``in_backward``: the gradients of these tensors while the layer's backward runs, where a gated MLP's four
@@ -224,12 +228,14 @@ def layer_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallel
     e, wide = DTYPE_BYTES[parallel.precision], float_bytes(parallel.precision)
     bsh = b * s * h
     norm_tokens = b * s / t if parallel.sequence_parallel else b * s
-    units = 2 * norm_tokens * h if keeps_rms_units(shape, parallel) else 0
+    # each RMSNorm's unit-RMS input, upcast: float32 (or wider) in a half-precision run as in an fp32 one
+    units = wide * 2 * norm_tokens * h if keeps_rms_units(shape, parallel) else 0
     if parallel.sequence_parallel:
-        gathered_outputs = 2 if in_backward else gathered_norm_outputs(shape, parallel)
+        gathered_outputs = 2 if in_backward else gathered_norm_outputs(shape, parallel, tokens)
         whole = 2 * bsh / t + gathered_outputs * bsh  # layer input, residual (s/tp tokens); gathered norm outputs
         if moe_layer:  # the router and the experts read the MLP norm's own s/tp tokens; only shared experts gather
-            mlp_gathers = 0 if shape.moe.shared_experts else 1 if in_backward else mlp_gathered_copies(shape, parallel)
+            mlp_gathers = (0 if shape.moe.shared_experts else 1 if in_backward
+                           else mlp_gathered_copies(shape, parallel, tokens))
             whole += bsh / t - mlp_gathers * bsh
     else:
         whole = 4 * bsh
@@ -245,7 +251,7 @@ def layer_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallel
     gathered = 2 * b * s * gathered_width * (parallel.cp - 1) / t if cp_gathers else 0
     log_sum_exp = wide * b * s * shape.heads / t if attention_core else 0
     experts = moe_mlp_activation_bytes(shape, tokens, parallel, in_backward) if moe_layer else 0
-    return round(e * (whole + units + attention + mlp + gathered) + statistics + log_sum_exp) + experts
+    return round(e * (whole + attention + mlp + gathered) + units + statistics + log_sum_exp) + experts
 
 
 def mlp_activation_units(shape: ModelShape, rows: int, ffn: int, in_backward: bool = False) -> float:
@@ -289,7 +295,7 @@ def keeps_rms_units(shape: ModelShape, parallel: Parallelism) -> bool:
     return not shape.norm_has_bias and not parallel.split_backward
 
 
-def gathered_norm_outputs(shape: ModelShape, parallel: Parallelism) -> int:
+def gathered_norm_outputs(shape: ModelShape, parallel: Parallelism, tokens: Tokens) -> int:
     """How many whole-sequence copies (b*s*h each) of its two norms' outputs a layer keeps with sequence parallelism.
 
     The sequence all-gather hands each block a [b, s, h] view of a sequence-major buffer, which
@@ -297,16 +303,18 @@ def gathered_norm_outputs(shape: ModelShape, parallel: Parallelism) -> int:
     keeps that copy for its weight gradient: one per projection reading the gathered input (fused
     QKV or q, k and v apart; the MLP's input projection, or SwiGLU's gate and up). A split op (a
     schedule that splits B and W) keeps the gathered view itself: one buffer per block. Measured
-    with saved-tensor hooks on a Llama layer at tp=2 under 1F1B: five b*s*h copies, not two.
+    with saved-tensor hooks on a Llama layer at tp=2 under 1F1B: five b*s*h copies, not two. A microbatch of one
+    sequence is gathered contiguous (b = 1: sequence-major is batch-major), so every projection reads the
+    buffer as it is: one per block (measured in fake tensors on Llama 3 8B at tp=8: two, five at b = 2).
     """
-    if parallel.split_backward:
+    if parallel.split_backward or tokens.batch == 1:
         return 2
-    return (1 if shape.fused_qkv else 3) + mlp_gathered_copies(shape, parallel)
+    return (1 if shape.fused_qkv else 3) + mlp_gathered_copies(shape, parallel, tokens)
 
 
-def mlp_gathered_copies(shape: ModelShape, parallel: Parallelism) -> int:
+def mlp_gathered_copies(shape: ModelShape, parallel: Parallelism, tokens: Tokens) -> int:
     """The whole-sequence copies of the MLP norm's output a dense MLP keeps under SP (``gathered_norm_outputs``)."""
-    return 1 if parallel.split_backward or not shape.gated_mlp else 2
+    return 1 if parallel.split_backward or tokens.batch == 1 or not shape.gated_mlp else 2
 
 
 def layer_input_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallelism) -> int:
@@ -329,9 +337,9 @@ def ends_activation_bytes(shape: ModelShape, chunk: Chunk, tokens: Tokens, paral
         total += 2 * e * b * s * (shape.attention_width // shape.heads)  # the rotary cos and sin, shared by the layers
     if chunk.post_process:
         norm_tokens = b * s / t if parallel.sequence_parallel else b * s
-        rank_tokens_kept = (2 if keeps_rms_units(shape, parallel) else 1) * norm_tokens * h
+        units = wide * norm_tokens * h if keeps_rms_units(shape, parallel) else 0  # upcast, as a layer's norms'
         statistics = e * 2 * norm_tokens if shape.norm_has_bias else wide * norm_tokens  # mean, 1/std; or 1/rms
-        total += round(e * (rank_tokens_kept + b * s * h) + statistics)
+        total += round(e * (norm_tokens * h + b * s * h) + units + statistics)
         # The loss keeps the softmax of the rank's real classes (not the padding): the most on TP rank 0.
         total += wide * b * s * min(shape.vocab or shape.padded_vocab, shape.padded_vocab // t)
         total += INDEX_BYTES * b * s + b * s
@@ -372,8 +380,8 @@ def mean_layer_activation_bytes(shape: ModelShape, chunk: Chunk, tokens: Tokens,
 def stash_bytes(shape: ModelShape, chunk: Chunk, tokens: Tokens, parallel: Parallelism) -> int:
     """What a split backward's B leaves for W per microbatch: each deferred linear's input and output gradient,
     recomputed or not (the first stage's B defers its whole backward: what its forward kept). An MoE layer's MLP
-    stashes its router's (input and logits' gradient), each expert's for its routed rows, and the shared experts'
-    (their input is the router's)."""
+    stashes its router's (input and logits' gradient), each expert's for its routed rows (both on the rank's own
+    tokens: s/tp with sequence parallelism), and the shared experts' (their input is the router's)."""
     if chunk.pre_process:
         return chunk_activation_bytes(shape, chunk, tokens, parallel)[0]
     b, s, h, f, t = tokens.batch, tokens.seq, shape.hidden, shape.ffn, parallel.tp
@@ -386,7 +394,10 @@ def stash_bytes(shape: ModelShape, chunk: Chunk, tokens: Tokens, parallel: Paral
         moe = shape.moe
         shared = h + mlp_width * moe.shared_ffn_hidden_size if moe.shared_experts else 0
         routed = moe.topk * (2 * h + mlp_width * moe.expert_ffn_hidden_size)
-        per_moe_layer = e * b * s * (2 * h + (2 * a + 2 * k) / t + h + moe.num_experts + routed + shared)
+        # the router and the experts see the rank's own tokens: s/tp of them with sequence parallelism
+        routed_tokens = b * s / t if parallel.sequence_parallel else b * s
+        per_moe_layer = (e * b * s * (2 * h + (2 * a + 2 * k) / t + shared)
+                         + e * routed_tokens * (h + moe.num_experts + routed))
         layers += chunk.moe_layers * per_moe_layer
     logits = e * b * s * (shape.hidden + shape.padded_vocab / t) if chunk.post_process else 0
     return round(layers + logits)
@@ -425,6 +436,21 @@ def in_flight_states(actions: Iterable[tuple[str, int]]) -> frozenset[InFlightSt
     which dominates it), but for a first action's.
     """
     actions = list(actions)
+    kept = list(map(_STATE_KEPT_AFTER.get, map(itemgetter(0), actions), repeat(True)))
+    if kept:
+        kept[0] = True
+    return _states_after(actions, kept)
+
+
+def forward_states(actions: Iterable[tuple[str, int]], stages: Iterable[int]) -> frozenset[InFlightState]:
+    """The undominated states (``in_flight_states``) just after each forward of one of ``stages``: for a model
+    copy's last stages, what a rank holds while their loss computes its logits (``loss_workspace_bytes``)."""
+    actions, forwards = list(actions), {(FORWARD, stage) for stage in stages}
+    return _states_after(actions, [action in forwards for action in actions])
+
+
+def _states_after(actions: list[tuple[str, int]], chosen: list[bool]) -> frozenset[InFlightState]:
+    """The undominated states after the ``chosen`` actions (a flag per action), as ``in_flight_states`` gives them."""
     stages = sorted({stage for _, stage in actions})
     # The walk in C loops (a rank has up to thousands of actions, a search walks millions): per stage, its two
     # counts (forwards kept, stashes kept) as running sums of each action's change to them, zipped into states.
@@ -434,10 +460,7 @@ def in_flight_states(actions: Iterable[tuple[str, int]]) -> frozenset[InFlightSt
                                      actions, repeat(0))))
         counts.append(accumulate(map({(BACKWARD_INPUT, stage): 1, (BACKWARD_WEIGHT, stage): -1}.get,
                                      actions, repeat(0))))
-    kept = list(map(_STATE_KEPT_AFTER.get, map(itemgetter(0), actions), repeat(True)))
-    if kept:
-        kept[0] = True
-    seen = set(compress(zip(*counts), kept))
+    seen = set(compress(zip(*counts), chosen))
     return frozenset(tuple((stage, state[2 * index], state[2 * index + 1]) for index, stage in enumerate(stages))
                      for state in _undominated(seen))
 
@@ -483,15 +506,25 @@ def activation_bytes_over_time(actions: Iterable, kept: dict[int, int],
 
 
 def backward_workspace_bytes(shape: ModelShape, chunks: Sequence[Chunk], tokens: Tokens, parallel: Parallelism) -> int:
-    """The gradients of one microbatch's tensors while its backward runs: the largest layer's, or the logits'."""
-    b, s, t = tokens.batch, tokens.seq, parallel.tp
+    """The working memory of one microbatch's backward on top of what the schedule keeps: the gradients of the
+    largest layer's tensors while its backward runs (0 for chunks without layers)."""
     layer = layer_activation_bytes(shape, tokens, parallel, in_backward=True) if any(
         chunk.layers > chunk.moe_layers for chunk in chunks) else 0
     if any(chunk.moe_layers for chunk in chunks):
         layer = max(layer, layer_activation_bytes(shape, tokens, parallel, in_backward=True, moe_layer=True))
-    logits = 2 * float_bytes(parallel.precision) * b * s * shape.padded_vocab // t if any(
-        chunk.post_process for chunk in chunks) else 0
-    return max(layer, logits)
+    return layer
+
+
+def loss_workspace_bytes(shape: ModelShape, chunks: Sequence[Chunk], tokens: Tokens, parallel: Parallelism) -> int:
+    """On a rank holding the last stage, the loss's logits while its forward runs, on top of what the rank keeps: three
+    of them at once in a half-precision run (the logits, their float32 copy and the max-shifted copy; the softmax it
+    keeps is an activation) and two in fp32 or fp64 (the copy is the logits), more than their gradients in the
+    backward (measured in fake tensors on Llama 3 8B at tp=8, bf16: the last stage's peak 6% under without the
+    third); 0 on other ranks."""
+    if not any(chunk.post_process for chunk in chunks):
+        return 0
+    wide, e = float_bytes(parallel.precision), DTYPE_BYTES[parallel.precision]
+    return (2 * wide + (e if e != wide else 0)) * tokens.batch * tokens.seq * shape.padded_vocab // parallel.tp
 
 
 @dataclass(frozen=True)
@@ -517,19 +550,28 @@ def activation_tables(shape: ModelShape, chunks: Sequence[Chunk], tokens: Tokens
 
 
 def rank_memory(shape: ModelShape, chunks: Sequence[Chunk], in_flight: Iterable[InFlightState], tokens: Tokens,
-                parallel: Parallelism) -> MemoryParts:
+                parallel: Parallelism, loss_forwards: Iterable[InFlightState] | None = None) -> MemoryParts:
     """One pipeline rank's predicted memory (one TP rank of it; every TP and DP rank alike); ``in_flight``: the
-    ``in_flight_states`` of its actions."""
+    ``in_flight_states`` of its actions; ``loss_forwards``: its ``forward_states`` of the last stage, when it holds
+    that stage (None: taken as the peak of ``in_flight``, an upper bound).
+
+    The step's peak is the larger of two moments: a backward (the kept peak, a recomputed group rebuilt and the
+    backward's working memory), or the loss's forward (what the rank holds then and the logits' workspace), which
+    never runs within a rebuild; ``buffers`` holds the part of that peak above ``activations`` (the kept peak and one
+    group rebuilt) and the messages in flight."""
     parameters = sum(chunk_parameters(shape, chunk, parallel.tp, parallel.ep) for chunk in chunks)
     # at ep=1 the experts are dense parameters to the optimizer: reduced and sharded over the same replicas
     experts = sum(chunk.moe_layers for chunk in chunks) * expert_layer_parameters(shape, parallel.ep) \
         if parallel.ep > 1 else 0
     parameters, gradients, optimizer = state_parts(parameters, parallel, experts)
     tables = activation_tables(shape, chunks, tokens, parallel)
-    activations = in_flight_peak(in_flight, tables.kept, tables.stash) + tables.rebuilt
+    kept_peak = in_flight_peak(in_flight, tables.kept, tables.stash)
+    activations = kept_peak + tables.rebuilt
     message = DTYPE_BYTES[parallel.precision] * tokens.batch * tokens.seq * shape.hidden
     message //= parallel.tp if parallel.sequence_parallel else 1
-    buffers = 2 * message + backward_workspace_bytes(shape, chunks, tokens, parallel)
+    loss_held = kept_peak if loss_forwards is None else in_flight_peak(loss_forwards, tables.kept, tables.stash)
+    loss_moment = loss_held + loss_workspace_bytes(shape, chunks, tokens, parallel) - activations
+    buffers = 2 * message + max(backward_workspace_bytes(shape, chunks, tokens, parallel), loss_moment)
     return MemoryParts(parameters, gradients, optimizer, activations, buffers)
 
 
@@ -581,14 +623,17 @@ def rank_chunks(resolved) -> list[list[Chunk]]:
     return chunks
 
 
-def config_memory(resolved, in_flight=None) -> list[MemoryParts]:
-    """The predicted memory of every pipeline rank of a ``ResolvedConfig``, by pp rank; ``in_flight``: its
-    schedule's ``schedule_in_flight_states``, when the caller has them already."""
+def config_memory(resolved, in_flight=None, loss_forwards=None) -> list[MemoryParts]:
+    """The predicted memory of every pipeline rank of a ``ResolvedConfig``, by pp rank; ``in_flight`` and
+    ``loss_forwards``: its schedule's ``schedule_in_flight_states`` and ``schedule_loss_forward_states``, when the
+    caller has them already."""
     inputs = config_memory_inputs(resolved)
     in_flight = in_flight or schedule_in_flight_states(resolved.schedule)
+    loss_forwards = loss_forwards or schedule_loss_forward_states(resolved.schedule)
     memory = []
     for pp_rank, chunks in enumerate(inputs.chunks):
-        parts = rank_memory(inputs.shape, chunks, in_flight[pp_rank], inputs.tokens, inputs.parallel)
+        parts = rank_memory(inputs.shape, chunks, in_flight[pp_rank], inputs.tokens, inputs.parallel,
+                            loss_forwards[pp_rank])
         extra_weights = (inputs.weight_versions - 1) * parts.parameters  # the previous weights kept as well
         memory.append(MemoryParts(parts.parameters + extra_weights, parts.gradients, parts.optimizer,
                                   parts.activations, parts.buffers))
@@ -599,6 +644,19 @@ def schedule_in_flight_states(schedule) -> list[frozenset[InFlightState]]:
     """Per pp rank, the ``in_flight_states`` of its actions in ``schedule``."""
     return [in_flight_states(map(itemgetter(0, 1), rank_actions))  # an action's (kind, stage)
             for rank_actions in schedule.actions]
+
+
+def schedule_loss_forward_states(schedule) -> list[frozenset[InFlightState] | None]:
+    """Per pp rank, the ``forward_states`` of the last stages of ``schedule``'s model copies it runs (those that
+    compute the loss), or None where it runs none."""
+    placement = schedule.placement
+    loss_stages = {(copy + 1) * placement.stages_per_copy - 1 for copy in range(placement.copies)}
+    states = []
+    for pp_rank, rank_actions in enumerate(schedule.actions):
+        stages = loss_stages.intersection(placement.stages_of(pp_rank))
+        actions = [(action.kind, action.stage) for action in rank_actions]
+        states.append(forward_states(actions, stages) if stages else None)
+    return states
 
 
 def config_activation_tables(resolved) -> list[ActivationTables]:

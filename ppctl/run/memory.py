@@ -30,29 +30,50 @@ class StoragePeak(TorchDispatchMode):
 
     def __init__(self, existing: list[torch.Tensor] = ()):
         super().__init__()
-        self.counted = {tensor.untyped_storage().data_ptr() for tensor in existing}
+        self.counted = {storage_key(tensor.untyped_storage()) for tensor in existing}
         self.live_bytes = 0
         self.peak_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
+        self.count_outputs(result)
+        return result
+
+    def count_outputs(self, result) -> None:
+        """Count the storages of the tensors an operation returned (``result``) that are not counted yet."""
         for leaf in tree_leaves(result):
             if isinstance(leaf, torch.Tensor):
                 self._count(leaf.untyped_storage())
-        return result
+
+    def left_out(self, key: int) -> bool:
+        """Whether the storage of ``key`` is never counted (a subclass's choice; none here)."""
+        return False
 
     def _count(self, storage) -> None:
-        address, size = storage.data_ptr(), storage.nbytes()
-        if size == 0 or address in self.counted:
+        key, size = storage_key(storage), storage.nbytes()
+        if size == 0 or key in self.counted or self.left_out(key):
             return
-        self.counted.add(address)
+        self.counted.add(key)
         self.live_bytes += size
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        weakref.finalize(storage, self._release, address, size)
+        weakref.finalize(storage, self._release, key, size)
 
-    def _release(self, address: int, size: int) -> None:
-        self.counted.discard(address)
-        self.live_bytes -= size
+    def _release(self, key: int, size: int) -> None:
+        if key in self.counted:  # a count started over (``counted`` replaced) forgets the storages before it
+            self.counted.discard(key)
+            self.live_bytes -= size
+
+
+def storage_key(storage) -> int:
+    """What tells a storage apart from every other one alive: its storage object (a fake tensor's storage has no
+    address: every one reads 0), shared by the tensors viewing it."""
+    return storage._cdata
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages of ``tensors`` (None left out; views of one storage count it once)."""
+    return sum({storage_key(tensor.untyped_storage()): tensor.untyped_storage().nbytes()
+                for tensor in tensors if tensor is not None}.values())
 
 
 def reachable_tensors(root) -> list[torch.Tensor]:
@@ -92,7 +113,7 @@ def held_bytes(root) -> int:
     storages = {}
     for tensor in reachable_tensors(root):
         storage = tensor.untyped_storage()
-        storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+        storages[storage_key(storage)] = storage.nbytes()
     return sum(storages.values())
 
 

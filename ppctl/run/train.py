@@ -14,6 +14,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -180,7 +181,8 @@ def build_chunks(resolved: ResolvedConfig, context: ParallelContext, load_init_f
     chunks = {}
     for stage in resolved.rank_stages(context.pp_rank):
         chunk = build_chunk(config, stage, groups, load_init_from=load_init_from, model=resolved.model)
-        chunks[stage.stage] = chunk.to(context.device)
+        # built on the CPU: moved only to another device (moving a fake tensor's module would swap its parameters)
+        chunks[stage.stage] = chunk if context.device == "cpu" else chunk.to(context.device)
         if config.trainer.compile:
             compile_blocks(chunks[stage.stage])  # compiled at its first microbatch (ppctl.model.compiled)
     # Model-stage order: DualPipe's mirror ranks then list the same parameters in the same order.
@@ -218,11 +220,14 @@ class Trainer:
 
     ``schedule`` replaces the resolved one (a hand-made schedule, checked here); the resolved one was
     proved by the checker when the config was validated. ``resuming``: the weights come from a checkpoint
-    loaded next (``load_checkpoint``), so ``model.init_from`` is not read.
+    loaded next (``load_checkpoint``), so ``model.init_from`` is not read. ``track_memory``: the runtime notes
+    the memory held after each action (``PipelineRuntime``); ``data_of(config, context, fields)``: the step's
+    microbatches (``build_data``; ``ppctl.run.fake_rank`` gives synthetic ones).
     """
 
     def __init__(self, resolved: ResolvedConfig, context: ParallelContext, release_outputs: bool = True,
-                 track_memory: bool = False, schedule: Schedule | None = None, resuming: bool = False):
+                 track_memory: bool | Callable[[], int] = False, schedule: Schedule | None = None,
+                 resuming: bool = False, data_of: Callable = build_data):
         config = resolved.config
         self.resolved, self.config, self.context = resolved, config, context
         layout = context.layout
@@ -244,7 +249,7 @@ class Trainer:
         self.stages = build_stages(self.chunks, config, schedule.splits_backward)
         self.padded_vocab_size = resolved.model.padded_vocab_size
         self.fields = tuple(sorted({name for stage in self.stages.values() for name in stage.io.fields}))
-        self.data = build_data(config, context, self.fields)
+        self.data = data_of(config, context, self.fields)
         self._validation_data: PipelineDataIterator | None = None
         # Each parameter copy runs its share of the microbatches (DualPipe: half each).
         streams = streams_steps(schedule)

@@ -56,6 +56,8 @@ def script(name: str):
     ("optimizer_memory", ["--warmup", "0"], "argument --warmup: 0 is less than 1: AdamW creates its state at the "
                                             "first step"),
     ("optimizer_memory", ["model.num_heads=3"], "model.hidden_size=256 must be divisible by model.num_heads=3"),
+    ("memory_check", ["--models", "bert"], "argument --models: 'bert' not among llama3_8b, mixtral_8x7b, gpt_small"),
+    ("memory_check", ["--layouts", "3"], "argument --layouts: '3' not among 0, 1, 2 (comma-separated)"),
     ("plan_check", ["--workers", "3"], "argument --workers: invalid choice: 3 (choose from 2, 4)"),
     ("plan_check", ["--steps", "-1"], "argument --steps: -1 is not at least 1"),
 ])

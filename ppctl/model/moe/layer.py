@@ -28,7 +28,7 @@ from torch import nn
 
 from ppctl.autograd.compiled import outside_graph
 from ppctl.autograd.weight_grad import DefersWeightGrads, linear
-from ppctl.model.moe.dispatch import permute, plan_dispatch, unpermute_and_combine
+from ppctl.model.moe.dispatch import Dispatch, permute, plan_dispatch, unpermute_and_combine
 from ppctl.model.moe.router import Router, Routing, balancing_loss, z_loss
 from ppctl.model.moe.shape import MoEShape
 from ppctl.parallel.expert_parallel import EPGroup, ExpertExchange, TokenSplit
@@ -85,6 +85,23 @@ class SharedExpertGate(DefersWeightGrads, nn.Module):
         return torch.sigmoid(linear(hidden, self.weight, None, self.weight_grad_store))
 
 
+class RoutingPlans:
+    """How a microbatch's routed rows are planned from its routing: ``dispatch`` (``plan_dispatch``: the order and
+    the rows per expert) and ``exchange`` (``ExpertExchange.plan``: the rows to and from each EP rank). A rank in
+    fake tensors, whose routing has no values, plans balanced rows instead (``ppctl.run.fake_rank``)."""
+
+    @staticmethod
+    def dispatch(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, capacity: int | None,
+                 drop_policy: str) -> Dispatch:
+        """``plan_dispatch``'s plan."""
+        return plan_dispatch(experts, weights, num_experts, capacity, drop_policy)
+
+    @staticmethod
+    def exchange(counts: tuple[int, ...], group: EPGroup, device) -> ExpertExchange:
+        """``ExpertExchange.plan``'s plan."""
+        return ExpertExchange.plan(counts, group, device)
+
+
 class MoEMLP(nn.Module):
     """A layer's MLP as routed experts (module docstring).
 
@@ -108,14 +125,15 @@ class MoEMLP(nn.Module):
             self.shared_expert_gate = SharedExpertGate(hidden_size, dtype)
         self.router_loss_scale = 1.0  # a plain backward of one microbatch's mean loss: the router losses as they are
         self.record = RoutingRecord()
+        self.plans = RoutingPlans()
 
     @outside_graph  # data-dependent counts and the expert exchange: eager between compiled graphs (trainer.compile)
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Route and run ``hidden [batch, seq, hidden]`` (one microbatch: its tokens are the routing statistics')."""
         tokens = hidden.reshape(-1, hidden.shape[-1])
         routing = self.router(tokens)
-        dispatch = plan_dispatch(routing.experts, routing.weights, self.shape.num_experts,
-                                 self.shape.capacity(tokens.shape[0]), self.shape.drop_policy)
+        dispatch = self.plans.dispatch(routing.experts, routing.weights, self.shape.num_experts,
+                                       self.shape.capacity(tokens.shape[0]), self.shape.drop_policy)
         rows = self._run_experts(permute(tokens, dispatch, self.shape.topk), dispatch.counts)
         output = unpermute_and_combine(rows, dispatch, routing.weights)
         if self.shared_experts is not None:
@@ -134,7 +152,7 @@ class MoEMLP(nn.Module):
         """Rows sorted by expert (``counts[e]`` for expert e) through their experts, here or on their EP ranks."""
         if self.ep.size == 1:
             return self.experts(rows, counts)
-        exchange = ExpertExchange.plan(counts, self.ep, rows.device)
+        exchange = self.plans.exchange(counts, self.ep, rows.device)
         return exchange.combine(self.experts(exchange.dispatch(rows), exchange.local_counts))
 
     def _with_router_losses(self, output: torch.Tensor, routing: Routing) -> torch.Tensor:
