@@ -125,7 +125,7 @@ def _build_entry(spec: CorpusSpec, corpus: Corpus, hub_documents, job: ShardJob,
     job.folder.mkdir(exist_ok=True)
     mine = task.shards(shards) if task is not None else shards
     todo = [shard for shard in mine if read_shard_record(job.folder, shard, job.key) is None]
-    progress = ShardProgress(mode, todo, corpus.label)
+    progress = ShardProgress(mode, todo, corpus.label, len(shards))
     num_proc = default_num_proc(spec.num_proc, sum(shard.input_bytes for shard in todo), len(todo),
                                 SMALL_CORPUS_BYTES, MAX_AUTO_NUM_PROC)
     try:

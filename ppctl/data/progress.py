@@ -15,10 +15,13 @@ MIB = 1 << 20
 
 
 class ShardProgress:
-    """``mode``: ``bar`` (tqdm), ``lines`` (one per shard, when there is more than one) or None (silent)."""
+    """``mode``: ``bar`` (tqdm), ``lines`` (one per shard of ``shards``, those to do, when the corpus has more than
+    one: ``corpus_shards``, by default as many as ``shards``) or None (silent)."""
 
-    def __init__(self, mode: str | None, shards: list[Shard], label: str):
+    def __init__(self, mode: str | None, shards: list[Shard], label: str, corpus_shards: int | None = None):
         self.mode, self.total_shards, self.label = mode, len(shards), label
+        # a resumed preparation's last shard still says so: one line per shard is about the corpus, not what is left
+        self.lines = mode == "lines" and (len(shards) if corpus_shards is None else corpus_shards) > 1
         self.started = self.shard_started = time.monotonic()
         self.tokens, self.done = 0, 0
         self.bar = None
@@ -40,7 +43,7 @@ class ShardProgress:
     def shard_done(self, shard: Shard, record: dict) -> None:
         """Shard ``shard`` is complete (``record``: its counts)."""
         self.done += 1
-        if self.mode != "lines" or self.total_shards < 2:
+        if not self.lines:
             return
         now = time.monotonic()
         elapsed, rate = now - self.started, self.tokens / max(now - self.started, 1e-9)

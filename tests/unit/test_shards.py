@@ -231,6 +231,19 @@ def test_a_parent_removes_only_its_own_ended_processes_temporaries(tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted(names[2:])
 
 
+def test_a_resumed_preparation_s_last_shard_still_prints_its_line(capsys):
+    # One line per shard when the corpus has several, however many are left to do (a resume with one left).
+    from ppctl.data.progress import ShardProgress
+    from ppctl.data.shards import Shard
+
+    record = {"num_documents": 3, "num_tokens": 12}
+    for corpus_shards, lines in ((27, 1), (1, 0)):
+        progress = ShardProgress("lines", [Shard(26, (), 100)], "corpus", corpus_shards)
+        progress.shard_done(Shard(26, (), 100), record)
+        written = capsys.readouterr().err.splitlines()
+        assert len(written) == lines and all(line.startswith("shard-00026: 3 documents") for line in written)
+
+
 def test_a_corpus_without_the_text_field_is_refused_naming_the_fields_it_has(tmp_path):
     path = tmp_path / "corpus.jsonl"
     path.write_text("".join(json.dumps({"body": "x", "id": number}) + "\n" for number in range(5)))
