@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from ppctl.run.launch import INDUCTOR_CACHE_ENV as INDUCTOR_CACHE
 from tests.harness.backend import chosen_backend, gloo_only_reason
 from tests.harness.pool import POOLS
 
 
-INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
 OWN_INDUCTOR_CACHE = pytest.StashKey[str]()
 
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, List, Optional
 import typer
 
 from ppctl.cli.default_group import SubmitGroup
+from ppctl.cli.memory_check_report import TOLERANCE
 from ppctl.config import ConfigError, PpctlConfig
 from ppctl.resolve import compose_config, to_yaml
 from ppctl.fileio import os_reason
@@ -286,7 +287,7 @@ def _checked(result, config: PpctlConfig, count: int) -> list[dict]:
         resolved = resolve(prediction.candidate.apply(config), data=False)
         checks = check_ranks(resolved, distinct_ranks(resolved, "sample"))
         checked.append({"candidate": number, "checks": [check.to_json() for check in checks],
-                        "misses": misses(checks, 0.05)})
+                        "misses": misses(checks, TOLERANCE)})
     return checked
 
 
@@ -322,8 +323,8 @@ def check_memory(
     ranks: str = typer.Option("sample", "--ranks", help="all (every pp rank), sample (the first, a middle and the "
                               "last pp rank), each with ep > 1 also at the last EP rank (sample: the middle one), "
                               "or global ranks apart by commas."),
-    tolerance: float = typer.Option(0.05, "--tolerance", min=0.0, help="The largest difference of a judged part "
-                                    "(parameters, gradients, optimizer, activations, total) as a fraction."),
+    tolerance: float = typer.Option(TOLERANCE, "--tolerance", min=0.0, help="The largest difference of a judged "
+                                    "part (parameters, gradients, optimizer, activations, total) as a fraction."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: the checked ranks and the misses."),
     config_dir: Optional[Path] = CONFIG_DIR_OPTION,
     config_name: str = CONFIG_NAME_OPTION,

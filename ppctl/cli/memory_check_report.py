@@ -6,6 +6,7 @@ import sys
 from typing import Sequence
 
 GIB = 2 ** 30
+TOLERANCE = 0.05  # the largest difference of a judged part, as a fraction: the 5%
 # The parts a check judges: what the model predicts as such, and the rank's total. The step's peak on top of the
 # held parts (activations and the model's buffers: messages and one microbatch's working memory) is shown beside
 # them; the buffers are the model's bound on what an action holds while it runs, not a measured quantity of theirs.
@@ -74,4 +75,3 @@ def markdown_rows(label: str, checks: Sequence) -> list[str]:
 
 MARKDOWN_HEADER = ["| config | pp rank | measured GiB | predicted GiB | " + " | ".join(SHOWN) + " | s |",
                    "|" + "---|" * (len(SHOWN) + 5)]
-

@@ -16,12 +16,12 @@ MIB = 1 << 20
 
 class ShardProgress:
     """``mode``: ``bar`` (tqdm), ``lines`` (one per shard of ``shards``, those to do, when the corpus has more than
-    one: ``corpus_shards``, by default as many as ``shards``) or None (silent)."""
+    one: ``corpus_shards``) or None (silent)."""
 
-    def __init__(self, mode: str | None, shards: list[Shard], label: str, corpus_shards: int | None = None):
+    def __init__(self, mode: str | None, shards: list[Shard], label: str, corpus_shards: int):
         self.mode, self.total_shards, self.label = mode, len(shards), label
         # a resumed preparation's last shard still says so: one line per shard is about the corpus, not what is left
-        self.lines = mode == "lines" and (len(shards) if corpus_shards is None else corpus_shards) > 1
+        self.lines = mode == "lines" and corpus_shards > 1
         self.started = self.shard_started = time.monotonic()
         self.tokens, self.done = 0, 0
         self.bar = None

@@ -22,9 +22,7 @@ from __future__ import annotations
 from torch import nn
 
 
-def compile_blocks(chunk: nn.Module) -> int:
-    """Compile each decoder layer of ``chunk`` (its ``layers``) in place; return how many."""
+def compile_blocks(chunk: nn.Module) -> None:
+    """Compile each decoder layer of ``chunk`` (its ``layers``) in place."""
     for layer in chunk.layers.values():
         layer.compile(backend="inductor", dynamic=False)
-    return len(chunk.layers)
-

@@ -93,9 +93,14 @@ class Placement:
         return self.owners[-1]
 
     @property
+    def loss_stages(self) -> tuple[int, ...]:
+        """The global stages that compute a loss: each copy's last."""
+        return tuple((copy + 1) * self.stages_per_copy - 1 for copy in range(self.copies))
+
+    @property
     def loss_pp_ranks(self) -> list[int]:
         """The pp ranks holding the last stage of some copy (they compute losses), sorted."""
-        return sorted({self.owners[(copy + 1) * self.stages_per_copy - 1] for copy in range(self.copies)})
+        return sorted({self.owners[stage] for stage in self.loss_stages})
 
     @property
     def embedding_pp_ranks(self) -> list[int]:

@@ -650,10 +650,9 @@ def schedule_loss_forward_states(schedule) -> list[frozenset[InFlightState] | No
     """Per pp rank, the ``forward_states`` of the last stages of ``schedule``'s model copies it runs (those that
     compute the loss), or None where it runs none."""
     placement = schedule.placement
-    loss_stages = {(copy + 1) * placement.stages_per_copy - 1 for copy in range(placement.copies)}
     states = []
     for pp_rank, rank_actions in enumerate(schedule.actions):
-        stages = loss_stages.intersection(placement.stages_of(pp_rank))
+        stages = set(placement.loss_stages).intersection(placement.stages_of(pp_rank))
         actions = [(action.kind, action.stage) for action in rank_actions]
         states.append(forward_states(actions, stages) if stages else None)
     return states
