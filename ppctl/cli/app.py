@@ -27,6 +27,7 @@ import typer
 
 from ppctl.cli.default_group import SubmitGroup
 from ppctl.cli.memory_check_report import TOLERANCE
+from ppctl.plan.budget import FRAGMENTATION, MemoryBudget
 from ppctl.config import ConfigError, PpctlConfig
 from ppctl.resolve import compose_config, to_yaml
 from ppctl.fileio import os_reason
@@ -227,8 +228,13 @@ def plan(
     overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
     gpus: int = typer.Option(..., "--gpus", parser=_gpus, metavar="N",
                              help="Devices to plan for (the product of tp, cp, pp and dp), at most 1,048,576."),
-    memory_gb: Optional[float] = typer.Option(None, "--memory-gb", min=0.001, help="GiB per device every rank's "
-                                              "predicted memory must fit (default: the device's)."),
+    memory_gb: Optional[float] = typer.Option(None, "--memory-gb", min=0.001, help="GiB per device (default: the "
+                                              "device's); every rank's predicted memory must fit what the reserve "
+                                              "and fragmentation leave of it."),
+    reserve_gb: Optional[float] = typer.Option(None, "--reserve-gb", min=0, help="GiB per device no tensor holds "
+                                               "(CUDA context, NCCL, kernel workspaces; default: the device's, 2)."),
+    fragmentation: float = typer.Option(FRAGMENTATION, "--fragmentation", min=0, max=1,
+                                        help="The allocator's fragmentation, a share of what a rank allocates."),
     device_name: str = typer.Option("h100", "--device",
                                     help="The device's throughput, memory and links: h100, h200 or a100."),
     top: int = typer.Option(10, "--top", min=1, help="How many candidates to print, fastest first."),
@@ -253,26 +259,31 @@ def plan(
         fail(f"--device {device_name!r}: choose one of {', '.join(DEVICES)}")
     config = load_config(overrides, config_dir, config_name, validate_data)
     device = _plan_device(DEVICES[device_name], calibrate, config)
-    memory_bytes = (memory_gb or device.memory_gb) * 2 ** 30
-    result = search(config, gpus, memory_bytes, top, device)
+    budget = MemoryBudget((memory_gb or device.memory_gb) * 2 ** 30,
+                          (device.reserve_gb if reserve_gb is None else reserve_gb) * 2 ** 30, fragmentation)
+    if budget.usable_bytes <= 0:
+        fail(f"--reserve-gb {budget.reserve_bytes / 2 ** 30:g} leaves nothing of "
+             f"{budget.device_bytes / 2 ** 30:g} GiB per device: give a smaller --reserve-gb or a larger --memory-gb")
+    result = search(config, gpus, budget.usable_bytes, top, device)
     if explain is not None and result.candidates:  # else the reasons nothing fits, below
         _explain(result, explain, config, device, list(overrides or []))
     else:
-        _show_plan(result, _checked(result, config, check), as_json, list(overrides or []), gpus, memory_bytes, device)
+        _show_plan(result, _checked(result, config, check), as_json, list(overrides or []), gpus, budget, device)
     if not result.candidates:
         fail(f"no layout of --gpus {gpus} fits: each was left out for a reason counted "
              f"{'in refused' if as_json else 'above'}", code=1)
 
 
 def _show_plan(result, checked: list[dict], as_json: bool, user_overrides: list[str], gpus: int,
-               memory_bytes: float, device) -> None:
+               budget: MemoryBudget, device) -> None:
     """``ppctl plan``'s table, or its JSON object (``checked``: ``--check``'s marks, under ``checked``)."""
     from ppctl.cli.plan_report import print_plan
 
     if as_json:
-        sys.stdout.write(json.dumps({**result.to_json(), "checked": checked}, separators=(",", ":")) + "\n")
+        sys.stdout.write(json.dumps({**result.to_json(), "memory_budget": budget.to_json(), "checked": checked},
+                                    separators=(",", ":")) + "\n")
     else:
-        print_plan(result, user_overrides, gpus, memory_bytes, device.describe(), checked)
+        print_plan(result, user_overrides, gpus, budget, device.describe(), checked)
 
 
 def _checked(result, config: PpctlConfig, count: int) -> list[dict]:

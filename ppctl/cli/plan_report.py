@@ -6,6 +6,7 @@ import shlex
 import sys
 from typing import Sequence
 
+from ppctl.plan.budget import MemoryBudget
 from ppctl.plan.memory import MemoryParts
 from ppctl.plan.search import Plan, Prediction
 
@@ -23,7 +24,7 @@ def train_command(user_overrides: Sequence[str], prediction: Prediction) -> str:
     return shlex.join(["ppctl", "train", *user_overrides, *prediction.candidate.overrides()])
 
 
-def print_plan(plan: Plan, user_overrides: Sequence[str], devices: int, memory_bytes: float, device_text: str,
+def print_plan(plan: Plan, user_overrides: Sequence[str], devices: int, budget: MemoryBudget, device_text: str,
                checked: Sequence[dict] = ()) -> None:
     """The best candidates (fastest first) with their overrides, step time, bubble and largest rank's memory (and
     with ``checked``, ``ppctl plan --check``'s marks: the largest difference of a judged part on the candidate's
@@ -31,7 +32,9 @@ def print_plan(plan: Plan, user_overrides: Sequence[str], devices: int, memory_b
     from rich.table import Table
 
     console = _console()
-    table = Table(title=f"ppctl plan: {devices} devices of {memory_bytes / GIB:.0f} GiB ({device_text}), fastest first")
+    table = Table(title=f"ppctl plan: {devices} devices of {budget.device_bytes / GIB:.0f} GiB ({device_text}), fastest "
+                        f"first; each rank's prediction fits {budget.usable_bytes / GIB:.1f} GiB (reserved "
+                        f"{budget.reserve_bytes / GIB:g} GiB and {budget.fragmentation:.0%} for fragmentation)")
     experts = any(prediction.candidate.ep is not None for prediction in plan.candidates)  # a mixture: its ep too
     for column in ("#", "tp", "cp", "pp", "vpp", "dp", *(("ep",) if experts else ()), "schedule", "mbs", "recompute",
                    "dist. opt.", "step ms", "bubble", "GiB (max rank)", *(("checked",) if checked else ())):

@@ -19,13 +19,13 @@ resolved config's ``ModelShape`` (``ResolvedConfig.model.memory_shape``, built o
   the microbatches the schedule keeps in flight on each chunk at the worst moment: the
   rank's actions walked in order, a forward adding its chunk's activations, a whole
   backward (or a W) removing them, a B swapping them for what W needs (the stash).
-  Recomputation keeps each checkpointed group's input only, and adds one group's
+  Recomputation keeps each checkpointed group's input only, and adds the rest of one group's
   activations while the backward rebuilds it. The same walk over a simulated timeline
   gives the bytes over time (``activation_bytes_over_time``, ``inspect-schedule``).
 - ``buffers``: the pipeline messages in flight (one activation being sent, one gradient
   being received) and the working memory of one microbatch at the step's peak, the larger of
-  two moments: a backward (the gradients of the largest layer's tensors, on top of the kept
-  peak and a rebuilt group) and, on a rank holding a last stage, the loss's forward (its
+  two moments: a backward (its layers' largest moment, ``layer_backward_moments``: an MLP's
+  gradients and a weight's, on top of the kept peak and a rebuilt group) and, on a rank holding a last stage, the loss's forward (its
   logits, on top of what the rank holds after that stage's forwards: ``forward_states``),
   which never runs within a rebuild. Checked at full size in fake tensors
   (``ppctl check-memory``, ``ppctl.run.fake_rank``).
@@ -40,9 +40,8 @@ num_experts * capacity with a capacity factor) at the input of the experts and a
 activations for its rows, the shared experts' as a dense MLP's, and the router's float32 scores over the experts (a
 few T x num_experts tensors); a chunk's recomputed groups are weighed at its mean layer. With ep > 1 a rank's
 experts run the rows every rank of its EP group routed to them, which differ between EP ranks with the routing: the
-model keeps their mean (T * topk dropless, as at ep=1), plus the int64 indices of the exchange's two gathers, and
-counts the received rows' gradient and the all-to-all's buffer in the backward's working memory (measured at ep=2:
-each pp rank's mean of its EP ranks within 7%). The split backward's stash counts the router's and the experts'
+model keeps their mean (T * topk dropless, as at ep=1), plus the int64 indices of the exchange's two gathers
+(measured at ep=2: each pp rank's mean of its EP ranks within 7%). The split backward's stash counts the router's and the experts'
 inputs and output gradients alike.
 
 Knowingly left out: the allocator's fragmentation and caching, kernel workspaces
@@ -201,7 +200,7 @@ class Tokens:
 
 
 def layer_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallelism,
-                           attention_core: bool = True, in_backward: bool = False, moe_layer: bool = False) -> int:
+                           attention_core: bool = True, moe_layer: bool = False) -> int:
     """What one transformer layer keeps for its backward, per microbatch, on one TP rank.
 
     In units of b*s*h (b sequences of s tokens, hidden h) in the model's dtype: the layer's
@@ -216,11 +215,7 @@ def layer_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallel
     or wider, the input upcast in a half-precision run as in an fp32 one); attention's log-sum-exp (float32, per
     head). With sequence parallelism the norms see s/tp tokens, but the column-parallel layers keep their gathered
     (whole-sequence) inputs: ``gathered_norm_outputs`` copies of them. All-gather context
-    parallelism keeps the gathered keys and values of the whole sequence.
-    ``in_backward``: the gradients of these tensors while the layer's backward runs, where a gated MLP's four
-    activations have about two gradients alive at once (the product's, then an operand's; measured: counting
-    three over-predicts a rank holding one microbatch by 8%, two by 4%), and the gathered inputs' copies have one
-    gradient per block (each copy's is summed into the gathered input's as it comes). ``moe_layer``: its MLP is
+    parallelism keeps the gathered keys and values of the whole sequence. ``moe_layer``: its MLP is
     ``shape.moe``'s experts (``moe_mlp_activation_bytes``).
     """
     b, s, h, f, t = tokens.batch, tokens.seq, shape.hidden, shape.ffn, parallel.tp
@@ -231,11 +226,10 @@ def layer_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallel
     # each RMSNorm's unit-RMS input, upcast: float32 (or wider) in a half-precision run as in an fp32 one
     units = wide * 2 * norm_tokens * h if keeps_rms_units(shape, parallel) else 0
     if parallel.sequence_parallel:
-        gathered_outputs = 2 if in_backward else gathered_norm_outputs(shape, parallel, tokens)
+        gathered_outputs = gathered_norm_outputs(shape, parallel, tokens)
         whole = 2 * bsh / t + gathered_outputs * bsh  # layer input, residual (s/tp tokens); gathered norm outputs
         if moe_layer:  # the router and the experts read the MLP norm's own s/tp tokens; only shared experts gather
-            mlp_gathers = (0 if shape.moe.shared_experts else 1 if in_backward
-                           else mlp_gathered_copies(shape, parallel, tokens))
+            mlp_gathers = 0 if shape.moe.shared_experts else mlp_gathered_copies(shape, parallel, tokens)
             whole += bsh / t - mlp_gathers * bsh
     else:
         whole = 4 * bsh
@@ -246,22 +240,21 @@ def layer_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallel
     else:
         attention = 4 * b * s * a / t  # queries, repeated keys and values, output
         gathered_width = a
-    mlp = 0 if moe_layer else mlp_activation_units(shape, b * s, f, in_backward) / t
+    mlp = 0 if moe_layer else mlp_activation_units(shape, b * s, f) / t
     cp_gathers = parallel.cp > 1 and parallel.cp_comm == "allgather"
     gathered = 2 * b * s * gathered_width * (parallel.cp - 1) / t if cp_gathers else 0
     log_sum_exp = wide * b * s * shape.heads / t if attention_core else 0
-    experts = moe_mlp_activation_bytes(shape, tokens, parallel, in_backward) if moe_layer else 0
+    experts = moe_mlp_activation_bytes(shape, tokens, parallel) if moe_layer else 0
     return round(e * (whole + attention + mlp + gathered) + units + statistics + log_sum_exp) + experts
 
 
-def mlp_activation_units(shape: ModelShape, rows: int, ffn: int, in_backward: bool = False) -> float:
+def mlp_activation_units(shape: ModelShape, rows: int, ffn: int) -> float:
     """The elements a dense MLP of ``ffn`` features keeps for ``rows`` tokens beyond its input: the up projection's
-    output and GELU's, or SwiGLU's gate, up, SiLU and product (about two of them alive in its backward)."""
-    return ((2 if in_backward else 4) if shape.gated_mlp else 2) * rows * ffn
+    output and GELU's, or SwiGLU's gate, up, SiLU and product."""
+    return (4 if shape.gated_mlp else 2) * rows * ffn
 
 
-def moe_mlp_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallelism,
-                             in_backward: bool = False) -> int:
+def moe_mlp_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parallelism) -> int:
     """What an MoE MLP keeps for one microbatch (approximate; the module docstring): the routed rows at the experts'
     input and the placed outputs before the weighted sum (model dtype), the experts' and the shared experts' inner
     activations, the router's scores, probabilities and chosen weights (float32 or wider) and the int64 ids that
@@ -269,23 +262,20 @@ def moe_mlp_activation_bytes(shape: ModelShape, tokens: Tokens, parallel: Parall
 
     With expert parallelism (ep > 1) the experts' rows are those their EP rank received, ``rows`` on average over
     the EP group (the same rows travel, each to one rank), which the model keeps. The exchange's two gathers (into
-    expert-major order and back) keep their int64 indices of the received rows; in the backward the received
-    rows' gradient, gathered back to arrival order, and the all-to-all's buffer are in flight besides."""
+    expert-major order and back) keep their int64 indices of the received rows."""
     moe, e, wide = shape.moe, DTYPE_BYTES[parallel.precision], float_bytes(parallel.precision)
     sequence = tokens.batch * tokens.seq  # the shared experts' (a TP-split dense MLP's) tokens
     token_count = sequence // parallel.tp if parallel.sequence_parallel else sequence  # this TP rank's to route
     assignments = token_count * moe.topk
-    capacity = moe.capacity(token_count)
-    rows = assignments if capacity is None else min(assignments, moe.num_experts * capacity)
+    rows = routed_rows(shape, tokens, parallel)
     elements = (rows + assignments) * shape.hidden + assignments
-    elements += mlp_activation_units(shape, rows, moe.expert_ffn_hidden_size, in_backward)
+    elements += mlp_activation_units(shape, rows, moe.expert_ffn_hidden_size)
     if moe.shared_experts:
-        elements += mlp_activation_units(shape, sequence, moe.shared_ffn_hidden_size, in_backward) / parallel.tp
+        elements += mlp_activation_units(shape, sequence, moe.shared_ffn_hidden_size) / parallel.tp
     router = wide * (3 * token_count * moe.num_experts + 2 * assignments)
     indices = rows + 2 * assignments
     if parallel.ep > 1:
         indices += 2 * rows
-        elements += 2 * rows * shape.hidden if in_backward else 0
     return round(e * elements + router + INDEX_BYTES * indices)
 
 
@@ -353,54 +343,64 @@ def recompute_groups(layers: int, parallel: Parallelism) -> list[tuple[int, bool
 
 
 def chunk_activation_bytes(shape: ModelShape, chunk: Chunk, tokens: Tokens, parallel: Parallelism) -> tuple[int, int]:
-    """(kept per microbatch in flight, extra while its backward rebuilds the largest recomputed group)."""
+    """(kept per microbatch in flight, extra while its backward rebuilds the largest recomputed group).
+
+    The group's input is kept already: rebuilding it makes the rest of its layers' activations. A split backward's
+    B (but the first stage's, which defers it all to W) rebuilds a group into what it stashes for W: the kept
+    peak, which counts the stash once B ended, holds that part of the rebuilt group already."""
     per_layer = mean_layer_activation_bytes(shape, chunk, tokens, parallel)
+    stashed = layers_stash_bytes(shape, chunk, tokens, parallel) if (
+        parallel.split_backward and not chunk.pre_process and chunk.layers) else 0
     kept, rebuilt = 0, 0
     for count, recomputed in recompute_groups(chunk.layers, parallel):
         if recomputed:
             kept += layer_input_bytes(shape, tokens, parallel)
-            rebuilt = max(rebuilt, count * per_layer)
+            rebuilt = max(rebuilt, count * (per_layer - stashed) - layer_input_bytes(shape, tokens, parallel))
         else:
             kept += count * per_layer
     return round(kept) + ends_activation_bytes(shape, chunk, tokens, parallel), round(rebuilt)
 
 
-def mean_layer_activation_bytes(shape: ModelShape, chunk: Chunk, tokens: Tokens, parallel: Parallelism,
-                                in_backward: bool = False) -> float:
+def mean_layer_activation_bytes(shape: ModelShape, chunk: Chunk, tokens: Tokens, parallel: Parallelism) -> float:
     """What one of the chunk's layers keeps per microbatch: the dense layer's, or with MoE layers the mean of its
     layers' (the same for every layer of a dense model)."""
     attention_core = parallel.recompute != "selective"
-    dense = layer_activation_bytes(shape, tokens, parallel, attention_core, in_backward)
+    dense = layer_activation_bytes(shape, tokens, parallel, attention_core)
     if not chunk.moe_layers:
         return dense
-    routed = layer_activation_bytes(shape, tokens, parallel, attention_core, in_backward, moe_layer=True)
+    routed = layer_activation_bytes(shape, tokens, parallel, attention_core, moe_layer=True)
     return ((chunk.layers - chunk.moe_layers) * dense + chunk.moe_layers * routed) / chunk.layers
 
 
 def stash_bytes(shape: ModelShape, chunk: Chunk, tokens: Tokens, parallel: Parallelism) -> int:
-    """What a split backward's B leaves for W per microbatch: each deferred linear's input and output gradient,
-    recomputed or not (the first stage's B defers its whole backward: what its forward kept). An MoE layer's MLP
-    stashes its router's (input and logits' gradient), each expert's for its routed rows (both on the rank's own
-    tokens: s/tp with sequence parallelism), and the shared experts' (their input is the router's)."""
-    if chunk.pre_process:
-        return chunk_activation_bytes(shape, chunk, tokens, parallel)[0]
+    """What a split backward's B leaves for W per microbatch: each deferred linear's input and output gradient
+    (``layers_stash_bytes``), recomputed or not, and the output layer's (the first stage's B defers its whole
+    backward: what its forward kept and the received gradient)."""
+    if chunk.pre_process:  # and the gradient it received, which the deferred backward starts from
+        return chunk_activation_bytes(shape, chunk, tokens, parallel)[0] + layer_input_bytes(shape, tokens, parallel)
+    b, s, t, e = tokens.batch, tokens.seq, parallel.tp, DTYPE_BYTES[parallel.precision]
+    logits = e * b * s * (shape.hidden + shape.padded_vocab / t) if chunk.post_process else 0
+    return round(chunk.layers * layers_stash_bytes(shape, chunk, tokens, parallel) + logits)
+
+
+def layers_stash_bytes(shape: ModelShape, chunk: Chunk, tokens: Tokens, parallel: Parallelism) -> float:
+    """What B leaves for W per layer of ``chunk`` (their mean with MoE layers): its linears' inputs (q, k and v read
+    one; so do gate and up) and output gradients. An MoE layer's MLP stashes its router's (input and logits'
+    gradient), each expert's for its routed rows (both on the rank's own tokens: s/tp with sequence parallelism),
+    and the shared experts' (their input is the router's)."""
     b, s, h, f, t = tokens.batch, tokens.seq, shape.hidden, shape.ffn, parallel.tp
     a, k = shape.attention_width, shape.kv_width
     e, mlp_width = DTYPE_BYTES[parallel.precision], 3 if shape.gated_mlp else 2
-    # The linears' inputs (q, k and v read one; so do gate and up) and output gradients.
     per_layer = e * b * s * (4 * h + (2 * a + 2 * k) / t + mlp_width * f / t)
-    layers = (chunk.layers - chunk.moe_layers) * per_layer
-    if chunk.moe_layers:
-        moe = shape.moe
-        shared = h + mlp_width * moe.shared_ffn_hidden_size if moe.shared_experts else 0
-        routed = moe.topk * (2 * h + mlp_width * moe.expert_ffn_hidden_size)
-        # the router and the experts see the rank's own tokens: s/tp of them with sequence parallelism
-        routed_tokens = b * s / t if parallel.sequence_parallel else b * s
-        per_moe_layer = (e * b * s * (2 * h + (2 * a + 2 * k) / t + shared)
-                         + e * routed_tokens * (h + moe.num_experts + routed))
-        layers += chunk.moe_layers * per_moe_layer
-    logits = e * b * s * (shape.hidden + shape.padded_vocab / t) if chunk.post_process else 0
-    return round(layers + logits)
+    if not chunk.moe_layers:
+        return per_layer
+    moe = shape.moe
+    shared = h + mlp_width * moe.shared_ffn_hidden_size if moe.shared_experts else 0
+    routed = moe.topk * (2 * h + mlp_width * moe.expert_ffn_hidden_size)
+    routed_tokens = b * s / t if parallel.sequence_parallel else b * s
+    per_moe_layer = (e * b * s * (2 * h + (2 * a + 2 * k) / t + shared)
+                     + e * routed_tokens * (h + moe.num_experts + routed))
+    return ((chunk.layers - chunk.moe_layers) * per_layer + chunk.moe_layers * per_moe_layer) / chunk.layers
 
 
 def held_bytes_change(kind: str, stage: int, kept: dict[int, int], stash: dict[int, int]) -> int:
@@ -506,13 +506,76 @@ def activation_bytes_over_time(actions: Iterable, kept: dict[int, int],
 
 
 def backward_workspace_bytes(shape: ModelShape, chunks: Sequence[Chunk], tokens: Tokens, parallel: Parallelism) -> int:
-    """The working memory of one microbatch's backward on top of what the schedule keeps: the gradients of the
-    largest layer's tensors while its backward runs (0 for chunks without layers)."""
-    layer = layer_activation_bytes(shape, tokens, parallel, in_backward=True) if any(
-        chunk.layers > chunk.moe_layers for chunk in chunks) else 0
-    if any(chunk.moe_layers for chunk in chunks):
-        layer = max(layer, layer_activation_bytes(shape, tokens, parallel, in_backward=True, moe_layer=True))
-    return layer
+    """The working memory of one microbatch's backward on top of what the schedule keeps (and a rebuilt group): the
+    most any of the rank's layers holds at one moment of its backward (``layer_backward_moments``; 0 for chunks
+    without layers)."""
+    return max((moment for chunk in chunks if chunk.layers for moment in chunk_backward_moments(
+        shape, chunk, tokens, parallel)), default=0)
+
+
+def chunk_backward_moments(shape: ModelShape, chunk: Chunk, tokens: Tokens, parallel: Parallelism) -> list[int]:
+    """The bytes each moment of a backward of ``chunk``'s layers holds on top of what they keep: its dense layers'
+    and its MoE layers' (``layer_backward_moments``); a split backward's B and W apart, but on the first stage, whose
+    B defers its whole backward to W (``stash_bytes``)."""
+    split = parallel.split_backward and not chunk.pre_process
+    kinds = ([False] if chunk.layers > chunk.moe_layers else []) + ([True] if chunk.moe_layers else [])
+    return [moment for moe_layer in kinds
+            for moment in layer_backward_moments(shape, tokens, parallel, split, moe_layer)]
+
+
+def layer_backward_moments(shape: ModelShape, tokens: Tokens, parallel: Parallelism, split: bool,
+                           moe_layer: bool = False) -> list[int]:
+    """The moments of one layer's backward at which it holds the most on top of what it keeps (bytes, one TP rank).
+
+    Autograd frees each node's saved tensors once the node ran, so a backward never holds all the gradients of a
+    layer's tensors at once; measured per operation in fake tensors (the live storages at each backward's peak, on
+    GPT-2 small, Llama 3 8B and Mixtral 8x7B at tp 1, 2 and 8, with and without SP), its peak is one of:
+
+    - the MLP's down projection: the gradient of its input (b*s*f/tp), its weight's gradient (h*f/tp, before it is
+      added to ``.grad`` or the bucketed optimizer's buffer) and, under SP, the incoming gradient gathered to the
+      whole sequence (b*s*h, freed after it);
+    - the activation's backward: the gradients of the product and of its two operands less the product (SwiGLU:
+      two b*s*f/tp), or GELU's gradient less its output (one);
+    - attention's output projection (the gathered gradient, the attention output's gradient, the weight's) and its
+      core (the queries', keys' and values' gradients);
+    - with a split backward, B computes no weight gradient but frees nothing the stash keeps: the activation's
+      backward holds the product's and both operands' gradients (three b*s*f/tp; GELU: two), the up projections'
+      B their outputs' gradients and each its input's (b*s*h, under SP then scattered to s/tp tokens), and W two
+      weight gradients at once (the largest weight's, twice).
+
+    ``moe_layer``: an MoE layer's experts in place of the MLP, on the routed rows (``moe_mlp_activation_bytes``'s):
+    their activation's backward holds two (split B: three) rows*f_expert gradients, less the weighted sum's saved
+    rows*h on a whole backward; W two expert weights' gradients."""
+    b, s, h, t = tokens.batch, tokens.seq, shape.hidden, parallel.tp
+    a, k, e = shape.attention_width, shape.kv_width, DTYPE_BYTES[parallel.precision]
+    gathered = b * s * h if parallel.sequence_parallel and t > 1 else 0
+    attention = [gathered + b * s * a / t + (0 if split else h * a / t), b * s * (2 * a + 2 * k) / t]
+    if moe_layer:
+        rows, ffn = routed_rows(shape, tokens, parallel), shape.moe.expert_ffn_hidden_size
+        inner, weight, saved_sum, inputs, scattered = rows * ffn, h * ffn, rows * h, rows * h, 0
+        down = inner + weight if not split else inner
+    else:
+        inner, weight, saved_sum, inputs = b * s * shape.ffn / t, h * shape.ffn / t, 0, b * s * h
+        scattered = b * s * h / t if gathered else 0  # under SP an input's gradient is scattered to s/tp tokens
+        down = gathered + inner + (0 if split else weight)
+    operands = 2 if shape.gated_mlp else 1
+    if split:
+        up = operands * (inner + inputs) + scattered  # the up projections' B: their outputs' and inputs' gradients
+        moments = [down, (operands + 1) * inner, up, 2 * max(weight, h * a / t)] + attention
+    else:
+        moments = [down, operands * inner - saved_sum] + attention
+    return [round(e * moment) for moment in moments]
+
+
+def routed_rows(shape: ModelShape, tokens: Tokens, parallel: Parallelism) -> int:
+    """The rows an MoE layer's experts run on one rank for one microbatch: the rank's tokens (s/tp of them under SP)
+    times topk dropless, at most num_experts * capacity with a capacity factor (an EP rank's mean alike)."""
+    moe = shape.moe
+    sequence = tokens.batch * tokens.seq
+    token_count = sequence // parallel.tp if parallel.sequence_parallel else sequence
+    assignments = token_count * moe.topk
+    capacity = moe.capacity(token_count)
+    return assignments if capacity is None else min(assignments, moe.num_experts * capacity)
 
 
 def loss_workspace_bytes(shape: ModelShape, chunks: Sequence[Chunk], tokens: Tokens, parallel: Parallelism) -> int:

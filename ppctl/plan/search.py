@@ -75,6 +75,7 @@ class Device:
     # The cores all the planned devices' processes share (a CPU machine that ran more single-threaded workers than it
     # has cores: --calibrate from such a run); None: a device each, as on GPUs
     cores: int | None = None
+    reserve_gb: float = 2.0  # what no tensor holds: ``ppctl.plan.budget.MemoryBudget``
 
     def describe(self) -> str:
         """One line: the name and the figures the plan assumes."""

@@ -83,3 +83,30 @@ def test_a_mixtures_plan_shows_ep_and_pastes_it():
     assert validate(compose_config(words[2:])).world_size == 8
     dense = invoke(["plan", *BASE, "--gpus", "8", "--top", "3"])
     assert " ep " not in dense.output and "parallel.ep" not in dense.output
+
+
+def test_every_candidate_fits_what_the_reserve_and_fragmentation_leave_of_the_device():
+    """``memory_budget``: (memory - reserve) / (1 + fragmentation), 2 GiB and 5% by default; a memory that the
+    largest rank's prediction fits whole but not after the reserve refuses that candidate, and ``--reserve-gb 0
+    --fragmentation 0`` fits it in the whole device again."""
+    whole = json.loads(invoke(["plan", *BASE, "--gpus", "1", "--top", "1", "--json", "--reserve-gb", "0",
+                               "--fragmentation", "0"]).output)
+    assert whole["memory_budget"]["usable_bytes"] == whole["memory_budget"]["device_bytes"] == 80 * 2 ** 30
+    peak_gb = whole["candidates"][0]["peak_memory_bytes"] / 2 ** 30
+    tight = ["plan", *BASE, "--gpus", "1", "--top", "1", "--json", "--memory-gb", f"{peak_gb * 1.001 + 2:.6f}"]
+    with_margin = json.loads(invoke(tight).output)
+    budget = with_margin["memory_budget"]
+    assert (budget["reserve_bytes"], budget["fragmentation"]) == (2 * 2 ** 30, 0.05)
+    assert budget["usable_bytes"] == (budget["device_bytes"] - budget["reserve_bytes"]) / 1.05
+    assert all(candidate["peak_memory_bytes"] <= budget["usable_bytes"] for candidate in with_margin["candidates"])
+    assert whole["candidates"][0]["overrides"] not in [c["overrides"] for c in with_margin["candidates"]]
+    unreserved = json.loads(invoke([*tight, "--fragmentation", "0"]).output)
+    assert unreserved["candidates"][0]["overrides"] == whole["candidates"][0]["overrides"]
+    table = " ".join(invoke(["plan", *BASE, "--gpus", "8", "--top", "1"]).output.split())  # the title wraps
+    assert "each rank's prediction fits 74.3 GiB (reserved 2 GiB and 5% for fragmentation)" in table
+
+
+def test_a_reserve_that_leaves_nothing_of_the_device_is_refused_in_one_line():
+    result = invoke(["plan", *BASE, "--gpus", "8", "--memory-gb", "2", "--reserve-gb", "2"])
+    assert result.exit_code == 2
+    assert "--reserve-gb 2 leaves nothing of 2 GiB per device" in result.output

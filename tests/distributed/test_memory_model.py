@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import pytest
 
+from ppctl.run.memory import StoragePeak, reachable_tensors, storage_key
 from tests.distributed.equivalence import BASE, LLAMA, MIXTRAL, composed_runs
 from tests.harness.pool import run_workers
 from tests.harness.saved_tensors import chunk_forward_saved_bytes
@@ -57,11 +58,39 @@ def storage_bytes(tensors) -> int:
                 for tensor in tensors if tensor is not None}.values())
 
 
+class SendsCompleteAtOnce(StoragePeak):
+    """``StoragePeak`` that stops counting a payload once its send is posted (``sent``): gloo's send works say
+    they completed only once waited (measured: False a second after the peer received), so its transport holds every
+    payload of a step until the step's end; NCCL's complete as the peer receives, which the memory model assumes
+    (one message being sent at a time), as ``ppctl.run.fake_rank.InstantSends`` does."""
+
+    def sent(self, payloads) -> None:
+        """Release the storages of ``payloads`` (counted once, as a free would)."""
+        for payload in payloads:
+            storage = payload.untyped_storage()
+            self._release(storage_key(storage), storage.nbytes())
+
+
+def sends_complete_at_once_peak(trainer, step: int) -> int:
+    """The most bytes step ``step`` of ``trainer`` allocates at once on top of what it holds, its sends' payloads
+    uncounted once posted (``SendsCompleteAtOnce``)."""
+    transport = trainer.runtime.transport
+    post = transport.post
+    with SendsCompleteAtOnce(reachable_tensors(trainer)) as tracker:
+        def post_and_release(sends, receives):
+            post(sends, receives)
+            tracker.sent([payload for _, payload, _ in transport.pending_sends])
+        transport.post = post_and_release
+        trainer.train_step(step)
+    transport.post = post
+    return tracker.peak_bytes
+
+
 def _measure(rank, world_size, configs):
     """Per run (a config composed in the test process): this rank's pp rank and measured bytes by part."""
     from ppctl.resolve.resolved import resolve
     from ppctl.parallel.groups import build_parallel_context
-    from ppctl.run.memory import held_bytes, step_peak_bytes
+    from ppctl.run.memory import held_bytes
     from ppctl.run.train import Trainer
 
     contexts, results = {}, []
@@ -78,7 +107,7 @@ def _measure(rank, world_size, configs):
         gradients = storage_bytes([optimizer.grad_data] if bucketed else [param.grad for param in params])
         optimizer_state = optimizer.state_bytes() - (0 if bucketed else parameters)  # plain: the main copy is the model
         held = held_bytes(trainer)
-        total = step_peak_bytes(lambda: trainer.train_step(2), trainer, "cpu")
+        total = held + sends_complete_at_once_peak(trainer, 2)
         batch, seq = config.trainer.micro_batch_size, config.trainer.seq_length
         received_seq = seq // config.parallel.tp if config.parallel.sequence_parallel else seq
         saved = {stage: chunk_forward_saved_bytes(chunk, batch, seq, config.model.vocab_size, received_seq)
@@ -89,7 +118,11 @@ def _measure(rank, world_size, configs):
     return results
 
 
-TOTAL_TOLERANCE = 0.15  # the whole per rank; parameters, gradients and optimizer state must be exact
+# The whole per rank (parameters, gradients and optimizer state must be exact): measured within 5.5% on every dense
+# rank since the backward's working memory is its largest moment (2026-12-07; 15% before, when it was every
+# gradient of a layer at once); an EP rank's experts run the rows routed to it, which the model takes as the mean
+EXPERT_RANK_TOLERANCE = 0.15
+TOTAL_TOLERANCE = 0.07
 # Issue 44's bound for the Llama family's layouts, sequence parallelism included, and issue 45's for the mixtures
 # under expert parallelism (per pp rank: the mean of its EP ranks)
 LLAMA_TOLERANCE = 0.10
@@ -111,8 +144,8 @@ def stage_mean(per_rank: list, index: int, pp_rank: int, key) -> float:
 
 @pytest.mark.timeout(300)
 def test_predicted_memory_per_rank_and_part_against_measured(measured):
-    """Parameters, gradients and optimizer state exactly; the total within ``TOTAL_TOLERANCE`` (Llama's and the
-    mixtures' within 10%; a mixture's per pp rank as the mean of its EP ranks, each within ``TOTAL_TOLERANCE``).
+    """Parameters, gradients and optimizer state exactly; the total within ``TOTAL_TOLERANCE`` (a mixture's per pp
+    rank as the mean of its EP ranks within 10%, each within ``EXPERT_RANK_TOLERANCE``).
     Broken twins, at ep=2: the experts counted whole (as at ep=1), and their optimizer state sharded over the dense
     replicas (dp) rather than their edp ranks."""
     from ppctl.resolve.resolved import resolve
@@ -129,7 +162,8 @@ def test_predicted_memory_per_rank_and_part_against_measured(measured):
     for index, name, measured, model in rows:
         assert (model.parameters, model.gradients, model.optimizer) == (
             measured["parameters"], measured["gradients"], measured["optimizer"]), table
-        assert abs(model.total / measured["total"] - 1) <= TOTAL_TOLERANCE, table
+        tolerance = EXPERT_RANK_TOLERANCE if configs[index].parallel.ep > 1 else TOTAL_TOLERANCE
+        assert abs(model.total / measured["total"] - 1) <= tolerance, table
         if name.startswith(("llama", "mixtral")):
             mean = stage_mean(per_rank, index, measured["pp_rank"], lambda results: results["total"])
             assert abs(model.total / mean - 1) <= LLAMA_TOLERANCE, table

@@ -42,7 +42,10 @@ def test_the_timeline_peaks_at_the_memory_models_in_flight_activations(name, pp,
         assert points[0] == (0.0, 0) and points[-1][1] == 0  # the step frees all it kept
         times = [time for time, _ in points]
         assert times == sorted(times) and times[-1] <= result.makespan
-        assert (table.rebuilt > 0) == recompute
+        # a split backward's B rebuilds a group into its stash, which the kept peak counts already (``rebuilt`` is
+        # what a rebuild holds beyond it, on this tiny model's split ranks nothing)
+        assert table.rebuilt > 0 if recompute and not config.schedule.splits_backward else table.rebuilt >= 0
+        assert recompute or table.rebuilt == 0
 
 
 def test_a_b_that_stashes_more_than_its_forward_kept_raises_the_peak():
