@@ -20,15 +20,17 @@ resolved config's ``ModelShape`` (``ResolvedConfig.model.memory_shape``, built o
   rank's actions walked in order, a forward adding its chunk's activations, a whole
   backward (or a W) removing them, a B swapping them for what W needs (the stash).
   Recomputation keeps each checkpointed group's input only, and adds the rest of one group's
-  activations while the backward rebuilds it. The same walk over a simulated timeline
-  gives the bytes over time (``activation_bytes_over_time``, ``inspect-schedule``).
+  activations while a backward rebuilds it, on top of what the rank holds as that backward
+  starts (``backward_states``). The same walk over a simulated timeline gives the bytes over
+  time (``activation_bytes_over_time``, ``inspect-schedule``).
 - ``buffers``: the pipeline messages in flight (one activation being sent, one gradient
   being received) and the working memory of one microbatch at the step's peak, the larger of
   two moments: a backward (its layers' largest moment, ``layer_backward_moments``: an MLP's
-  gradients and a weight's, on top of the kept peak and a rebuilt group) and, on a rank holding a last stage, the loss's forward (its
-  logits, on top of what the rank holds after that stage's forwards: ``forward_states``),
-  which never runs within a rebuild. Checked at full size in fake tensors
-  (``ppctl check-memory``, ``ppctl.run.fake_rank``).
+  gradients and a weight's, on top of what the rank holds as it starts and its rebuilt group)
+  and, on a rank holding a last stage, the loss's forward (its logits, on top of what the rank
+  holds after that stage's forwards: ``forward_states``), which never runs within a rebuild.
+  The states are a schedule's (``RankStates``, computed once per schedule), weighed per model.
+  Checked at full size in fake tensors (``ppctl check-memory``, ``ppctl.run.fake_rank``).
 
 A mixture of experts (``ModelShape.moe``): an MoE layer holds its router, its shared experts and its EP rank's
 ``num_experts / ep`` experts (all of them at ep=1), exactly as built, their gradients and optimizer state with them;
@@ -449,6 +451,20 @@ def forward_states(actions: Iterable[tuple[str, int]], stages: Iterable[int]) ->
     return _states_after(actions, [action in forwards for action in actions])
 
 
+def backward_states(actions: Iterable[tuple[str, int]], stage: int) -> frozenset[InFlightState]:
+    """The undominated states (``in_flight_states``) as each backward (a BW, B or W) of ``stage`` starts, and just
+    after each of its B's: where its recomputed groups are rebuilt and its working memory held (a split B rebuilds
+    into the stash it leaves, so its rebuild counts from the state after it)."""
+    actions = list(actions)
+    starts = [False] * len(actions)
+    for index, (kind, action_stage) in enumerate(actions):
+        if action_stage == stage and kind in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
+            if index:
+                starts[index - 1] = True
+            starts[index] = starts[index] or kind == BACKWARD_INPUT
+    return _states_after(actions, starts)
+
+
 def _states_after(actions: list[tuple[str, int]], chosen: list[bool]) -> frozenset[InFlightState]:
     """The undominated states after the ``chosen`` actions (a flag per action), as ``in_flight_states`` gives them."""
     stages = sorted({stage for _, stage in actions})
@@ -503,14 +519,6 @@ def activation_bytes_over_time(actions: Iterable, kept: dict[int, int],
             held += change
             points.append((action.start if action.kind == FORWARD else action.end, held))
     return points
-
-
-def backward_workspace_bytes(shape: ModelShape, chunks: Sequence[Chunk], tokens: Tokens, parallel: Parallelism) -> int:
-    """The working memory of one microbatch's backward on top of what the schedule keeps (and a rebuilt group): the
-    most any of the rank's layers holds at one moment of its backward (``layer_backward_moments``; 0 for chunks
-    without layers)."""
-    return max((moment for chunk in chunks if chunk.layers for moment in chunk_backward_moments(
-        shape, chunk, tokens, parallel)), default=0)
 
 
 def chunk_backward_moments(shape: ModelShape, chunk: Chunk, tokens: Tokens, parallel: Parallelism) -> list[int]:
@@ -592,15 +600,18 @@ def loss_workspace_bytes(shape: ModelShape, chunks: Sequence[Chunk], tokens: Tok
 
 @dataclass(frozen=True)
 class ActivationTables:
-    """A rank's activation bytes per microbatch by global stage, and its recomputation's working set.
+    """A rank's activation bytes per microbatch by global stage, and what a backward of each stage adds.
 
     ``kept``: what a forward of the stage keeps until its backward; ``stash``: what a B of the stage leaves for its
-    W; ``rebuilt``: the most a backward adds while it rebuilds a recomputed group (0 without recomputation).
+    W; ``rebuilt``: the most a backward of the stage adds while it rebuilds a recomputed group (0 without
+    recomputation; a split B's beyond what it stashes, on top of the state after it); ``working``: its backward's
+    largest moment (``chunk_backward_moments``).
     """
 
     kept: dict[int, int]
     stash: dict[int, int]
-    rebuilt: int
+    rebuilt: dict[int, int]
+    working: dict[int, int]
 
 
 def activation_tables(shape: ModelShape, chunks: Sequence[Chunk], tokens: Tokens,
@@ -609,33 +620,65 @@ def activation_tables(shape: ModelShape, chunks: Sequence[Chunk], tokens: Tokens
     kept_and_rebuilt = {chunk.stage: chunk_activation_bytes(shape, chunk, tokens, parallel) for chunk in chunks}
     return ActivationTables(kept={stage: kept for stage, (kept, _) in kept_and_rebuilt.items()},
                             stash={chunk.stage: stash_bytes(shape, chunk, tokens, parallel) for chunk in chunks},
-                            rebuilt=max((rebuilt for _, rebuilt in kept_and_rebuilt.values()), default=0))
+                            rebuilt={stage: rebuilt for stage, (_, rebuilt) in kept_and_rebuilt.items()},
+                            working={chunk.stage: max(chunk_backward_moments(shape, chunk, tokens, parallel),
+                                                      default=0) if chunk.layers else 0 for chunk in chunks})
 
 
-def rank_memory(shape: ModelShape, chunks: Sequence[Chunk], in_flight: Iterable[InFlightState], tokens: Tokens,
-                parallel: Parallelism, loss_forwards: Iterable[InFlightState] | None = None) -> MemoryParts:
-    """One pipeline rank's predicted memory (one TP rank of it; every TP and DP rank alike); ``in_flight``: the
-    ``in_flight_states`` of its actions; ``loss_forwards``: its ``forward_states`` of the last stage, when it holds
-    that stage (None: taken as the peak of ``in_flight``, an upper bound).
+@dataclass(frozen=True)
+class RankStates:
+    """What the memory model reads of one rank's actions (``rank_states``), weighed per model by its bytes per stage:
+    the ``in_flight_states``; the ``forward_states`` of the loss's stages it runs (None where it runs none); and per
+    stage the ``backward_states`` at which its backwards rebuild and work."""
 
-    The step's peak is the larger of two moments: a backward (the kept peak, a recomputed group rebuilt and the
-    backward's working memory), or the loss's forward (what the rank holds then and the logits' workspace), which
-    never runs within a rebuild; ``buffers`` holds the part of that peak above ``activations`` (the kept peak and one
-    group rebuilt) and the messages in flight."""
+    in_flight: frozenset[InFlightState]
+    loss_forwards: frozenset[InFlightState] | None
+    backwards: dict[int, frozenset[InFlightState]]
+
+
+def rank_states(actions: Iterable[tuple[str, int]], loss_stages: Iterable[int]) -> RankStates:
+    """The ``RankStates`` of a rank's ``(kind, stage)`` actions, ``loss_stages`` those of its stages that compute the
+    loss."""
+    actions, loss_stages = list(actions), set(loss_stages)
+    return RankStates(in_flight_states(actions), forward_states(actions, loss_stages) if loss_stages else None,
+                      {stage: backward_states(actions, stage) for stage in {stage for _, stage in actions}})
+
+
+def rank_memory(shape: ModelShape, chunks: Sequence[Chunk], states: RankStates, tokens: Tokens,
+                parallel: Parallelism) -> MemoryParts:
+    """One pipeline rank's predicted memory (one TP rank of it; every TP and DP rank alike); ``states``: the
+    ``RankStates`` of its actions.
+
+    ``activations``: the most the rank keeps at the end of an action, or while a backward rebuilds a recomputed
+    group (what it holds as that backward starts, plus the group). The step's peak is the largest of two kinds of
+    moment: a backward's (what the rank holds as it starts, its rebuilt group and its working memory), and the
+    loss's forward (what the rank holds then and the logits' workspace), which never runs within a rebuild;
+    ``buffers`` holds the part of that peak above ``activations``, and the messages in flight."""
     parameters = sum(chunk_parameters(shape, chunk, parallel.tp, parallel.ep) for chunk in chunks)
     # at ep=1 the experts are dense parameters to the optimizer: reduced and sharded over the same replicas
     experts = sum(chunk.moe_layers for chunk in chunks) * expert_layer_parameters(shape, parallel.ep) \
         if parallel.ep > 1 else 0
     parameters, gradients, optimizer = state_parts(parameters, parallel, experts)
     tables = activation_tables(shape, chunks, tokens, parallel)
-    kept_peak = in_flight_peak(in_flight, tables.kept, tables.stash)
-    activations = kept_peak + tables.rebuilt
+    kept_peak = in_flight_peak(states.in_flight, tables.kept, tables.stash)
+    held = {stage: in_flight_peak(states.backwards.get(stage, states.in_flight), tables.kept, tables.stash)
+            for stage in tables.kept}
+    activations = max([kept_peak, *(held[stage] + tables.rebuilt[stage] for stage in held)])
+    backward = max([0, *(held[stage] + tables.rebuilt[stage] + tables.working[stage] for stage in held)])
     message = DTYPE_BYTES[parallel.precision] * tokens.batch * tokens.seq * shape.hidden
     message //= parallel.tp if parallel.sequence_parallel else 1
-    loss_held = kept_peak if loss_forwards is None else in_flight_peak(loss_forwards, tables.kept, tables.stash)
-    loss_moment = loss_held + loss_workspace_bytes(shape, chunks, tokens, parallel) - activations
-    buffers = 2 * message + max(backward_workspace_bytes(shape, chunks, tokens, parallel), loss_moment)
+    loss_held = kept_peak if states.loss_forwards is None else in_flight_peak(states.loss_forwards, tables.kept,
+                                                                               tables.stash)
+    loss_moment = loss_held + loss_workspace_bytes(shape, chunks, tokens, parallel)
+    buffers = 2 * message + max(backward, loss_moment, activations) - activations
     return MemoryParts(parameters, gradients, optimizer, activations, buffers)
+
+
+def kept_peak_bytes(shape: ModelShape, chunks: Sequence[Chunk], states: RankStates, tokens: Tokens,
+                    parallel: Parallelism) -> int:
+    """The most the rank keeps at the end of any action (``rank_memory``'s activations but a rebuilt group)."""
+    tables = activation_tables(shape, chunks, tokens, parallel)
+    return in_flight_peak(states.in_flight, tables.kept, tables.stash)
 
 
 # --- from a config ----------------------------------------------------------------------------
@@ -686,21 +729,25 @@ def rank_chunks(resolved) -> list[list[Chunk]]:
     return chunks
 
 
-def config_memory(resolved, in_flight=None, loss_forwards=None) -> list[MemoryParts]:
-    """The predicted memory of every pipeline rank of a ``ResolvedConfig``, by pp rank; ``in_flight`` and
-    ``loss_forwards``: its schedule's ``schedule_in_flight_states`` and ``schedule_loss_forward_states``, when the
-    caller has them already."""
+def config_memory(resolved, states: list[RankStates] | None = None) -> list[MemoryParts]:
+    """The predicted memory of every pipeline rank of a ``ResolvedConfig``, by pp rank; ``states``: its schedule's
+    ``schedule_states``, when the caller has them already."""
     inputs = config_memory_inputs(resolved)
-    in_flight = in_flight or schedule_in_flight_states(resolved.schedule)
-    loss_forwards = loss_forwards or schedule_loss_forward_states(resolved.schedule)
+    states = states or schedule_states(resolved.schedule)
     memory = []
     for pp_rank, chunks in enumerate(inputs.chunks):
-        parts = rank_memory(inputs.shape, chunks, in_flight[pp_rank], inputs.tokens, inputs.parallel,
-                            loss_forwards[pp_rank])
+        parts = rank_memory(inputs.shape, chunks, states[pp_rank], inputs.tokens, inputs.parallel)
         extra_weights = (inputs.weight_versions - 1) * parts.parameters  # the previous weights kept as well
         memory.append(MemoryParts(parts.parameters + extra_weights, parts.gradients, parts.optimizer,
                                   parts.activations, parts.buffers))
     return memory
+
+
+def config_kept_peaks(resolved) -> list[int]:
+    """Per pp rank of a ``ResolvedConfig``, ``kept_peak_bytes``: its predicted activations but a rebuilt group."""
+    inputs = config_memory_inputs(resolved)
+    return [kept_peak_bytes(inputs.shape, chunks, states, inputs.tokens, inputs.parallel)
+            for chunks, states in zip(inputs.chunks, schedule_states(resolved.schedule))]
 
 
 def schedule_in_flight_states(schedule) -> list[frozenset[InFlightState]]:
@@ -709,16 +756,13 @@ def schedule_in_flight_states(schedule) -> list[frozenset[InFlightState]]:
             for rank_actions in schedule.actions]
 
 
-def schedule_loss_forward_states(schedule) -> list[frozenset[InFlightState] | None]:
-    """Per pp rank, the ``forward_states`` of the last stages of ``schedule``'s model copies it runs (those that
-    compute the loss), or None where it runs none."""
+def schedule_states(schedule) -> list[RankStates]:
+    """Per pp rank, the ``rank_states`` of its actions in ``schedule`` (its loss stages: the last stages of the
+    model copies it runs)."""
     placement = schedule.placement
-    states = []
-    for pp_rank, rank_actions in enumerate(schedule.actions):
-        stages = set(placement.loss_stages).intersection(placement.stages_of(pp_rank))
-        actions = [(action.kind, action.stage) for action in rank_actions]
-        states.append(forward_states(actions, stages) if stages else None)
-    return states
+    return [rank_states([(action.kind, action.stage) for action in rank_actions],
+                        set(placement.loss_stages).intersection(placement.stages_of(pp_rank)))
+            for pp_rank, rank_actions in enumerate(schedule.actions)]
 
 
 def config_activation_tables(resolved) -> list[ActivationTables]:

@@ -43,8 +43,7 @@ from ppctl.pipeline.replay import gc_paused
 from ppctl.pipeline.schedules import ScheduleError
 from ppctl.plan.balance import model_part_costs
 from ppctl.plan.memory import (DTYPE_BYTES, Chunk, MemoryParts, chunk_parameters, config_memory,
-                               expert_layer_parameters, rank_chunks, schedule_in_flight_states,
-                               schedule_loss_forward_states)
+                               expert_layer_parameters, rank_chunks, schedule_states)
 
 # (schedule, its vpp) tried for each pp; gpipe and 1f1b at vpp 1, the looped and V schedules at 2
 SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2), ("dualpipev", 2))
@@ -511,12 +510,10 @@ def _tp_cp_seconds(config: PpctlConfig, device: Device, tokens: int, element: in
 
 
 class _Built(NamedTuple):
-    """A built schedule and what the memory model reads of it: each rank's ``in_flight_states`` and its states at
-    the loss's forwards (``schedule_loss_forward_states``)."""
+    """A built schedule and what the memory model reads of it: each rank's ``RankStates`` (``schedule_states``)."""
 
     schedule: object  # a Schedule
-    in_flight: list
-    loss_forwards: list
+    states: list
 
 
 @lru_cache(maxsize=256)
@@ -526,7 +523,7 @@ def _schedule(name: str, pp: int, vpp: int, microbatches: int) -> _Built:
     from ppctl.pipeline.kept import kept_schedule
 
     schedule = kept_schedule(name, pp, vpp, microbatches)
-    return _Built(schedule, schedule_in_flight_states(schedule), schedule_loss_forward_states(schedule))
+    return _Built(schedule, schedule_states(schedule))
 
 
 def _schedule_of(config: PpctlConfig) -> _Built:
@@ -744,7 +741,7 @@ def predict(config: PpctlConfig, candidate: Candidate, device: Device, prove_sch
 def _memory(resolved: ResolvedConfig) -> tuple[MemoryParts, ...]:
     """The predicted memory per pp rank of a resolved config, with its kept schedule's in-flight states."""
     built = _schedule_of(resolved.config)
-    return tuple(config_memory(resolved, built.in_flight, built.loss_forwards))
+    return tuple(config_memory(resolved, built.states))
 
 
 def refusal_reason(message: str) -> str:

@@ -46,7 +46,7 @@ from ppctl.model.moe.layer import RoutingPlans, moe_mlps
 from ppctl.parallel.expert_parallel import EPGroup, ExpertExchange
 from ppctl.parallel.groups import ParallelContext, build_parallel_context
 from ppctl.pipeline.p2p import PipelineTransport
-from ppctl.plan.memory import MemoryParts, config_activation_tables, config_memory
+from ppctl.plan.memory import MemoryParts, config_kept_peaks, config_memory
 from ppctl.resolve.resolved import ResolvedConfig
 from ppctl.run.memory import StoragePeak, reachable_tensors, storage_bytes, storage_key
 
@@ -302,7 +302,7 @@ def measure_rank(resolved: ResolvedConfig, rank: int, fake: bool = True) -> Rank
         meter.stop()
     measured = MeasuredMemory(**measured, activations=meter.peak_at_action_end, peak=meter.peak_bytes)
     predicted = config_memory(resolved)[context.pp_rank]
-    rebuilt = config_activation_tables(resolved)[context.pp_rank].rebuilt
+    rebuilt = predicted.activations - config_kept_peaks(resolved)[context.pp_rank]
     dist.destroy_process_group()
     coords = {**context.coords, **({"ep": layout.expert_coords(rank)["ep"]} if layout.ep > 1 else {})}
     return RankCheck(rank, coords, measured, predicted, time.perf_counter() - started, rebuilt)

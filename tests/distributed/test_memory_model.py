@@ -149,7 +149,7 @@ def test_predicted_memory_per_rank_and_part_against_measured(measured):
     Broken twins, at ep=2: the experts counted whole (as at ep=1), and their optimizer state sharded over the dense
     replicas (dp) rather than their edp ranks."""
     from ppctl.resolve.resolved import resolve
-    from ppctl.plan.memory import config_memory, config_memory_inputs, rank_memory, schedule_in_flight_states
+    from ppctl.plan.memory import config_memory, config_memory_inputs, rank_memory, schedule_states
 
     configs, per_rank = measured
     rows = []
@@ -171,11 +171,11 @@ def test_predicted_memory_per_rank_and_part_against_measured(measured):
         if config.parallel.ep == 1:
             continue
         run = resolve(config, check=False)
-        inputs, in_flight = config_memory_inputs(run), schedule_in_flight_states(run.schedule)
+        inputs, states = config_memory_inputs(run), schedule_states(run.schedule)
         for twin in (replace(inputs.parallel, ep=1),
                      replace(inputs.parallel, expert_optimizer_shards=inputs.parallel.optimizer_shards)):
             for results in (rank_results[index] for rank_results in per_rank):
-                broken = rank_memory(inputs.shape, inputs.chunks[results["pp_rank"]], in_flight[results["pp_rank"]],
+                broken = rank_memory(inputs.shape, inputs.chunks[results["pp_rank"]], states[results["pp_rank"]],
                                      inputs.tokens, twin)
                 if twin.ep == 1 or config.optimizer.distributed:
                     assert (broken.parameters, broken.optimizer) != (results["parameters"], results["optimizer"]), name
