@@ -71,6 +71,8 @@ class ExchangeOverlap:
         _, (produced, started, ended) = self.interleave.run(run_forward, run_backward, take_backward_inputs)
         runtime.traced(backward, started, ended)
         runtime.hand_over(backward, produced, state)
+        del inputs, produced  # posted: the pair's messages die with it (``PipelineRuntime.run_in_order``)
+        backward_inputs.clear()
         runtime.after(forward, state)
         runtime.after(backward, state)
 
@@ -99,5 +101,6 @@ class ExchangeOverlap:
         _, (started, ended) = self.interleave.run(run_backward, run_weight, labels=labels)
         runtime.traced(weight, started, ended)
         runtime.hand_over(weight, None, state)
+        inputs.clear()  # posted: the backward's messages die with it (``PipelineRuntime.run_in_order``)
         runtime.after(backward, state)
         runtime.after(weight, state)

@@ -163,6 +163,7 @@ class PipelineRuntime:
             produced = self.computation(step)(step, inputs, state)
             self.traced(step, started)
             self.hand_over(step, produced, state)
+            del inputs, produced  # posted: the step's messages die with it, before ``after`` measures what is held
             self.after(step, state)
 
     # --- what a handler runs a step with ----------------------------------------------------

@@ -451,18 +451,18 @@ def forward_states(actions: Iterable[tuple[str, int]], stages: Iterable[int]) ->
     return _states_after(actions, [action in forwards for action in actions])
 
 
-def backward_states(actions: Iterable[tuple[str, int]], stage: int) -> frozenset[InFlightState]:
-    """The undominated states (``in_flight_states``) as each backward (a BW, B or W) of ``stage`` starts, and just
-    after each of its B's: where its recomputed groups are rebuilt and its working memory held (a split B rebuilds
-    into the stash it leaves, so its rebuild counts from the state after it)."""
+def backward_states(actions: Iterable[tuple[str, int]], kind: str, stage: int) -> frozenset[InFlightState]:
+    """The undominated states (``in_flight_states``) as each ``kind`` action (a BW, B or W) of ``stage`` starts, and
+    for a B just after it too: where its recomputed groups are rebuilt and its working memory held (a split B
+    rebuilds into the stash it leaves, so its rebuild counts from the state after it)."""
     actions = list(actions)
-    starts = [False] * len(actions)
-    for index, (kind, action_stage) in enumerate(actions):
-        if action_stage == stage and kind in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
+    chosen = [False] * len(actions)
+    for index, action in enumerate(actions):
+        if action == (kind, stage):
             if index:
-                starts[index - 1] = True
-            starts[index] = starts[index] or kind == BACKWARD_INPUT
-    return _states_after(actions, starts)
+                chosen[index - 1] = True
+            chosen[index] = chosen[index] or kind == BACKWARD_INPUT
+    return _states_after(actions, chosen)
 
 
 def _states_after(actions: list[tuple[str, int]], chosen: list[bool]) -> frozenset[InFlightState]:
@@ -523,12 +523,28 @@ def activation_bytes_over_time(actions: Iterable, kept: dict[int, int],
 
 def chunk_backward_moments(shape: ModelShape, chunk: Chunk, tokens: Tokens, parallel: Parallelism) -> list[int]:
     """The bytes each moment of a backward of ``chunk``'s layers holds on top of what they keep: its dense layers'
-    and its MoE layers' (``layer_backward_moments``); a split backward's B and W apart, but on the first stage, whose
-    B defers its whole backward to W (``stash_bytes``)."""
+    and its MoE layers' (``layer_backward_moments``); a split backward's B's, but on the first stage, whose B defers
+    its whole backward to W (``stash_bytes``)."""
     split = parallel.split_backward and not chunk.pre_process
-    kinds = ([False] if chunk.layers > chunk.moe_layers else []) + ([True] if chunk.moe_layers else [])
-    return [moment for moe_layer in kinds
+    return [moment for moe_layer in _layer_kinds(chunk)
             for moment in layer_backward_moments(shape, tokens, parallel, split, moe_layer)]
+
+
+def chunk_weight_moment(shape: ModelShape, chunk: Chunk, tokens: Tokens, parallel: Parallelism) -> int:
+    """What a split backward's W of ``chunk`` holds at once on top of its stash: two weight gradients of its largest
+    weight (before each is added to ``.grad`` or the optimizer's buffer; an MoE layer's expert weights); 0 where the
+    backward is not split or W runs the first stage's whole backward (``chunk_backward_moments``)."""
+    if not parallel.split_backward or chunk.pre_process or not chunk.layers:
+        return 0
+    h, t, e = shape.hidden, parallel.tp, DTYPE_BYTES[parallel.precision]
+    weights = [h * shape.attention_width / t] + [h * shape.moe.expert_ffn_hidden_size if moe_layer
+                                                 else h * shape.ffn / t for moe_layer in _layer_kinds(chunk)]
+    return round(e * 2 * max(weights))
+
+
+def _layer_kinds(chunk: Chunk) -> list[bool]:
+    """The kinds of layer ``chunk`` holds: False for dense, True for MoE."""
+    return ([False] if chunk.layers > chunk.moe_layers else []) + ([True] if chunk.moe_layers else [])
 
 
 def layer_backward_moments(shape: ModelShape, tokens: Tokens, parallel: Parallelism, split: bool,
@@ -546,14 +562,14 @@ def layer_backward_moments(shape: ModelShape, tokens: Tokens, parallel: Parallel
       two b*s*f/tp), or GELU's gradient less its output (one);
     - attention's output projection (the gathered gradient, the attention output's gradient, the weight's) and its
       core (the queries', keys' and values' gradients);
-    - with a split backward, B computes no weight gradient but frees nothing the stash keeps: the activation's
-      backward holds the product's and both operands' gradients (three b*s*f/tp; GELU: two), the up projections'
-      B their outputs' gradients and each its input's (b*s*h, under SP then scattered to s/tp tokens), and W two
-      weight gradients at once (the largest weight's, twice).
+    - with a split backward (``split``: B's moments; W's are ``weight_moment``'s), B computes no weight gradient but
+      frees nothing the stash keeps: the activation's backward holds the product's and both operands' gradients
+      (three b*s*f/tp; GELU: two), the up projections' B their outputs' gradients and each its input's (b*s*h,
+      under SP then scattered to s/tp tokens).
 
     ``moe_layer``: an MoE layer's experts in place of the MLP, on the routed rows (``moe_mlp_activation_bytes``'s):
     their activation's backward holds two (split B: three) rows*f_expert gradients, less the weighted sum's saved
-    rows*h on a whole backward; W two expert weights' gradients."""
+    rows*h on a whole backward."""
     b, s, h, t = tokens.batch, tokens.seq, shape.hidden, parallel.tp
     a, k, e = shape.attention_width, shape.kv_width, DTYPE_BYTES[parallel.precision]
     gathered = b * s * h if parallel.sequence_parallel and t > 1 else 0
@@ -569,7 +585,7 @@ def layer_backward_moments(shape: ModelShape, tokens: Tokens, parallel: Parallel
     operands = 2 if shape.gated_mlp else 1
     if split:
         up = operands * (inner + inputs) + scattered  # the up projections' B: their outputs' and inputs' gradients
-        moments = [down, (operands + 1) * inner, up, 2 * max(weight, h * a / t)] + attention
+        moments = [down, (operands + 1) * inner, up] + attention
     else:
         moments = [down, operands * inner - saved_sum] + attention
     return [round(e * moment) for moment in moments]
@@ -604,14 +620,16 @@ class ActivationTables:
 
     ``kept``: what a forward of the stage keeps until its backward; ``stash``: what a B of the stage leaves for its
     W; ``rebuilt``: the most a backward of the stage adds while it rebuilds a recomputed group (0 without
-    recomputation; a split B's beyond what it stashes, on top of the state after it); ``working``: its backward's
-    largest moment (``chunk_backward_moments``).
+    recomputation; a split B's beyond what it stashes, on top of the state after it); ``working``: the largest
+    moment of the backward that rebuilds (``chunk_backward_moments``: a whole backward, a split B, or the first
+    stage's W); ``weight_working``: a split W's (``chunk_weight_moment``).
     """
 
     kept: dict[int, int]
     stash: dict[int, int]
     rebuilt: dict[int, int]
     working: dict[int, int]
+    weight_working: dict[int, int]
 
 
 def activation_tables(shape: ModelShape, chunks: Sequence[Chunk], tokens: Tokens,
@@ -622,7 +640,9 @@ def activation_tables(shape: ModelShape, chunks: Sequence[Chunk], tokens: Tokens
                             stash={chunk.stage: stash_bytes(shape, chunk, tokens, parallel) for chunk in chunks},
                             rebuilt={stage: rebuilt for stage, (_, rebuilt) in kept_and_rebuilt.items()},
                             working={chunk.stage: max(chunk_backward_moments(shape, chunk, tokens, parallel),
-                                                      default=0) if chunk.layers else 0 for chunk in chunks})
+                                                      default=0) if chunk.layers else 0 for chunk in chunks},
+                            weight_working={chunk.stage: chunk_weight_moment(shape, chunk, tokens, parallel)
+                                            for chunk in chunks})
 
 
 @dataclass(frozen=True)
@@ -633,15 +653,16 @@ class RankStates:
 
     in_flight: frozenset[InFlightState]
     loss_forwards: frozenset[InFlightState] | None
-    backwards: dict[int, frozenset[InFlightState]]
+    backwards: dict[tuple[str, int], frozenset[InFlightState]]  # by (kind, stage) of its backwards (BW, B, W)
 
 
 def rank_states(actions: Iterable[tuple[str, int]], loss_stages: Iterable[int]) -> RankStates:
     """The ``RankStates`` of a rank's ``(kind, stage)`` actions, ``loss_stages`` those of its stages that compute the
     loss."""
     actions, loss_stages = list(actions), set(loss_stages)
+    backwards = {action for action in actions if action[0] in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)}
     return RankStates(in_flight_states(actions), forward_states(actions, loss_stages) if loss_stages else None,
-                      {stage: backward_states(actions, stage) for stage in {stage for _, stage in actions}})
+                      {action: backward_states(actions, *action) for action in backwards})
 
 
 def rank_memory(shape: ModelShape, chunks: Sequence[Chunk], states: RankStates, tokens: Tokens,
@@ -661,10 +682,15 @@ def rank_memory(shape: ModelShape, chunks: Sequence[Chunk], states: RankStates, 
     parameters, gradients, optimizer = state_parts(parameters, parallel, experts)
     tables = activation_tables(shape, chunks, tokens, parallel)
     kept_peak = in_flight_peak(states.in_flight, tables.kept, tables.stash)
-    held = {stage: in_flight_peak(states.backwards.get(stage, states.in_flight), tables.kept, tables.stash)
-            for stage in tables.kept}
-    activations = max([kept_peak, *(held[stage] + tables.rebuilt[stage] for stage in held)])
-    backward = max([0, *(held[stage] + tables.rebuilt[stage] + tables.working[stage] for stage in held)])
+    # what the rank holds as each stage's rebuilding backward starts: a whole backward, a split B, or the first
+    # stage's W (its B defers the whole backward to W); and as a split W starts
+    rebuilding = {chunk.stage: _held_as(states, tables, rebuilding_kind(chunk, parallel), chunk.stage)
+                  for chunk in chunks}
+    weights = [_held_as(states, tables, BACKWARD_WEIGHT, stage) + working
+               for stage, working in tables.weight_working.items() if working]
+    activations = max([kept_peak, *(held + tables.rebuilt[stage] for stage, held in rebuilding.items())])
+    backward = max([0, *weights, *(held + tables.rebuilt[stage] + tables.working[stage]
+                                   for stage, held in rebuilding.items())])
     message = DTYPE_BYTES[parallel.precision] * tokens.batch * tokens.seq * shape.hidden
     message //= parallel.tp if parallel.sequence_parallel else 1
     loss_held = kept_peak if states.loss_forwards is None else in_flight_peak(states.loss_forwards, tables.kept,
@@ -672,6 +698,19 @@ def rank_memory(shape: ModelShape, chunks: Sequence[Chunk], states: RankStates, 
     loss_moment = loss_held + loss_workspace_bytes(shape, chunks, tokens, parallel)
     buffers = 2 * message + max(backward, loss_moment, activations) - activations
     return MemoryParts(parameters, gradients, optimizer, activations, buffers)
+
+
+def rebuilding_kind(chunk: Chunk, parallel: Parallelism) -> str:
+    """The kind of action whose backward of ``chunk`` rebuilds its recomputed groups and holds its working memory:
+    BW, a split B, or W on the first stage, whose B defers the whole backward to W."""
+    if not parallel.split_backward:
+        return BACKWARD
+    return BACKWARD_WEIGHT if chunk.pre_process else BACKWARD_INPUT
+
+
+def _held_as(states: RankStates, tables: ActivationTables, kind: str, stage: int) -> int:
+    """The most the rank holds as its ``kind`` actions of ``stage`` start (``backward_states``; 0 where none)."""
+    return in_flight_peak(states.backwards.get((kind, stage), ()), tables.kept, tables.stash)
 
 
 def kept_peak_bytes(shape: ModelShape, chunks: Sequence[Chunk], states: RankStates, tokens: Tokens,
