@@ -378,11 +378,14 @@ def stash_bytes(shape: ModelShape, chunk: Chunk, tokens: Tokens, parallel: Paral
     """What a split backward's B leaves for W per microbatch: each deferred linear's input and output gradient
     (``layers_stash_bytes``), recomputed or not, and the output layer's (the first stage's B defers its whole
     backward: what its forward kept and the received gradient)."""
-    if chunk.pre_process:  # and the gradient it received, which the deferred backward starts from
-        return chunk_activation_bytes(shape, chunk, tokens, parallel)[0] + layer_input_bytes(shape, tokens, parallel)
+    # the gradient the chunk received stays with the stash (measured in fake tensors: one message more per chunk)
+    received = layer_input_bytes(shape, tokens, parallel)
+    if chunk.pre_process:  # the deferred backward starts from it
+        return chunk_activation_bytes(shape, chunk, tokens, parallel)[0] + received
     b, s, t, e = tokens.batch, tokens.seq, parallel.tp, DTYPE_BYTES[parallel.precision]
     logits = e * b * s * (shape.hidden + shape.padded_vocab / t) if chunk.post_process else 0
-    return round(chunk.layers * layers_stash_bytes(shape, chunk, tokens, parallel) + logits)
+    return round(chunk.layers * layers_stash_bytes(shape, chunk, tokens, parallel) + logits
+                 + (0 if chunk.post_process else received))
 
 
 def layers_stash_bytes(shape: ModelShape, chunk: Chunk, tokens: Tokens, parallel: Parallelism) -> float:

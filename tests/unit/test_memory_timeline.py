@@ -100,7 +100,9 @@ def test_a_zero_bubble_b_keeps_the_stash_until_its_w(name):
             if stash != table.kept[action.stage]:  # else the first stage's B, which defers its whole backward
                 assert (action.end, bytes_at(points, action.end)) in points
     last = config_activation_tables(config)[-1]
-    assert all(last.stash[stage] < last.kept[stage] for stage in last.kept)  # there a B frees part of what F kept
+    if name == "zb_h1":  # the last stage's B frees the loss's softmax: part of what F kept (ZB-V's last rank holds
+        # middle stages, whose B keeps about what F kept, and the gradient it received, for W)
+        assert all(last.stash[stage] < last.kept[stage] for stage in last.kept)
 
 
 def test_several_steps_repeat_the_step_and_free_between_them():
