@@ -43,8 +43,8 @@ activations for its rows, the shared experts' as a dense MLP's, and the router's
 few T x num_experts tensors); a chunk's recomputed groups are weighed at its mean layer. With ep > 1 a rank's
 experts run the rows every rank of its EP group routed to them, which differ between EP ranks with the routing: the
 model keeps their mean (T * topk dropless, as at ep=1), plus the int64 indices of the exchange's two gathers
-(measured at ep=2: each pp rank's mean of its EP ranks within 7%). The split backward's stash counts the router's and the experts'
-inputs and output gradients alike.
+(measured at ep=2: each pp rank's mean of its EP ranks within 7%). The split backward's stash counts the router's
+and the experts' inputs and output gradients alike.
 
 Knowingly left out: the allocator's fragmentation and caching, kernel workspaces
 (cuBLAS, flash attention), CUDA context, and the communication libraries' buffers; the

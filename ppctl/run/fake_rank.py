@@ -229,7 +229,8 @@ class RankCheck:
     measured: MeasuredMemory
     predicted: MemoryParts
     seconds: float
-    rebuilt: int = 0  # of the predicted activations, what a backward adds while it rebuilds a recomputed group
+    # of the predicted activations, what a backward holds beyond the kept peak while it rebuilds a recomputed group
+    rebuilt: int = 0
 
     def differences(self) -> dict[str, float]:
         """Predicted over measured, minus 1, per compared part: the held parts, the activations the schedule keeps
