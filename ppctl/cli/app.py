@@ -229,8 +229,7 @@ def plan(
     gpus: int = typer.Option(..., "--gpus", parser=_gpus, metavar="N",
                              help="Devices to plan for (the product of tp, cp, pp and dp), at most 1,048,576."),
     memory_gb: Optional[float] = typer.Option(None, "--memory-gb", min=0.001, help="GiB per device (default: the "
-                                              "device's); every rank's predicted memory must fit what the reserve "
-                                              "and fragmentation leave of it."),
+                                              "device's); ranks fit what reserve and fragmentation leave of it."),
     reserve_gb: Optional[float] = typer.Option(None, "--reserve-gb", min=0, help="GiB per device no tensor holds "
                                                "(CUDA context, NCCL, kernel workspaces; default: the device's, 2)."),
     fragmentation: float = typer.Option(FRAGMENTATION, "--fragmentation", min=0, max=1,
@@ -238,13 +237,11 @@ def plan(
     device_name: str = typer.Option("h100", "--device",
                                     help="The device's throughput, memory and links: h100, h200 or a100."),
     top: int = typer.Option(10, "--top", min=1, help="How many candidates to print, fastest first."),
-    calibrate: Optional[Path] = typer.Option(None, "--calibrate", metavar="RUN_DIR",
-                                             help="Take the throughput, message time and the runtime's time "
-                                                  "between actions from a measured run (ppctl bench or a traced "
-                                                  "train run) instead of the device's figures."),
-    explain: Optional[int] = typer.Option(None, "--explain", min=1, metavar="N",
-                                          help="Show candidate N of the list: its memory per rank by part and its "
-                                               "simulated timeline."),
+    calibrate: Optional[Path] = typer.Option(None, "--calibrate", metavar="RUN_DIR", help="Take the throughput, "
+                                             "message time and the runtime's time between actions from a measured "
+                                             "run (ppctl bench, a traced train run), not the device's figures."),
+    explain: Optional[int] = typer.Option(None, "--explain", min=1, metavar="N", help="Show candidate N of the "
+                                          "list: its memory per rank by part and its simulated timeline."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (docs/plan.md lists the keys)."),
     check: int = typer.Option(0, "--check", min=0, metavar="N", help="Check the first N candidates' memory at "
                               "full size in fake tensors (ppctl check-memory's sample of ranks) and mark them."),
@@ -253,17 +250,11 @@ def plan(
 ) -> None:
     """Rank the layouts of the model on N devices that fit in memory by predicted step time."""
     from ppctl.resolve import validate_data
-    from ppctl.plan.search import DEVICES, plan as search
+    from ppctl.plan.search import plan as search
 
-    if device_name not in DEVICES:
-        fail(f"--device {device_name!r}: choose one of {', '.join(DEVICES)}")
     config = load_config(overrides, config_dir, config_name, validate_data)
-    device = _plan_device(DEVICES[device_name], calibrate, config)
-    budget = MemoryBudget((memory_gb or device.memory_gb) * 2 ** 30,
-                          (device.reserve_gb if reserve_gb is None else reserve_gb) * 2 ** 30, fragmentation)
-    if budget.usable_bytes <= 0:
-        fail(f"--reserve-gb {budget.reserve_bytes / 2 ** 30:g} leaves nothing of "
-             f"{budget.device_bytes / 2 ** 30:g} GiB per device: give a smaller --reserve-gb or a larger --memory-gb")
+    device = _plan_device(device_name, calibrate, config)
+    budget = _memory_budget(device, memory_gb, reserve_gb, fragmentation)
     result = search(config, gpus, budget.usable_bytes, top, device)
     if explain is not None and result.candidates:  # else the reasons nothing fits, below
         _explain(result, explain, config, device, list(overrides or []))
@@ -272,6 +263,18 @@ def plan(
     if not result.candidates:
         fail(f"no layout of --gpus {gpus} fits: each was left out for a reason counted "
              f"{'in refused' if as_json else 'above'}", code=1)
+
+
+def _memory_budget(device, memory_gb: Optional[float], reserve_gb: Optional[float],
+                   fragmentation: float) -> MemoryBudget:
+    """``ppctl plan``'s ``MemoryBudget``: ``--memory-gb`` and ``--reserve-gb`` or the device's; one line and exit 2
+    when the reserve leaves nothing."""
+    budget = MemoryBudget((memory_gb or device.memory_gb) * 2 ** 30,
+                          (device.reserve_gb if reserve_gb is None else reserve_gb) * 2 ** 30, fragmentation)
+    if budget.usable_bytes <= 0:
+        fail(f"--reserve-gb {budget.reserve_bytes / 2 ** 30:g} leaves nothing of "
+             f"{budget.device_bytes / 2 ** 30:g} GiB per device: give a smaller --reserve-gb or a larger --memory-gb")
+    return budget
 
 
 def _show_plan(result, checked: list[dict], as_json: bool, user_overrides: list[str], gpus: int,
@@ -302,12 +305,15 @@ def _checked(result, config: PpctlConfig, count: int) -> list[dict]:
     return checked
 
 
-def _plan_device(device, calibrate: Optional[Path], config: PpctlConfig):
-    """``ppctl plan``'s device: ``device``'s figures, or those measured in the ``--calibrate`` run directory; one line
-    and exit 2 when that run cannot calibrate this config."""
+def _plan_device(name: str, calibrate: Optional[Path], config: PpctlConfig):
+    """``ppctl plan``'s device: the figures of ``--device`` ``name``, or those measured in the ``--calibrate`` run
+    directory; one line and exit 2 for a device it does not know or a run that cannot calibrate this config."""
     from ppctl.cli.calibrate import calibration_of
-    from ppctl.plan.search import calibrated_device
+    from ppctl.plan.search import DEVICES, calibrated_device
 
+    if name not in DEVICES:
+        fail(f"--device {name!r}: choose one of {', '.join(DEVICES)}")
+    device = DEVICES[name]
     if calibrate is None:
         return device
     try:
