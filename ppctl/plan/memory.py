@@ -565,8 +565,8 @@ def layer_backward_moments(shape: ModelShape, tokens: Tokens, parallel: Parallel
       two b*s*f/tp), or GELU's gradient less its output (one);
     - attention's output projection (the gathered gradient, the attention output's gradient, the weight's) and its
       core (the queries', keys' and values' gradients);
-    - with a split backward (``split``: B's moments; W's are ``weight_moment``'s), B computes no weight gradient but
-      frees nothing the stash keeps: the activation's backward holds the product's and both operands' gradients
+    - with a split backward (``split``: B's moments; W's are ``chunk_weight_moment``'s), B computes no weight
+      gradient but frees nothing the stash keeps: the activation's backward holds the product's and both operands' gradients
       (three b*s*f/tp; GELU: two), the up projections' B their outputs' gradients and each its input's (b*s*h,
       under SP then scattered to s/tp tokens).
 
@@ -790,12 +790,6 @@ def config_kept_peaks(resolved) -> list[int]:
     inputs = config_memory_inputs(resolved)
     return [kept_peak_bytes(inputs.shape, chunks, states, inputs.tokens, inputs.parallel)
             for chunks, states in zip(inputs.chunks, schedule_states(resolved.schedule))]
-
-
-def schedule_in_flight_states(schedule) -> list[frozenset[InFlightState]]:
-    """Per pp rank, the ``in_flight_states`` of its actions in ``schedule``."""
-    return [in_flight_states(map(itemgetter(0, 1), rank_actions))  # an action's (kind, stage)
-            for rank_actions in schedule.actions]
 
 
 def schedule_states(schedule) -> list[RankStates]:

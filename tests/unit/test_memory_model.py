@@ -22,7 +22,7 @@ from ppctl.parallel.layout import StageLayers
 from ppctl.parallel.tensor_parallel import TPGroup
 from ppctl.plan.memory import (Chunk, ModelShape, Parallelism, Tokens, chunk_activation_bytes, chunk_parameters,
                                held_bytes_change, in_flight_peak, in_flight_states, peak_in_flight_bytes,
-                               schedule_in_flight_states, state_parts)
+                               schedule_states, state_parts)
 from tests.harness.saved_tensors import chunk_forward_saved_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -93,7 +93,7 @@ def test_in_flight_states_weigh_as_the_walk_of_the_actions(name, vpp):
     from ppctl.pipeline.schedules import build_schedule
 
     schedule = build_schedule(name, 4, vpp, 16)
-    for rank_actions, states in zip(schedule.actions, schedule_in_flight_states(schedule)):
+    for rank_actions, states in zip(schedule.actions, [states.in_flight for states in schedule_states(schedule)]):
         actions = [(action.kind, action.stage) for action in rank_actions]
         stages = sorted({stage for _, stage in actions})
         for kept, stash in (({s: 10 for s in stages}, {s: 4 for s in stages}),  # a B frees more than it stashes
@@ -151,8 +151,8 @@ def test_a_schedules_in_flight_states_are_those_of_the_walk(name, vpp):
     from ppctl.pipeline.schedules import build_schedule
 
     schedule = build_schedule(name, 8, vpp, 24)
-    assert schedule_in_flight_states(schedule) == [walked_in_flight_states((a.kind, a.stage) for a in rank_actions)
-                                                   for rank_actions in schedule.actions]
+    walked = [walked_in_flight_states((a.kind, a.stage) for a in rank_actions) for rank_actions in schedule.actions]
+    assert [states.in_flight for states in schedule_states(schedule)] == walked
 
 
 def test_in_flight_walk_and_state_parts():
